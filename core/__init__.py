@@ -1,0 +1,26 @@
+"""Lockstep core: batch-N decoding of ONNX Runtime GenAI builder models on pluggable providers.
+
+    >>> import core
+    >>> result = core.run("path/to/model", provider="cpu_reference", prompts=["Hi"], max_new_tokens=8)
+    >>> result.rows[0].text
+
+Public API: :func:`run`, :class:`Session`, :func:`load_model`, :func:`prepare`, the provider
+protocol (:mod:`core.protocol`) and the plugin hooks (:mod:`core.hookspecs`, :data:`hookimpl`).
+"""
+
+from core.executor import UnsupportedOpError
+from core.generate import Result, Row, generate, run
+from core.hookspecs import ProviderSpec, hookimpl
+from core.kv import KVLayoutError
+from core.model import ModelError, load_model
+from core.plugins import ProviderError, get_provider, registry
+from core.prepare import PrepareError, Variant, prepare
+from core.protocol import PROTOCOL_VERSION, Capabilities, ExecutionProvider, KernelContext, NodeInfo
+from core.session import RequestError, Session
+
+__all__ = [
+    "run", "generate", "Result", "Row", "Session", "load_model", "prepare", "Variant",
+    "get_provider", "registry", "hookimpl", "ProviderSpec", "Capabilities", "ExecutionProvider",
+    "KernelContext", "NodeInfo", "PROTOCOL_VERSION", "RequestError", "ProviderError",
+    "ModelError", "PrepareError", "UnsupportedOpError", "KVLayoutError",
+]

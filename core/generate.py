@@ -1,0 +1,153 @@
+"""The main job: greedy batch-N generation, as ``core.run`` and ``lockstep run``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+import numpy as np
+
+from core import kv as kvgeo
+from core.model import Model, load_model
+from core.session import RequestError, Session
+
+
+@attrs.frozen
+class Row:
+    """One sequence of a result.
+
+    Attributes:
+        prompt_ids: the prompt's token ids.
+        output_ids: generated token ids (EOS included when the row ended on it).
+        text: ``output_ids`` decoded (special tokens skipped); "" without a tokenizer.
+        finish_reason: "eos", "length", or "error" (the row's logits held NaN/inf; CASES 12).
+    """
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+@attrs.frozen
+class Result:
+    """Rows in request order, the provider name and the session counters (a dict)."""
+
+    rows: list[Row]
+    provider: str
+    counters: dict
+
+    def to_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+def encode_prompts(model: Model, prompts: Sequence[str], chat: bool) -> list[list[int]]:
+    """Token ids of each prompt, through the chat template unless ``chat`` is False.
+
+    Raises:
+        RequestError: an empty prompt string, or the model has no tokenizer.
+    """
+    if model.tokenizer is None:
+        raise RequestError(f"model {model.folder} has no tokenizer.json; pass input_ids instead")
+    out = []
+    for i, text in enumerate(prompts):
+        if not isinstance(text, str) or not text.strip():
+            raise RequestError(f"prompt {i} is empty")
+        out.append(model.tokenizer.encode(model.tokenizer.apply_chat_template(text) if chat else text))
+    return out
+
+
+def generate(session: Session, input_ids: Sequence[Sequence[int]], max_new_tokens: int,
+             progress=None) -> list[tuple[list[int], str]]:
+    """Greedy decoding of ``input_ids`` on ``session``: per row (output_ids, finish_reason).
+
+    A row ends at an EOS token (kept in its output), after ``max_new_tokens`` tokens, or when
+    its logits are non-finite ("error"); finished rows keep stepping in lockstep but their
+    tokens are discarded. Validates the whole request first (RequestError, nothing run).
+    """
+    session.check_prompts(input_ids, max_new_tokens)
+    B = len(input_ids)
+    outputs: list[list[int]] = [[] for _ in range(B)]
+    reasons: list[str | None] = [None] * B
+    if max_new_tokens == 0:
+        return [([], "length") for _ in range(B)]
+    eos = set(session.model.config.eos_token_ids)
+    step = session.prefill(input_ids)
+    for t in range(max_new_tokens):
+        for b in range(B):
+            if reasons[b] is not None:
+                continue
+            if step.errors[b]:
+                reasons[b] = "error"
+                continue
+            tok = int(step.tokens[b])
+            outputs[b].append(tok)
+            if tok in eos:
+                reasons[b] = "eos"
+            elif len(outputs[b]) >= max_new_tokens:
+                reasons[b] = "length"
+        if progress is not None:
+            progress(t + 1, max_new_tokens)
+        if all(r is not None for r in reasons):
+            break
+        step = session.step()
+    return [(o, r or "length") for o, r in zip(outputs, reasons)]
+
+
+def run(model: str | Path | Model | None = None, provider: Any = "cpu_reference",
+        prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
+        max_new_tokens: int = 64, chat: bool = True, kv_layout: str = "head_major",
+        capacity: int | None = None, capture: bool | None = None, progress=None) -> Result:
+    """Run several prompts as one batch and decode greedily.
+
+    Args:
+        model: a builder model folder, a loaded Model, or None for the default model
+            (SmolLM2-135M-Instruct, prepared on first use; see :mod:`core.prepare`).
+        provider: provider name or object.
+        prompts: texts (one row each); or ``input_ids``: token-id lists. Exactly one is given.
+        max_new_tokens: tokens to generate per row (>= 0).
+        chat: apply the model's chat template to ``prompts`` (ignored for input_ids).
+        kv_layout: "head_major" or "seq_major".
+        capacity: KV positions per row; default what the request needs, rounded up to 64,
+            at most the model context.
+        capture: graph capture for decode steps (None = when the provider supports it).
+        progress: optional callable(step, total).
+
+    Returns:
+        :class:`Result` with one :class:`Row` per prompt.
+
+    Raises:
+        RequestError: bad request (no/both prompt kinds, empty prompt, negative
+            max_new_tokens, prompt beyond the capacity); checked before any kernel runs.
+        core.plugins.ProviderError, core.model.ModelError, core.executor.UnsupportedOpError.
+    """
+    if (prompts is None) == (input_ids is None):
+        raise RequestError("pass exactly one of prompts= or input_ids=")
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise RequestError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+    if model is None:
+        from core.prepare import resolve_model
+
+        model = resolve_model(None)
+    model = model if isinstance(model, Model) else load_model(model)
+    if prompts is not None:
+        input_ids = encode_prompts(model, prompts, chat)
+    input_ids = [list(map(int, r)) for r in input_ids]
+    if not input_ids:
+        raise RequestError("no prompts given")
+    if capacity is None:
+        need = max(len(r) for r in input_ids) + max(max_new_tokens - 1, 0)
+        if need > model.config.context_length:
+            raise RequestError(f"the request needs {need} KV positions; the model context is "
+                               f"{model.config.context_length}")
+        capacity = kvgeo.round_capacity(need, model.config.context_length)
+    session = Session(model, provider, batch=len(input_ids), capacity=capacity,
+                      kv_layout=kv_layout, kv_policy="fixed", capture=capture)
+    results = generate(session, input_ids, max_new_tokens, progress)
+    tok = model.tokenizer
+    rows = [Row(list(p), out, tok.decode(out) if tok else "", reason)
+            for p, (out, reason) in zip(input_ids, results)]
+    return Result(rows, session.provider.name, session.counters.to_dict())

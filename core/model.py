@@ -1,0 +1,192 @@
+"""Model loading: an ONNX Runtime GenAI builder folder.
+
+A folder holds ``genai_config.json`` (OPS.md 6.1), ``model.onnx`` (+ external data),
+``tokenizer.json`` and ``tokenizer_config.json`` with the chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+
+class ModelError(ValueError):
+    """The model folder is missing, incomplete or malformed; the message names the file."""
+
+
+@attrs.frozen
+class ModelConfig:
+    """Fields of genai_config.json the decode loop needs (OPS.md 6.1).
+
+    Attributes:
+        num_layers, num_heads, num_kv_heads, head_size, hidden_size, vocab_size: geometry.
+        context_length: the model's maximum sequence length (tokens).
+        eos_token_ids: tokens that end a row.
+        pad_token_id: token used for right padding.
+        bos_token_id: beginning-of-sequence token.
+        past_key, past_value, present_key, present_value: name patterns with ``%d``.
+        share_buffer: search.past_present_share_buffer (GQA models: true).
+    """
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    hidden_size: int
+    vocab_size: int
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    bos_token_id: int
+    past_key: str = "past_key_values.%d.key"
+    past_value: str = "past_key_values.%d.value"
+    present_key: str = "present.%d.key"
+    present_value: str = "present.%d.value"
+    share_buffer: bool = True
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ModelConfig":
+        m = data["model"]
+        d = m["decoder"]
+        eos = m.get("eos_token_id", m.get("pad_token_id", 0))
+        eos = tuple(eos) if isinstance(eos, list) else (int(eos),)
+        ins, outs = d.get("inputs", {}), d.get("outputs", {})
+        return cls(
+            num_layers=int(d["num_hidden_layers"]), num_heads=int(d["num_attention_heads"]),
+            num_kv_heads=int(d["num_key_value_heads"]), head_size=int(d["head_size"]),
+            hidden_size=int(d["hidden_size"]), vocab_size=int(m["vocab_size"]),
+            context_length=int(m["context_length"]), eos_token_ids=eos,
+            pad_token_id=int(m.get("pad_token_id", eos[0])), bos_token_id=int(m.get("bos_token_id", 1)),
+            past_key=ins.get("past_key_names", cls.past_key),
+            past_value=ins.get("past_value_names", cls.past_value),
+            present_key=outs.get("present_key_names", cls.present_key),
+            present_value=outs.get("present_value_names", cls.present_value),
+            share_buffer=bool(data.get("search", {}).get("past_present_share_buffer", True)),
+        )
+
+
+class Tokenizer:
+    """tokenizers.Tokenizer plus the jinja2 chat template from tokenizer_config.json."""
+
+    def __init__(self, folder: Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise ModelError(f"model folder {folder} has no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        template = cfg.get("chat_template")
+        jinja_path = folder / "chat_template.jinja"
+        if template is None and jinja_path.exists():
+            template = jinja_path.read_text()
+        self.chat_template: str | None = template
+        self.bos_token = cfg.get("bos_token")
+        self.eos_token = cfg.get("eos_token")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added; templates carry their own)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, prompt: str) -> str:
+        """The prompt as one user turn, rendered with the model's jinja2 template.
+
+        Raises:
+            ModelError: the model has no chat template (use raw mode).
+        """
+        if not self.chat_template:
+            raise ModelError("this model has no chat template; pass chat=False (CLI: --raw)")
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+        env.globals["raise_exception"] = _raise_template_error
+        return env.from_string(self.chat_template).render(
+            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+            bos_token=_token_text(self.bos_token), eos_token=_token_text(self.eos_token))
+
+
+def _token_text(tok) -> str:
+    if isinstance(tok, dict):
+        return tok.get("content", "")
+    return tok or ""
+
+
+def _raise_template_error(message: str):
+    raise ModelError(f"chat template error: {message}")
+
+
+@attrs.define
+class Model:
+    """A loaded builder model.
+
+    Attributes:
+        folder: the model folder.
+        config: :class:`ModelConfig` from genai_config.json.
+        graph: the ONNX GraphProto (initializer data loaded from external files).
+        initializers: name -> numpy array of every initializer.
+        io_dtype: numpy dtype of the KV cache and logits (float32 or float16).
+        tokenizer: :class:`Tokenizer`, or None when the folder has no tokenizer.json.
+    """
+
+    folder: Path
+    config: ModelConfig
+    graph: onnx.GraphProto
+    initializers: dict
+    io_dtype: np.dtype
+    tokenizer: Tokenizer | None
+
+    @property
+    def input_names(self) -> list[str]:
+        return [i.name for i in self.graph.input]
+
+    def weight_bytes(self) -> int:
+        """Bytes of all initializers (the weights one decode step reads)."""
+        return sum(int(a.nbytes) for a in self.initializers.values())
+
+
+def load_model(folder: str | Path) -> Model:
+    """Load a builder folder.
+
+    Raises:
+        ModelError: the folder, genai_config.json, the ONNX file or its external data is
+            missing or unreadable (the message names which).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelError(f"model folder not found: {folder}")
+    cfg_path = folder / "genai_config.json"
+    if not cfg_path.exists():
+        raise ModelError(f"{folder} is not a builder model folder: genai_config.json is missing")
+    try:
+        data = json.loads(cfg_path.read_text())
+        config = ModelConfig.from_json(data)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ModelError(f"{cfg_path} is malformed: {exc!r}") from exc
+    onnx_name = data["model"]["decoder"].get("filename", "model.onnx")
+    onnx_path = folder / onnx_name
+    if not onnx_path.exists():
+        raise ModelError(f"model file missing: {onnx_path}")
+    try:
+        proto = onnx.load(str(onnx_path), load_external_data=True)
+    except Exception as exc:  # noqa: BLE001 - onnx raises several kinds
+        raise ModelError(f"cannot read {onnx_path} (or its external data): {exc}") from exc
+    graph = proto.graph
+    initializers = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    io_dtype = np.float32
+    for vi in graph.output:
+        if vi.name == "logits":
+            io_dtype = onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+    for vi in graph.input:
+        if vi.name == config.past_key % 0:
+            io_dtype = onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+    tokenizer = Tokenizer(folder) if (folder / "tokenizer.json").exists() else None
+    return Model(folder, config, graph, initializers, np.dtype(io_dtype), tokenizer)

@@ -1,0 +1,256 @@
+"""The execution-provider protocol: what a provider must offer the core.
+
+A provider owns memory and kernels; the core owns the model, the decode loop, the KV-cache
+geometry, the capture policy and the counters (DESIGN.md, "The provider protocol").
+Providers are registered through the pluggy entry-point group ``lockstep.providers``
+(see :mod:`core.hookspecs`) and proven with the parity kit (:mod:`core.testing`).
+
+Tensors are whatever array type the provider uses (``numpy.ndarray`` on ``cpu_reference``,
+``cupy.ndarray`` on ``cuda``); the core only moves them through the methods below and reads
+``.shape`` and ``.dtype``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+import attrs
+import numpy as np
+
+#: The protocol version this core speaks. A provider declares the version it implements in
+#: ``Capabilities.protocol_version``; the plugin manager refuses any other.
+PROTOCOL_VERSION = 1
+
+#: Device argmax result layout: int32 ``[B, 2]``, column 0 the token id, column 1 the error flag.
+ARGMAX_TOKEN, ARGMAX_ERROR = 0, 1
+
+
+@attrs.frozen
+class Capabilities:
+    """What a provider can do; the core reads it to choose code paths.
+
+    Attributes:
+        dtypes: activation dtypes the kernels accept, as numpy dtype names ("float32", ...).
+        graph_capture: the provider implements ``begin_capture``/``end_capture``/``replay``.
+        vmm: ``kv_commit`` maps physical pages under a fixed address range (pointers never move).
+        weight_streaming: weights may live in host memory and be streamed per step.
+        kv_layouts: KV layouts the attention kernels read ("head_major", "seq_major").
+        protocol_version: the :data:`PROTOCOL_VERSION` this provider implements.
+    """
+
+    dtypes: tuple[str, ...] = ("float32",)
+    graph_capture: bool = False
+    vmm: bool = False
+    weight_streaming: bool = False
+    kv_layouts: tuple[str, ...] = ("head_major", "seq_major")
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@attrs.frozen
+class NodeInfo:
+    """A planned ONNX node as a kernel sees it.
+
+    Attributes:
+        name: node name from the graph (unique).
+        op_type: ONNX op type, e.g. "GroupQueryAttention".
+        domain: "" for the default domain, "com.microsoft" for contrib ops.
+        attrs: attribute values decoded to Python (ints, floats, str, lists, numpy arrays).
+        inputs: input value names ("" for an absent optional input).
+        outputs: output value names ("" for an unused optional output).
+        input_dtypes: numpy dtypes of the inputs where the graph declares them (None otherwise).
+    """
+
+    name: str
+    op_type: str
+    domain: str
+    attrs: dict
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    input_dtypes: tuple[Any, ...] = ()
+
+
+@attrs.frozen
+class KVRequest:
+    """One byte range of a KV arena that must be backed before a kernel writes it.
+
+    Attributes:
+        offset: first byte, relative to the start of the arena.
+        nbytes: length in bytes.
+    """
+
+    offset: int
+    nbytes: int
+
+
+#: Buffer shapes kept per output slot of a node (see :meth:`KernelContext.output`).
+KEEP_SHAPES = 3
+
+
+class KernelContext:
+    """Per-node state handed to every kernel call.
+
+    The executor makes one context per node when it plans the graph. Kernels take persistent
+    output buffers from :meth:`output` so that a captured decode step allocates nothing
+    (CASES 10): the first call with a given shape allocates, later calls reuse the buffer,
+    and while ``frozen`` is set (during capture) a new allocation raises ``RuntimeError``.
+
+    Attributes:
+        node: the :class:`NodeInfo` being run.
+        provider: the provider that owns the kernel.
+        kv_layout: "head_major" ([B, Nkv, S, H]) or "seq_major" ([B, S, Nkv, H]); attention
+            kernels read persistent KV buffers in this layout.
+        cache: free per-node storage for derived constants (e.g. dequantized weights).
+        frozen: set by the capture policy; output/scratch allocation then raises.
+        allocations: number of buffers this node allocated (a counter).
+        evictions: number of buffers dropped to keep at most KEEP_SHAPES shapes per slot.
+    """
+
+    def __init__(self, node: NodeInfo, provider: "ExecutionProvider", kv_layout: str):
+        self.node = node
+        self.provider = provider
+        self.kv_layout = kv_layout
+        self.cache: dict = {}
+        self.frozen = False
+        self.allocations = 0
+        self.evictions = 0
+        self._buffers: dict = {}
+
+    def output(self, slot: Any, shape: Sequence[int], dtype: Any) -> Any:
+        """A persistent buffer for output ``slot`` (int index or a scratch name).
+
+        Buffers are kept per (slot, shape, dtype), the last :data:`KEEP_SHAPES` shapes of each
+        slot, so prefill shapes do not displace the decode-step buffers a captured graph uses.
+        An eviction bumps ``evictions`` (the capture policy treats it as a pointer change).
+
+        Raises:
+            RuntimeError: a new allocation is needed while the context is frozen (capture).
+        """
+        shape = tuple(int(s) for s in shape)
+        dtype = np.dtype(dtype)
+        key = (slot, shape, dtype.str)
+        buf = self._buffers.pop(key, None)
+        if buf is None:
+            if self.frozen:
+                raise RuntimeError(
+                    f"node {self.node.name!r} ({self.node.op_type}) needs a new {dtype} buffer of "
+                    f"shape {shape} for {slot!r} inside a captured region; capture requires every "
+                    "buffer to exist before capture (CASES 10)")
+            buf = self.provider.allocate(shape, dtype)
+            self.allocations += 1
+            same_slot = [k for k in self._buffers if k[0] == slot]
+            if len(same_slot) >= KEEP_SHAPES:
+                del self._buffers[same_slot[0]]
+                self.evictions += 1
+        self._buffers[key] = buf  # re-insert: most recently used last
+        return buf
+
+    def buffer_bytes(self) -> int:
+        """Bytes held in this node's persistent buffers."""
+        return sum(int(b.nbytes) for b in self._buffers.values())
+
+
+#: A kernel: ``kernel(ctx, *inputs) -> tuple of outputs`` (absent optional inputs are None;
+#: the tuple has one entry per declared node output, None for an unused optional output).
+Kernel = Callable[..., tuple]
+
+
+@runtime_checkable
+class DeviceIoBinding(Protocol):
+    """Persistent graph inputs and outputs on the provider's device.
+
+    Made once per session by :meth:`ExecutionProvider.io_binding`; the decode loop binds the
+    same buffers (input_ids, attention_mask, KV) on every step, so a captured step sees
+    stable pointers.
+    """
+
+    def bind_input(self, name: str, tensor: Any) -> None:
+        """Bind a device tensor to graph input ``name`` for every later :meth:`run`."""
+
+    def bind_output(self, name: str, tensor: Any) -> None:
+        """Make graph output ``name`` land in ``tensor`` (KV present outputs alias the past)."""
+
+    def run(self) -> dict[str, Any]:
+        """Run the whole graph once; returns graph outputs by name (device tensors)."""
+
+
+@runtime_checkable
+class ExecutionProvider(Protocol):
+    """An execution provider: device memory, kernels and the few decode-loop primitives.
+
+    Required members are listed in :data:`REQUIRED_MEMBERS`; the plugin manager checks them
+    when the provider is created and names any that are missing.
+    """
+
+    name: str
+
+    def capabilities(self) -> Capabilities:
+        """Static description of what this provider can do."""
+
+    def supports(self, node: NodeInfo) -> bool:
+        """True when :meth:`kernel` can run ``node`` (domain, op_type, dtypes, attributes)."""
+
+    def kernel(self, node: NodeInfo) -> Kernel:
+        """The callable that runs ``node``. Called once per node when the graph is planned."""
+
+    def allocate(self, shape: Sequence[int], dtype: Any, zero: bool = False) -> Any:
+        """A device tensor of ``shape``/``dtype``, zero-filled when ``zero`` is set."""
+
+    def upload(self, array: np.ndarray) -> Any:
+        """Copy a host array to a new device tensor."""
+
+    def download(self, tensor: Any) -> np.ndarray:
+        """Copy a device tensor to a new host numpy array (synchronises)."""
+
+    def io_binding(self, plan: Any) -> DeviceIoBinding:
+        """Persistent IO binding over an executable plan (:class:`core.executor.Plan`)."""
+
+    def device_argmax(self, logits: Any, positions: Any, result: Any) -> None:
+        """Greedy selection on the device, row by row.
+
+        Args:
+            logits: ``[B, S, V]`` float tensor (fp16 or fp32; compared in fp32).
+            positions: int32 device tensor ``[B]``: the sequence index read in each row
+                (the last real prompt token after prefill, 0 during decode).
+            result: int32 device tensor ``[B, 2]`` written in place: ``[token_id,
+                capture_error]``. token_id is the index of the maximum, lowest index on ties
+                (numpy.argmax semantics); capture_error is 1 when the row holds a NaN or an
+                infinity (the token is then -1, never a silent 0), else 0 (CASES 11, 12).
+        """
+
+    def decode_advance(self, result: Any, input_ids: Any, attention_mask: Any,
+                       lengths: Any) -> None:
+        """Feed the chosen tokens back on the device, for every row b:
+
+        ``input_ids[b, 0] = result[b, 0]`` (pad id 0 when the row is flagged),
+        ``attention_mask[b, lengths[b]] = 1``, ``lengths[b] += 1``.
+
+        ``input_ids`` is int64 ``[B, 1]``, ``attention_mask`` int64 ``[B, capacity]``,
+        ``lengths`` int32 ``[B]`` (tokens in each row's KV cache after this step).
+        """
+
+    def kv_commit(self, arena: Any, requests: Sequence[KVRequest]) -> int:
+        """Make the byte ranges of a KV arena backed; returns bytes newly committed.
+
+        On ``cpu_reference`` this only counts; on ``cuda`` with VMM it maps physical pages.
+        """
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work."""
+
+
+#: Members every provider object must have (checked at load, named in the error).
+REQUIRED_MEMBERS = (
+    "name", "capabilities", "supports", "kernel", "allocate", "upload", "download",
+    "io_binding", "device_argmax", "decode_advance", "kv_commit", "synchronize",
+)
+
+#: Optional members of a provider that declares ``graph_capture``.
+CAPTURE_MEMBERS = ("begin_capture", "end_capture", "replay")
+
+
+def missing_members(provider: Any, capabilities: Capabilities | None = None) -> list[str]:
+    """Names of required protocol members ``provider`` lacks (capture ones if it claims capture)."""
+    names = list(REQUIRED_MEMBERS)
+    if capabilities is not None and capabilities.graph_capture:
+        names += CAPTURE_MEMBERS
+    return [n for n in names if not hasattr(provider, n)]

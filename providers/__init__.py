@@ -1,0 +1,1 @@
+"""Lockstep's built-in execution providers (each registered through ``lockstep.providers``)."""

@@ -1,0 +1,41 @@
+"""One module per ONNX op. The registry is built by introspection, not kept by hand.
+
+Each module defines:
+    OP_TYPE: the ONNX op type; DOMAIN: "" or "com.microsoft" (default "");
+    run(ctx, *inputs) -> tuple of outputs (one per declared node output);
+    optionally supports(node) -> bool for attribute/dtype checks (default: True).
+
+Kernels compute every batch row independently of the others with a fixed reduction order per
+row, so a row's result never depends on what else is in the batch. Matrix products therefore
+go through :func:`rowwise_matmul` (one vector-matrix product per row; a plain 2-D GEMM lets
+BLAS pick a blocking by M and is not row-invariant).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import numpy as np
+
+
+def rowwise_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w`` for x ``[..., K]`` and a 2-D ``w`` ``[K, N]`` with every row reduced alone.
+
+    numpy's stacked matmul over ``[M, 1, K]`` runs one identical vector-matrix product per row,
+    so row i's result is the same bits whatever M is (checked in tests/unit).
+    """
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, 1, x.shape[-1])
+    return np.matmul(flat, w)[:, 0, :].reshape(*lead, w.shape[-1])
+
+
+def registry() -> dict[tuple[str, str], object]:
+    """(domain, op_type) -> op module, for every module in this package."""
+    table = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        op_type = getattr(module, "OP_TYPE", None)
+        if op_type is not None:
+            table[(getattr(module, "DOMAIN", ""), op_type)] = module
+    return table
