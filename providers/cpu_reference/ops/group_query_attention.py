@@ -1,0 +1,194 @@
+"""GroupQueryAttention (com.microsoft v1): causal GQA with a KV cache, exactly OPS.md 1.3 / 1.4.
+
+Inputs: query [B, S, Nq*H], or packed QKV [B, S, (Nq + 2*Nkv)*H] when key/value are absent;
+key, value [B, S, Nkv*H]; past_key, past_value: the KV buffer, [B, Nkv, P_buf, H] when
+ctx.kv_layout is "head_major" (the ONNX layout) or [B, P_buf, Nkv, H] when "seq_major";
+seqlens_k int [B] (tokens in row b's cache after this step, minus 1); total_sequence_length
+int scalar / 1-element; cos_cache, sin_cache [max_pos, rotary_dim/2]; position_ids int64 [B, S];
+attention_bias [B|1, Nq|1, S, total]; head_sink [Nq]. Inputs 12..16 (quantized KV, fused
+q/k norm, query_seqlens) are rejected by ``supports``, as are qk_output, causal=0 and
+sliding_window_cache.
+Outputs: output [B, S, Nq*H]; present_key, present_value.
+
+Per row b: T_b = seqlens_k[b] + 1; P_b = 0 for the first prompt (S == total), else T_b - S
+(decode: S == 1; subsequent prompt: 1 < S != total, only at B == 1). RoPE (do_rotary) on Q and
+K at positions base + s (first prompt; base = position_ids[0] or 0) or position_ids[b, s] /
+P_b + s. New K/V rows go to cache rows [P_b, P_b + S). For query row s (p = P_b + s) and key
+j < T_b: z = scale * q.k, softcap, + attention_bias, allowed iff j <= p and (W > 0 ->
+j > p - W); softmax over the allowed keys (with head_sink / smooth_softmax: the sink
+exp(sigma - m) joins the denominator); out = sum_j p_j v_j. Only rows j < T_b of a row's cache
+are ever read, so the other rows (capacity, padding, NaN) never matter; each (row, kv head) is
+computed alone with a fixed reduction order (ops.rowwise_matmul). A query row with no allowed
+key (a padding row under a window) outputs zeros.
+
+KV buffer sharing: when past is given and holds at least total_sequence_length rows, present
+has the same shape as past (present length = max(total, P_buf), OPS.md 1.1), which is when
+ORT may run in place: the new rows are written into past itself and the same arrays are
+returned as present (GenAI share-buffer mode). Otherwise present is a new zero-filled buffer of
+max(total, P_buf) rows with rows [0, P_b) copied from past (OPS.md 1.3 step 2).
+
+dtypes: T = fp32 or fp16. Q and K are rotated in fp32 and rounded to T (the cache holds T);
+scores, softmax and P.V are fp32; the output is rounded to T.
+Source: ORT contrib_ops/cpu/bert/group_query_attention.cc, gqa_attention_base.h,
+group_query_attention_helper.h.
+"""
+
+import math
+
+import numpy as np
+
+from providers.cpu_reference.ops import rowwise_matmul
+from providers.cpu_reference.ops._rotary import cache_rows, rotate
+from providers.cpu_reference.ops._util import int_list, int_scalar
+
+OP_TYPE = "GroupQueryAttention"
+DOMAIN = "com.microsoft"
+
+
+def supports(node) -> bool:
+    attrs = node.attrs
+    extra_inputs = [name for name in node.inputs[12:] if name]
+    extra_outputs = [name for name in node.outputs[3:] if name]
+    quant = any(str(attrs.get(a, "NONE")).upper() not in ("NONE", "") for a in ("k_quant_type", "v_quant_type"))
+    dtype = node.input_dtypes[0] if node.input_dtypes else None
+    return (not extra_inputs and not extra_outputs and not quant
+            and int(attrs.get("qk_output", 0)) == 0 and int(attrs.get("causal", 1)) == 1
+            and int(attrs.get("sliding_window_cache", 0)) == 0
+            and int(attrs.get("kv_cache_bit_width", 0)) in (0, 16, 32)
+            and (dtype is None or dtype in (np.float32, np.float16)))
+
+
+def _rows(buf, layout: str, b: int, g: int) -> np.ndarray:
+    """View [P_buf, H] of kv head g of row b in a KV buffer of the given layout."""
+    return buf[b, g] if layout == "head_major" else buf[b, :, g]
+
+
+def _capacity(buf, layout: str) -> int:
+    return buf.shape[2] if layout == "head_major" else buf.shape[1]
+
+
+def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
+        total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None,
+        attention_bias=None, head_sink=None, *unsupported):
+    attrs = ctx.node.attrs
+    layout = ctx.kv_layout
+    if any(x is not None for x in unsupported):
+        raise ValueError("GroupQueryAttention: inputs 12.. (quantized KV, q/k norm, query_seqlens) "
+                         "are not supported")
+    nq, nkv = int(attrs["num_heads"]), int(attrs["kv_num_heads"])
+    if nq % nkv:
+        raise ValueError(f"GroupQueryAttention: num_heads {nq} not a multiple of kv_num_heads {nkv}")
+    dtype = query.dtype
+    bsz, s_len = query.shape[:2]
+    if key is None:
+        h = query.shape[2] // (nq + 2 * nkv)
+        q = query[..., :nq * h]
+        k = query[..., nq * h:(nq + nkv) * h]
+        v = query[..., (nq + nkv) * h:]
+    else:
+        h = query.shape[2] // nq
+        q, k, v = query, key, value
+        if k.shape[:2] != (bsz, s_len) or k.shape[2] != nkv * h or v.shape != k.shape:
+            raise ValueError(f"GroupQueryAttention: key/value shapes {k.shape}/{v.shape}")
+    q = q.reshape(bsz, s_len, nq, h)
+    k = k.reshape(bsz, s_len, nkv, h)
+    v = v.reshape(bsz, s_len, nkv, h)
+
+    total = int_scalar(total_sequence_length)
+    seqlens = int_list(seqlens_k)
+    if len(seqlens) != bsz or min(seqlens) < 0:
+        raise ValueError(f"GroupQueryAttention: seqlens_k {seqlens} for batch {bsz}")
+    subsequent = s_len > 1 and s_len != total
+    if subsequent and bsz != 1:
+        raise ValueError("GroupQueryAttention: a subsequent prompt (1 < S != total) needs B == 1")
+    first = not subsequent and s_len == total
+    totals = [n + 1 for n in seqlens]
+    pasts = [0 if first else t - s_len for t in totals]
+    if min(pasts) < 0:
+        raise ValueError(f"GroupQueryAttention: seqlens_k {seqlens} smaller than S {s_len}")
+
+    # 1. RoPE on Q and K (fp32, rounded to T as ORT stores them).
+    if attrs.get("do_rotary", 0):
+        if cos_cache is None or sin_cache is None:
+            raise ValueError("GroupQueryAttention: do_rotary=1 needs cos_cache and sin_cache")
+        if first:
+            base = int(np.asarray(position_ids).reshape(-1)[0]) if position_ids is not None else 0
+            pos = np.broadcast_to(base + np.arange(s_len), (bsz, s_len))
+        elif position_ids is not None:
+            pos = np.asarray(position_ids, dtype=np.int64)[:, :s_len]
+        else:
+            pos = np.array(pasts)[:, None] + np.arange(s_len)[None, :]
+        cos, sin = cache_rows(cos_cache, pos), cache_rows(sin_cache, pos)
+        interleaved = bool(attrs.get("rotary_interleaved", 0))
+        q = rotate(q.astype(np.float32), cos, sin, interleaved).astype(dtype)
+        k = rotate(k.astype(np.float32), cos, sin, interleaved).astype(dtype)
+
+    # 2. KV write.
+    p_buf = 0 if past_key is None else _capacity(past_key, layout)
+    shared = past_key is not None and p_buf >= total
+    if shared:
+        present_k, present_v = past_key, past_value
+    else:
+        length = max(total, p_buf)
+        shape = (bsz, nkv, length, h) if layout == "head_major" else (bsz, length, nkv, h)
+        present_k, present_v = np.zeros(shape, dtype), np.zeros(shape, dtype)
+    capacity = _capacity(present_k, layout)
+    for b in range(bsz):
+        if pasts[b] + s_len > capacity or totals[b] > capacity:
+            raise ValueError(f"GroupQueryAttention: row {b} needs {pasts[b] + s_len} cache rows, "
+                             f"capacity {capacity}")
+        if not shared and pasts[b] > p_buf:
+            raise ValueError(f"GroupQueryAttention: row {b} has {pasts[b]} past rows, past holds {p_buf}")
+        for g in range(nkv):
+            for src, dst, new in ((past_key, present_k, k), (past_value, present_v, v)):
+                rows = _rows(dst, layout, b, g)
+                if not shared and pasts[b]:
+                    rows[:pasts[b]] = _rows(src, layout, b, g)[:pasts[b]]
+                rows[pasts[b]:pasts[b] + s_len] = new[b, :, g]
+
+    # 3-5. Scores, softmax, output per (row, kv head).
+    scale = float(attrs.get("scale", 0.0)) or 1.0 / math.sqrt(h)
+    softcap = float(attrs.get("softcap", 0.0))
+    window = int(attrs.get("local_window_size", -1))
+    smooth = bool(attrs.get("smooth_softmax", 0))
+    if smooth and head_sink is not None:
+        raise ValueError("GroupQueryAttention: head_sink cannot be combined with smooth_softmax=1")
+    group = nq // nkv
+    out = np.zeros((bsz, s_len, nq, h), np.float32)
+    for b in range(bsz):
+        t_b, p_b = totals[b], pasts[b]
+        pos_q = p_b + np.arange(s_len)[:, None]
+        j = np.arange(t_b)[None, :]
+        allowed = j <= pos_q
+        if window > 0:
+            allowed &= j > pos_q - window
+        for g in range(nkv):
+            keys = _rows(present_k, layout, b, g)[:t_b].astype(np.float32)
+            vals = _rows(present_v, layout, b, g)[:t_b].astype(np.float32)
+            heads = range(g * group, (g + 1) * group)
+            qg = q[b, :, g * group:(g + 1) * group].astype(np.float32).transpose(1, 0, 2)  # [G, S, H]
+            z = rowwise_matmul(qg, np.ascontiguousarray(keys.T)) * np.float32(scale)  # [G, S, T_b]
+            if softcap > 0:
+                z = np.float32(softcap) * np.tanh(z / np.float32(softcap))
+            if attention_bias is not None:
+                bias = np.asarray(attention_bias)
+                bias = bias[b if bias.shape[0] > 1 else 0]
+                bias = bias[list(heads)] if bias.shape[0] > 1 else bias[[0] * group]
+                z = z + bias[:, :, :t_b].astype(np.float32)
+            z = np.where(allowed[None], z, -np.inf).astype(np.float32)
+            m = np.max(z, axis=-1, keepdims=True)
+            if smooth or head_sink is not None:
+                sink = (np.zeros(group, np.float32) if head_sink is None
+                        else np.asarray(head_sink, dtype=np.float32)[list(heads)])[:, None, None]
+                m = np.maximum(m, sink)
+            m = np.where(np.isfinite(m), m, np.float32(0.0))
+            e = np.where(allowed[None], np.exp(z - m), np.float32(0.0))
+            denom = np.sum(e, axis=-1, keepdims=True)
+            if smooth or head_sink is not None:
+                denom = denom + np.exp(sink - m)
+            probs = np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
+            out[b, :, g * group:(g + 1) * group] = rowwise_matmul(probs, vals).transpose(1, 0, 2)
+    result = out.reshape(bsz, s_len, nq * h).astype(dtype)
+    names = ctx.node.outputs
+    outs = (result, present_k, present_v)
+    return tuple(o if i < len(names) and names[i] else None for i, o in enumerate(outs))

@@ -1,0 +1,15 @@
+"""Mul (ONNX, default domain): Y = A * B with numpy broadcasting.
+
+Any numeric dtype; fp16 computed in fp32 and rounded at the output. Source: ONNX Mul-14.
+"""
+
+import numpy as np
+
+from providers.cpu_reference.ops._util import elementwise
+
+OP_TYPE = "Mul"
+DOMAIN = ""
+
+
+def run(ctx, a, b):
+    return (elementwise(np.multiply, a, b),)

@@ -1,0 +1,16 @@
+"""Shape (ONNX, default domain): int64 1-D shape of the input, sliced by ``start``/``end``.
+
+start (default 0) and end (default rank) follow Python slicing with clamping. ONNX Shape-15.
+"""
+
+import numpy as np
+
+OP_TYPE = "Shape"
+DOMAIN = ""
+
+
+def run(ctx, x):
+    shape = np.asarray(x).shape
+    start = int(ctx.node.attrs.get("start", 0))
+    end = ctx.node.attrs.get("end")
+    return (np.array(shape[start:None if end is None else int(end)], dtype=np.int64),)
