@@ -1,0 +1,1 @@
+"""pytest plugin of the Lockstep parity kit (entry point ``pytest11: lockstep``)."""
