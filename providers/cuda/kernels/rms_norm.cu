@@ -1,0 +1,55 @@
+// SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization (OPS.md 3.1, 3.2).
+// One block of 256 threads per row, always (never a block size chosen by the number of rows).
+// Reduction order of sum(v^2), fixed by D alone: thread t adds v[d]^2 (fmaf) for
+// d = t, t + 256, ... ascending; a fixed xor-shuffle tree per warp (lane 0's value); the 8
+// warp sums added in ascending order.  inv = 1 / sqrtf(sum / D + eps); y = (v * inv) * gamma.
+// Skip variant: v = input + skip[i % skip_size] (+ bias) in fp32; output 3 is v rounded to T.
+#include <cuda_fp16.h>
+
+#define NT 256
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
+
+__device__ __forceinline__ float block_sum(float s, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+    s = __shfl_sync(0xffffffffu, s, 0);
+    if (lane == 0) red[warp] = s;
+    __syncthreads();
+    float t = 0.f;
+#pragma unroll
+    for (int w = 0; w < NT / 32; ++w) t = __fadd_rn(t, red[w]);
+    return t;
+}
+
+// x, skip, bias: T; gamma: TG; y: TG.  skip/bias/sum_out/mean_out/inv_out may be null.
+// Shared memory: D floats (v) + 8.
+template <typename T, typename TG>
+__global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ skip, long long skip_size,
+                         const T* __restrict__ bias, const TG* __restrict__ gamma, TG* __restrict__ y,
+                         T* __restrict__ sum_out, float* mean_out, float* inv_out, int D, float eps) {
+    extern __shared__ float sm[];
+    float* red = sm;
+    float* v = sm + 32;
+    const long long row = blockIdx.x;
+    const long long base = row * D;
+    float ss = 0.f;
+    for (int d = threadIdx.x; d < D; d += NT) {
+        float t = to_f(x[base + d]);
+        if (skip) t = __fadd_rn(t, to_f(skip[(base + d) % skip_size]));
+        if (bias) t = __fadd_rn(t, to_f(bias[d]));
+        v[d] = t;
+        ss = fmaf(t, t, ss);
+        if (sum_out) store(sum_out + base + d, t);
+    }
+    const float total = block_sum(ss, red);
+    const float inv = __fdiv_rn(1.f, sqrtf(__fadd_rn(__fdiv_rn(total, (float)D), eps)));
+    for (int d = threadIdx.x; d < D; d += NT) store(y + base + d, __fmul_rn(__fmul_rn(v[d], inv), to_f(gamma[d])));
+    if (threadIdx.x == 0) {
+        if (inv_out) inv_out[row] = inv;
+        if (mean_out) mean_out[row] = 0.f;
+    }
+}

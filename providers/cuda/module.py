@@ -1,0 +1,39 @@
+"""Load and cache the CUDA C sources of kernels/ as cupy.RawModule objects.
+
+Each ``kernels/<name>.cu`` is compiled once per process with the complete tuple of template
+instantiations its launchers use (``name_expressions``); CuPy adds ``-arch`` and the include
+paths itself. Kernel files include no project headers, so CuPy's disk cache key (the source
+text) covers everything.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+KERNELS = Path(__file__).parent / "kernels"
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name: str, expressions: tuple[str, ...]):
+    import cupy
+
+    source = (KERNELS / f"{name}.cu").read_text()
+    return cupy.RawModule(code=source, options=("--std=c++17",), name_expressions=list(expressions))
+
+
+def function(name: str, expression: str, expressions: tuple[str, ...]):
+    """The compiled kernel ``expression`` of ``kernels/<name>.cu`` (one of ``expressions``)."""
+    return _module(name, expressions).get_function(expression)
+
+
+def ctype(dtype) -> str:
+    """The CUDA C type name of a float numpy dtype ("__half" or "float")."""
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    if dtype == np.float16:
+        return "__half"
+    if dtype == np.float32:
+        return "float"
+    raise ValueError(f"unsupported float dtype {dtype} (float16 or float32)")

@@ -1,0 +1,27 @@
+"""Launch configuration of kernels/linear.cu (shared by MatMul and MatMulNBits).
+
+Rows per block (RT), chunk slots (CS) and column threads (CT) are free choices: the
+reduction order of each output is fixed by K and the chunk size alone (see linear.cu), so
+these choices may follow M without breaking batch invariance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def config(m: int, n: int, n_chunks: int) -> tuple[int, tuple, tuple, int]:
+    """(RT, grid, block, shared bytes) for an [m, K] x [K, n] product of ``n_chunks`` chunks."""
+    rt = 1 if m <= 1 else 2 if m == 2 else 4 if m <= 4 else 8
+    cs = n_chunks if n_chunks <= 32 else -(-n_chunks // -(-n_chunks // 32))
+    budget = 256 if rt <= 4 else 128
+    groups = -(-n // 8)
+    row_blocks = -(-m // rt)
+    ct = max(1, min(budget // cs, -(-groups * row_blocks // 256)))
+    grid = (-(-groups // ct), row_blocks)
+    shared = (cs + 1) * rt * 8 * ct * 4
+    return rt, grid, (ct, cs), shared
+
+
+def i32(v) -> np.int32:
+    return np.int32(v)

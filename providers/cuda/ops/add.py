@@ -1,0 +1,13 @@
+"""Add (ONNX, default domain): numpy broadcasting, on the device (CuPy ufunc with out=)
+or on the host when both operands are host values (cpu_reference). Source: ONNX Add-14."""
+
+from providers.cuda.ops import _binary
+
+OP_TYPE = "Add"
+DOMAIN = ""
+
+
+def run(ctx, a, b):
+    import cupy
+
+    return _binary.run(ctx, cupy.add, "add", a, b)

@@ -1,0 +1,34 @@
+"""Gather (ONNX): host operands on the host (cpu_reference, e.g. Shape()[1]); the embedding
+lookup (device data, axis 0) with kernels/gather.cu ``gather_rows`` (16-byte row copies);
+other device gathers with cupy.take(..., out=). Out-of-range rows are zero on the device
+(no host check: that would sync). ONNX Gather-13."""
+
+import numpy as np
+
+from providers.cpu_reference.ops._util import normalize_axis
+from providers.cuda.module import function
+from providers.cuda.ops import device_array, host_or_none
+
+OP_TYPE = "Gather"
+DOMAIN = ""
+
+
+def run(ctx, data, indices):
+    import cupy
+
+    host = host_or_none(ctx, "gather", (data, indices))
+    if host is not None:
+        return host
+    axis = normalize_axis(int(ctx.node.attrs.get("axis", 0)), data.ndim)
+    idx = device_array(ctx, indices, "indices", np.int64)
+    shape = (*data.shape[:axis], *idx.shape, *data.shape[axis + 1:])
+    out = ctx.output(0, shape, data.dtype)
+    if axis == 0 and data.flags.c_contiguous and idx.size:
+        row_bytes = data.nbytes // max(1, data.shape[0])
+        kern = function("gather", "gather_rows", ("gather_rows",))
+        units = row_bytes // 16 if row_bytes % 16 == 0 else row_bytes
+        kern((max(1, min(64, -(-units // 128))), idx.size), (128,),
+             (data, idx, out, np.int64(idx.size), np.int64(data.shape[0]), np.int64(row_bytes)))
+    elif idx.size:
+        cupy.take(data, idx, axis=axis, out=out)
+    return (out,)

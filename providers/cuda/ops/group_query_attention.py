@@ -1,0 +1,125 @@
+"""GroupQueryAttention (com.microsoft), OPS.md 1.3/1.4, shared KV buffer only.
+
+Kernels (kernels/group_query_attention.cu): decode (S == 1, not the first prompt): one launch
+``gqa_decode`` (grid (Nkv, B)) that writes the rotated K/V row P_b = seqlens_k[b] and attends
+for the group's query heads; a prompt: ``gqa_kv_write`` (grid (S, Nkv, B)) then ``gqa_attn``
+(grid (S, Nq, B)). seqlens_k is read on the device, never copied to the host;
+total_sequence_length must be a host value (it only selects the phase).
+
+Supported: packed QKV or separate q/k/v, do_rotary with cos/sin caches (non-interleaved),
+softcap, local_window_size, smooth_softmax, head_sink; KV layout head_major or seq_major
+(ctx.kv_layout). The KV buffer must be shared (past given with >= total rows): new rows are
+written in place and the past arrays are returned as present. Rejected: position_ids,
+attention_bias, rotary_interleaved, quantized KV, inputs 12.., qk_output, causal=0.
+"""
+
+import math
+
+import numpy as np
+
+from providers.cuda.module import ctype, function
+from providers.cuda.ops import NULL, device_array
+from providers.cuda.ops._linear import i32
+
+OP_TYPE = "GroupQueryAttention"
+DOMAIN = "com.microsoft"
+NT = 128
+
+
+def supports(node) -> bool:
+    attrs = node.attrs
+    ins = list(node.inputs) + [""] * 12
+    dtype = node.input_dtypes[0] if node.input_dtypes else None
+    quant = any(str(attrs.get(a, "NONE")).upper() not in ("NONE", "") for a in ("k_quant_type", "v_quant_type"))
+    return (not any(ins[9:11]) and not any(ins[12:]) and not any(node.outputs[3:]) and not quant
+            and int(attrs.get("qk_output", 0)) == 0 and int(attrs.get("causal", 1)) == 1
+            and int(attrs.get("rotary_interleaved", 0)) == 0
+            and int(attrs.get("sliding_window_cache", 0)) == 0
+            and (dtype is None or dtype in (np.float32, np.float16)))
+
+
+def _exprs(t):
+    return (f"gqa_decode<{t}>", f"gqa_attn<{t}>", f"gqa_kv_write<{t}>")
+
+
+def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
+        total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None,
+        attention_bias=None, head_sink=None, *unsupported):
+    attrs = ctx.node.attrs
+    if position_ids is not None or attention_bias is not None or any(x is not None for x in unsupported):
+        raise ValueError("GroupQueryAttention (cuda): position_ids, attention_bias and inputs 12.. "
+                         "are not supported")
+    if not isinstance(total_sequence_length, (np.ndarray, np.generic, int)):
+        raise ValueError("GroupQueryAttention (cuda): total_sequence_length must be a host value")
+    total = int(np.asarray(total_sequence_length).reshape(-1)[0])
+    nq, nkv = int(attrs["num_heads"]), int(attrs["kv_num_heads"])
+    if nq % nkv:
+        raise ValueError(f"GroupQueryAttention: num_heads {nq} not a multiple of kv_num_heads {nkv}")
+    bsz, s_len, width = query.shape
+    dtype = query.dtype
+    if key is None:
+        h = width // (nq + 2 * nkv)
+        kin = vin = query
+        q_row = k_row = width
+        k_off, v_off = nq * h, (nq + nkv) * h
+    else:
+        h = width // nq
+        kin, vin = key, value
+        q_row, k_row, k_off, v_off = width, nkv * h, 0, 0
+        if key.shape != (bsz, s_len, nkv * h) or value.shape != key.shape:
+            raise ValueError(f"GroupQueryAttention: key/value shapes {key.shape}/{value.shape}")
+    if past_key is None or past_value is None:
+        raise ValueError("GroupQueryAttention (cuda): needs the shared KV buffer as past_key/past_value")
+    head_major = ctx.kv_layout == "head_major"
+    cap = past_key.shape[2] if head_major else past_key.shape[1]
+    if cap < total:
+        raise ValueError(f"GroupQueryAttention (cuda): KV buffer holds {cap} rows < total {total}; "
+                         "only the shared-buffer mode is supported")
+    if head_major:
+        cb, cg, cj = nkv * cap * h, cap * h, h
+    else:
+        cb, cg, cj = cap * nkv * h, h, nkv * h
+    first = s_len == total
+    if not first and s_len != 1 and bsz != 1:
+        raise ValueError("GroupQueryAttention: a subsequent prompt (1 < S != total) needs B == 1")
+    seqlens = device_array(ctx, seqlens_k, "seqlens_i32", np.int32)
+    rotary = int(attrs.get("do_rotary", 0))
+    if rotary and (cos_cache is None or sin_cache is None):
+        raise ValueError("GroupQueryAttention: do_rotary=1 needs cos_cache and sin_cache")
+    half_rot = int(cos_cache.shape[1]) if rotary else 0
+    cos = cos_cache if rotary else query
+    sin = sin_cache if rotary else query
+    smooth = int(attrs.get("smooth_softmax", 0))
+    if smooth and head_sink is not None:
+        raise ValueError("GroupQueryAttention: head_sink cannot be combined with smooth_softmax=1")
+    sinks = NULL if head_sink is None else head_sink
+    scale = float(attrs.get("scale", 0.0)) or 1.0 / math.sqrt(h)
+    window = int(attrs.get("local_window_size", -1))
+    out = ctx.output(0, (bsz, s_len, nq * h), dtype)
+    geo = (i32(bsz), i32(s_len), i32(nq), i32(nkv), i32(h), i32(half_rot), i32(cap),
+           np.int64(q_row), np.int64(k_row), i32(k_off), i32(v_off), np.int64(cb), np.int64(cg),
+           np.int64(cj), i32(first), i32(window), i32(smooth), np.float32(scale),
+           np.float32(attrs.get("softcap", 0.0)))
+    t = ctype(dtype)
+    shared = (h + 2 * NT + cap) * 4
+    if not first and s_len == 1:
+        kern = function("group_query_attention", f"gqa_decode<{t}>", _exprs(t))
+        _shared_limit(kern, shared)
+        kern((nkv, bsz), (NT,), (query, kin, vin, past_key, past_value, seqlens, cos, sin,
+                                  i32(rotary), sinks, out) + geo, shared_mem=shared)
+    else:
+        write = function("group_query_attention", f"gqa_kv_write<{t}>", _exprs(t))
+        write((s_len, nkv, bsz), (NT,), (kin, vin, past_key, past_value, seqlens, cos, sin,
+                                          i32(rotary)) + geo)
+        attn = function("group_query_attention", f"gqa_attn<{t}>", _exprs(t))
+        _shared_limit(attn, shared)
+        attn((s_len, nq, bsz), (NT,), (query, past_key, past_value, seqlens, cos, sin, i32(rotary),
+                                        sinks, out) + geo, shared_mem=shared)
+    names = ctx.node.outputs
+    outs = (out, past_key, past_value)
+    return tuple(o if i < len(names) and names[i] else None for i, o in enumerate(outs))
+
+
+def _shared_limit(kern, nbytes: int) -> None:
+    if nbytes > 48 * 1024 and kern.max_dynamic_shared_size_bytes < nbytes:
+        kern.max_dynamic_shared_size_bytes = nbytes

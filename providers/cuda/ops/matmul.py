@@ -1,0 +1,43 @@
+"""MatMul (ONNX): Y = A @ W for A [..., K] (fp16/fp32) and a 2-D W [K, N] of the same dtype.
+
+Kernel: kernels/linear.cu ``dense`` (fixed K order per output: chunks of 32 ascending, each
+chunk an fmaf chain; batch-invariant for every M). Both operands on the host (shape math) run
+on the host. A W of rank > 2 is not supported (the builder's weights are 2-D).
+"""
+
+import numpy as np
+
+from providers.cuda.module import ctype, function
+from providers.cuda.ops import NULL, host_or_none
+from providers.cuda.ops._linear import config, i32
+
+OP_TYPE = "MatMul"
+DOMAIN = ""
+
+
+def supports(node) -> bool:
+    dts = [d for d in node.input_dtypes[:2] if d is not None]
+    return all(d in (np.float16, np.float32) for d in dts) and len(set(dts)) <= 1
+
+
+def _exprs(t: str) -> tuple[str, ...]:
+    return tuple(f"dense<{rt}, {t}, {t}>" for rt in (1, 2, 4, 8))
+
+
+def run(ctx, a, w):
+    host = host_or_none(ctx, "matmul", (a, w))
+    if host is not None:
+        return host
+    if w.ndim != 2 or a.shape[-1] != w.shape[0] or a.dtype != w.dtype:
+        raise ValueError(f"MatMul: unsupported operands {a.dtype}{a.shape} @ {w.dtype}{w.shape} "
+                         "(needs A [..., K] and a 2-D W [K, N] of the same float dtype)")
+    k, n = w.shape
+    m = a.size // k
+    y = ctx.output(0, (*a.shape[:-1], n), a.dtype)
+    if m == 0:
+        return (y,)
+    t = ctype(a.dtype)
+    rt, grid, block, shared = config(m, n, -(-k // 32))
+    kern = function("linear", f"dense<{rt}, {t}, {t}>", _exprs(t))
+    kern(grid, block, (a, w, NULL, y, i32(m), i32(n), i32(k)), shared_mem=shared)
+    return (y,)

@@ -1,0 +1,67 @@
+"""MatMulNBits (com.microsoft), OPS.md 2: Y = A @ dequant(B)^T (+ bias).
+
+A [..., K] fp16/fp32; B uint8 [N, n_blocks, blob]; scales fp16/fp32 [N, n_blocks] (or flat);
+zero_points absent (2^(bits-1)), packed uint8 [N, ceil(n_blocks*bits/8)] or float [N, n_blocks];
+bits 2/4/8, block_size a power of two >= 16; g_idx and prepacked weights are rejected.
+Kernel: kernels/linear.cu ``nbits`` (dequantisation in registers; K order fixed per
+(K, block_size): one fmaf chain per quantisation block, blocks folded in ascending order).
+"""
+
+import numpy as np
+
+from providers.cuda.module import ctype, function
+from providers.cuda.ops import NULL
+from providers.cuda.ops._linear import config, i32
+
+OP_TYPE = "MatMulNBits"
+DOMAIN = "com.microsoft"
+
+
+def supports(node) -> bool:
+    attrs = node.attrs
+    bs = int(attrs.get("block_size", 0))
+    g_idx = len(node.inputs) > 4 and node.inputs[4] != ""
+    dt = node.input_dtypes[0] if node.input_dtypes else None
+    return (int(attrs.get("bits", 4)) in (2, 4, 8) and bs >= 16 and bs & (bs - 1) == 0
+            and not attrs.get("weight_prepacked", 0) and not g_idx
+            and (dt is None or dt in (np.float16, np.float32)))
+
+
+def _exprs(t: str, s: str) -> tuple[str, ...]:
+    return tuple(f"nbits<{rt}, {t}, {s}>" for rt in (1, 2, 4, 8))
+
+
+def run(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
+    attrs = ctx.node.attrs
+    if g_idx is not None:
+        raise ValueError("MatMulNBits: g_idx is not supported")
+    k, n = int(attrs["K"]), int(attrs["N"])
+    bits, bs = int(attrs.get("bits", 4)), int(attrs["block_size"])
+    nb = -(-k // bs)
+    blob = bs * bits // 8
+    if a.shape[-1] != k:
+        raise ValueError(f"MatMulNBits: A last dim {a.shape[-1]} != K {k}")
+    if b.size != n * nb * blob or scales.size != n * nb:
+        raise ValueError(f"MatMulNBits: B {b.shape} / scales {scales.shape} do not match "
+                         f"N={n}, n_blocks={nb}, blob={blob}")
+    if zero_points is None:
+        zp, zp_mode, zp_stride = NULL, 0, 0
+    elif zero_points.dtype == np.uint8:
+        zp, zp_mode, zp_stride = zero_points, 1, zero_points.size // n
+    elif zero_points.dtype == a.dtype and zero_points.size == n * nb:
+        zp, zp_mode, zp_stride = zero_points, 2, nb
+    else:
+        raise ValueError(f"MatMulNBits: zero_points {zero_points.dtype}{zero_points.shape} unsupported")
+    if bias is not None and bias.dtype != a.dtype:
+        raise ValueError("MatMulNBits: bias dtype must match A")
+    m = a.size // k
+    y = ctx.output(0, (*a.shape[:-1], n), a.dtype)
+    if m == 0:
+        return (y,)
+    t, s = ctype(a.dtype), ctype(scales.dtype)
+    rt, grid, block, shared = config(m, n, nb)
+    kern = function("linear", f"nbits<{rt}, {t}, {s}>", _exprs(t, s))
+    kern(grid, block, (a, b, scales, zp, i32(zp_mode), i32(zp_stride),
+                       NULL if bias is None else bias, y, i32(m), i32(n), i32(k), i32(bits), i32(bs)),
+         shared_mem=shared)
+    return (y,)

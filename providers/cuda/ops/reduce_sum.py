@@ -1,0 +1,36 @@
+"""ReduceSum (ONNX, opset 13+): host values on the host (cpu_reference); device tensors with
+cupy.sum(..., out=) (integer sums are exact; the builder only sums the int64 attention mask).
+Float sums are not batch-invariant by design here and only run outside the decode path.
+Source: ONNX ReduceSum-13."""
+
+import numpy as np
+
+from providers.cpu_reference.ops._util import int_list, normalize_axis
+from providers.cuda.ops import host_or_none, is_host
+
+OP_TYPE = "ReduceSum"
+DOMAIN = ""
+
+
+def run(ctx, data, axes=None):
+    import cupy
+
+    host = host_or_none(ctx, "reduce_sum", (data, axes))
+    if host is not None:
+        return host
+    if not is_host(axes):
+        raise ValueError("ReduceSum (cuda): axes must be a host value")
+    attrs = ctx.node.attrs
+    keepdims = bool(attrs.get("keepdims", 1))
+    axis_list = int_list(axes) if axes is not None else list(attrs.get("axes", []))
+    if not axis_list:
+        if attrs.get("noop_with_empty_axes", 0):
+            out = ctx.output(0, data.shape, data.dtype)
+            cupy.copyto(out, data)
+            return (out,)
+        axis_list = list(range(data.ndim))
+    red = tuple(sorted({normalize_axis(a, data.ndim) for a in axis_list}))
+    shape = [1 if i in red else d for i, d in enumerate(data.shape) if keepdims or i not in red]
+    out = ctx.output(0, shape, data.dtype)
+    cupy.sum(data, axis=red, keepdims=keepdims, out=out)
+    return (out,)

@@ -1,0 +1,153 @@
+"""The cuda execution provider: CuPy memory, CUDA C kernels, CUDA graph capture."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from core.protocol import Capabilities, KVRequest, NodeInfo
+
+_MISSING_CUPY = ("the 'cuda' provider needs CuPy: install lockstep[cuda13] (CUDA 13) or "
+                 "lockstep[cuda12] (CUDA 12)")
+
+
+def _import_cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise RuntimeError(f"{_MISSING_CUPY} ({exc})") from exc
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - driver missing or broken
+        raise RuntimeError(f"the 'cuda' provider found no usable GPU: {exc}") from exc
+    if count < 1:
+        raise RuntimeError("the 'cuda' provider found no visible GPU (CUDA_VISIBLE_DEVICES?)")
+    return cupy
+
+
+class DeviceIoBinding:
+    """Persistent graph inputs/outputs: bound device arrays are fed to the plan on every run.
+
+    Outputs bound with :meth:`bind_output` are the KV buffers, which GroupQueryAttention writes
+    in place and returns as present (shared buffer), so binding only records them.
+    """
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.inputs: dict[str, Any] = {}
+        self.outputs: dict[str, Any] = {}
+
+    def bind_input(self, name: str, tensor: Any) -> None:
+        self.inputs[name] = tensor
+
+    def bind_output(self, name: str, tensor: Any) -> None:
+        self.outputs[name] = tensor
+
+    def run(self) -> dict[str, Any]:
+        return self.plan.run(self.inputs)
+
+
+class CudaProvider:
+    """CuPy arrays on the current device; every kernel launches on the provider's stream.
+
+    The provider makes its own non-blocking stream current at construction (capture needs a
+    stream other than the legacy default one, and warm-up should run on the capture stream).
+    Graph capture: ``begin_capture()``; run the step; ``graph = end_capture()``;
+    ``replay(graph)``. Arrays the captured step touches must be allocated before capture and
+    kept alive by the caller (the graph holds no references; CUDA_NOTES "Stream capture").
+
+    Raises:
+        RuntimeError: CuPy is missing, no GPU is visible, or the CUDA headers are missing.
+    """
+
+    name = "cuda"
+
+    def __init__(self):
+        cupy = _import_cupy()
+        self.cupy = cupy
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.stream.use()
+        self.committed_bytes = 0
+        self._argmax_scratch: dict = {}
+        self._constants: dict[int, Any] = {}
+        from providers.cuda import ops
+        self._ops = ops.registry()
+        self._check_headers()
+
+    def _check_headers(self) -> None:
+        from providers.cuda.module import function
+        try:
+            function("argmax", "decode_advance", ("argmax_partial<__half>", "argmax_partial<float>", "argmax_final", "decode_advance"))
+        except Exception as exc:  # noqa: BLE001 - NVRTC errors come in several types
+            if "cuda_fp16" in str(exc) or "CUDA headers" in str(exc):
+                raise RuntimeError("the 'cuda' provider needs the CUDA toolkit headers: install "
+                                   "cupy-cuda13x[ctk] / cupy-cuda12x[ctk] (or set CUDA_PATH); "
+                                   f"NVRTC said: {exc}") from exc
+            raise
+
+    # -- protocol -------------------------------------------------------------------------
+    def capabilities(self) -> Capabilities:
+        return Capabilities(dtypes=("float32", "float16"), graph_capture=True)
+
+    def supports(self, node: NodeInfo) -> bool:
+        module = self._ops.get((node.domain, node.op_type))
+        if module is None:
+            return False
+        check = getattr(module, "supports", None)
+        return True if check is None else bool(check(node))
+
+    def kernel(self, node: NodeInfo):
+        return self._ops[(node.domain, node.op_type)].run
+
+    def allocate(self, shape: Sequence[int], dtype: Any, zero: bool = False):
+        cp = self.cupy
+        return cp.zeros(tuple(shape), dtype) if zero else cp.empty(tuple(shape), dtype)
+
+    def upload(self, array: np.ndarray):
+        out = self.cupy.asarray(np.ascontiguousarray(array))
+        self._constants[id(out)] = out
+        return out
+
+    def is_constant(self, tensor: Any) -> bool:
+        """True when ``tensor`` is an array made by :meth:`upload` (a weight: never rewritten)."""
+        return self._constants.get(id(tensor)) is tensor
+
+    def download(self, tensor: Any) -> np.ndarray:
+        if isinstance(tensor, np.ndarray):
+            return tensor.copy()
+        out = tensor.get(stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+    def io_binding(self, plan) -> DeviceIoBinding:
+        return DeviceIoBinding(plan)
+
+    def device_argmax(self, logits: Any, positions: Any, result: Any) -> None:
+        from providers.cuda.ops import _argmax
+        _argmax.device_argmax(self, logits, positions, result)
+
+    def decode_advance(self, result, input_ids, attention_mask, lengths) -> None:
+        from providers.cuda.ops import _argmax
+        _argmax.decode_advance(result, input_ids, attention_mask, lengths)
+
+    def kv_commit(self, arena: Any, requests: Sequence[KVRequest]) -> int:
+        added = sum(r.nbytes for r in requests)
+        self.committed_bytes += added
+        return added
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    # -- capture --------------------------------------------------------------------------
+    def begin_capture(self) -> None:
+        """Start capturing every launch on the provider stream (allocation then fails)."""
+        self.stream.begin_capture()
+
+    def end_capture(self):
+        """Stop capturing; returns the instantiated ``cupy.cuda.Graph``."""
+        return self.stream.end_capture()
+
+    def replay(self, graph) -> None:
+        """Launch a captured graph on the provider stream (asynchronous)."""
+        graph.launch(self.stream)
