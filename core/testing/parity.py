@@ -1,0 +1,372 @@
+"""Decode gates of the parity kit: a provider against cpu_reference, and against itself.
+
+:func:`run_parity` decodes a model on the provider under test and returns a
+:class:`ParityReport` of these gates (DESIGN.md, "Parity kit"):
+
+- ``logits``: teacher-forced logits per step (every row fed the reference's tokens) against
+  cpu_reference: max abs error, max rel error (abs error / the row's max |logit|), top-1
+  agreement of the provider's device argmax, first divergence; passes when the rel error stays
+  within the tolerance of the model dtype (:data:`LOGIT_RTOL`);
+- ``greedy``: free-running greedy decoding (:func:`core.generate.generate`) at the largest
+  batch gives the reference's tokens; a divergence passes only where the reference's top-2
+  margin is within the logits tolerance (a near tie), and is reported;
+- ``batch_invariance``: row i of a batch of mixed-length prompts is bitwise its batch-1 run;
+- ``row_identity``: N copies of one prompt give N bitwise-equal rows;
+- ``reuse``: a second request on the same session is bitwise the first;
+- ``poison``: NaN in every KV slot before the request changes no logit;
+- ``layout``: seq_major == head_major, bitwise (when the provider has both layouts);
+- ``growth``: a growing KV cache (at least two growth events when the request is long enough)
+  == a fixed one, bitwise;
+- ``capture``: graph capture on == off, bitwise, with a fixed and with a growing cache (only
+  when the provider declares ``graph_capture``).
+
+Bitwise gates compare a digest of every row's fp32 logits at every step plus the tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+import numpy as np
+
+from core.generate import generate
+from core.kv import round_capacity
+from core.model import Model, load_model
+from core.plugins import get_provider
+from core.session import Session
+
+#: Max |provider - reference| / max |reference logit| per row and step, by model dtype.
+LOGIT_RTOL = {"float32": 1e-3, "float16": 3e-2}
+#: Lengths of the default prompts (row i uses entry i mod 8): mixed, with a 1-token prompt.
+DEFAULT_LENGTHS = (7, 3, 12, 1, 9, 5, 16, 2)
+PASS, FAIL, SKIP = "pass", "fail", "skip"
+
+
+@attrs.define
+class Gate:
+    """One gate's outcome: ``status`` is "pass", "fail" or "skip"; ``detail`` says why."""
+
+    name: str
+    status: str
+    detail: str = ""
+    metrics: dict = attrs.field(factory=dict)
+
+
+@attrs.define
+class ParityReport:
+    """What :func:`run_parity` found.
+
+    Attributes:
+        model: model folder; provider, reference: provider names.
+        dtype: the model's KV/logits dtype; batches, steps: what was run.
+        gates: one :class:`Gate` per gate, in the order of the module docstring.
+        per_step: teacher-forced logit errors, one dict per (batch, step): max_abs, max_rel,
+            top1 (fraction of rows whose device argmax equals the reference token).
+    """
+
+    model: str
+    provider: str
+    reference: str
+    dtype: str
+    batches: list[int]
+    steps: int
+    gates: list[Gate] = attrs.field(factory=list)
+    per_step: list[dict] = attrs.field(factory=list)
+
+    @property
+    def passed(self) -> bool:
+        """True when no gate failed (skipped gates do not fail the report)."""
+        return all(g.status != FAIL for g in self.gates)
+
+    def gate(self, name: str) -> Gate:
+        """The gate called ``name`` (KeyError if it was not run)."""
+        for g in self.gates:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+    def to_dict(self) -> dict:
+        """Plain data for ``--json``."""
+        return {**attrs.asdict(self), "passed": self.passed}
+
+    def render(self) -> str:
+        """The report as printable text: a header, the gate table and the per-batch logit errors."""
+        from rich.console import Console
+        from rich.table import Table
+
+        gates = Table(title=f"parity: {self.provider} vs {self.reference} on {self.model} "
+                            f"({self.dtype}, batches {','.join(map(str, self.batches))}, {self.steps} steps)")
+        for col in ("gate", "status", "detail"):
+            gates.add_column(col, overflow="fold")
+        for g in self.gates:
+            style = {PASS: "green", FAIL: "bold red", SKIP: "yellow"}[g.status]
+            gates.add_row(g.name, f"[{style}]{g.status}[/{style}]", g.detail)
+        errors = Table(title="teacher-forced logits per batch (worst step)")
+        for col in ("batch", "max abs", "max rel", "top-1 agreement", "worst step"):
+            errors.add_column(col, justify="right")
+        for b in self.batches:
+            rows = [s for s in self.per_step if s["batch"] == b]
+            if not rows:
+                continue
+            worst = max(rows, key=lambda s: s["max_rel"])
+            top1 = float(np.mean([s["top1"] for s in rows]))
+            errors.add_row(str(b), f"{max(s['max_abs'] for s in rows):.3g}", f"{worst['max_rel']:.3g}",
+                           f"{100 * top1:.2f}%", str(worst["step"]))
+        console = Console(width=120, record=True, force_terminal=False, color_system=None)
+        with console.capture() as cap:
+            console.print(gates)
+            console.print(errors)
+            console.print(f"overall: {'PASS' if self.passed else 'FAIL'}")
+        return cap.get()
+
+
+@attrs.define
+class _Run:
+    tokens: np.ndarray   # int64 [steps + 1, B], the device argmax of each step
+    digests: np.ndarray  # object [steps + 1, B], blake2b of each row's fp32 logits
+    logits: list | None  # fp32 [B, V] per step when kept
+    growth_events: int = 0
+    counters: dict = attrs.field(factory=dict)
+
+
+def _digest(row: np.ndarray) -> str:
+    return hashlib.blake2b(np.ascontiguousarray(row).tobytes(), digest_size=12).hexdigest()
+
+
+def _fill(tensor: Any, value) -> bool:
+    try:
+        tensor[...] = value
+    except Exception:  # noqa: BLE001 - tensors without item assignment cannot be poisoned
+        return False
+    return True
+
+
+def _decode(session: Session, prompts: list[list[int]], steps: int, forced: list[list[int]] | None,
+            keep_logits: bool) -> _Run:
+    tokens, digests, logits = [], [], []
+
+    def record(out):
+        lg = session.last_logits()
+        tokens.append(out.tokens.copy())
+        digests.append([_digest(r) for r in lg])
+        if keep_logits:
+            logits.append(lg)
+
+    record(session.prefill(prompts))
+    for t in range(steps):
+        record(session.step(force_tokens=None if forced is None else [row[t] for row in forced]))
+    return _Run(np.array(tokens), np.array(digests, dtype=object), logits if keep_logits else None,
+                session.counters.growth_events, session.counters.to_dict())
+
+
+def _session(model: Model, provider, batch: int, need: int, **kw) -> Session:
+    kw.setdefault("capacity", round_capacity(need, model.config.context_length))
+    kw.setdefault("kv_policy", "fixed")
+    kw.setdefault("capture", False)
+    return Session(model, provider, batch=batch, **kw)
+
+
+def default_prompts(model: Model, count: int, seed: int = 1234) -> list[list[int]]:
+    """``count`` deterministic random token-id prompts of mixed lengths (:data:`DEFAULT_LENGTHS`)."""
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    return [rng.integers(3, vocab, DEFAULT_LENGTHS[i % len(DEFAULT_LENGTHS)]).tolist() for i in range(count)]
+
+
+def _bitwise(name: str, a: _Run, b: _Run, rows_a=None, rows_b=None, what: str = "") -> Gate | None:
+    """None when equal, else a failing Gate naming the first differing (step, row)."""
+    da = a.digests if rows_a is None else a.digests[:, rows_a]
+    db = b.digests if rows_b is None else b.digests[:, rows_b]
+    ta = a.tokens if rows_a is None else a.tokens[:, rows_a]
+    tb = b.tokens if rows_b is None else b.tokens[:, rows_b]
+    diff = np.argwhere((da != db) | (ta != tb))
+    if diff.size == 0:
+        return None
+    step, row = diff[0]
+    return Gate(name, FAIL, f"{what}: first difference at step {step}, row {row} "
+                            f"({len(diff)} (step, row) pairs differ)", {"first_divergence": [int(step), int(row)]})
+
+
+def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] = (1, 2, 8),
+               steps: int = 64, prompts: Sequence[Sequence[int] | str] | None = None,
+               reference: Any = "cpu_reference") -> ParityReport:
+    """Run the decode gates of ``provider`` on ``model``; see the module docstring.
+
+    Args:
+        model: a builder model folder or a loaded Model.
+        provider: provider name or object under test.
+        batches: batch sizes of the teacher-forced logits gate; the invariance gates use the
+            largest.
+        steps: decode steps after prefill (teacher-forced and free-running).
+        prompts: token-id lists, or strings (encoded without chat template; needs a tokenizer);
+            default :func:`default_prompts`. At least max(batches) prompts are used (cycled).
+        reference: the oracle provider (name or object).
+
+    Raises:
+        ValueError: empty batches, steps < 1, or a prompt plus ``steps`` beyond the model context.
+    """
+    model = model if isinstance(model, Model) else load_model(model)
+    batches = sorted({int(b) for b in batches})
+    if not batches or batches[0] < 1 or steps < 1:
+        raise ValueError(f"batches must be positive and steps >= 1, got {batches}, {steps}")
+    provider, reference = get_provider(provider), get_provider(reference)
+    n_max = batches[-1]
+    if prompts is None:
+        prompts = default_prompts(model, n_max)
+    prompts = [model.tokenizer.encode(p) if isinstance(p, str) else list(map(int, p)) for p in prompts]
+    prompts = [prompts[i % len(prompts)] for i in range(n_max)]
+    need = max(len(p) for p in prompts) + steps
+    if need > model.config.context_length:
+        raise ValueError(f"prompts of up to {need - steps} tokens plus {steps} steps need {need} positions; "
+                         f"the model context is {model.config.context_length}")
+    dtype = np.dtype(model.io_dtype).name
+    rtol = LOGIT_RTOL.get(dtype, LOGIT_RTOL["float16"])
+    report = ParityReport(str(model.folder), provider.name, reference.name, dtype, batches, steps)
+    caps = provider.capabilities()
+
+    # reference: free-running greedy, batch 1 per prompt (cpu_reference is batch-invariant)
+    refs = [_decode(_session(model, reference, 1, need), [p], steps, None, True) for p in prompts]
+    ref_tokens = [r.tokens[:, 0] for r in refs]
+    forced_all = [t[:steps].tolist() for t in ref_tokens]
+
+    # provider: teacher-forced batch-1 runs (the invariance baseline) and batch-N runs
+    singles = [_decode(_session(model, provider, 1, need), [p], steps, [f], True)
+               for p, f in zip(prompts, forced_all)]
+    batch_runs = {1: singles[0]}
+    for n in batches:
+        if n > 1:
+            batch_runs[n] = _decode(_session(model, provider, n, need), prompts[:n], steps, forced_all[:n], True)
+    _logits_gate(report, batch_runs, singles, refs, rtol)
+    _greedy_gate(report, model, provider, prompts, refs, steps, need, rtol)
+
+    big = batch_runs[n_max]
+    fails = [g for n in batches if n > 1
+             for g in [_bitwise("batch_invariance", batch_runs[n], singles[i], [i], [0], f"batch {n} row {i} vs batch 1")
+                       for i in range(n)] if g]
+    report.gates.append(fails[0] if fails else Gate(
+        "batch_invariance", PASS if n_max > 1 else SKIP,
+        f"every row of batches {[n for n in batches if n > 1]} is bitwise its batch-1 run" if n_max > 1
+        else "needs a batch > 1"))
+
+    same = _decode(_session(model, provider, n_max, need), [prompts[0]] * n_max, steps, [forced_all[0]] * n_max, False)
+    diff = [i for i in range(1, n_max) if not (np.array_equal(same.digests[:, i], same.digests[:, 0])
+                                                and np.array_equal(same.tokens[:, i], same.tokens[:, 0]))]
+    report.gates.append(Gate("row_identity", FAIL, f"rows {diff} differ from row 0") if diff else Gate(
+        "row_identity", PASS if n_max > 1 else SKIP, f"{n_max} copies of prompt 0 are bitwise equal"))
+
+    s = _session(model, provider, n_max, need)
+    first = _decode(s, prompts, steps, forced_all, False)
+    second = _decode(s, prompts, steps, forced_all, False)
+    report.gates.append(_bitwise("reuse", first, second, what="second request on one session") or Gate(
+        "reuse", PASS, "a second request on the same session is bitwise the first"))
+
+    s = _session(model, provider, n_max, need)
+    poisoned = all(_fill(t, np.nan) for pair in s.kv for t in pair)
+    if poisoned:
+        run = _decode(s, prompts, steps, forced_all, False)
+        report.gates.append(_bitwise("poison", run, big, what="NaN-filled KV vs clean") or Gate(
+            "poison", PASS, "NaN in every KV slot before the request changes no logit"))
+    else:
+        report.gates.append(Gate("poison", SKIP, "the provider's tensors do not support item assignment"))
+
+    if "seq_major" in caps.kv_layouts and "head_major" in caps.kv_layouts:
+        run = _decode(_session(model, provider, n_max, need, kv_layout="seq_major"), prompts, steps, forced_all, False)
+        report.gates.append(_bitwise("layout", run, big, what="seq_major vs head_major") or Gate(
+            "layout", PASS, "seq_major == head_major, bitwise"))
+    else:
+        report.gates.append(Gate("layout", SKIP, f"provider has KV layouts {caps.kv_layouts} only"))
+
+    start = max(len(p) for p in prompts)
+    grow = _decode(_session(model, provider, n_max, need, capacity=start, kv_policy="growing"),
+                   prompts, steps, forced_all, False)
+    report.gates.append(_bitwise("growth", grow, big, what=f"growing ({grow.growth_events} growth events) vs fixed")
+                        or Gate("growth", PASS, f"growing == fixed, bitwise, across {grow.growth_events} growth "
+                                                f"events", {"growth_events": grow.growth_events}))
+
+    if caps.graph_capture:
+        on = _decode(_session(model, provider, n_max, need, capture=True), prompts, steps, forced_all, False)
+        on_grow = _decode(_session(model, provider, n_max, need, capture=True, capacity=start, kv_policy="growing"),
+                          prompts, steps, forced_all, False)
+        gate = (_bitwise("capture", on, big, what="capture on vs off (fixed)")
+                or _bitwise("capture", on_grow, big, what="capture on vs off (growing)"))
+        c = on.counters
+        report.gates.append(gate or Gate(
+            "capture", PASS, f"capture on == off, bitwise (fixed: {c.get('captures')} captures, "
+                             f"{c.get('replays')} replays; growing: {on_grow.counters.get('invalidations')} "
+                             f"invalidations)", {"fixed": c, "growing": on_grow.counters}))
+        if on.counters.get("fallbacks"):
+            report.gates[-1].detail += f"; fallbacks: {on.counters['fallbacks']}"
+    else:
+        report.gates.append(Gate("capture", SKIP, "provider declares no graph capture"))
+    return report
+
+
+def _logits_gate(report: ParityReport, batch_runs: dict, singles: list, refs: list, rtol: float) -> None:
+    worst_rel, first_div = 0.0, None
+    runs = dict(batch_runs)
+    for n, run in sorted(runs.items()):
+        for step in range(run.tokens.shape[0]):
+            errs, rels, agree = [], [], []
+            for row in range(run.tokens.shape[1]):
+                got, want = run.logits[step][row], refs[row].logits[step][0]
+                err = float(np.max(np.abs(got.astype(np.float64) - want)))
+                scale = max(float(np.max(np.abs(want))), 1e-30)
+                errs.append(err)
+                rels.append(err / scale)
+                ok = int(run.tokens[step, row]) == int(refs[row].tokens[step, 0])
+                agree.append(ok)
+                if not ok and first_div is None:
+                    first_div = {"batch": n, "step": step, "row": row}
+            report.per_step.append({"batch": n, "step": step, "max_abs": max(errs), "max_rel": max(rels),
+                                    "top1": float(np.mean(agree))})
+            worst_rel = max(worst_rel, max(rels))
+    for i, run in enumerate(singles[1:], start=1):  # the other batch-1 rows count too
+        for step in range(run.tokens.shape[0]):
+            want = refs[i].logits[step][0]
+            err = float(np.max(np.abs(run.logits[step][0].astype(np.float64) - want)))
+            worst_rel = max(worst_rel, err / max(float(np.max(np.abs(want))), 1e-30))
+    top1 = float(np.mean([s["top1"] for s in report.per_step]))
+    metrics = {"max_abs": max(s["max_abs"] for s in report.per_step), "max_rel": worst_rel,
+               "top1_agreement": top1, "first_divergence": first_div, "rtol": rtol}
+    detail = (f"max abs {metrics['max_abs']:.3g}, max rel {worst_rel:.3g} (tolerance {rtol:g}), "
+              f"top-1 agreement {100 * top1:.2f}%, first divergence "
+              + (f"batch {first_div['batch']} step {first_div['step']} row {first_div['row']}" if first_div else "none"))
+    report.gates.append(Gate("logits", PASS if worst_rel <= rtol else FAIL, detail, metrics))
+
+
+def _greedy_gate(report: ParityReport, model: Model, provider, prompts, refs, steps: int, need: int,
+                 rtol: float) -> None:
+    session = _session(model, provider, len(prompts), need)
+    results = generate(session, prompts, steps + 1)
+    eos = set(model.config.eos_token_ids)
+    near_ties, hard = [], []
+    for row, ((out, reason), ref) in enumerate(zip(results, refs)):
+        want = []
+        for tok in ref.tokens[:, 0].tolist():
+            if tok < 0:
+                break
+            want.append(tok)
+            if tok in eos:
+                break
+        if out == want:
+            continue
+        step = next((t for t, (a, b) in enumerate(zip(out, want)) if a != b), min(len(out), len(want)))
+        if step < len(out) and step < len(want):
+            lg = refs[row].logits[step][0]
+            margin = float(lg[want[step]] - lg[out[step]])
+            tol = rtol * float(np.max(np.abs(lg)))
+            (near_ties if margin <= tol else hard).append((row, step, margin))
+        else:
+            hard.append((row, step, float("nan")))
+    if hard:
+        row, step, margin = hard[0]
+        report.gates.append(Gate("greedy", FAIL, f"row {row} diverges at step {step} (reference top-2 margin "
+                                                 f"{margin:.3g}); {len(hard)} rows diverge", {"divergences": hard}))
+    else:
+        detail = f"batch {len(prompts)}: every row's greedy tokens equal the reference"
+        if near_ties:
+            detail += f" up to near ties at (row, step) {[(r, s) for r, s, _ in near_ties]}"
+        report.gates.append(Gate("greedy", PASS, detail, {"near_ties": near_ties}))
