@@ -109,6 +109,7 @@ class Session:
         self.positions = p.allocate((B,), np.int32, zero=True)
         self.lengths_dev = p.allocate((B,), np.int32, zero=True)
         self.lengths = np.zeros(B, np.int64)  # host mirror of lengths_dev
+        self.binding.bind_input("input_ids", self.input_ids)
         self._allocate_kv(int(capacity))
         self.capture = CaptureState(self, enabled=capture)
         self.logits = None
@@ -130,6 +131,7 @@ class Session:
                    for _ in range(cfg.num_layers)]
         self.attention_mask = p.allocate((self.batch, capacity), np.int64, zero=True)
         self.counters.kv_bytes = 2 * cfg.num_layers * self.geometry.nbytes
+        self.binding.bind_input("attention_mask", self.attention_mask)
         for i, (k, v) in enumerate(self.kv):
             for name, t in ((cfg.past_key % i, k), (cfg.past_value % i, v)):
                 self.binding.bind_input(name, t)

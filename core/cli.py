@@ -1,0 +1,176 @@
+"""The ``lockstep`` command (also ``python -m core``).
+
+    lockstep run [--model DIR|NAME] [--provider P] --prompt A [--prompt B ...] [--max-new-tokens N]
+                 [--raw] [--json] [--layout head_major|seq_major] [--no-capture]
+    lockstep prepare smollm2-135m [--precision fp32|int4|fp16] [--target cpu|cuda] [--output DIR]
+    lockstep providers
+    lockstep parity --provider P --model DIR [--batch 1,2,8] [--steps 64] [--json]
+    lockstep profile MODEL --provider P --batch-sweep 1,2,4 --tokens T --context L [...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+
+from core.prepare import DEFAULT_MODEL, MODELS, PRECISIONS, TARGETS, Variant, prepare, resolve_model
+
+console = Console(stderr=True)
+
+
+def _default_target(provider: str) -> tuple[str, str]:
+    return ("fp16", "cuda") if provider == "cuda" else ("fp32", "cpu")
+
+
+def _resolve_model(model: str | None, provider: str):
+    if model is not None and model not in MODELS:
+        return model
+    precision, target = _default_target(provider)
+    with console.status("preparing the default model") as status:
+        return resolve_model(model, precision, target, progress=status.update)
+
+
+def cmd_run(a) -> int:
+    from rich.progress import Progress
+
+    from core.generate import run
+
+    model = _resolve_model(a.model, a.provider)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("decoding", total=a.max_new_tokens)
+        result = run(model, provider=a.provider, prompts=a.prompt, max_new_tokens=a.max_new_tokens,
+                     chat=not a.raw, kv_layout=a.layout, capture=False if a.no_capture else None,
+                     progress=lambda done, total: bar.update(task, completed=done))
+    if a.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        for prompt, row in zip(a.prompt, result.rows):
+            if len(a.prompt) > 1:
+                print(f"### {prompt}")
+            print(row.text)
+        c = result.counters
+        tokens = sum(len(r.output_ids) for r in result.rows)
+        console.print(f"[dim]{result.provider}: {len(result.rows)} rows, {tokens} tokens, prefill "
+                      f"{c['prefill_s'] * 1e3:.0f} ms, decode {c['decode_steps']} steps "
+                      f"{c['decode_s'] * 1e3:.0f} ms[/dim]")
+    return 0
+
+
+def cmd_prepare(a) -> int:
+    with console.status(f"preparing {a.model}") as status:
+        path = prepare(Variant(a.model, a.precision, a.target), output=a.output,
+                            progress=status.update, force=a.force)
+    print(path)
+    return 0
+
+
+def cmd_providers(a) -> int:
+    from rich.table import Table
+
+    from core.plugins import registry
+
+    reg = registry()
+    table = Table("provider", "package", "capabilities", "protocol", "description")
+    for name in reg.names():
+        entry = reg.entries[name]
+        try:
+            caps = reg.create(name).capabilities()
+            text = (f"dtypes {','.join(caps.dtypes)}; capture {'yes' if caps.graph_capture else 'no'}; "
+                    f"vmm {'yes' if caps.vmm else 'no'}; layouts {','.join(caps.kv_layouts)}")
+            proto = str(caps.protocol_version)
+        except Exception as exc:  # noqa: BLE001 - show why it is unusable here
+            text, proto = f"[red]unavailable: {exc}[/red]", "?"
+        table.add_row(name, entry.package, text, proto, entry.spec.description)
+    Console().print(table)
+    for err in reg.errors:
+        console.print(f"[red]{err}[/red]")
+    return 0
+
+
+def cmd_parity(a) -> int:
+    from core.testing.parity import run_parity
+
+    batches = tuple(int(x) for x in a.batch.split(","))
+    with console.status(f"parity of {a.provider} against cpu_reference"):
+        report = run_parity(a.model, a.provider, batches=batches, steps=a.steps)
+    if a.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.render())
+    return 0 if report.passed else 1
+
+
+def cmd_profile(a) -> int:
+    from core.profile import profile_main
+
+    return profile_main(a, console)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lockstep", description="Batch-N decoding of ONNX LLMs on "
+                                "pluggable execution providers.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="decode prompts as one batch (greedy)")
+    r.add_argument("--model", help="builder model folder, or a model name (default: smollm2-135m, "
+                   "prepared on first use)")
+    r.add_argument("--provider", default="cpu_reference")
+    r.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    r.add_argument("--max-new-tokens", type=int, default=64)
+    r.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    r.add_argument("--json", action="store_true", help="print rows, provider and counters as JSON")
+    r.add_argument("--layout", default="head_major", choices=["head_major", "seq_major"])
+    r.add_argument("--no-capture", action="store_true", help="never capture decode steps")
+    r.set_defaults(func=cmd_run)
+
+    q = sub.add_parser("prepare", help="build a model variant with the ONNX Runtime GenAI builder")
+    q.add_argument("model", nargs="?", default=DEFAULT_MODEL, choices=sorted(MODELS))
+    q.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    q.add_argument("--target", default="cpu", choices=TARGETS)
+    q.add_argument("--output", help="folder to write (default: the cache)")
+    q.add_argument("--force", action="store_true", help="rebuild even if cached")
+    q.set_defaults(func=cmd_prepare)
+
+    v = sub.add_parser("providers", help="list installed providers")
+    v.set_defaults(func=cmd_providers)
+
+    t = sub.add_parser("parity", help="decode gates of a provider against cpu_reference")
+    t.add_argument("--provider", required=True)
+    t.add_argument("--model", required=True)
+    t.add_argument("--batch", default="1,2,8")
+    t.add_argument("--steps", type=int, default=64)
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=cmd_parity)
+
+    f = sub.add_parser("profile", help="decode throughput sweep over batch sizes")
+    f.add_argument("model")
+    f.add_argument("--provider", default="cuda")
+    f.add_argument("--batch-sweep", default="1,2,4,8,16,32,64,128,256")
+    f.add_argument("--tokens", type=int, default=64, help="measured decode steps per batch")
+    f.add_argument("--warmup", type=int, default=8, help="decode steps before measuring")
+    f.add_argument("--context", type=int, default=512, help="KV capacity (tokens)")
+    f.add_argument("--prompt-len", type=int, default=16)
+    f.add_argument("--layout", default="head_major", choices=["head_major", "seq_major"])
+    f.add_argument("--no-capture", action="store_true")
+    f.add_argument("--json", dest="json_out")
+    f.add_argument("--plot", dest="plot_out")
+    f.set_defaults(func=cmd_profile)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from core.errors import USER_ERRORS
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
