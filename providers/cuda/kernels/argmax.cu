@@ -6,6 +6,9 @@
 // order-free, so the result is the same for every grid; values compared in fp32.
 #include <cuda_fp16.h>
 
+#define NEG_INF __int_as_float(0xff800000)
+__device__ __forceinline__ bool finite_f(float v) { return fabsf(v) < __int_as_float(0x7f800000); }
+
 #define CHUNK 4096
 #define NT 256
 __device__ __forceinline__ float to_f(float x) { return x; }
@@ -35,11 +38,11 @@ __global__ void argmax_partial(const T* __restrict__ logits, const int* __restri
                                float* pv, int* pi, int* pb) {
     const int b = blockIdx.x, c = blockIdx.y, nch = gridDim.y;
     const T* row = logits + ((long long)b * S + pos[b]) * V;
-    float bv = -INFINITY; int bi = 0x7fffffff, bad = 0;
+    float bv = NEG_INF; int bi = 0x7fffffff, bad = 0;
     const int end = min(V, (c + 1) * CHUNK);
     for (int i = c * CHUNK + threadIdx.x; i < end; i += NT) {
         const float v = to_f(row[i]);
-        if (!isfinite(v)) bad = 1; else better(bv, bi, v, i);
+        if (!finite_f(v)) bad = 1; else better(bv, bi, v, i);
     }
     block_best(bv, bi, bad);
     if (threadIdx.x == 0) { pv[b * nch + c] = bv; pi[b * nch + c] = bi; pb[b * nch + c] = bad; }
@@ -47,7 +50,7 @@ __global__ void argmax_partial(const T* __restrict__ logits, const int* __restri
 
 __global__ void argmax_final(const float* pv, const int* pi, const int* pb, int nch, int* result) {
     const int b = blockIdx.x;
-    float bv = -INFINITY; int bi = 0x7fffffff, bad = 0;
+    float bv = NEG_INF; int bi = 0x7fffffff, bad = 0;
     for (int c = threadIdx.x; c < nch; c += NT) { better(bv, bi, pv[b * nch + c], pi[b * nch + c]); bad |= pb[b * nch + c]; }
     block_best(bv, bi, bad);
     if (threadIdx.x == 0) { result[2 * b] = bad ? -1 : bi; result[2 * b + 1] = bad; }

@@ -20,6 +20,9 @@
 // (the cache holds T), as cpu_reference does.
 #include <cuda_fp16.h>
 
+#define NEG_INF __int_as_float(0xff800000)
+__device__ __forceinline__ bool finite_f(float v) { return fabsf(v) < __int_as_float(0x7f800000); }
+
 #define NT 128
 
 __device__ __forceinline__ float to_f(float x) { return x; }
@@ -88,7 +91,7 @@ __device__ void attend(const float* qs, const T* kc, const T* vc, long long cj, 
         }
     }
     __syncthreads();
-    float m = -INFINITY;
+    float m = NEG_INF;
     for (int jj = tid; jj < n; jj += NT) m = fmaxf(m, sc[jj]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -96,7 +99,7 @@ __device__ void attend(const float* qs, const T* kc, const T* vc, long long cj, 
     __syncthreads();
     m = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
     if (use_sink) m = fmaxf(m, sink);
-    if (!isfinite(m)) m = 0.f;
+    if (!finite_f(m)) m = 0.f;
     __syncthreads();
     float l = 0.f;
     for (int jj = tid; jj < n; jj += NT) { const float e = expf(__fsub_rn(sc[jj], m)); sc[jj] = e; l = __fadd_rn(l, e); }
