@@ -1,0 +1,87 @@
+"""The parity kit's tests: every op case, device_argmax, decode_advance and every decode gate.
+
+Collected by ``pytest --lockstep-provider NAME`` (the plugin adds this file to the run), or
+imported by a project's own conformance tests (``from core.testing.suite import *``) next to a
+``lockstep_target`` fixture returning a :class:`core.testing.target.KitTarget`.
+Each test has a kit id ("op/<case>/<dtype>", "argmax/<case>/<dtype>", "advance/decode_advance",
+"gate/<name>") that exclusion patterns match.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core.testing.kit import CaseResult, run_argmax_case, run_decode_advance, run_op_case
+from core.testing.op_cases import argmax_params, case_params
+
+GATES = ("logits", "greedy", "batch_invariance", "row_identity", "reuse", "poison", "layout",
+         "growth", "capture")
+
+__all__ = ["test_op", "test_device_argmax", "test_decode_advance", "test_gate"]
+
+
+def _enter(target, request, kit_id: str) -> None:
+    """Record the kit id for the summary and apply a matching exclusion or xfail rule."""
+    request.node.user_properties.append(("lockstep_id", kit_id))
+    request.node.user_properties.append(("lockstep_provider", target.provider().name))
+    rule = target.rule_for(kit_id)
+    if rule is None:
+        return
+    request.node.user_properties.append(("lockstep_detail", f"{rule.kind}: {rule.reason} ({rule.source})"))
+    if rule.kind == "exclude":
+        pytest.skip(f"excluded by {rule.source}: {rule.reason}")
+    request.applymarker(pytest.mark.xfail(reason=f"{rule.source}: {rule.reason}", strict=True))
+
+
+def _record(request, result: CaseResult) -> None:
+    request.node.user_properties.append(("lockstep_detail", result.summary()))
+
+
+def _check_declared(provider, dtype: str, kv_layout: str = "head_major") -> None:
+    caps = provider.capabilities()
+    if np.dtype(dtype).kind == "f" and dtype not in caps.dtypes:
+        pytest.skip(f"provider declares dtypes {caps.dtypes}, not {dtype}")
+    if kv_layout not in caps.kv_layouts:
+        pytest.skip(f"provider declares KV layouts {caps.kv_layouts}, not {kv_layout}")
+
+
+@pytest.mark.parametrize("kit_id,case,dtype", [pytest.param(*p, id=p[0]) for p in case_params()])
+def test_op(lockstep_target, request, kit_id, case, dtype):
+    """One single-node model on the provider vs cpu_reference, two fresh random draws, outputs poisoned."""
+    _enter(lockstep_target, request, kit_id)
+    provider = lockstep_target.provider()
+    _check_declared(provider, dtype, case.kv_layout)
+    result = run_op_case(case, dtype, provider, lockstep_target.reference(), lockstep_target.rng(kit_id))
+    _record(request, result)
+    assert result.passed, f"{kit_id}: {result.detail} (seed {lockstep_target.seed})"
+
+
+@pytest.mark.parametrize("kit_id,case,dtype", [pytest.param(*p, id=p[0]) for p in argmax_params()])
+def test_device_argmax(lockstep_target, request, kit_id, case, dtype):
+    """device_argmax: lowest index on ties, non-finite rows flagged [-1, 1] (CASES 11, 12)."""
+    _enter(lockstep_target, request, kit_id)
+    provider = lockstep_target.provider()
+    _check_declared(provider, dtype)
+    result = run_argmax_case(case, dtype, provider, lockstep_target.reference(), lockstep_target.rng(kit_id))
+    _record(request, result)
+    assert result.passed, f"{kit_id}: {result.detail}"
+
+
+def test_decode_advance(lockstep_target, request):
+    """decode_advance feeds tokens back (pad 0 for a flagged row) and advances mask and lengths."""
+    _enter(lockstep_target, request, "advance/decode_advance")
+    result = run_decode_advance(lockstep_target.provider(), lockstep_target.reference())
+    _record(request, result)
+    assert result.passed, result.detail
+
+
+@pytest.mark.parametrize("kit_id", [pytest.param(f"gate/{g}", id=f"gate/{g}") for g in GATES])
+def test_gate(lockstep_target, request, kit_id):
+    """One decode gate of :func:`core.testing.parity.run_parity` (computed once per session)."""
+    _enter(lockstep_target, request, kit_id)
+    gate = lockstep_target.parity().gate(kit_id.split("/", 1)[1])
+    request.node.user_properties.append(("lockstep_detail", gate.detail))
+    if gate.status == "skip":
+        pytest.skip(gate.detail)
+    assert gate.status == "pass", gate.detail
