@@ -1,0 +1,151 @@
+"""``lockstep profile``: decode throughput over a sweep of batch sizes.
+
+For each batch size B: a session with the given KV capacity, B prompts of ``--prompt-len``
+random tokens (row 0 the same prompt at every B), ``--warmup`` decode steps (these include the
+capture warm-up and the capture), then ``--tokens`` measured steps. Each step ends when its
+``[B, 2]`` argmax result is on the host, so step times are wall times of complete steps.
+The check column compares row 0's token stream with the batch-1 stream, bitwise.
+
+The floor column is the time to read every weight byte once at the provider's measured
+device bandwidth (``provider.device_bandwidth()`` in bytes/s, when the provider offers it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import attrs
+import numpy as np
+
+from core.model import load_model
+from core.plugins import get_provider
+from core.session import Session
+
+
+@attrs.frozen
+class ProfileRow:
+    """One batch size of a sweep (times in milliseconds, sizes in bytes)."""
+
+    batch: int
+    tokens_per_s: float
+    step_ms_p50: float
+    step_ms_p95: float
+    floor_ms: float | None
+    captures: int
+    replays: int
+    fallbacks: int
+    invalidations: int
+    kv_bytes_moved: int
+    peak_device_bytes: int | None
+    kv_bytes: int
+    row0_matches_batch1: bool
+    fallback_reasons: list = attrs.field(factory=list)
+
+
+def _stream(model, provider, batch, args, prompt, rng, bandwidth):
+    rows = [prompt] + [list(rng.integers(3, model.config.vocab_size, len(prompt))) for _ in range(batch - 1)]
+    session = Session(model, provider, batch=batch, capacity=args.context, kv_layout=args.layout,
+                      kv_policy="fixed", capture=False if args.no_capture else None)
+    p = session.provider
+    if hasattr(p, "reset_peak"):
+        p.reset_peak()
+    tokens = [session.prefill(rows).tokens[0]]
+    for _ in range(args.warmup):
+        tokens.append(session.step().tokens[0])
+    times = []
+    for _ in range(args.tokens):
+        t0 = time.perf_counter()
+        tokens.append(session.step().tokens[0])
+        times.append(time.perf_counter() - t0)
+    times_ms = np.array(times) * 1e3
+    c = session.counters
+    floor = None if bandwidth is None else c.weight_bytes / bandwidth * 1e3
+    peak = p.peak_bytes() if hasattr(p, "peak_bytes") else None
+    row = ProfileRow(batch, batch * len(times) / sum(times), float(np.percentile(times_ms, 50)),
+                     float(np.percentile(times_ms, 95)), floor, c.captures, c.replays,
+                     len(c.fallbacks), c.invalidations, c.kv_bytes_moved, peak, c.kv_bytes,
+                     False, list(c.fallbacks))
+    return row, tokens
+
+
+def profile(model_dir, provider, batches: list[int], args, progress=None) -> list[ProfileRow]:
+    """Run the sweep; returns one :class:`ProfileRow` per batch size.
+
+    Raises:
+        core.session.RequestError: the context cannot hold prompt + warm-up + measured steps.
+    """
+    model = load_model(model_dir)
+    need = args.prompt_len + args.warmup + args.tokens + 1
+    if need > args.context:
+        from core.session import RequestError
+
+        raise RequestError(f"--context {args.context} is too small: prompt + warm-up + measured "
+                           f"steps need {need} positions")
+    rng = np.random.default_rng(0)
+    prompt = list(rng.integers(3, model.config.vocab_size, args.prompt_len))
+    provider = get_provider(provider)
+    bandwidth = provider.device_bandwidth() if hasattr(provider, "device_bandwidth") else None
+    rows, reference = [], None
+    for i, batch in enumerate(batches):
+        row, stream = _stream(model, provider, batch, args, prompt, rng, bandwidth)
+        if reference is None:
+            reference = stream if batch == 1 else _stream(model, provider, 1, args, prompt, rng, None)[1]
+        rows.append(attrs.evolve(row, row0_matches_batch1=[int(t) for t in stream] == [int(t) for t in reference]))
+        if progress is not None:
+            progress(i + 1, len(batches), rows[-1])
+    return rows
+
+
+def render(rows: list[ProfileRow], title: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("batch", "tok/s", "ms/step p50", "p95", "floor ms", "captures", "replays",
+                "fallbacks", "invalid.", "kv moved", "peak dev MiB", "KV MiB", "row0==b1"):
+        table.add_column(col, justify="right")
+    mib = lambda x: "-" if x is None else f"{x / 2**20:,.1f}"  # noqa: E731
+    for r in rows:
+        table.add_row(str(r.batch), f"{r.tokens_per_s:,.0f}", f"{r.step_ms_p50:.3f}", f"{r.step_ms_p95:.3f}",
+                      "-" if r.floor_ms is None else f"{r.floor_ms:.3f}", str(r.captures), str(r.replays),
+                      str(r.fallbacks), str(r.invalidations), str(r.kv_bytes_moved), mib(r.peak_device_bytes),
+                      mib(r.kv_bytes), "yes" if r.row0_matches_batch1 else "[red]NO[/red]")
+    return table
+
+
+def plot(rows: list[ProfileRow], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r.batch for r in rows], [r.tokens_per_s for r in rows], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def profile_main(args, console) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    batches = [int(x) for x in args.batch_sweep.split(",")]
+    title = (f"{args.model} on {args.provider}, {args.layout}, "
+             f"{'eager' if args.no_capture else 'capture when supported'}, context {args.context}")
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("profiling", total=len(batches))
+        rows = profile(args.model, args.provider, batches, args,
+                       progress=lambda done, total, row: bar.update(task, completed=done))
+    Console().print(render(rows, title))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"title": title, "rows": [attrs.asdict(r) for r in rows]}, f, indent=2)
+    if args.plot_out:
+        plot(rows, args.plot_out, title)
+    return 0 if all(r.row0_matches_batch1 for r in rows) else 1
