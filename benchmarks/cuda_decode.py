@@ -64,6 +64,44 @@ class Loop:
         return out["logits"]
 
 
+def profile(loop, steps: int = 3) -> dict:
+    """GPU milliseconds per op type for one decode step (events around every node, synced)."""
+    import cupy
+
+    plan, acc = loop.plan, {}
+    for _ in range(steps):
+        values = dict(plan.constants)
+        values.update(loop._feeds(loop.ids, loop.mask))
+        for node, kernel, ctx in zip(plan.nodes, plan.kernels, plan.contexts):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            outs = kernel(ctx, *[values[x] if x else None for x in node.inputs])
+            end.record()
+            end.synchronize()
+            acc[node.op_type] = acc.get(node.op_type, 0.0) + cupy.cuda.get_elapsed_time(start, end) / steps
+            for name, value in zip(node.outputs, outs):
+                if name:
+                    values[name] = value
+    return acc
+
+
+def captured_ms(loop, replays: int) -> float:
+    """ms per decode step replayed from a CUDA graph (plan + argmax + decode_advance)."""
+    p = loop.p
+    loop.plan.set_frozen(True)
+    p.begin_capture()
+    loop.step()
+    graph = p.end_capture()
+    p.replay(graph)
+    p.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        p.replay(graph)
+    p.synchronize()
+    loop.plan.set_frozen(False)
+    return (time.perf_counter() - t0) / replays * 1e3
+
+
 def tokens(loop, prompts, steps):
     """Greedy tokens per row [B, steps + 1] and the host logits of every step."""
     toks, logits = [], []
@@ -84,6 +122,7 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--parity", action="store_true")
     ap.add_argument("--capacity", type=int, default=256)
+    ap.add_argument("--profile", default="1,256", type=lambda t: [int(x) for x in t.split(",") if x])
     args = ap.parse_args()
     from core.plugins import Registry
 
@@ -119,7 +158,16 @@ def main():
             loop.step()
         cuda.synchronize()
         dt = (time.perf_counter() - t0) / args.steps
-        print(f"batch {b:4d}: {dt * 1e3:7.2f} ms/step eager, {b / dt:10.0f} tok/s", flush=True)
+        cap_ms = float("nan")
+        try:
+            cap_ms = captured_ms(loop, args.steps)
+        except Exception as exc:  # noqa: BLE001 - report and keep measuring
+            print(f"capture failed: {exc!r}")
+        print(f"batch {b:4d}: {dt * 1e3:7.2f} ms/step eager, {b / dt:10.0f} tok/s; captured "
+              f"{cap_ms:7.3f} ms/step, {b / cap_ms * 1e3:10.0f} tok/s", flush=True)
+        if b in args.profile:
+            prof = profile(loop)
+            print("  GPU ms per op type:", {k: round(v, 3) for k, v in sorted(prof.items(), key=lambda kv: -kv[1])})
 
 
 if __name__ == "__main__":

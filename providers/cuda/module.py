@@ -22,9 +22,17 @@ def _module(name: str, expressions: tuple[str, ...]):
     return cupy.RawModule(code=source, options=("--std=c++17",), name_expressions=list(expressions))
 
 
+_FUNCTIONS: dict = {}
+
+
 def function(name: str, expression: str, expressions: tuple[str, ...]):
-    """The compiled kernel ``expression`` of ``kernels/<name>.cu`` (one of ``expressions``)."""
-    return _module(name, expressions).get_function(expression)
+    """The compiled kernel ``expression`` of ``kernels/<name>.cu`` (one of ``expressions``),
+    cached per process (a dict hit: launch paths call this on every step)."""
+    key = (name, expression)
+    fn = _FUNCTIONS.get(key)
+    if fn is None:
+        fn = _FUNCTIONS[key] = _module(name, expressions).get_function(expression)
+    return fn
 
 
 def ctype(dtype) -> str:

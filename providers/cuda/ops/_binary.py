@@ -1,4 +1,5 @@
-"""Broadcasting binary ops on the device through CuPy ufuncs with ``out=`` (no allocation).
+"""Binary ops on the device: same-shape float operands through kernels/elementwise.cu (one
+launch, little Python); broadcasting or integer cases through CuPy ufuncs with ``out=``.
 
 A host operand of one element is passed as a scalar of its own dtype; a larger host operand is
 uploaded once (device_array). fp16 is computed as CuPy does (converted to fp32 and rounded
@@ -7,10 +8,20 @@ once), which equals cpu_reference's fp32-then-round for +, -, *.
 
 import numpy as np
 
-from providers.cuda.ops import device_array, host_or_none, is_host
+from providers.cuda.module import ctype, function
+from providers.cuda.ops import device_array, grid_threads, host_or_none, is_host
+
+EXPRS = ("binary<__half>", "binary<float>", "sigmoid<__half>", "sigmoid<float>")
+OPS = {"mul": 0, "add": 1, "sub": 2, "div": 3}
 
 
 def run(ctx, ufunc, module_name: str, a, b):
+    if (not is_host(a) and not is_host(b) and a.shape == b.shape and a.dtype == b.dtype
+            and a.dtype in (np.float16, np.float32) and a.flags.c_contiguous and b.flags.c_contiguous):
+        out = ctx.output(0, a.shape, a.dtype)
+        kern = function("elementwise", f"binary<{ctype(a.dtype)}>", EXPRS)
+        kern(grid_threads(a.size, 256, 4096), (256,), (a, b, out, np.int64(a.size), np.int32(OPS[module_name])))
+        return (out,)
     host = host_or_none(ctx, module_name, (a, b))
     if host is not None:
         return host

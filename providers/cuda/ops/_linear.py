@@ -7,9 +7,12 @@ these choices may follow M without breaking batch invariance.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
+@functools.lru_cache(maxsize=4096)
 def config(m: int, n: int, n_chunks: int) -> tuple[int, tuple, tuple, int]:
     """(RT, grid, block, shared bytes) for an [m, K] x [K, n] product of ``n_chunks`` chunks."""
     rt = 1 if m <= 1 else 2 if m == 2 else 4 if m <= 4 else 8

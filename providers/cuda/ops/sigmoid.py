@@ -1,22 +1,16 @@
 """Sigmoid (ONNX): y = 1 / (1 + exp(-x)) in fp32, rounded to the input dtype (fp16/fp32).
 
-Elementwise (no reduction): batch-invariant by construction. Source: ONNX Sigmoid-13.
+kernels/elementwise.cu (no reduction): batch-invariant by construction. Source: ONNX Sigmoid-13.
 """
 
-import functools
+import numpy as np
 
-from providers.cuda.ops import host_or_none
+from providers.cuda.module import ctype, function
+from providers.cuda.ops import grid_threads, host_or_none
+from providers.cuda.ops._binary import EXPRS
 
 OP_TYPE = "Sigmoid"
 DOMAIN = ""
-
-
-@functools.lru_cache(maxsize=None)
-def _kernel():
-    import cupy
-
-    return cupy.ElementwiseKernel("T x", "T y", "y = (T)(1.0f / (1.0f + expf(-(float)x)))",
-                                  "lockstep_sigmoid")
 
 
 def run(ctx, x):
@@ -24,5 +18,6 @@ def run(ctx, x):
     if host is not None:
         return host
     y = ctx.output(0, x.shape, x.dtype)
-    _kernel()(x, y)
+    kern = function("elementwise", f"sigmoid<{ctype(x.dtype)}>", EXPRS)
+    kern(grid_threads(x.size, 256, 4096), (256,), (x, y, np.int64(x.size)))
     return (y,)
