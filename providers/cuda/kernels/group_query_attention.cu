@@ -9,7 +9,7 @@
 // Batch invariance: the grid is (S, heads, B) or (Nkv, B); blocks whose row has nothing to do
 // exit; nothing depends on B, on the capacity or on total_sequence_length except the grid
 // size.  For one (b, head, p) the arithmetic is fixed by H and by the key index alone:
-//   score z_j: lane l of the warp owning key j sums q[d] k[d] for d = l, l + 32, ... (fmaf,
+//   score z_j: lane l of the warp owning key j (4 consecutive keys per warp) sums q[d] k[d] for d = l, l + 32, ... (fmaf,
 //     ascending), then a fixed xor-shuffle tree; lane 0's value is used.
 //   max: exact.  e_j = expf(z_j - m).  denominator: thread t sums e_j for j = lo + t + 128 i
 //     ascending, then a fixed xor tree per warp and the 4 warp sums added in order.
@@ -77,17 +77,29 @@ __device__ void attend(const float* qs, const T* kc, const T* vc, long long cj, 
                        const Geo& g, float sink, bool use_sink, float* sc, float* red, T* out) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int n = hi - lo + 1;
-    for (int jj = warp; jj < n; jj += NT / 32) {
-        const T* k = kc + (long long)(lo + jj) * cj;
-        float s = 0.f;
-        for (int d = lane; d < H; d += 32) s = fmaf(qs[d], to_f(k[d]), s);
+    // 4 keys per warp iteration: all loads issued first (the arithmetic per key is unchanged)
+    for (int j0 = warp * 4; j0 < n; j0 += NT / 32 * 4) {
+        float kv[4][8];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-        s = __shfl_sync(0xffffffffu, s, 0);
-        if (lane == 0) {
-            float z = __fmul_rn(s, g.scale);
-            if (g.softcap > 0.f) z = __fmul_rn(g.softcap, tanhf(__fdiv_rn(z, g.softcap)));
-            sc[jj] = z;
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int d = lane + 32 * i;
+                kv[u][i] = (j0 + u < n && d < H) ? to_f(kc[(long long)(lo + j0 + u) * cj + d]) : 0.f;
+            }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) if (lane + 32 * i < H) s = fmaf(qs[lane + 32 * i], kv[u][i], s);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+            s = __shfl_sync(0xffffffffu, s, 0);
+            if (lane == 0 && j0 + u < n) {
+                float z = __fmul_rn(s, g.scale);
+                if (g.softcap > 0.f) z = __fmul_rn(g.softcap, tanhf(__fdiv_rn(z, g.softcap)));
+                sc[j0 + u] = z;
+            }
         }
     }
     __syncthreads();
@@ -115,7 +127,17 @@ __device__ void attend(const float* qs, const T* kc, const T* vc, long long cj, 
         const int d = d0 + (H <= NT ? tid % H : tid), u = H <= NT ? tid / H : 0;
         float acc = 0.f;
         if (u < slots && d < H)
-            for (int jj = u; jj < n; jj += slots) acc = fmaf(sc[jj], to_f(vc[(long long)(lo + jj) * cj + d]), acc);
+        {
+            int jj = u;
+            for (; jj + 7 * slots < n; jj += 8 * slots) {  // loads first, same fmaf order
+                float v[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) v[i] = to_f(vc[(long long)(lo + jj + i * slots) * cj + d]);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc = fmaf(sc[jj + i * slots], v[i], acc);
+            }
+            for (; jj < n; jj += slots) acc = fmaf(sc[jj], to_f(vc[(long long)(lo + jj) * cj + d]), acc);
+        }
         __syncthreads();
         if (u < slots && d < H) red[u * (H <= NT ? H : NT) + (d - d0)] = acc;
         __syncthreads();

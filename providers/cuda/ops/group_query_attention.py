@@ -68,6 +68,8 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         q_row, k_row, k_off, v_off = width, nkv * h, 0, 0
         if key.shape != (bsz, s_len, nkv * h) or value.shape != key.shape:
             raise ValueError(f"GroupQueryAttention: key/value shapes {key.shape}/{value.shape}")
+    if h > 256 or h % 8:
+        raise ValueError(f"GroupQueryAttention (cuda): head size {h} unsupported (multiple of 8, <= 256)")
     if past_key is None or past_value is None:
         raise ValueError("GroupQueryAttention (cuda): needs the shared KV buffer as past_key/past_value")
     head_major = ctx.kv_layout == "head_major"
