@@ -62,7 +62,10 @@ class Session:
         kv_layout: "head_major" ([B, Nkv, S, H], the builder's BNSH) or "seq_major" ([B, S, Nkv, H]).
         kv_policy: "fixed" (capacity is a hard limit) or "growing" (the buffers are reallocated
             to a larger bucket when a step needs it: prefix copied, suffix zeroed, counted in
-            ``counters.kv_bytes_moved``). Default: "growing" when capacity is None, else "fixed".
+            ``counters.kv_bytes_moved``). On a provider with VMM (``capabilities().vmm`` and a
+            ``reserve`` method) a growing session reserves the full context once and commits
+            pages as rows grow: pointers never move, nothing is copied, captures survive.
+            Default: "growing" when capacity is None, else "fixed".
         capture: use graph capture for decode steps when the provider supports it (None = auto).
 
     Raises:
@@ -96,6 +99,7 @@ class Session:
                                f"got {capacity!r}")
         caps = self.provider.capabilities()
         self._page = (2 << 20) if caps.vmm else 4096  # VMM granularity, else host pages
+        self.vmm = bool(caps.vmm and kv_policy == "growing" and hasattr(self.provider, "reserve"))
         if kv_layout not in caps.kv_layouts:
             raise RequestError(f"provider {self.provider.name!r} does not support KV layout {kv_layout!r}")
         self.batch, self.kv_layout, self.kv_policy = int(batch), kv_layout, kv_policy
@@ -123,13 +127,18 @@ class Session:
                                 cfg.head_size, self.model.io_dtype.itemsize)
 
     def _allocate_kv(self, capacity: int) -> None:
+        """Allocate KV and mask for ``capacity`` positions (with VMM: reserve the full context
+        once; ``capacity`` is then only the logical limit and pages are committed per step)."""
         self.capacity = capacity
-        self.geometry = self._geometry(capacity)
         p, cfg = self.provider, self.model.config
-        self.kv = [(p.allocate(self.geometry.shape, self.model.io_dtype, zero=True),
-                    p.allocate(self.geometry.shape, self.model.io_dtype, zero=True))
-                   for _ in range(cfg.num_layers)]
-        self.attention_mask = p.allocate((self.batch, capacity), np.int64, zero=True)
+        stride = cfg.context_length if self.vmm else capacity
+        self.geometry = self._geometry(stride)
+        if self.vmm:
+            new = lambda: p.reserve(self.geometry.shape, self.model.io_dtype)  # noqa: E731
+        else:
+            new = lambda: p.allocate(self.geometry.shape, self.model.io_dtype, zero=True)  # noqa: E731
+        self.kv = [(new(), new()) for _ in range(cfg.num_layers)]
+        self.attention_mask = p.allocate((self.batch, stride), np.int64, zero=True)
         self.counters.kv_bytes = 2 * cfg.num_layers * self.geometry.nbytes
         self.binding.bind_input("attention_mask", self.attention_mask)
         for i, (k, v) in enumerate(self.kv):
@@ -139,8 +148,14 @@ class Session:
             self.binding.bind_output(cfg.present_value % i, v)
 
     def _grow(self, needed: int) -> None:
-        """Reallocate KV and mask to hold ``needed`` positions (growing policy)."""
+        """Make room for ``needed`` positions (growing policy). With a VMM arena only the
+        logical capacity grows (pages are committed per step, nothing moves); otherwise KV and
+        mask are reallocated, the live prefixes copied and the captured graph invalidated."""
         new_cap = kvgeo.round_capacity(max(needed, 2 * self.capacity), self.model.config.context_length)
+        self.counters.growth_events += 1
+        if self.vmm:
+            self.capacity = new_cap
+            return
         old_kv, old_mask, old_cap = self.kv, self.attention_mask, self.capacity
         lengths = [int(x) for x in self.lengths]
         copies = kvgeo.growth_copies(self.geometry, new_cap, lengths)
@@ -153,7 +168,6 @@ class Session:
                     new[:, :old_cap] = old
         self.attention_mask[:, :old_cap] = old_mask
         self.counters.kv_bytes_moved += 2 * self.model.config.num_layers * sum(c[2] for c in copies)
-        self.counters.growth_events += 1
         self.capture.invalidate("KV buffers reallocated by growth")
 
     def _commit(self, old: Sequence[int], new: Sequence[int]) -> None:
@@ -213,7 +227,7 @@ class Session:
             ids[b, : len(row)] = row
             mask[b, : len(row)] = 1
         t0 = time.perf_counter()
-        self._commit([0] * B, lens.tolist())
+        self._commit([0] * B, [S] * B)  # prefill writes S rows of K/V in every row, padding too
         self.binding.bind_input("input_ids", p.upload(ids))
         self.binding.bind_input("attention_mask", p.upload(mask))
         outs = self.binding.run()
