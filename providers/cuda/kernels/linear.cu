@@ -3,7 +3,7 @@
 //
 // Batch invariance (CUDA_NOTES "What breaks batch invariance"): the reduction order of every
 // output element is fixed by (K, chunk) alone:
-//   K is cut into chunks of CK consecutive indices (CK = 32 for dense W, CK = block_size for
+//   K is cut into chunks of CK consecutive indices (CK = 16 for dense W, CK = block_size for
 //   MatMulNBits).  For chunk c, p_c = fmaf(a[k], w[k], p) for k ascending inside the chunk,
 //   starting from p = 0.  Then acc = 0; acc = acc + p_c for c ascending (__fadd_rn, no
 //   contraction).  Y = acc (+ bias[n]).
@@ -80,7 +80,7 @@ __device__ void dense_body(const T* __restrict__ a, const TW* __restrict__ w, co
     float* accbuf = smem;
     float* part = smem + RT * ncol;
     for (int o = tid; o < RT * ncol; o += nthreads) accbuf[o] = 0.f;
-    const int CK = 32, nC = (K + CK - 1) / CK;
+    const int CK = 16, nC = (K + CK - 1) / CK;
     const bool vec = ((N & 7) == 0) && (n0 + 8 <= N);
     const int nvalid = N - n0;
     for (int c0 = 0; c0 < nC; c0 += CS) {
@@ -91,9 +91,30 @@ __device__ void dense_body(const T* __restrict__ a, const TW* __restrict__ w, co
             for (int r = 0; r < RT; ++r)
 #pragma unroll
                 for (int j = 0; j < 8; ++j) p[r][j] = 0.f;
-            const int kend = min(K, (c + 1) * CK);
+            const int kbeg = c * CK, kend = min(K, (c + 1) * CK);
+            if constexpr (sizeof(TW) == 2) {
+                if (vec && kend - kbeg == CK) {  // full chunk: all CK loads in flight first
+                    uint4 raw[CK];
+#pragma unroll
+                    for (int i = 0; i < CK; ++i) raw[i] = *reinterpret_cast<const uint4*>(w + (long long)(kbeg + i) * N + n0);
+#pragma unroll
+                    for (int i = 0; i < CK; ++i) {
+                        float wv[8];
+                        const __half2* h = reinterpret_cast<const __half2*>(&raw[i]);
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) { float2 f = __half22float2(h[j]); wv[2 * j] = f.x; wv[2 * j + 1] = f.y; }
+#pragma unroll
+                        for (int r = 0; r < RT; ++r) {
+                            const float av = (m0 + r < M) ? to_f(a[(long long)(m0 + r) * K + kbeg + i]) : 0.f;
+#pragma unroll
+                            for (int j = 0; j < 8; ++j) p[r][j] = fmaf(av, wv[j], p[r][j]);
+                        }
+                    }
+                    goto done;
+                }
+            }
 #pragma unroll 4
-            for (int k = c * CK; k < kend; ++k) {
+            for (int k = kbeg; k < kend; ++k) {
                 float wv[8];
                 load8(w, (long long)k * N + n0, vec, nvalid, wv);
 #pragma unroll
@@ -103,6 +124,7 @@ __device__ void dense_body(const T* __restrict__ a, const TW* __restrict__ w, co
                     for (int j = 0; j < 8; ++j) p[r][j] = fmaf(av, wv[j], p[r][j]);
                 }
             }
+        done:
 #pragma unroll
             for (int r = 0; r < RT; ++r)
 #pragma unroll

@@ -1,6 +1,6 @@
 """MatMul (ONNX): Y = A @ W for A [..., K] (fp16/fp32) and a 2-D W [K, N] of the same dtype.
 
-Kernel: kernels/linear.cu ``dense`` (fixed K order per output: chunks of 32 ascending, each
+Kernel: kernels/linear.cu ``dense`` (fixed K order per output: chunks of 16 ascending, each
 chunk an fmaf chain; batch-invariant for every M). Both operands on the host (shape math) run
 on the host. A W of rank > 2 is not supported (the builder's weights are 2-D).
 """
@@ -37,7 +37,7 @@ def run(ctx, a, w):
     if m == 0:
         return (y,)
     t = ctype(a.dtype)
-    rt, grid, block, shared = config(m, n, -(-k // 32))
+    rt, grid, block, shared = config(m, n, -(-k // 16))
     kern = function("linear", f"dense<{rt}, {t}, {t}>", _exprs(t))
     kern(grid, block, (a, w, NULL, y, i32(m), i32(n), i32(k)), shared_mem=shared)
     return (y,)
