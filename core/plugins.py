@@ -64,25 +64,38 @@ class Registry:
         self._load(autoload, allow)
 
     def _candidates(self, autoload: bool, allow: list[str]):
-        seen = set()
-        for ep in metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+        """Built-in plugins first (a third-party plugin cannot take their names), then the others."""
+        eps = list(metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP))
+        builtin_eps = {ep.value: ep for ep in eps if ep.value in BUILTIN.values()}
+        for name, module in BUILTIN.items():
+            ep = builtin_eps.get(module)
+            if ep is not None:
+                yield name, ep.dist.name if ep.dist is not None else "lockstep", ep.load
+            else:  # running from a source tree without install
+                yield name, "lockstep", lambda module=module: importlib.import_module(module)
+        seen = set(BUILTIN)
+        for ep in eps:
             package = ep.dist.name if ep.dist is not None else "?"
-            builtin = ep.value in BUILTIN.values()
-            if ep.name in seen or not (autoload or builtin or ep.name in allow):
+            if ep.value in BUILTIN.values() or ep.name in seen or not (autoload or ep.name in allow):
                 continue
             seen.add(ep.name)
             yield ep.name, package, ep.load
-        for name, module in BUILTIN.items():  # running from a source tree without install
-            if name not in seen:
-                yield name, "lockstep", lambda module=module: importlib.import_module(module)
 
     def _load(self, autoload: bool, allow: list[str]) -> None:
         for plugin, package, load in self._candidates(autoload, allow):
             try:
                 obj = load()
-                self.pm.register(obj, name=plugin)
             except Exception as exc:  # noqa: BLE001 - any import failure is reported, not fatal
                 self.errors.append(PluginError(plugin, package, f"failed to import: {exc!r}"))
+                continue
+            try:
+                self.pm.register(obj, name=plugin)
+            except Exception as exc:  # noqa: BLE001 - e.g. hookimpl arguments not in the hookspec
+                self.errors.append(PluginError(plugin, package, f"is not a valid lockstep plugin: {exc}"))
+                continue
+            if not hasattr(obj, "lockstep_providers"):
+                self.errors.append(PluginError(plugin, package, "does not implement the hook lockstep_providers"))
+                self.pm.unregister(obj)
                 continue
             try:
                 specs = obj.lockstep_providers()
@@ -91,6 +104,10 @@ class Registry:
                 self.pm.unregister(obj)
                 continue
             for spec in specs or []:
+                if not isinstance(spec, hookspecs.ProviderSpec):
+                    self.errors.append(PluginError(
+                        plugin, package, f"hook lockstep_providers returned {spec!r}, not a ProviderSpec"))
+                    continue
                 other = self.entries.get(spec.name)
                 if other is not None:
                     self.errors.append(PluginError(
