@@ -1,7 +1,8 @@
 """Graph executor: plan an ONNX graph once, then dispatch its nodes to a provider's kernels.
 
 Planning checks every node with ``provider.supports`` (an unsupported op is reported at load
-time, naming each op and node, CASES 15), asks the provider for one kernel per node, makes one
+time, naming each op and node, CASES 15), applies the fusion passes of :mod:`core.fusion`
+the provider supports, asks the provider for one kernel per node, makes one
 :class:`~core.protocol.KernelContext` per node and uploads the weights once. Running walks the
 nodes in graph order (the builder writes them topologically sorted).
 
@@ -18,6 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from core import fusion
 from core.protocol import ExecutionProvider, KernelContext, NodeInfo
 
 HOST_CONSTANT_MAX = 64
@@ -84,7 +86,7 @@ class Plan:
                  provider: ExecutionProvider, kv_layout: str = "head_major"):
         self.provider = provider
         self.kv_layout = kv_layout
-        self.nodes = node_infos(graph)
+        self.nodes = fusion.apply(node_infos(graph), {o.name for o in graph.output}, provider.supports)
         unsupported = [n for n in self.nodes if not provider.supports(n)]
         if unsupported:
             listed = "; ".join(f"{(n.domain + '.') if n.domain else ''}{n.op_type} at node {n.name!r}"

@@ -67,6 +67,8 @@ class Session:
             pages as rows grow: pointers never move, nothing is copied, captures survive.
             Default: "growing" when capacity is None, else "fixed".
         capture: use graph capture for decode steps when the provider supports it (None = auto).
+        max_capacity: the most positions a growing session may reach (default: the model
+            context); with VMM this is the reserved stride.
 
     Raises:
         RequestError: bad batch/capacity/layout/policy values (seq_major + growing at batch > 1
@@ -78,7 +80,8 @@ class Session:
 
     def __init__(self, model: str | Path | Model, provider: Any = "cpu_reference", batch: int = 1,
                  capacity: int | None = None, kv_layout: str = "head_major",
-                 kv_policy: str | None = None, capture: bool | None = None):
+                 kv_policy: str | None = None, capture: bool | None = None,
+                 max_capacity: int | None = None):
         if not isinstance(batch, (int, np.integer)) or batch < 1:
             raise RequestError(f"batch must be a positive integer, got {batch!r}")
         if kv_layout not in kvgeo.LAYOUTS:
@@ -103,6 +106,7 @@ class Session:
         if kv_layout not in caps.kv_layouts:
             raise RequestError(f"provider {self.provider.name!r} does not support KV layout {kv_layout!r}")
         self.batch, self.kv_layout, self.kv_policy = int(batch), kv_layout, kv_policy
+        self.max_capacity = min(int(max_capacity or cfg.context_length), cfg.context_length)
         self.counters = Counters()
         self.plan = Plan(self.model.graph, self.model.initializers, self.provider, kv_layout)
         self.counters.weight_bytes = self.plan.weight_bytes()
@@ -131,7 +135,7 @@ class Session:
         once; ``capacity`` is then only the logical limit and pages are committed per step)."""
         self.capacity = capacity
         p, cfg = self.provider, self.model.config
-        stride = cfg.context_length if self.vmm else capacity
+        stride = self.max_capacity if self.vmm else capacity
         self.geometry = self._geometry(stride)
         if self.vmm:
             new = lambda: p.reserve(self.geometry.shape, self.model.io_dtype)  # noqa: E731
@@ -151,7 +155,7 @@ class Session:
         """Make room for ``needed`` positions (growing policy). With a VMM arena only the
         logical capacity grows (pages are committed per step, nothing moves); otherwise KV and
         mask are reallocated, the live prefixes copied and the captured graph invalidated."""
-        new_cap = kvgeo.round_capacity(max(needed, 2 * self.capacity), self.model.config.context_length)
+        new_cap = kvgeo.round_capacity(max(needed, 2 * self.capacity), self.max_capacity)
         self.counters.growth_events += 1
         if self.vmm:
             self.capacity = new_cap
@@ -192,7 +196,7 @@ class Session:
             raise RequestError(f"this session has batch {self.batch}; got {len(input_ids)} prompts")
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise RequestError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
-        limit = self.capacity if self.kv_policy == "fixed" else cfg.context_length
+        limit = self.capacity if self.kv_policy == "fixed" else self.max_capacity
         for b, row in enumerate(input_ids):
             if len(row) == 0:
                 raise RequestError(f"prompt {b} is empty; every row needs at least one token")
@@ -201,7 +205,7 @@ class Session:
                 raise RequestError(f"prompt {b} has token ids outside [0, {cfg.vocab_size})")
             need = len(row) + max(max_new_tokens - 1, 0)
             if need > limit:
-                what = "capacity" if self.kv_policy == "fixed" else "model context"
+                what = "capacity" if self.kv_policy == "fixed" else "maximum capacity"
                 raise RequestError(
                     f"prompt {b} has {len(row)} tokens; with max_new_tokens={max_new_tokens} it needs "
                     f"{need} KV positions but the {what} is {limit}")
@@ -268,7 +272,7 @@ class Session:
             self.result[...] = p.upload(res)
         needed = int(self.lengths.max()) + 1
         if needed > self.capacity:
-            if self.kv_policy == "fixed" or self.capacity >= self.model.config.context_length:
+            if self.kv_policy == "fixed" or self.capacity >= self.max_capacity:
                 raise RequestError(f"KV cache full: a step needs {needed} positions, capacity is "
                                    f"{self.capacity}")
             self._grow(needed)
