@@ -1,0 +1,94 @@
+"""Decode gates of the cuda provider through core.Session and the parity kit (GPU only).
+
+Models: tiny builder-pattern models made on the fly (fp32, fp16, int4), plus the SmolLM2-shaped
+models under $LOCKSTEP_CUDA_MODELS (folders fp32, fp16, int4 made by
+benchmarks/build_test_model.py) when that variable is set.
+"""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _gpu import require_gpu
+
+require_gpu()
+
+from core.session import Session  # noqa: E402
+from core.testing.parity import run_parity  # noqa: E402
+from core.testing.tiny_model import make_tiny_model  # noqa: E402
+
+VARIANTS = {"fp32": ("float32", None), "fp16": ("float16", None), "int4": ("float16", "int4")}
+
+
+def _models():
+    out = [pytest.param(("tiny", v), id=f"tiny-{v}") for v in VARIANTS]
+    root = os.environ.get("LOCKSTEP_CUDA_MODELS")
+    if root:
+        out += [pytest.param(("smollm2", v), id=f"smollm2-{v}") for v in VARIANTS
+                if (Path(root) / v / "model.onnx").exists()]
+    return out
+
+
+@pytest.fixture(scope="module", params=_models())
+def model_dir(request, tmp_path_factory):
+    kind, variant = request.param
+    if kind == "smollm2":
+        return Path(os.environ["LOCKSTEP_CUDA_MODELS"]) / variant
+    dtype, quant = VARIANTS[variant]
+    return make_tiny_model(tmp_path_factory.mktemp(variant), dtype=dtype, quant=quant)
+
+
+def test_parity_kit_gates_pass_against_cpu_reference(model_dir, gpu):
+    """Teacher-forced logits for 64 steps (tolerance per dtype), top-1 agreement, greedy tokens,
+    batch invariance, row identity, reuse, poison, layouts, growth and capture on == off."""
+    report = run_parity(model_dir, gpu, batches=(1, 2, 3, 8), steps=64)
+    print(report.render())
+    assert report.passed, report.render()
+    logits = report.gate("logits")
+    assert logits.metrics["top1_agreement"] >= 0.99
+
+
+def _stream(model_dir, provider, batch, steps, **kw):
+    rng = np.random.default_rng(7)
+    rows = [list(rng.integers(3, 200, 5 + 3 * b)) for b in range(batch)]
+    s = Session(model_dir, provider, batch=batch, **kw)
+    out = [s.prefill(rows).tokens]
+    logits = [s.last_logits()]
+    for _ in range(steps):
+        out.append(s.step().tokens)
+        logits.append(s.last_logits())
+    return np.stack(out, 1), np.stack(logits, 1), s
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_replay_equals_eager_bitwise_for_64_steps(model_dir, gpu, batch):
+    """CASES 8, 9: capture on == off for >= 64 steps; one capture, the rest replays."""
+    eager = _stream(model_dir, gpu, batch, 64, capacity=128, capture=False)
+    graph = _stream(model_dir, gpu, batch, 64, capacity=128, capture=True)
+    assert np.array_equal(eager[0], graph[0]) and np.array_equal(eager[1], graph[1])
+    c = graph[2].counters
+    assert c.captures == 1 and c.replays == 62 and not c.fallbacks
+
+
+def test_vmm_growth_keeps_the_captured_graph(model_dir, gpu):
+    """Growth under a VMM arena: >= 3 growth events, captures stay 1, no invalidation, no bytes
+    moved, and the tokens and logits equal a fixed full-capacity run bitwise."""
+    if not gpu.capabilities().vmm:
+        pytest.skip("this GPU/driver has no VMM")
+    fixed = _stream(model_dir, gpu, 3, 200, capacity=256, capture=True)
+    grown = _stream(model_dir, gpu, 3, 200, capacity=16, kv_policy="growing", max_capacity=256,
+                    capture=True)
+    c = grown[2].counters
+    assert c.growth_events >= 3 and c.captures == 1 and c.invalidations == 0 and c.kv_bytes_moved == 0
+    assert c.kv_committed_bytes > 0
+    assert np.array_equal(fixed[0], grown[0]) and np.array_equal(fixed[1], grown[1])
+
+
+def test_seq_major_growth_equals_head_major_fixed(model_dir, gpu):
+    """seq_major (batch 1, growing with realloc) == head_major fixed, across >= 3 growths."""
+    head = _stream(model_dir, gpu, 1, 200, capacity=256, capture=False)
+    seq = _stream(model_dir, gpu, 1, 200, capacity=16, kv_layout="seq_major", kv_policy="growing",
+                  max_capacity=256, capture=False)
+    assert seq[2].counters.growth_events >= 3
+    assert np.array_equal(head[0], seq[0]) and np.array_equal(head[1], seq[1])
