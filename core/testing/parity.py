@@ -284,7 +284,7 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
                    prompts, steps, forced_all, False)
     report.gates.append(_bitwise("growth", grow, big, what=f"growing ({grow.growth_events} growth events) vs fixed")
                         or Gate("growth", PASS, f"growing == fixed, bitwise, across {grow.growth_events} growth "
-                                                f"events", {"growth_events": grow.growth_events}))
+                                                f"event(s)", {"growth_events": grow.growth_events}))
 
     if caps.graph_capture:
         on = _decode(_session(model, provider, n_max, need, capture=True), prompts, steps, forced_all, False)
