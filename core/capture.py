@@ -37,7 +37,9 @@ class CaptureState:
         s = self.session
         buffers = [s.input_ids, s.attention_mask, s.result, s.positions, s.lengths_dev]
         buffers += [t for pair in s.kv for t in pair]
-        return (s.batch, s.capacity, s.kv_layout, id(s.plan), s.plan.epoch,
+        # geometry.capacity is the stride baked into the graph (with VMM the logical capacity
+        # grows under a fixed stride, which needs no recapture)
+        return (s.batch, s.geometry.capacity, s.kv_layout, id(s.plan), s.plan.epoch,
                 tuple(id(b) for b in buffers))
 
     def invalidate(self, reason: str) -> None:

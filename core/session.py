@@ -155,7 +155,7 @@ class Session:
         """Make room for ``needed`` positions (growing policy). With a VMM arena only the
         logical capacity grows (pages are committed per step, nothing moves); otherwise KV and
         mask are reallocated, the live prefixes copied and the captured graph invalidated."""
-        new_cap = kvgeo.round_capacity(max(needed, 2 * self.capacity), self.max_capacity)
+        new_cap = kvgeo.round_capacity(max(needed, 2 * self.capacity), self.max_capacity, multiple=16)
         self.counters.growth_events += 1
         if self.vmm:
             self.capacity = new_cap
@@ -237,7 +237,7 @@ class Session:
         outs = self.binding.run()
         self.logits = outs["logits"]
         p.device_argmax(self.logits, p.upload((lens - 1).astype(np.int32)), self.result)
-        full = np.zeros((B, self.capacity), np.int64)
+        full = np.zeros(self.attention_mask.shape, np.int64)
         for b, n in enumerate(lens):
             full[b, :n] = 1
         self.attention_mask[...] = p.upload(full)

@@ -54,7 +54,7 @@ def test_parity_kit_gates_pass_against_cpu_reference(model_dir, gpu):
 
 def _stream(model_dir, provider, batch, steps, **kw):
     rng = np.random.default_rng(7)
-    rows = [list(rng.integers(3, 200, 5 + 3 * b)) for b in range(batch)]
+    rows = [list(rng.integers(3, 200, 5 + (3 * b) % 13)) for b in range(batch)]
     s = Session(model_dir, provider, batch=batch, **kw)
     out = [s.prefill(rows).tokens]
     logits = [s.last_logits()]
@@ -71,7 +71,7 @@ def test_replay_equals_eager_bitwise_for_64_steps(model_dir, gpu, batch):
     graph = _stream(model_dir, gpu, batch, 64, capacity=128, capture=True)
     assert np.array_equal(eager[0], graph[0]) and np.array_equal(eager[1], graph[1])
     c = graph[2].counters
-    assert c.captures == 1 and c.replays == 62 and not c.fallbacks
+    assert c.captures == 1 and c.replays == 63 and not c.fallbacks  # step 1 is the warm-up
 
 
 def test_vmm_growth_keeps_the_captured_graph(model_dir, gpu):
@@ -79,8 +79,8 @@ def test_vmm_growth_keeps_the_captured_graph(model_dir, gpu):
     moved, and the tokens and logits equal a fixed full-capacity run bitwise."""
     if not gpu.capabilities().vmm:
         pytest.skip("this GPU/driver has no VMM")
-    fixed = _stream(model_dir, gpu, 3, 200, capacity=256, capture=True)
-    grown = _stream(model_dir, gpu, 3, 200, capacity=16, kv_policy="growing", max_capacity=256,
+    fixed = _stream(model_dir, gpu, 3, 100, capacity=128, capture=True)
+    grown = _stream(model_dir, gpu, 3, 100, capacity=16, kv_policy="growing", max_capacity=128,
                     capture=True)
     c = grown[2].counters
     assert c.growth_events >= 3 and c.captures == 1 and c.invalidations == 0 and c.kv_bytes_moved == 0
@@ -90,8 +90,8 @@ def test_vmm_growth_keeps_the_captured_graph(model_dir, gpu):
 
 def test_seq_major_growth_equals_head_major_fixed(model_dir, gpu):
     """seq_major (batch 1, growing with realloc) == head_major fixed, across >= 3 growths."""
-    head = _stream(model_dir, gpu, 1, 200, capacity=256, capture=False)
-    seq = _stream(model_dir, gpu, 1, 200, capacity=16, kv_layout="seq_major", kv_policy="growing",
-                  max_capacity=256, capture=False)
+    head = _stream(model_dir, gpu, 1, 100, capacity=128, capture=False)
+    seq = _stream(model_dir, gpu, 1, 100, capacity=16, kv_layout="seq_major", kv_policy="growing",
+                  max_capacity=128, capture=False)
     assert seq[2].counters.growth_events >= 3
     assert np.array_equal(head[0], seq[0]) and np.array_equal(head[1], seq[1])
