@@ -153,3 +153,24 @@ class Plan:
                 if name:
                     values[name] = value
         return {name: values[name] for name in self.output_names}
+
+
+class PlanBinding:
+    """A :class:`~core.protocol.DeviceIoBinding` over a :class:`Plan`: bound tensors are fed on
+    every :meth:`run` (the same objects each step, so a captured step sees stable pointers).
+    Outputs bound with :meth:`bind_output` are the buffers the kernels write in place (the
+    shared KV cache); the plan returns them as the graph outputs."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.inputs: dict[str, Any] = {}
+        self.outputs: dict[str, Any] = {}
+
+    def bind_input(self, name: str, tensor: Any) -> None:
+        self.inputs[name] = tensor
+
+    def bind_output(self, name: str, tensor: Any) -> None:
+        self.outputs[name] = tensor
+
+    def run(self) -> dict[str, Any]:
+        return self.plan.run(self.inputs)

@@ -6,27 +6,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from core.executor import PlanBinding
 from core.protocol import Capabilities, KVRequest, NodeInfo
 from providers.cpu_reference import ops
 from providers.cpu_reference.argmax import argmax_rows
-
-
-class HostIoBinding:
-    """IO binding on the host: bound arrays are fed to the plan on every run."""
-
-    def __init__(self, plan):
-        self.plan = plan
-        self.inputs: dict[str, Any] = {}
-        self.outputs: dict[str, Any] = {}
-
-    def bind_input(self, name: str, tensor: Any) -> None:
-        self.inputs[name] = tensor
-
-    def bind_output(self, name: str, tensor: Any) -> None:
-        self.outputs[name] = tensor
-
-    def run(self) -> dict[str, Any]:
-        return self.plan.run(self.inputs)
 
 
 class CpuReferenceProvider:
@@ -63,8 +46,8 @@ class CpuReferenceProvider:
     def download(self, tensor: Any) -> np.ndarray:
         return np.array(tensor, copy=True)
 
-    def io_binding(self, plan) -> HostIoBinding:
-        return HostIoBinding(plan)
+    def io_binding(self, plan) -> PlanBinding:
+        return PlanBinding(plan)
 
     def device_argmax(self, logits: np.ndarray, positions: np.ndarray, result: np.ndarray) -> None:
         rows = logits[np.arange(logits.shape[0]), np.asarray(positions, dtype=np.int64)]

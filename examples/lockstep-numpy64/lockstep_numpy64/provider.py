@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
+from core.executor import PlanBinding
 from core.protocol import Capabilities, KernelContext, KVRequest, NodeInfo
 from providers.cpu_reference import ops as reference_ops
 from providers.cpu_reference.ops.matmul_nbits import dequantize
@@ -101,23 +102,6 @@ KERNELS = {
 }
 
 
-class HostBinding:
-    """IO binding on the host: the bound arrays are fed to the plan on every run."""
-
-    def __init__(self, plan):
-        self.plan = plan
-        self.inputs: dict[str, Any] = {}
-
-    def bind_input(self, name: str, tensor: Any) -> None:
-        self.inputs[name] = tensor
-
-    def bind_output(self, name: str, tensor: Any) -> None:
-        """KV present outputs alias the past buffers (GQA writes in place); nothing to do."""
-
-    def run(self) -> dict[str, Any]:
-        return self.plan.run(self.inputs)
-
-
 class Numpy64Provider:
     """NumPy tensors on the host, float64 accumulation; no graph capture, no VMM."""
 
@@ -156,8 +140,10 @@ class Numpy64Provider:
     def download(self, tensor: np.ndarray) -> np.ndarray:
         return np.array(tensor, copy=True)
 
-    def io_binding(self, plan) -> HostBinding:
-        return HostBinding(plan)
+    def io_binding(self, plan) -> PlanBinding:
+        # Host arrays need nothing special: the core's PlanBinding feeds the bound arrays to
+        # the plan on every run (a device provider would pin/stage here).
+        return PlanBinding(plan)
 
     def device_argmax(self, logits: np.ndarray, positions: np.ndarray, result: np.ndarray) -> None:
         rows = logits[np.arange(logits.shape[0]), np.asarray(positions, np.int64)].astype(np.float64)
