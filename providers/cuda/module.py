@@ -35,8 +35,18 @@ def function(name: str, expression: str, expressions: tuple[str, ...]):
     return fn
 
 
+_CTYPES: dict = {}
+
+
 def ctype(dtype) -> str:
-    """The CUDA C type name of a float numpy dtype ("__half" or "float")."""
+    """The CUDA C type name of a float numpy dtype ("__half" or "float"); a dict hit on the hot path."""
+    name = _CTYPES.get(dtype)
+    if name is None:
+        name = _CTYPES[dtype] = _ctype(dtype)
+    return name
+
+
+def _ctype(dtype) -> str:
     import numpy as np
 
     dtype = np.dtype(dtype)

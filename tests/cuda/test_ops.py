@@ -242,3 +242,18 @@ def test_capture_replays_a_step(gpu):
     gpu.replay(graph)
     gpu.synchronize()
     assert np.array_equal(y.get(), eager)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_silu_mul_is_bitwise_the_unfused_sequence(gpu, dtype):
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((3, 1, 1536)) * 4).astype(dtype)
+    up = rng.standard_normal((3, 1, 1536)).astype(dtype)
+    node = _node("SiluMul", domain="lockstep", inputs=("x", "up"), dtypes=(dtype, dtype))
+    (y,), _ = _run(gpu, "silu_mul", node, x, up, poison={0: ((3, 1, 1536), dtype)})
+    (ref,) = _ref("silu_mul", node, x, up)
+    view = np.uint16 if dtype == np.float16 else np.uint32
+    if dtype == np.float16:
+        assert np.array_equal(y.view(view), np.asarray(ref).view(view))
+    else:
+        _close(y, ref, dtype)

@@ -20,3 +20,17 @@ __global__ void sigmoid(const T* __restrict__ x, T* __restrict__ y, long long n)
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         store(y + i, __fdiv_rn(1.f, __fadd_rn(1.f, expf(-to_f(x[i])))));
 }
+
+// SiluMul (lockstep fusion of Sigmoid(x) -> Mul(x, sig) -> Mul(., up)): each step rounded to T
+// exactly as the unfused ops are (sigmoid, then x * s, then * up).
+__device__ __forceinline__ float rt(float v, float*) { return v; }
+__device__ __forceinline__ float rt(float v, __half*) { return __half2float(__float2half_rn(v)); }
+template <typename T>
+__global__ void silu_mul(const T* __restrict__ x, const T* __restrict__ up, T* __restrict__ y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float xv = to_f(x[i]);
+        const float s = rt(__fdiv_rn(1.f, __fadd_rn(1.f, expf(-xv))), (T*)nullptr);
+        const float t = rt(__fmul_rn(xv, s), (T*)nullptr);
+        store(y + i, __fmul_rn(t, to_f(up[i])));
+    }
+}

@@ -74,7 +74,10 @@ __device__ void rope_t(const T* src, T* dst, const T* cosc, const T* sinc, int p
 // sc: shared scratch of (hi - lo + 1) floats; red: shared scratch of 2 * NT floats.
 template <typename T>
 __device__ void attend(const float* qs, const T* kc, const T* vc, long long cj, int lo, int hi, int H,
-                       const Geo& g, float sink, bool use_sink, float* sc, float* red, T* out) {
+                       const Geo& g, float sink, bool use_sink, float* sc, float* red, T* out,
+                       int jnew = -1, const float* knew = nullptr, const float* vnew = nullptr) {
+    // jnew >= 0: key/value row jnew is taken from knew/vnew (shared, the same T-rounded values
+    // the cache holds) instead of the cache, so decode blocks need not wait for the KV write.
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int n = hi - lo + 1;
     // 4 keys per warp iteration: all loads issued first (the arithmetic per key is unchanged)
@@ -85,7 +88,8 @@ __device__ void attend(const float* qs, const T* kc, const T* vc, long long cj, 
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 const int d = lane + 32 * i;
-                kv[u][i] = (j0 + u < n && d < H) ? to_f(kc[(long long)(lo + j0 + u) * cj + d]) : 0.f;
+                kv[u][i] = (j0 + u < n && d < H)
+                    ? (lo + j0 + u == jnew ? knew[d] : to_f(kc[(long long)(lo + j0 + u) * cj + d])) : 0.f;
             }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
@@ -132,11 +136,11 @@ __device__ void attend(const float* qs, const T* kc, const T* vc, long long cj, 
             for (; jj + 7 * slots < n; jj += 8 * slots) {  // loads first, same fmaf order
                 float v[8];
 #pragma unroll
-                for (int i = 0; i < 8; ++i) v[i] = to_f(vc[(long long)(lo + jj + i * slots) * cj + d]);
+                for (int i = 0; i < 8; ++i) v[i] = lo + jj + i * slots == jnew ? vnew[d] : to_f(vc[(long long)(lo + jj + i * slots) * cj + d]);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) acc = fmaf(sc[jj + i * slots], v[i], acc);
             }
-            for (; jj < n; jj += slots) acc = fmaf(sc[jj], to_f(vc[(long long)(lo + jj) * cj + d]), acc);
+            for (; jj < n; jj += slots) acc = fmaf(sc[jj], lo + jj == jnew ? vnew[d] : to_f(vc[(long long)(lo + jj) * cj + d]), acc);
         }
         __syncthreads();
         if (u < slots && d < H) red[u * (H <= NT ? H : NT) + (d - d0)] = acc;
@@ -193,8 +197,12 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
     attend<T>(qs, kc + b * g.cb + kvh * g.cg, vc + b * g.cb + kvh * g.cg, g.cj, lo, hi, g.H, g, sink, use_sink, sc, red, o);
 }
 
-// Decode (S == 1, not the first prompt): grid (Nkv, B), block NT; writes the new K/V row
-// P_b = seqlens_k[b] and then attends for the Nq / Nkv query heads of this kv head.
+// Decode (S == 1, not the first prompt): grid (Nq, B), block NT, dynamic smem
+// (3 H + 2 NT + cap) floats.  One block per (row b, query head h).  Every block rotates the new
+// key of its kv head itself (into shared memory, rounded to T exactly as the cache stores it) and
+// uses it and the new value for key P_b = seqlens_k[b]; the first query head of each group also
+// writes them into the cache row P_b.  No block reads cache row P_b, so no grid-wide ordering is
+// needed, and the arithmetic is that of the prefill path (write, then attend) bit for bit.
 template <typename T>
 __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin, const T* __restrict__ vin,
                            T* kc, T* vc, const int* __restrict__ seqlens, const T* cosc, const T* sinc,
@@ -202,31 +210,32 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
     extern __shared__ float sm[];
-    float* qs = sm; float* red = sm + g.H; float* sc = red + 2 * NT;
-    const int kvh = blockIdx.x, b = blockIdx.y, group = g.nq / g.nkv;
+    float* qs = sm; float* kn = sm + g.H; float* vn = kn + g.H; float* red = vn + g.H; float* sc = red + 2 * NT;
+    const int h = blockIdx.x, b = blockIdx.y, group = g.nq / g.nkv, kvh = h / group;
     const int p = seqlens[b];
     const int lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
+    T* o = out + ((long long)b * g.nq + h) * g.H;
     if (p < 0 || p >= g.cap) {
-        for (int i = threadIdx.x; i < group * g.H; i += NT) out[(long long)b * g.nq * g.H + kvh * group * g.H + i] = from_f<T>(0.f);
+        for (int d = threadIdx.x; d < g.H; d += NT) o[d] = from_f<T>(0.f);
         return;
     }
     T* kb = kc + b * g.cb + kvh * g.cg;
     T* vb = vc + b * g.cb + kvh * g.cg;
     const T* ksrc = kin + (long long)b * g.k_row + g.k_off + kvh * g.H;
     const T* vsrc = vin + (long long)b * g.k_row + g.v_off + kvh * g.H;
-    if (do_rotary) rope_t<T>(ksrc, kb + (long long)p * g.cj, cosc, sinc, p, g.H, g.half_rot, threadIdx.x, NT);
-    else for (int d = threadIdx.x; d < g.H; d += NT) kb[(long long)p * g.cj + d] = ksrc[d];
-    for (int d = threadIdx.x; d < g.H; d += NT) vb[(long long)p * g.cj + d] = vsrc[d];
+    if (do_rotary) rope<T, float>(ksrc, kn, cosc, sinc, p, g.H, g.half_rot, threadIdx.x, NT);
+    else for (int d = threadIdx.x; d < g.H; d += NT) kn[d] = to_f(ksrc[d]);
+    for (int d = threadIdx.x; d < g.H; d += NT) vn[d] = to_f(vsrc[d]);
+    const T* qsrc = qin + (long long)b * g.q_row + h * g.H;
+    if (do_rotary) rope<T, float>(qsrc, qs, cosc, sinc, p, g.H, g.half_rot, threadIdx.x, NT);
+    else for (int d = threadIdx.x; d < g.H; d += NT) qs[d] = to_f(qsrc[d]);
     __syncthreads();
-    const bool use_sink = sinks != nullptr || g.smooth;
-    for (int i = 0; i < group; ++i) {
-        const int h = kvh * group + i;
-        const T* qsrc = qin + (long long)b * g.q_row + h * g.H;
-        if (do_rotary) rope<T, float>(qsrc, qs, cosc, sinc, p, g.H, g.half_rot, threadIdx.x, NT);
-        else for (int d = threadIdx.x; d < g.H; d += NT) qs[d] = to_f(qsrc[d]);
-        __syncthreads();
-        attend<T>(qs, kb, vb, g.cj, lo, p, g.H, g, sinks ? to_f(sinks[h]) : 0.f, use_sink, sc, red,
-                  out + ((long long)b * g.nq + h) * g.H);
-        __syncthreads();
+    if (h % group == 0) {
+        for (int d = threadIdx.x; d < g.H; d += NT) {
+            kb[(long long)p * g.cj + d] = from_f<T>(kn[d]);
+            vb[(long long)p * g.cj + d] = vsrc[d];
+        }
     }
+    const bool use_sink = sinks != nullptr || g.smooth;
+    attend<T>(qs, kb, vb, g.cj, lo, p, g.H, g, sinks ? to_f(sinks[h]) : 0.f, use_sink, sc, red, o, p, kn, vn);
 }

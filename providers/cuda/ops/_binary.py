@@ -11,7 +11,8 @@ import numpy as np
 from providers.cuda.module import ctype, function
 from providers.cuda.ops import device_array, grid_threads, host_or_none, is_host
 
-EXPRS = ("binary<__half>", "binary<float>", "sigmoid<__half>", "sigmoid<float>")
+EXPRS = ("binary<__half>", "binary<float>", "sigmoid<__half>", "sigmoid<float>", "silu_mul<__half>",
+         "silu_mul<float>")
 OPS = {"mul": 0, "add": 1, "sub": 2, "div": 3}
 
 

@@ -1,8 +1,8 @@
 """GroupQueryAttention (com.microsoft), OPS.md 1.3/1.4, shared KV buffer only.
 
 Kernels (kernels/group_query_attention.cu): decode (S == 1, not the first prompt): one launch
-``gqa_decode`` (grid (Nkv, B)) that writes the rotated K/V row P_b = seqlens_k[b] and attends
-for the group's query heads; a prompt: ``gqa_kv_write`` (grid (S, Nkv, B)) then ``gqa_attn``
+``gqa_decode`` (grid (Nq, B): one block per row and query head; the group's first head
+writes the rotated K/V row P_b = seqlens_k[b], every head uses the new row from registers); a prompt: ``gqa_kv_write`` (grid (S, Nkv, B)) then ``gqa_attn``
 (grid (S, Nq, B)). seqlens_k is read on the device, never copied to the host;
 total_sequence_length must be a host value (it only selects the phase).
 
@@ -106,8 +106,9 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
     shared = (h + 2 * NT + cap) * 4
     if not first and s_len == 1:
         kern = function("group_query_attention", f"gqa_decode<{t}>", _exprs(t))
+        shared += 2 * h * 4
         _shared_limit(kern, shared)
-        kern((nkv, bsz), (NT,), (query, kin, vin, past_key, past_value, seqlens, cos, sin,
+        kern((nq, bsz), (NT,), (query, kin, vin, past_key, past_value, seqlens, cos, sin,
                                   i32(rotary), sinks, out) + geo, shared_mem=shared)
     else:
         write = function("group_query_attention", f"gqa_kv_write<{t}>", _exprs(t))

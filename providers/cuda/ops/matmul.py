@@ -10,6 +10,7 @@ import numpy as np
 from providers.cuda.module import ctype, function
 from providers.cuda.ops import NULL, host_or_none
 from providers.cuda.ops._linear import config, i32
+from providers.cuda.ops import _mma
 
 OP_TYPE = "MatMul"
 DOMAIN = ""
@@ -35,6 +36,9 @@ def run(ctx, a, w):
     m = a.size // k
     y = ctx.output(0, (*a.shape[:-1], n), a.dtype)
     if m == 0:
+        return (y,)
+    if a.dtype == np.float16 and k <= _mma.MAX_K and a.flags.c_contiguous:
+        _mma.dense(ctx, a, w, None, y, m, n, k, NULL)
         return (y,)
     t = ctype(a.dtype)
     rt, grid, block, shared = config(m, n, -(-k // 16))

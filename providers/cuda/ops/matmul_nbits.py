@@ -12,6 +12,7 @@ import numpy as np
 from providers.cuda.module import ctype, function
 from providers.cuda.ops import NULL
 from providers.cuda.ops._linear import config, i32
+from providers.cuda.ops import _mma
 
 OP_TYPE = "MatMulNBits"
 DOMAIN = "com.microsoft"
@@ -59,6 +60,10 @@ def run(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
     if m == 0:
         return (y,)
     t, s = ctype(a.dtype), ctype(scales.dtype)
+    if (a.dtype == np.float16 and bits == 4 and k % 16 == 0 and k <= _mma.MAX_K and a.flags.c_contiguous
+            and (zp_mode != 2 or zero_points.dtype == np.float16)):
+        _mma.nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s, NULL)
+        return (y,)
     rt, grid, block, shared = config(m, n, nb)
     kern = function("linear", f"nbits<{rt}, {t}, {s}>", _exprs(t, s))
     kern(grid, block, (a, b, scales, zp, i32(zp_mode), i32(zp_stride),

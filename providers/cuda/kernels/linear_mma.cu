@@ -1,0 +1,179 @@
+// Tensor-core linear layers for fp16 activations: Y[M, N] = X[M, K] @ W, fp32 accumulation.
+// mma.sync.aligned.m16n8k16 fp16 x fp16 -> fp32 with the weights on the MMA M side (16 output
+// features per warp tile) and tokens on the MMA N side ("swap-AB"); used for EVERY M, so the
+// rounding of a row never switches with the batch size.
+//
+// Batch invariance: each output (m, n) is produced by the same sequence of mma instructions
+// whatever M is: K is cut into fixed segments of SEG_K = 256 (a function of K alone, never of M);
+// inside a segment one accumulator chain walks ascending 16-wide k steps; the segment partials
+// are added in ascending segment order (__fadd_rn, starting from 0).  Token columns of an mma
+// are independent (column j of D depends on column j of B only), so how tokens are tiled
+// (NJ n8-tiles per block, the grid's y) is free.  Padding tokens / features are zeros.
+//
+// dense16: W pre-packed (host side, once) into fragment order: Wp[nt][kt][lane][8] halves
+// (K, N zero-padded to multiples of 16).  A lane's 8 halves are its a0..a7 registers.
+// nbits4: int4 MatMulNBits weights read in place (codes [N, nb, blob], 2 per byte, LSB first):
+// per 64-wide k chunk lane (g, t) reads 8 bytes of rows g and g+8 (codes k0+16t .. +15);
+// virtual tile v (0..3) of the chunk maps its k slots (2t, 2t+1, 2t+8, 2t+9) to actual
+// k0 + 16t + 4v + (0, 1, 2, 3), and the activations use the same map.  Codes are dequantised
+// in fp32 ((q - zp) * scale, as cpu_reference) and rounded to fp16 before the mma.
+#include <cuda_fp16.h>
+
+#define SEG_K 256
+
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned ld_x2(const __half* x, long long row, int K, int k, bool ok) {
+    // two consecutive halves x[row, k], x[row, k + 1] (k even), zeros past K / invalid rows
+    if (!ok) return 0u;
+    if (k + 1 < K) return *reinterpret_cast<const unsigned*>(x + row * K + k);
+    __half2 h = __halves2half2(k < K ? x[row * K + k] : __float2half(0.f), __float2half(0.f));
+    return *reinterpret_cast<unsigned*>(&h);
+}
+
+// Combine the segment partials in ascending order and store.  part: [nseg][16][8*NJ] floats.
+template <int NJ>
+__device__ __forceinline__ void finish(float* part, const float (*acc)[4], int nseg, const __half* bias,
+                                       __half* y, int M, int N, int n0, int m0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    constexpr int TM = 8 * NJ;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        float* p = part + warp * 16 * TM;
+        p[g * TM + j * 8 + 2 * t] = acc[j][0];
+        p[g * TM + j * 8 + 2 * t + 1] = acc[j][1];
+        p[(g + 8) * TM + j * 8 + 2 * t] = acc[j][2];
+        p[(g + 8) * TM + j * 8 + 2 * t + 1] = acc[j][3];
+    }
+    __syncthreads();
+    for (int o = threadIdx.x; o < 16 * TM; o += blockDim.x) {
+        const int r = o / TM, col = o % TM, n = n0 + r, m = m0 + col;
+        if (n < N && m < M) {
+            float s = 0.f;
+            for (int w = 0; w < nseg; ++w) s = __fadd_rn(s, part[w * 16 * TM + o]);
+            if (bias) s = __fadd_rn(s, __half2float(bias[n]));
+            y[(long long)m * N + n] = __float2half_rn(s);
+        }
+    }
+}
+
+// grid (ceil(N/16), ceil(M/(8 NJ))), block 32 * nseg (nseg = ceil(K / SEG_K)),
+// shared nseg * 16 * 8 NJ floats.
+template <int NJ>
+__global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, const uint4* __restrict__ wp,
+                                                 const __half* __restrict__ bias, __half* __restrict__ y,
+                                                 int M, int N, int K) {
+    extern __shared__ float part[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int nseg = blockDim.x >> 5, ktiles = (K + 15) >> 4;
+    const int nt = blockIdx.x, m0 = blockIdx.y * 8 * NJ;
+    float acc[NJ][4];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    const int kt0 = warp * (SEG_K / 16), kt1 = min(ktiles, kt0 + SEG_K / 16);
+    const uint4* base = wp + ((long long)nt * ktiles) * 32 + lane;
+    for (int c = kt0; c < kt1; c += 8) {
+        uint4 a[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) if (c + i < kt1) a[i] = base[(long long)(c + i) * 32];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            if (c + i < kt1) {
+                const int k = (c + i) * 16 + 2 * t;
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+                    const int m = m0 + j * 8 + g;
+                    const unsigned b0 = ld_x2(x, m, K, k, m < M), b1 = ld_x2(x, m, K, k + 8, m < M);
+                    mma16816(acc[j], reinterpret_cast<const unsigned*>(&a[i]), b0, b1);
+                }
+            }
+        }
+    }
+    finish<NJ>(part, acc, nseg, bias, y, M, N, nt * 16, m0);
+}
+
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+
+// int4 MatMulNBits.  grid/block/shared as mma_dense.  Requires K % 16 == 0 and fp16 X.
+template <int NJ, typename S>
+__global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
+                                                  const S* __restrict__ scales, const void* __restrict__ zp,
+                                                  int zp_mode, int zp_stride, const __half* __restrict__ bias,
+                                                  __half* __restrict__ y, int M, int N, int K, int bs) {
+    extern __shared__ float part[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int nseg = blockDim.x >> 5;
+    const int nb = (K + bs - 1) / bs;
+    const long long rowbytes = (long long)nb * (bs / 2);
+    const int n0 = blockIdx.x * 16, m0 = blockIdx.y * 8 * NJ;
+    const int na = min(n0 + g, N - 1), nbr = min(n0 + g + 8, N - 1);
+    const bool va = n0 + g < N, vb = n0 + g + 8 < N;
+    float acc[NJ][4];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    const int kbeg = warp * SEG_K, kend = min(K, kbeg + SEG_K);
+    for (int k0 = kbeg; k0 < kend; k0 += 64) {
+        const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
+        const bool kv = kl < K;
+        uint2 ca = make_uint2(0, 0), cb = make_uint2(0, 0);
+        float sa = 0.f, sb = 0.f, za = 8.f, zb = 8.f;
+        if (kv) {
+            ca = *reinterpret_cast<const uint2*>(q + na * rowbytes + kl / 2);
+            cb = *reinterpret_cast<const uint2*>(q + nbr * rowbytes + kl / 2);
+            const int blk = kl / bs;
+            sa = va ? (float)scales[(long long)na * nb + blk] : 0.f;
+            sb = vb ? (float)scales[(long long)nbr * nb + blk] : 0.f;
+            if (zp_mode == 1) {
+                const int e = blk * 4;
+                const unsigned char* z = (const unsigned char*)zp;
+                za = (float)((z[(long long)na * zp_stride + (e >> 3)] >> (e & 7)) & 15u);
+                zb = (float)((z[(long long)nbr * zp_stride + (e >> 3)] >> (e & 7)) & 15u);
+            } else if (zp_mode == 2) {
+                za = __half2float(((const __half*)zp)[(long long)na * nb + blk]);
+                zb = __half2float(((const __half*)zp)[(long long)nbr * nb + blk]);
+            }
+        }
+        // activations: x[m, kl .. kl + 15] (32 bytes) per token tile
+        uint4 xa[NJ][2];
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const int m = m0 + j * 8 + g;
+            if (m < M && kv) {
+                const uint4* p = reinterpret_cast<const uint4*>(x + (long long)m * K + kl);
+                xa[j][0] = p[0]; xa[j][1] = p[1];
+            } else {
+                xa[j][0] = make_uint4(0, 0, 0, 0); xa[j][1] = xa[j][0];
+            }
+        }
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            // codes 4v .. 4v + 3 of each row: 16 bits of the lane's 64
+            const unsigned wa = ((v < 2 ? ca.x : ca.y) >> (16 * (v & 1))) & 0xffffu;
+            const unsigned wb = ((v < 2 ? cb.x : cb.y) >> (16 * (v & 1))) & 0xffffu;
+            float fa[4], fb[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                fa[e] = __fmul_rn(__fsub_rn((float)((wa >> (4 * e)) & 15u), za), sa);
+                fb[e] = __fmul_rn(__fsub_rn((float)((wb >> (4 * e)) & 15u), zb), sb);
+            }
+            unsigned a[4];
+            a[0] = pack2(fa[0], fa[1]);   // row g,     slots 2t, 2t+1   <- k 4v, 4v+1
+            a[1] = pack2(fb[0], fb[1]);   // row g + 8, slots 2t, 2t+1
+            a[2] = pack2(fa[2], fa[3]);   // row g,     slots 2t+8, 2t+9 <- k 4v+2, 4v+3
+            a[3] = pack2(fb[2], fb[3]);   // row g + 8
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);  // 8 words = 16 halves
+                mma16816(acc[j], a, xw[2 * v], xw[2 * v + 1]);
+            }
+        }
+    }
+    finish<NJ>(part, acc, nseg, bias, y, M, N, n0, m0);
+}
