@@ -61,36 +61,57 @@ __device__ __forceinline__ void finish(float* part, const float (*acc)[4], int n
     }
 }
 
+// Activations x[m, kl .. kl + 15] (16 halves) of one lane for a 64-wide chunk, zeros past K.
+__device__ __forceinline__ void ld_x16(const __half* x, long long m, int K, int kl, bool ok, uint4* out) {
+    if (ok && kl + 16 <= K && (K & 7) == 0) {
+        const uint4* p = reinterpret_cast<const uint4*>(x + m * K + kl);
+        out[0] = p[0]; out[1] = p[1];
+    } else {
+        __half h[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) h[i] = (ok && kl + i < K) ? x[m * K + kl + i] : __float2half(0.f);
+        out[0] = *reinterpret_cast<uint4*>(&h[0]); out[1] = *reinterpret_cast<uint4*>(&h[8]);
+    }
+}
+
 // grid (ceil(N/16), ceil(M/(8 NJ))), block 32 * nseg (nseg = ceil(K / SEG_K)),
-// shared nseg * 16 * 8 NJ floats.
+// shared nseg * 16 * 8 NJ floats.  wp: [N/16][Kp/16][32] uint4, Kp = K rounded up to 64; the
+// 4 tiles of 64-chunk c are virtual tiles v = 0..3 with the nbits4 k-slot map.
 template <int NJ>
 __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, const uint4* __restrict__ wp,
                                                  const __half* __restrict__ bias, __half* __restrict__ y,
                                                  int M, int N, int K) {
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int nseg = blockDim.x >> 5, ktiles = (K + 15) >> 4;
+    const int nseg = blockDim.x >> 5, ktiles = ((K + 63) >> 6) << 2;
     const int nt = blockIdx.x, m0 = blockIdx.y * 8 * NJ;
     float acc[NJ][4];
 #pragma unroll
     for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    const int kt0 = warp * (SEG_K / 16), kt1 = min(ktiles, kt0 + SEG_K / 16);
+    const int kbeg = warp * SEG_K, kend = min(K, kbeg + SEG_K);
     const uint4* base = wp + ((long long)nt * ktiles) * 32 + lane;
-    for (int c = kt0; c < kt1; c += 8) {
+    for (int k0 = kbeg; k0 < kend; k0 += 128) {
+        const bool two = k0 + 64 < kend;
         uint4 a[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) if (c + i < kt1) a[i] = base[(long long)(c + i) * 32];
+        for (int i = 0; i < 8; ++i) if (i < 4 || two) a[i] = base[(long long)((k0 >> 4) + i) * 32];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            if (c + i < kt1) {
-                const int k = (c + i) * 16 + 2 * t;
+        for (int h = 0; h < 2; ++h) {
+            if (h == 1 && !two) break;
+            const int kl = k0 + 64 * h + 16 * t;
+            uint4 xa[NJ][2];
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const int m = m0 + j * 8 + g;
+                ld_x16(x, m, K, kl, m < M, xa[j]);
+            }
+#pragma unroll
+            for (int v = 0; v < 4; ++v)
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
-                    const int m = m0 + j * 8 + g;
-                    const unsigned b0 = ld_x2(x, m, K, k, m < M), b1 = ld_x2(x, m, K, k + 8, m < M);
-                    mma16816(acc[j], reinterpret_cast<const unsigned*>(&a[i]), b0, b1);
+                    const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);
+                    mma16816(acc[j], reinterpret_cast<const unsigned*>(&a[4 * h + v]), xw[2 * v], xw[2 * v + 1]);
                 }
-            }
         }
     }
     finish<NJ>(part, acc, nseg, bias, y, M, N, nt * 16, m0);

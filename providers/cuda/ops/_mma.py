@@ -32,12 +32,13 @@ def _pack_index(kp: int, np_: int):
                                   indexing="ij")
     g, t = lane >> 2, lane & 3
     n = nt * 16 + g + 8 * ((e >> 1) & 1)
-    k = kt * 16 + 2 * t + (e & 1) + 8 * (e >> 2)
+    # 64-wide chunk kc, virtual tile v: slots (2t, 2t+1, 2t+8, 2t+9) <- k 16t + 4v + (0, 1, 2, 3)
+    k = (kt // 4) * 64 + 16 * t + 4 * (kt % 4) + (e & 1) + 2 * (e >> 2)
     return (k * np_ + n).reshape(-1).astype(np.int64)
 
 
 def packed(ctx, w):
-    """W [K, N] fp16 in fragment order (cached per node by device pointer: W is a weight)."""
+    """W [K, N] fp16 in fragment order (K padded to 64, k slots permuted as in nbits4) (cached per node by device pointer: W is a weight)."""
     import cupy
 
     key = ("mma_packed", w.data.ptr, w.shape)
@@ -45,7 +46,7 @@ def packed(ctx, w):
     if hit is not None and hit[0] == key:
         return hit[1]
     k, n = w.shape
-    kp, np_ = -(-k // 16) * 16, -(-n // 16) * 16
+    kp, np_ = -(-k // 64) * 64, -(-n // 16) * 16
     pad = cupy.zeros((kp, np_), cupy.float16)
     pad[:k, :n] = w
     idx = cupy.asarray(_pack_index(kp, np_))
