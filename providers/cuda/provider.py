@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
 
+from core.executor import PlanBinding
 from core.protocol import Capabilities, KVRequest, NodeInfo
 
 _MISSING_CUPY = ("the 'cuda' provider needs CuPy: install lockstep[cuda13] (CUDA 13) or "
@@ -24,28 +26,6 @@ def _import_cupy():
     if count < 1:
         raise RuntimeError("the 'cuda' provider found no visible GPU (CUDA_VISIBLE_DEVICES?)")
     return cupy
-
-
-class DeviceIoBinding:
-    """Persistent graph inputs/outputs: bound device arrays are fed to the plan on every run.
-
-    Outputs bound with :meth:`bind_output` are the KV buffers, which GroupQueryAttention writes
-    in place and returns as present (shared buffer), so binding only records them.
-    """
-
-    def __init__(self, plan):
-        self.plan = plan
-        self.inputs: dict[str, Any] = {}
-        self.outputs: dict[str, Any] = {}
-
-    def bind_input(self, name: str, tensor: Any) -> None:
-        self.inputs[name] = tensor
-
-    def bind_output(self, name: str, tensor: Any) -> None:
-        self.outputs[name] = tensor
-
-    def run(self) -> dict[str, Any]:
-        return self.plan.run(self.inputs)
 
 
 class CudaProvider:
@@ -74,7 +54,8 @@ class CudaProvider:
         from providers.cuda import ops
         self._ops = ops.registry()
         self._check_headers()
-        self._arenas: dict[int, Any] = {}  # base pointer -> VmmArena
+        # base pointer -> VmmArena; weak, so an arena is released with the last array over it
+        self._arenas: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._bandwidth: float | None = None
         try:
             from providers.cuda import vmm
@@ -127,8 +108,10 @@ class CudaProvider:
         self.stream.synchronize()
         return out
 
-    def io_binding(self, plan) -> DeviceIoBinding:
-        return DeviceIoBinding(plan)
+    def io_binding(self, plan) -> PlanBinding:
+        """Bound device arrays fed to the plan on every run; KV outputs alias the past buffers
+        (GroupQueryAttention writes them in place)."""
+        return PlanBinding(plan)
 
     def device_argmax(self, logits: Any, positions: Any, result: Any) -> None:
         from providers.cuda.ops import _argmax
