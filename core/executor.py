@@ -99,6 +99,8 @@ class Plan:
         for name, array in initializers.items():
             self.constants[name] = array if is_host_constant(array) else provider.upload(array)
         self.steps = self._fold_constants()
+        self._program = [(self.kernels[i], self.contexts[i], self.nodes[i].inputs, self.nodes[i].outputs)
+                         for i in self.steps]
         self.input_names = [i.name for i in graph.input]
         self.output_names = [o.name for o in graph.output]
         self.output_dtypes = {o.name: np.dtype(helper.tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type))
@@ -145,11 +147,9 @@ class Plan:
             raise KeyError(f"graph inputs not fed: {', '.join(missing)}")
         values: dict[str, Any] = dict(self.constants)
         values.update(feeds)
-        for i in self.steps:
-            node, kernel, ctx = self.nodes[i], self.kernels[i], self.contexts[i]
-            args = [values[x] if x else None for x in node.inputs]
-            outs = kernel(ctx, *args)
-            for name, value in zip(node.outputs, outs):
+        for kernel, ctx, inputs, outputs in self._program:
+            results = kernel(ctx, *[values[x] if x else None for x in inputs])
+            for name, value in zip(outputs, results):
                 if name:
                     values[name] = value
         return {name: values[name] for name in self.output_names}

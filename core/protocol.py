@@ -114,6 +114,7 @@ class KernelContext:
         self.allocations = 0
         self.evictions = 0
         self._buffers: dict = {}
+        self._last: dict = {}  # slot -> (shape, dtype, buffer) of the latest call
 
     def output(self, slot: Any, shape: Sequence[int], dtype: Any) -> Any:
         """A persistent buffer for output ``slot`` (int index or a scratch name).
@@ -121,10 +122,14 @@ class KernelContext:
         Buffers are kept per (slot, shape, dtype), the last :data:`KEEP_SHAPES` shapes of each
         slot, so prefill shapes do not displace the decode-step buffers a captured graph uses.
         An eviction bumps ``evictions`` (the capture policy treats it as a pointer change).
+        The common case, the same request as last time for this slot, is one dict lookup.
 
         Raises:
             RuntimeError: a new allocation is needed while the context is frozen (capture).
         """
+        last = self._last.get(slot)
+        if last is not None and last[0] == shape and last[1] == dtype:
+            return last[2]
         shape = tuple(int(s) for s in shape)
         dtype = np.dtype(dtype)
         key = (slot, shape, dtype.str)
@@ -142,6 +147,7 @@ class KernelContext:
                 del self._buffers[same_slot[0]]
                 self.evictions += 1
         self._buffers[key] = buf  # re-insert: most recently used last
+        self._last[slot] = (shape, dtype, buf)
         return buf
 
     def buffer_bytes(self) -> int:
