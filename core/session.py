@@ -107,6 +107,8 @@ class Session:
             raise RequestError(f"provider {self.provider.name!r} does not support KV layout {kv_layout!r}")
         self.batch, self.kv_layout, self.kv_policy = int(batch), kv_layout, kv_policy
         self.max_capacity = min(int(max_capacity or cfg.context_length), cfg.context_length)
+        if self.max_capacity < capacity:
+            raise RequestError(f"max_capacity ({self.max_capacity}) is below capacity ({capacity})")
         self.counters = Counters()
         self.plan = Plan(self.model.graph, self.model.initializers, self.provider, kv_layout)
         self.counters.weight_bytes = self.plan.weight_bytes()
