@@ -11,14 +11,50 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 from core.prepare import DEFAULT_MODEL, MODELS, PRECISIONS, TARGETS, Variant, prepare, resolve_model
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # an error stays one line in logs
+
+
+def _table_console() -> Console:
+    """Stdout console; wide enough for the tables when stdout is not a terminal."""
+    out = Console()
+    return out if out.is_terminal else Console(width=220)
+
+
+@contextlib.contextmanager
+def _status(text: str):
+    """A spinner on a terminal; plain lines in logs. Yields a callable taking a new status."""
+    if console.is_terminal:
+        with console.status(escape(text)) as status:
+            yield lambda line: status.update(escape(line))
+    else:
+        console.print(text, markup=False)
+        yield lambda line: console.print(line, markup=False)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def _default_target(provider: str) -> tuple[str, str]:
@@ -29,19 +65,21 @@ def _resolve_model(model: str | None, provider: str):
     if model is not None and model not in MODELS:
         return model
     precision, target = _default_target(provider)
-    with console.status("preparing the default model") as status:
-        return resolve_model(model, precision, target, progress=status.update)
+    with _status("preparing the default model") as update:
+        return resolve_model(model, precision, target, progress=update)
 
 
 def cmd_run(a) -> int:
     from rich.progress import Progress
 
     from core.generate import run
+    from core.plugins import get_provider
 
+    provider = get_provider(a.provider)  # a missing provider is reported before any model build
     model = _resolve_model(a.model, a.provider)
-    with Progress(console=console, transient=True) as bar:
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("decoding", total=a.max_new_tokens)
-        result = run(model, provider=a.provider, prompts=a.prompt, max_new_tokens=a.max_new_tokens,
+        result = run(model, provider=provider, prompts=a.prompt, max_new_tokens=a.max_new_tokens,
                      chat=not a.raw, kv_layout=a.layout, capture=False if a.no_capture else None,
                      progress=lambda done, total: bar.update(task, completed=done))
     if a.json:
@@ -60,9 +98,9 @@ def cmd_run(a) -> int:
 
 
 def cmd_prepare(a) -> int:
-    with console.status(f"preparing {a.model}") as status:
+    with _status(f"preparing {a.model} {a.precision} for {a.target}") as update:
         path = prepare(Variant(a.model, a.precision, a.target), output=a.output,
-                            progress=status.update, force=a.force)
+                       progress=update, force=a.force)
     print(path)
     return 0
 
@@ -82,20 +120,20 @@ def cmd_providers(a) -> int:
                     f"vmm {'yes' if caps.vmm else 'no'}; layouts {','.join(caps.kv_layouts)}")
             proto = str(caps.protocol_version)
         except Exception as exc:  # noqa: BLE001 - show why it is unusable here
-            text, proto = f"[red]unavailable: {exc}[/red]", "?"
-        table.add_row(name, entry.package, text, proto, entry.spec.description)
-    Console().print(table)
+            text, proto = f"[red]unavailable: {escape(str(exc))}[/red]", "?"
+        table.add_row(name, escape(entry.package), text, proto, escape(entry.spec.description))
+    _table_console().print(table)
     for err in reg.errors:
-        console.print(f"[red]{err}[/red]")
+        console.print(f"[red]{escape(str(err))}[/red]")
     return 0
 
 
 def cmd_parity(a) -> int:
     from core.testing.parity import run_parity
 
-    batches = tuple(int(x) for x in a.batch.split(","))
-    with console.status(f"parity of {a.provider} against cpu_reference"):
-        report = run_parity(a.model, a.provider, batches=batches, steps=a.steps)
+    model = _resolve_model(a.model, a.provider)
+    with _status(f"parity of {a.provider} against cpu_reference"):
+        report = run_parity(model, a.provider, batches=tuple(a.batch), steps=a.steps)
     if a.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -106,7 +144,8 @@ def cmd_parity(a) -> int:
 def cmd_profile(a) -> int:
     from core.profile import profile_main
 
-    return profile_main(a, console)
+    a.model = _resolve_model(a.model, a.provider)
+    return profile_main(a, console, _table_console())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,19 +156,24 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="decode prompts as one batch (greedy)")
     r.add_argument("--model", help="builder model folder, or a model name (default: smollm2-135m, "
                    "prepared on first use)")
-    r.add_argument("--provider", default="cpu_reference")
-    r.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    r.add_argument("--max-new-tokens", type=int, default=64)
+    r.add_argument("--provider", default="cpu_reference", help="execution provider (see `lockstep "
+                   "providers`; default: %(default)s)")
+    r.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    r.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per row "
+                   "(default: %(default)s)")
     r.add_argument("--raw", action="store_true", help="do not apply the chat template")
     r.add_argument("--json", action="store_true", help="print rows, provider and counters as JSON")
-    r.add_argument("--layout", default="head_major", choices=["head_major", "seq_major"])
+    r.add_argument("--layout", default="head_major", choices=["head_major", "seq_major"],
+                   help="KV cache layout (default: %(default)s)")
     r.add_argument("--no-capture", action="store_true", help="never capture decode steps")
     r.set_defaults(func=cmd_run)
 
     q = sub.add_parser("prepare", help="build a model variant with the ONNX Runtime GenAI builder")
     q.add_argument("model", nargs="?", default=DEFAULT_MODEL, choices=sorted(MODELS))
-    q.add_argument("--precision", default="fp32", choices=PRECISIONS)
-    q.add_argument("--target", default="cpu", choices=TARGETS)
+    q.add_argument("--precision", default="fp32", choices=PRECISIONS, help="weights and "
+                   "activations (default: %(default)s)")
+    q.add_argument("--target", default="cpu", choices=TARGETS, help="the builder's execution "
+                   "provider: cpu writes fp32 I/O, cuda fp16 I/O (default: %(default)s)")
     q.add_argument("--output", help="folder to write (default: the cache)")
     q.add_argument("--force", action="store_true", help="rebuild even if cached")
     q.set_defaults(func=cmd_prepare)
@@ -138,25 +182,33 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_providers)
 
     t = sub.add_parser("parity", help="decode gates of a provider against cpu_reference")
-    t.add_argument("--provider", required=True)
-    t.add_argument("--model", required=True)
-    t.add_argument("--batch", default="1,2,8")
-    t.add_argument("--steps", type=int, default=64)
-    t.add_argument("--json", action="store_true")
+    t.add_argument("--provider", required=True, help="the provider under test")
+    t.add_argument("--model", required=True, help="builder model folder or model name")
+    t.add_argument("--batch", type=_int_list, default=[1, 2, 8],
+                   help="batch sizes of the teacher-forced logits gate, e.g. 1,2,8 (default)")
+    t.add_argument("--steps", type=_positive_int, default=64, help="decode steps (default: %(default)s)")
+    t.add_argument("--json", action="store_true", help="print the report as JSON")
     t.set_defaults(func=cmd_parity)
 
     f = sub.add_parser("profile", help="decode throughput sweep over batch sizes")
-    f.add_argument("model")
-    f.add_argument("--provider", default="cuda")
-    f.add_argument("--batch-sweep", default="1,2,4,8,16,32,64,128,256")
-    f.add_argument("--tokens", type=int, default=64, help="measured decode steps per batch")
-    f.add_argument("--warmup", type=int, default=8, help="decode steps before measuring")
-    f.add_argument("--context", type=int, default=512, help="KV capacity (tokens)")
-    f.add_argument("--prompt-len", type=int, default=16)
-    f.add_argument("--layout", default="head_major", choices=["head_major", "seq_major"])
-    f.add_argument("--no-capture", action="store_true")
-    f.add_argument("--json", dest="json_out")
-    f.add_argument("--plot", dest="plot_out")
+    f.add_argument("model", help="builder model folder or model name")
+    f.add_argument("--provider", default="cpu_reference", help="provider (default: %(default)s)")
+    f.add_argument("--batch-sweep", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+                   help="batch sizes, comma-separated (default: 1,2,4,...,256)")
+    f.add_argument("--tokens", type=_positive_int, default=64, help="measured decode steps per batch "
+                   "(default: %(default)s)")
+    f.add_argument("--warmup", type=int, default=8, help="decode steps before measuring, including "
+                   "capture warm-up and capture (default: %(default)s)")
+    f.add_argument("--context", type=_positive_int, default=512, help="KV capacity in tokens "
+                   "(default: %(default)s)")
+    f.add_argument("--prompt-len", type=_positive_int, default=16, help="prompt tokens per row "
+                   "(default: %(default)s)")
+    f.add_argument("--layout", default="head_major", choices=["head_major", "seq_major"],
+                   help="KV cache layout (default: %(default)s)")
+    f.add_argument("--no-capture", action="store_true", help="run every step eagerly")
+    f.add_argument("--json", dest="json_out", help="write the rows as JSON to this file")
+    f.add_argument("--plot", dest="plot_out", help="write tokens/s against batch as a PNG "
+                   "(needs the plot extra: pip install -e \".[plot]\")")
     f.set_defaults(func=cmd_profile)
     return p
 
@@ -168,8 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except USER_ERRORS as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/red]")
+        return 130
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def run(model: str | Path | Model | None = None, provider: Any = "cpu_reference"
         raise RequestError("pass exactly one of prompts= or input_ids=")
     if isinstance(prompts, str):
         prompts = [prompts]
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise RequestError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
     if model is None:
         from core.prepare import resolve_model

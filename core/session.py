@@ -196,7 +196,7 @@ class Session:
         cfg = self.model.config
         if len(input_ids) != self.batch:
             raise RequestError(f"this session has batch {self.batch}; got {len(input_ids)} prompts")
-        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise RequestError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
         limit = self.capacity if self.kv_policy == "fixed" else self.max_capacity
         for b, row in enumerate(input_ids):

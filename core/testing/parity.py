@@ -36,6 +36,7 @@ from core.generate import generate
 from core.kv import round_capacity
 from core.model import Model, load_model
 from core.plugins import get_provider
+from core.session import RequestError
 from core.session import Session
 
 #: Max |provider - reference| / max |reference logit| per row and step, by model dtype.
@@ -206,12 +207,13 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
         reference: the oracle provider (name or object).
 
     Raises:
-        ValueError: empty batches, steps < 1, or a prompt plus ``steps`` beyond the model context.
+        core.session.RequestError (a ValueError): empty batches, steps < 1, or a prompt plus
+            ``steps`` beyond the model context.
     """
     model = model if isinstance(model, Model) else load_model(model)
     batches = sorted({int(b) for b in batches})
     if not batches or batches[0] < 1 or steps < 1:
-        raise ValueError(f"batches must be positive and steps >= 1, got {batches}, {steps}")
+        raise RequestError(f"batches must be positive and steps >= 1, got {batches}, {steps}")
     provider, reference = get_provider(provider), get_provider(reference)
     n_max = batches[-1]
     if prompts is None:
@@ -220,7 +222,7 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
     prompts = [prompts[i % len(prompts)] for i in range(n_max)]
     need = max(len(p) for p in prompts) + steps
     if need > model.config.context_length:
-        raise ValueError(f"prompts of up to {need - steps} tokens plus {steps} steps need {need} positions; "
+        raise RequestError(f"prompts of up to {need - steps} tokens plus {steps} steps need {need} positions; "
                          f"the model context is {model.config.context_length}")
     dtype = np.dtype(model.io_dtype).name
     rtol = LOGIT_RTOL.get(dtype, LOGIT_RTOL["float16"])
