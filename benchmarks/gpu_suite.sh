@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build SmolLM2-shaped test models, run the GPU tests, profile, and the
 # HF transformers baseline. Logs and JSON land in $OUT (the device tool brings them back).
-#   carry: [".whl"]  (onnxruntime-genai wheel for the builder; see benchmarks/README.md)
+#   carry: [".whl"]  (the onnxruntime-genai cp312 wheel for the builder; see benchmarks/README.md)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD COLUMNS=200
@@ -27,4 +27,6 @@ if [[ $STAGE == all || $STAGE == bench ]]; then
       --no-capture --json $OUT/profile_${v}_eager.json 2>&1 | tail -12
   done
   python3 benchmarks/hf_decode.py --batches $SWEEP --prompt-len 16 --tokens 64 2>&1 | tee $OUT/hf.txt
+  # where the time goes, node by node (synchronised per node: launch + kernel, not pure GPU time)
+  python3 benchmarks/cuda_decode.py $M/fp16 --batches 1,32,256 --steps 16 --profile 1,32,256 2>&1 | tee $OUT/op_profile.txt | tail -40
 fi
