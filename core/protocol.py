@@ -35,6 +35,7 @@ class Capabilities:
         vmm: ``kv_commit`` maps physical pages under a fixed address range (pointers never move).
         weight_streaming: weights may live in host memory and be streamed per step.
         kv_layouts: KV layouts the attention kernels read ("head_major", "seq_major").
+        page_bytes: granularity of ``kv_commit`` (the VMM page size; 2 MiB on NVIDIA GPUs).
         protocol_version: the :data:`PROTOCOL_VERSION` this provider implements.
     """
 
@@ -43,6 +44,7 @@ class Capabilities:
     vmm: bool = False
     weight_streaming: bool = False
     kv_layouts: tuple[str, ...] = ("head_major", "seq_major")
+    page_bytes: int = 4096
     protocol_version: int = PROTOCOL_VERSION
 
 

@@ -101,7 +101,7 @@ class Session:
             raise RequestError(f"capacity must be in [1, {cfg.context_length}] (the model context), "
                                f"got {capacity!r}")
         caps = self.provider.capabilities()
-        self._page = (2 << 20) if caps.vmm else 4096  # VMM granularity, else host pages
+        self._page = caps.page_bytes  # granularity of kv_commit requests
         self.vmm = bool(caps.vmm and kv_policy == "growing" and hasattr(self.provider, "reserve"))
         if kv_layout not in caps.kv_layouts:
             raise RequestError(f"provider {self.provider.name!r} does not support KV layout {kv_layout!r}")

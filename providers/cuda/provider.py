@@ -76,7 +76,8 @@ class CudaProvider:
 
     # -- protocol -------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
-        return Capabilities(dtypes=("float32", "float16"), graph_capture=True, vmm=self._vmm is not None)
+        return Capabilities(dtypes=("float32", "float16"), graph_capture=True, vmm=self._vmm is not None,
+                            page_bytes=self._vmm.granularity() if self._vmm is not None else 4096)
 
     def supports(self, node: NodeInfo) -> bool:
         module = self._ops.get((node.domain, node.op_type))
