@@ -57,11 +57,15 @@ class CudaProvider:
         # base pointer -> VmmArena; weak, so an arena is released with the last array over it
         self._arenas: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._bandwidth: float | None = None
+        self._vmm, page = None, 4096
         try:
             from providers.cuda import vmm
-            self._vmm = vmm if vmm.available() else None
-        except ImportError:  # cuda-bindings not installed: growth reallocates instead
-            self._vmm = None
+            if vmm.available():
+                self._vmm, page = vmm, vmm.granularity()
+        except Exception:  # noqa: BLE001 - no cuda-bindings or no VMM: growth reallocates instead
+            self._vmm, page = None, 4096
+        self._capabilities = Capabilities(dtypes=("float32", "float16"), graph_capture=True,
+                                          vmm=self._vmm is not None, page_bytes=page)
 
     def _check_headers(self) -> None:
         from providers.cuda.module import function
@@ -76,8 +80,7 @@ class CudaProvider:
 
     # -- protocol -------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
-        return Capabilities(dtypes=("float32", "float16"), graph_capture=True, vmm=self._vmm is not None,
-                            page_bytes=self._vmm.granularity() if self._vmm is not None else 4096)
+        return self._capabilities
 
     def supports(self, node: NodeInfo) -> bool:
         module = self._ops.get((node.domain, node.op_type))
