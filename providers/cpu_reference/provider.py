@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from core.executor import PlanBinding
+from core.ops import OpTable
 from core.protocol import Capabilities, KVRequest, NodeInfo
 from providers.cpu_reference import ops
 from providers.cpu_reference.argmax import argmax_rows
@@ -21,21 +22,17 @@ class CpuReferenceProvider:
     name = "cpu_reference"
 
     def __init__(self):
-        self._ops = ops.registry()
+        self._ops = OpTable(ops)
         self.committed_bytes = 0
 
     def capabilities(self) -> Capabilities:
         return Capabilities(dtypes=("float32", "float16"))
 
     def supports(self, node: NodeInfo) -> bool:
-        module = self._ops.get((node.domain, node.op_type))
-        if module is None:
-            return False
-        check = getattr(module, "supports", None)
-        return True if check is None else bool(check(node))
+        return self._ops.supports(node)
 
     def kernel(self, node: NodeInfo):
-        return self._ops[(node.domain, node.op_type)].run
+        return self._ops.kernel(node)
 
     def allocate(self, shape: Sequence[int], dtype: Any, zero: bool = False) -> np.ndarray:
         return np.zeros(shape, dtype) if zero else np.empty(shape, dtype)

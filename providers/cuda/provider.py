@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from core.executor import PlanBinding
+from core.ops import OpTable
 from core.protocol import Capabilities, KVRequest, NodeInfo
 
 _MISSING_CUPY = ("the 'cuda' provider needs CuPy: install lockstep[cuda13] (CUDA 13) or "
@@ -52,7 +53,7 @@ class CudaProvider:
         self._argmax_scratch: dict = {}
         self._constants: dict[int, Any] = {}
         from providers.cuda import ops
-        self._ops = ops.registry()
+        self._ops = OpTable(ops)
         self._check_headers()
         # base pointer -> VmmArena; weak, so an arena is released with the last array over it
         self._arenas: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -83,14 +84,10 @@ class CudaProvider:
         return self._capabilities
 
     def supports(self, node: NodeInfo) -> bool:
-        module = self._ops.get((node.domain, node.op_type))
-        if module is None:
-            return False
-        check = getattr(module, "supports", None)
-        return True if check is None else bool(check(node))
+        return self._ops.supports(node)
 
     def kernel(self, node: NodeInfo):
-        return self._ops[(node.domain, node.op_type)].run
+        return self._ops.kernel(node)
 
     def allocate(self, shape: Sequence[int], dtype: Any, zero: bool = False):
         cp = self.cupy

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 from core.executor import PlanBinding
+from core.ops import OpTable
 from core.protocol import Capabilities, KernelContext, KVRequest, NodeInfo
 from providers.cpu_reference import ops as reference_ops
 from providers.cpu_reference.ops.matmul_nbits import dequantize
@@ -111,7 +112,7 @@ class Numpy64Provider:
     parity_exclusions: dict[str, str] = {}
 
     def __init__(self):
-        self._reference = reference_ops.registry()
+        self._reference = OpTable(reference_ops)
         self.committed_bytes = 0
 
     def capabilities(self) -> Capabilities:
@@ -124,12 +125,11 @@ class Numpy64Provider:
         return self._reference_supports(node)
 
     def _reference_supports(self, node: NodeInfo) -> bool:
-        module = self._reference.get((node.domain, node.op_type))
-        return module is not None and getattr(module, "supports", lambda n: True)(node)
+        return self._reference.supports(node)
 
     def kernel(self, node: NodeInfo):
         own = KERNELS.get((node.domain, node.op_type))
-        return own if own is not None else self._reference[(node.domain, node.op_type)].run
+        return own if own is not None else self._reference.kernel(node)
 
     def allocate(self, shape: Sequence[int], dtype: Any, zero: bool = False) -> np.ndarray:
         return np.zeros(shape, dtype) if zero else np.empty(shape, dtype)

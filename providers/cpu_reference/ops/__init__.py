@@ -1,4 +1,4 @@
-"""One module per ONNX op. The registry is built by introspection, not kept by hand.
+"""One module per ONNX op, collected by :class:`core.ops.OpTable` (introspection, no hand list).
 
 Each module defines:
     OP_TYPE: the ONNX op type; DOMAIN: "" or "com.microsoft" (default "");
@@ -13,9 +13,6 @@ BLAS pick a blocking by M and is not row-invariant).
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 import numpy as np
 
 
@@ -28,14 +25,3 @@ def rowwise_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     lead = x.shape[:-1]
     flat = x.reshape(-1, 1, x.shape[-1])
     return np.matmul(flat, w)[:, 0, :].reshape(*lead, w.shape[-1])
-
-
-def registry() -> dict[tuple[str, str], object]:
-    """(domain, op_type) -> op module, for every module in this package."""
-    table = {}
-    for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        op_type = getattr(module, "OP_TYPE", None)
-        if op_type is not None:
-            table[(getattr(module, "DOMAIN", ""), op_type)] = module
-    return table

@@ -12,25 +12,11 @@ Modules whose name starts with "_" are helpers, not ops.
 from __future__ import annotations
 
 import importlib
-import pkgutil
 
 import numpy as np
 
 #: A NULL device pointer for optional kernel arguments.
 NULL = np.uint64(0)
-
-
-def registry() -> dict[tuple[str, str], object]:
-    """(domain, op_type) -> op module, for every module in this package."""
-    table = {}
-    for info in pkgutil.iter_modules(__path__):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        op_type = getattr(module, "OP_TYPE", None)
-        if op_type is not None:
-            table[(getattr(module, "DOMAIN", ""), op_type)] = module
-    return table
 
 
 def is_host(x) -> bool:
