@@ -136,6 +136,7 @@ class Session:
         """Allocate KV and mask for ``capacity`` positions (with VMM: reserve the full context
         once; ``capacity`` is then only the logical limit and pages are committed per step)."""
         self.capacity = capacity
+        self._committed_len = 0  # positions of every row backed by kv_commit (new buffers: none)
         p, cfg = self.provider, self.model.config
         stride = self.max_capacity if self.vmm else capacity
         self.geometry = self._geometry(stride)
@@ -176,12 +177,25 @@ class Session:
         self.counters.kv_bytes_moved += 2 * self.model.config.num_layers * sum(c[2] for c in copies)
         self.capture.invalidate("KV buffers reallocated by growth")
 
-    def _commit(self, old: Sequence[int], new: Sequence[int]) -> None:
+    def _ensure_committed(self, upto: int) -> None:
+        """Back positions ``[0, upto)`` of every row before a kernel writes them.
+
+        Commits in whole pages' worth of positions past a high-water mark, so a decode step
+        costs one comparison unless a row enters a new page (the request list is built then).
+        """
+        if upto <= self._committed_len:
+            return
+        g = self.geometry
+        per_position = g.head_size * g.itemsize * (g.kv_heads if g.layout == "seq_major" else 1)
+        chunk = max(1, self._page // per_position)
+        new = min(g.capacity, -(-upto // chunk) * chunk)
+        B = self.batch
         reqs = [KVRequest(o, n) for o, n in kvgeo.commit_requests(
-            self.geometry, list(old), list(new), page=self._page)]
+            g, [self._committed_len] * B, [new] * B, page=self._page)]
         if reqs:
-            committed = sum(self.provider.kv_commit(t, reqs) for pair in self.kv for t in pair)
-            self.counters.kv_committed_bytes += committed
+            self.counters.kv_committed_bytes += sum(
+                self.provider.kv_commit(t, reqs) for pair in self.kv for t in pair)
+        self._committed_len = new
 
     # -- requests --------------------------------------------------------------------------
 
@@ -233,7 +247,7 @@ class Session:
             ids[b, : len(row)] = row
             mask[b, : len(row)] = 1
         t0 = time.perf_counter()
-        self._commit([0] * B, [S] * B)  # prefill writes S rows of K/V in every row, padding too
+        self._ensure_committed(S)  # prefill writes S rows of K/V in every row, padding too
         self.binding.bind_input("input_ids", p.upload(ids))
         self.binding.bind_input("attention_mask", p.upload(mask))
         outs = self.binding.run()
@@ -279,7 +293,7 @@ class Session:
                                    f"{self.capacity}")
             self._grow(needed)
         t0 = time.perf_counter()
-        self._commit(self.lengths.tolist(), (self.lengths + 1).tolist())
+        self._ensure_committed(int(self.lengths.max()) + 1)
         self.capture.run_step()
         self.lengths = self.lengths + 1
         out = self._read_result()
