@@ -1,8 +1,9 @@
 """Graph-capture policy: eager -> warm-up -> capture -> replay, per session.
 
 The captured region is exactly one function, :meth:`core.session.Session.decode_step_device`
-(decode_advance + graph + device_argmax). It is keyed by (batch, capacity, KV layout, weight
-plan, buffer identities, plan epoch); any change invalidates the graph and the next step
+(decode_advance + graph + device_argmax). It is keyed by (batch, KV stride, KV layout, weight
+plan, buffer identities); node buffers a capture used are pinned in their kernel contexts, so
+they cannot move. Any key change invalidates the graph and the next step
 recaptures. While capturing, every kernel context is frozen, so a kernel that would allocate
 raises and the step falls back to eager with the reason recorded (CASES 10). Capture itself
 records without executing, so it never advances decode state; the replay that follows runs
@@ -39,7 +40,7 @@ class CaptureState:
         buffers += [t for pair in s.kv for t in pair]
         # geometry.capacity is the stride baked into the graph (with VMM the logical capacity
         # grows under a fixed stride, which needs no recapture)
-        return (s.batch, s.geometry.capacity, s.kv_layout, id(s.plan), s.plan.epoch,
+        return (s.batch, s.geometry.capacity, s.kv_layout, id(s.plan),
                 tuple(id(b) for b in buffers))
 
     def invalidate(self, reason: str) -> None:

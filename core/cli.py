@@ -47,6 +47,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -197,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch sizes, comma-separated (default: 1,2,4,...,256)")
     f.add_argument("--tokens", type=_positive_int, default=64, help="measured decode steps per batch "
                    "(default: %(default)s)")
-    f.add_argument("--warmup", type=int, default=8, help="decode steps before measuring, including "
+    f.add_argument("--warmup", type=_non_negative_int, default=8, help="decode steps before measuring, including "
                    "capture warm-up and capture (default: %(default)s)")
     f.add_argument("--context", type=_positive_int, default=512, help="KV capacity in tokens "
                    "(default: %(default)s)")

@@ -20,7 +20,8 @@ class Counters:
         growth_events: KV reallocations (growing policy).
         kv_bytes_moved: bytes copied by KV growth (0 with a VMM arena).
         kv_bytes: bytes reserved for the KV cache (all layers, K and V).
-        kv_committed_bytes: bytes the provider reported as newly backed by ``kv_commit``.
+        kv_committed_bytes: bytes of the current KV buffers backed through ``kv_commit`` (a
+            gauge: growth that reallocates starts it again from the copied prefix).
         weight_bytes: bytes of weights resident on the provider.
     """
 

@@ -23,6 +23,7 @@ from core import fusion
 from core.protocol import ExecutionProvider, KernelContext, NodeInfo
 
 HOST_CONSTANT_MAX = 64
+GATHER_OPS = ("Gather", "GatherBlockQuantized")
 
 
 class UnsupportedOpError(ValueError):
@@ -123,17 +124,24 @@ class Plan:
         for ctx in self.contexts:
             ctx.frozen = frozen
 
-    @property
-    def epoch(self) -> int:
-        """Changes whenever a node buffer was dropped (a pointer a captured graph may hold)."""
-        return sum(ctx.evictions for ctx in self.contexts)
-
     def activation_bytes(self) -> int:
         """Bytes held in the per-node persistent buffers (activations and scratch)."""
         return sum(ctx.buffer_bytes() for ctx in self.contexts)
 
+    def step_weight_bytes(self) -> int:
+        """Bytes of constants one decode step reads in full: each constant input of a per-step
+        node, counted once; gather tables are left out (a step reads B rows of them)."""
+        read = {}
+        for i in self.steps:
+            node = self.nodes[i]
+            if node.op_type in GATHER_OPS:
+                continue
+            read.update((x, self.constants[x]) for x in node.inputs if x in self.constants)
+        return sum(int(getattr(v, "nbytes", 0)) for v in read.values())
+
     def weight_bytes(self) -> int:
-        """Bytes of the uploaded initializers."""
+        """Bytes of the resident constants (initializers and folded values, e.g. the transposed
+        tied embedding the builder gathers from)."""
         return sum(int(getattr(v, "nbytes", 0)) for v in self.constants.values())
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:

@@ -6,8 +6,9 @@ capture warm-up and the capture), then ``--tokens`` measured steps. Each step en
 ``[B, 2]`` argmax result is on the host, so step times are wall times of complete steps.
 The check column compares row 0's token stream with the batch-1 stream, bitwise.
 
-The floor column is the time to read every weight byte once at the provider's measured
-device bandwidth (``provider.device_bandwidth()`` in bytes/s, when the provider offers it).
+The floor column is the time to read once every weight byte a step reads (gather tables
+excluded) at the provider's measured device bandwidth (``provider.device_bandwidth()`` in
+bytes/s, when the provider offers it).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _stream(model, provider, batch, args, prompt, rng, bandwidth):
         times.append(time.perf_counter() - t0)
     times_ms = np.array(times) * 1e3
     c = session.counters
-    floor = None if bandwidth is None else c.weight_bytes / bandwidth * 1e3
+    floor = None if bandwidth is None else session.plan.step_weight_bytes() / bandwidth * 1e3
     peak = p.peak_bytes() if hasattr(p, "peak_bytes") else None
     row = ProfileRow(batch, batch * len(times) / sum(times), float(np.percentile(times_ms, 50)),
                      float(np.percentile(times_ms, 95)), floor, c.captures, c.replays,

@@ -104,7 +104,8 @@ class KernelContext:
         cache: free per-node storage for derived constants (e.g. dequantized weights).
         frozen: set by the capture policy; output/scratch allocation then raises.
         allocations: number of buffers this node allocated (a counter).
-        evictions: number of buffers dropped to keep at most KEEP_SHAPES shapes per slot.
+        evictions: number of buffers dropped to keep at most KEEP_SHAPES shapes per slot
+            (never one a captured graph uses).
     """
 
     def __init__(self, node: NodeInfo, provider: "ExecutionProvider", kv_layout: str):
@@ -117,20 +118,21 @@ class KernelContext:
         self.evictions = 0
         self._buffers: dict = {}
         self._last: dict = {}  # slot -> (shape, dtype, buffer) of the latest call
+        self._pinned: set = set()  # keys of buffers a captured graph uses
 
     def output(self, slot: Any, shape: Sequence[int], dtype: Any) -> Any:
         """A persistent buffer for output ``slot`` (int index or a scratch name).
 
-        Buffers are kept per (slot, shape, dtype), the last :data:`KEEP_SHAPES` shapes of each
-        slot, so prefill shapes do not displace the decode-step buffers a captured graph uses.
-        An eviction bumps ``evictions`` (the capture policy treats it as a pointer change).
+        Buffers are kept per (slot, shape, dtype): the last :data:`KEEP_SHAPES` shapes of each
+        slot, plus every buffer handed out while frozen (a captured graph holds its pointer, so
+        it is never dropped). Prefill shapes therefore never displace decode-step buffers.
         The common case, the same request as last time for this slot, is one dict lookup.
 
         Raises:
             RuntimeError: a new allocation is needed while the context is frozen (capture).
         """
         last = self._last.get(slot)
-        if last is not None and last[0] == shape and last[1] == dtype:
+        if last is not None and last[0] == shape and last[1] == dtype and not self.frozen:
             return last[2]
         shape = tuple(int(s) for s in shape)
         dtype = np.dtype(dtype)
@@ -144,10 +146,12 @@ class KernelContext:
                     "buffer to exist before capture (CASES 10)")
             buf = self.provider.allocate(shape, dtype)
             self.allocations += 1
-            same_slot = [k for k in self._buffers if k[0] == slot]
+            same_slot = [k for k in self._buffers if k[0] == slot and k not in self._pinned]
             if len(same_slot) >= KEEP_SHAPES:
                 del self._buffers[same_slot[0]]
                 self.evictions += 1
+        if self.frozen:
+            self._pinned.add(key)
         self._buffers[key] = buf  # re-insert: most recently used last
         self._last[slot] = (shape, dtype, buf)
         return buf

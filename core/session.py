@@ -58,7 +58,7 @@ class Session:
         model: a model folder or a loaded :class:`~core.model.Model`.
         provider: a provider name (see ``lockstep providers``) or provider object.
         batch: number of rows N, fixed for the session's life.
-        capacity: KV positions per row (tokens). Default: 256, growing as needed.
+        capacity: KV positions per row (tokens). Default: min(256, max_capacity), growing as needed.
         kv_layout: "head_major" ([B, Nkv, S, H], the builder's BNSH) or "seq_major" ([B, S, Nkv, H]).
         kv_policy: "fixed" (capacity is a hard limit) or "growing" (the buffers are reallocated
             to a larger bucket when a step needs it: prefix copied, suffix zeroed, counted in
@@ -82,7 +82,7 @@ class Session:
                  capacity: int | None = None, kv_layout: str = "head_major",
                  kv_policy: str | None = None, capture: bool | None = None,
                  max_capacity: int | None = None):
-        if not isinstance(batch, (int, np.integer)) or batch < 1:
+        if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
             raise RequestError(f"batch must be a positive integer, got {batch!r}")
         if kv_layout not in kvgeo.LAYOUTS:
             raise RequestError(f"kv_layout must be one of {kvgeo.LAYOUTS}, got {kv_layout!r}")
@@ -90,13 +90,14 @@ class Session:
         if kv_policy not in kvgeo.POLICIES:
             raise RequestError(f"kv_policy must be one of {kvgeo.POLICIES}, got {kv_policy!r}")
         if kv_policy == "growing" and kv_layout == "seq_major" and batch > 1:
-            raise kvgeo.KVLayoutError(
+            raise RequestError(
                 "a growing seq_major KV cache at batch > 1 would relocate every sequence b > 0; "
                 "use kv_layout='head_major' or kv_policy='fixed'")
         self.provider = get_provider(provider)
         self.model = model if isinstance(model, Model) else load_model(model)
         cfg = self.model.config
-        capacity = 256 if capacity is None else capacity
+        if capacity is None:
+            capacity = min(256, int(max_capacity or cfg.context_length), cfg.context_length)
         if not isinstance(capacity, (int, np.integer)) or not 1 <= capacity <= cfg.context_length:
             raise RequestError(f"capacity must be in [1, {cfg.context_length}] (the model context), "
                                f"got {capacity!r}")
@@ -137,6 +138,7 @@ class Session:
         once; ``capacity`` is then only the logical limit and pages are committed per step)."""
         self.capacity = capacity
         self._committed_len = 0  # positions of every row backed by kv_commit (new buffers: none)
+        self.counters.kv_committed_bytes = 0  # a gauge of the current buffers
         p, cfg = self.provider, self.model.config
         stride = self.max_capacity if self.vmm else capacity
         self.geometry = self._geometry(stride)
@@ -280,9 +282,12 @@ class Session:
             raise RequestError("call prefill() before step()")
         p = self.provider
         if force_tokens is not None:
-            forced = np.asarray(force_tokens, np.int64)
-            if forced.shape != (self.batch,):
-                raise RequestError(f"force_tokens must have {self.batch} entries")
+            forced = np.asarray(force_tokens)
+            if forced.shape != (self.batch,) or forced.dtype.kind not in "iu":
+                raise RequestError(f"force_tokens must be {self.batch} integer token ids")
+            vocab = self.model.config.vocab_size
+            if forced.min() < 0 or forced.max() >= vocab:
+                raise RequestError(f"force_tokens has ids outside [0, {vocab})")
             res = np.zeros((self.batch, 2), np.int32)
             res[:, ARGMAX_TOKEN] = forced
             self.result[...] = p.upload(res)

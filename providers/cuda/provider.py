@@ -51,7 +51,6 @@ class CudaProvider:
         self.stream.use()
         self.committed_bytes = 0
         self._argmax_scratch: dict = {}
-        self._constants: dict[int, Any] = {}
         from providers.cuda import ops
         self._ops = OpTable(ops)
         self._check_headers()
@@ -94,13 +93,7 @@ class CudaProvider:
         return cp.zeros(tuple(shape), dtype) if zero else cp.empty(tuple(shape), dtype)
 
     def upload(self, array: np.ndarray):
-        out = self.cupy.asarray(np.ascontiguousarray(array))
-        self._constants[id(out)] = out
-        return out
-
-    def is_constant(self, tensor: Any) -> bool:
-        """True when ``tensor`` is an array made by :meth:`upload` (a weight: never rewritten)."""
-        return self._constants.get(id(tensor)) is tensor
+        return self.cupy.asarray(np.ascontiguousarray(array))
 
     def download(self, tensor: Any) -> np.ndarray:
         if isinstance(tensor, np.ndarray):

@@ -129,3 +129,13 @@ def test_a_kernel_that_allocates_inside_capture_is_refused(model_dir):
     assert ctx.output(0, (2, 2), np.float32) is ctx.output(0, (2, 2), np.float32)
     with pytest.raises(RuntimeError, match="inside a captured region"):
         ctx.output(0, (3, 2), np.float32)
+
+
+def test_new_prompt_lengths_do_not_invalidate_the_graph(model_dir):
+    """Prefill buffers of new shapes never displace the buffers a captured step uses."""
+    prov = RecordingCapture()
+    _, _, s = stream(model_dir, prov, steps=3, capture=True)
+    for n in range(4, 12):
+        s.prefill([[5] * n, [6] * (n + 1), [7] * (n + 2)])
+        s.step()
+    assert s.counters.captures == 1 and s.counters.invalidations == 0

@@ -1,0 +1,58 @@
+"""Session-level request checks on the tiny model (fast; the SmolLM2 ones are in tests/models)."""
+
+import numpy as np
+import pytest
+
+import core
+from core.session import RequestError, Session
+from core.testing.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def test_default_capacity_fits_a_short_context(model_dir):
+    s = Session(model_dir)  # the tiny model's context is 128 < the default 256
+    assert s.capacity <= s.model.config.context_length
+    assert Session(model_dir, max_capacity=32).capacity == 32
+
+
+@pytest.mark.parametrize("forced", [[-1, 5], [10**6, 5], [1.5, 2.0], [1]])
+def test_bad_forced_tokens_are_refused_and_leave_the_session_consistent(model_dir, forced):
+    s = Session(model_dir, batch=2, capacity=32)
+    s.prefill([[5, 6, 7], [8, 9]])
+    with pytest.raises(RequestError, match="force_tokens"):
+        s.step(force_tokens=forced)
+    assert s.lengths.tolist() == [3, 2] and s.lengths_dev.tolist() == [3, 2]
+    assert s.attention_mask.sum(axis=1).tolist() == [3, 2]
+    s.step(force_tokens=[1, 2])
+    assert s.lengths.tolist() == [4, 3]
+
+
+def test_seq_major_growth_at_batch_above_one_is_a_request_error(model_dir):
+    with pytest.raises(RequestError, match="relocate"):
+        Session(model_dir, batch=2, kv_layout="seq_major", kv_policy="growing")
+
+
+def test_committed_bytes_never_exceed_the_cache_across_growth(model_dir):
+    s = Session(model_dir, batch=2, capacity=8, kv_policy="growing")
+    s.prefill([[5, 6, 7], [8, 9]])
+    for _ in range(60):
+        s.step()
+    assert s.counters.growth_events >= 2
+    assert 0 < s.counters.kv_committed_bytes <= s.counters.kv_bytes
+
+
+def test_batch_must_be_a_true_integer(model_dir):
+    with pytest.raises(RequestError):
+        Session(model_dir, batch=True)
+
+
+def test_the_floor_counts_weights_a_step_reads_not_gather_tables(model_dir):
+    s = Session(model_dir)
+    cfg = s.model.config
+    table = cfg.vocab_size * cfg.hidden_size * s.model.io_dtype.itemsize
+    assert s.plan.weight_bytes() - s.plan.step_weight_bytes() >= table
+    assert np.isclose(s.plan.step_weight_bytes(), s.model.weight_bytes(), rtol=0.01)
