@@ -30,7 +30,7 @@ from core.capture import CaptureState
 from core.counters import Counters
 from core.executor import Plan
 from core.model import Model, load_model
-from core.plugins import get_provider
+from core.plugins import ProviderError, get_provider
 from core.protocol import ARGMAX_ERROR, ARGMAX_TOKEN, KVRequest
 
 
@@ -253,6 +253,11 @@ class Session:
         self.binding.bind_input("input_ids", p.upload(ids))
         self.binding.bind_input("attention_mask", p.upload(mask))
         outs = self.binding.run()
+        present = outs.get(cfg.present_key % 0)
+        if present is not None and present is not self.kv[0][0]:
+            raise ProviderError(
+                f"provider {p.name!r} returned a new present KV tensor; it must write the shared "
+                "past/present buffer in place (past_present_share_buffer, OPS.md 1.3 step 2)")
         self.logits = outs["logits"]
         p.device_argmax(self.logits, p.upload((lens - 1).astype(np.int32)), self.result)
         full = np.zeros(self.attention_mask.shape, np.int64)

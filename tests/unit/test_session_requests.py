@@ -56,3 +56,19 @@ def test_the_floor_counts_weights_a_step_reads_not_gather_tables(model_dir):
     table = cfg.vocab_size * cfg.hidden_size * s.model.io_dtype.itemsize
     assert s.plan.weight_bytes() - s.plan.step_weight_bytes() >= table
     assert np.isclose(s.plan.step_weight_bytes(), s.model.weight_bytes(), rtol=0.01)
+
+
+def test_a_provider_that_does_not_write_the_shared_kv_in_place_is_refused(model_dir):
+    from core.plugins import ProviderError
+    from providers.cpu_reference.provider import CpuReferenceProvider
+
+    class CopyingKV(CpuReferenceProvider):
+        def kernel(self, node):
+            run = super().kernel(node)
+            if node.op_type != "GroupQueryAttention":
+                return run
+            return lambda ctx, *args: tuple(o.copy() if o is not None else o for o in run(ctx, *args))
+
+    s = Session(model_dir, CopyingKV(), batch=1, capacity=16)
+    with pytest.raises(ProviderError, match="in place"):
+        s.prefill([[5, 6]])
