@@ -156,6 +156,7 @@ def cmd_profile(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of ``lockstep`` (one subcommand per job)."""
     p = argparse.ArgumentParser(prog="lockstep", description="Batch-N decoding of ONNX LLMs on "
                                 "pluggable execution providers.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -221,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``lockstep`` and ``python -m core``; returns the exit status (2 for a
+    refused request, printed as one line without traceback; 130 when interrupted)."""
     from core.errors import USER_ERRORS
 
     args = build_parser().parse_args(argv)

@@ -41,4 +41,5 @@ class Counters:
     weight_bytes: int = 0
 
     def to_dict(self) -> dict:
+        """The counters as plain JSON-ready data."""
         return attrs.asdict(self)

@@ -39,6 +39,7 @@ class Result:
     counters: dict
 
     def to_dict(self) -> dict:
+        """Rows, provider and counters as plain data (the CLI's ``--json``)."""
         return attrs.asdict(self)
 
 

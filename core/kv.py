@@ -52,9 +52,11 @@ class KVGeometry:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of one buffer (B * Nkv * C * H * itemsize)."""
         return self.batch * self.kv_heads * self.capacity * self.head_size * self.itemsize
 
     def with_capacity(self, capacity: int) -> "KVGeometry":
+        """The same geometry with capacity ``capacity``."""
         return attrs.evolve(self, capacity=capacity)
 
 

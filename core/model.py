@@ -51,6 +51,7 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, data: dict) -> "ModelConfig":
+        """Parse a genai_config.json dict (OPS.md 6.1); raises KeyError/ValueError if malformed."""
         m = data["model"]
         d = m["decoder"]
         eos = m.get("eos_token_id", m.get("pad_token_id", 0))
@@ -95,6 +96,7 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Text of token ids (special tokens skipped unless asked)."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, prompt: str) -> str:
@@ -146,6 +148,7 @@ class Model:
 
     @property
     def input_names(self) -> list[str]:
+        """Graph input names in declaration order."""
         return [i.name for i in self.graph.input]
 
     def weight_bytes(self) -> int:

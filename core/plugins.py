@@ -117,9 +117,11 @@ class Registry:
                 self.entries[spec.name] = ProviderEntry(spec, plugin, package)
 
     def names(self) -> list[str]:
+        """Registered provider names, sorted."""
         return sorted(self.entries)
 
     def describe(self) -> str:
+        """The available providers and any plugin errors, for error messages."""
         text = ", ".join(self.names()) or "(none)"
         if self.errors:
             text += "; plugins with errors: " + "; ".join(str(e) for e in self.errors)

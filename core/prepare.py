@@ -66,6 +66,7 @@ class Variant:
 
     @property
     def folder_name(self) -> str:
+        """The cache folder name, ``<model>-<precision>-<target>``."""
         return f"{self.model}-{self.precision}-{self.target}"
 
 

@@ -99,6 +99,7 @@ def profile(model_dir, provider, batches: list[int], args, progress=None) -> lis
 
 
 def render(rows: list[ProfileRow], title: str):
+    """A rich Table of the sweep, one row per batch size."""
     from rich.table import Table
 
     table = Table(title=title)
@@ -115,6 +116,7 @@ def render(rows: list[ProfileRow], title: str):
 
 
 def plot(rows: list[ProfileRow], path: str, title: str) -> None:
+    """Write tokens/s against batch (log-log) to a PNG at ``path`` (needs matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
