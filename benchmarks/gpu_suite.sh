@@ -15,8 +15,8 @@ wait
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee $OUT/gpu.txt
 STAGE=${STAGE:-all}
 if [[ $STAGE == all || $STAGE == tests ]]; then
-  LOCKSTEP_CUDA_MODELS=$M timeout ${TEST_TIMEOUT:-900} python3 -m pytest -q -p no:cacheprovider tests/cuda -rP \
-    -rs 2>&1 | tee $OUT/tests_cuda.log | tail -25  # -rP: the parity reports (max errors) of passing tests
+  LOCKSTEP_CUDA_MODELS=$M timeout ${TEST_TIMEOUT:-900} python3 -m pytest -q -p no:cacheprovider tests/cuda \
+    -rsP 2>&1 | tee $OUT/tests_cuda.log | tail -25  # -rP: the parity reports (max errors) of passing tests
 fi
 if [[ $STAGE == all || $STAGE == bench ]]; then
   SWEEP=${SWEEP:-1,8,32,64,128,256}
