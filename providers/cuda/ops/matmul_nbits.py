@@ -13,19 +13,16 @@ from providers.cuda.module import ctype, function
 from providers.cuda.ops import NULL
 from providers.cuda.ops._linear import config, i32
 from providers.cuda.ops import _mma
+from providers.cpu_reference.ops import matmul_nbits as reference
 
 OP_TYPE = "MatMulNBits"
 DOMAIN = "com.microsoft"
 
 
 def supports(node) -> bool:
-    attrs = node.attrs
-    bs = int(attrs.get("block_size", 0))
-    g_idx = len(node.inputs) > 4 and node.inputs[4] != ""
+    """The configurations cpu_reference accepts, with fp16 or fp32 activations."""
     dt = node.input_dtypes[0] if node.input_dtypes else None
-    return (int(attrs.get("bits", 4)) in (2, 4, 8) and bs >= 16 and bs & (bs - 1) == 0
-            and not attrs.get("weight_prepacked", 0) and not g_idx
-            and (dt is None or dt in (np.float16, np.float32)))
+    return reference.supports(node) and (dt is None or dt in (np.float16, np.float32))
 
 
 def _exprs(t: str, s: str) -> tuple[str, ...]:
