@@ -123,6 +123,8 @@ def main():
     ap.add_argument("--parity", action="store_true")
     ap.add_argument("--capacity", type=int, default=256)
     ap.add_argument("--profile", default="1,256", type=lambda t: [int(x) for x in t.split(",") if x])
+    ap.add_argument("--cprofile", default="", type=lambda t: [int(x) for x in t.split(",") if x],
+                    help="batch sizes whose eager decode steps are run under cProfile (host time by function)")
     args = ap.parse_args()
     from core.plugins import Registry
 
@@ -165,6 +167,18 @@ def main():
             print(f"capture failed: {exc!r}")
         print(f"batch {b:4d}: {dt * 1e3:7.2f} ms/step eager, {b / dt:10.0f} tok/s; captured "
               f"{cap_ms:7.3f} ms/step, {b / cap_ms * 1e3:10.0f} tok/s", flush=True)
+        if b in args.cprofile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.steps):
+                loop.step()
+            cuda.synchronize()
+            prof.disable()
+            print(f"  host time of {args.steps} eager steps at batch {b}, by function:")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         if b in args.profile:
             prof = profile(loop)
             print("  GPU ms per op type:", {k: round(v, 3) for k, v in sorted(prof.items(), key=lambda kv: -kv[1])})

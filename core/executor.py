@@ -100,6 +100,9 @@ class Plan:
         for name, array in initializers.items():
             self.constants[name] = array if is_host_constant(array) else provider.upload(array)
         self.steps = self._fold_constants()
+        for value in self.constants.values():
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False  # constants are shared by every step: never written
         self._program = [(self.kernels[i], self.contexts[i], self.nodes[i].inputs, self.nodes[i].outputs)
                          for i in self.steps]
         self.input_names = [i.name for i in graph.input]

@@ -9,7 +9,7 @@ rounded at the output. Source: ONNX MatMul-13.
 import numpy as np
 
 from providers.cpu_reference.ops import rowwise_matmul
-from providers.cpu_reference.ops._util import compute_dtype
+from providers.cpu_reference.ops._util import as_compute
 
 OP_TYPE = "MatMul"
 DOMAIN = ""
@@ -18,8 +18,7 @@ DOMAIN = ""
 def run(ctx, a, b):
     a, b = np.asarray(a), np.asarray(b)
     dtype = a.dtype
-    work = compute_dtype(dtype)
-    a, b = a.astype(work, copy=False), b.astype(work, copy=False)
+    a, b = as_compute(ctx, a, "a"), as_compute(ctx, b, "b")
     if b.ndim == 1:
         return (rowwise_matmul(a, b[:, None])[..., 0].astype(dtype),)
     if b.ndim == 2:
