@@ -1,5 +1,6 @@
-"""Host cost of one kernel launch through CuPy (RawKernel) and through the CUDA driver API
-(cuda-bindings cuLaunchKernel with a pre-packed argument array), per argument count.
+"""Host cost of one kernel launch through CuPy (RawKernel) and through the CUDA driver API with
+the arguments packed once (providers/cuda/replay.py's Launch: CuPy's cuLaunchKernel wrapper),
+per argument count.
 
     python benchmarks/launch_cost.py
 
@@ -53,32 +54,13 @@ def main():
         kern = mod.get_function(name)
         us = per_launch(lambda: kern((1,), (32,), a))
         print(f"cupy RawKernel {name}: {us:6.2f} us/launch")
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        print("cuda-bindings not installed: driver API path skipped")
-        return
+    from providers.cuda.replay import Launch
+
     stream = cupy.cuda.get_current_stream().ptr
     for name, a in args.items():
-        kern = mod.get_function(name)
-        ctypes_vals = []
-        import ctypes
-
-        for v in a:
-            if isinstance(v, cupy.ndarray):
-                ctypes_vals.append(ctypes.c_uint64(v.data.ptr))
-            elif isinstance(v, np.int32):
-                ctypes_vals.append(ctypes.c_int32(int(v)))
-            elif isinstance(v, np.int64):
-                ctypes_vals.append(ctypes.c_int64(int(v)))
-            else:
-                ctypes_vals.append(ctypes.c_float(float(v)))
-        ptrs = (ctypes.c_void_p * len(ctypes_vals))(*[ctypes.addressof(c) for c in ctypes_vals])
-        addr = ctypes.addressof(ptrs)
-        f = kern.ptr
-        launch = driver.cuLaunchKernel
-        us = per_launch(lambda: launch(f, 1, 1, 1, 32, 1, 1, 0, stream, addr, 0))
-        print(f"cuLaunchKernel (packed args) {name}: {us:6.2f} us/launch")
+        launch = Launch(mod.get_function(name).kernel.ptr, (1,), (32,), a, 0)
+        us = per_launch(lambda: launch.fire(stream))
+        print(f"prepared cuLaunchKernel (replay.Launch) {name}: {us:6.2f} us/launch")
     # a trivial CuPy elementwise op, for scale
     y = cupy.zeros(8, cupy.int32)
     print(f"cupy y += 1 (elementwise kernel): {per_launch(lambda: y.__iadd__(1), 5000):6.2f} us")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from providers.cuda import replay
+
 KERNELS = Path(__file__).parent / "kernels"
 
 
@@ -22,16 +24,45 @@ def _module(name: str, expressions: tuple[str, ...]):
     return cupy.RawModule(code=source, options=("--std=c++17",), name_expressions=list(expressions))
 
 
+class Kernel:
+    """A compiled kernel. Calling it, ``kernel(grid, block, args, shared_mem=0)``, launches
+    through CuPy on the current stream and, while a node is being recorded, also keeps the
+    launch for eager replay (:mod:`providers.cuda.replay`).
+
+    Attributes:
+        raw: the cupy.RawKernel; ptr: its CUfunction handle.
+    """
+
+    __slots__ = ("raw", "ptr")
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.ptr = raw.kernel.ptr
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        self.raw(grid, block, args, shared_mem=shared_mem)
+        if replay._recording is not None:
+            replay.record(self.ptr, grid, block, args, shared_mem)
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self.raw.max_dynamic_shared_size_bytes
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, nbytes: int) -> None:
+        self.raw.max_dynamic_shared_size_bytes = nbytes
+
+
 _FUNCTIONS: dict = {}
 
 
-def function(name: str, expression: str, expressions: tuple[str, ...]):
+def function(name: str, expression: str, expressions: tuple[str, ...]) -> Kernel:
     """The compiled kernel ``expression`` of ``kernels/<name>.cu`` (one of ``expressions``),
     cached per process (a dict hit: launch paths call this on every step)."""
     key = (name, expression)
     fn = _FUNCTIONS.get(key)
     if fn is None:
-        fn = _FUNCTIONS[key] = _module(name, expressions).get_function(expression)
+        fn = _FUNCTIONS[key] = Kernel(_module(name, expressions).get_function(expression))
     return fn
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Sequence
 
@@ -10,6 +11,7 @@ import numpy as np
 from core.executor import PlanBinding
 from core.ops import OpTable
 from core.protocol import Capabilities, KVRequest, NodeInfo
+from providers.cuda.replay import ReplayKernel
 
 _MISSING_CUPY = ("the 'cuda' provider needs CuPy: install lockstep[cuda13] (CUDA 13) or "
                  "lockstep[cuda12] (CUDA 12)")
@@ -43,6 +45,9 @@ class CudaProvider:
     """
 
     name = "cuda"
+    #: Eager launch replay for plans made from now on (providers/cuda/replay.py); off with
+    #: LOCKSTEP_CUDA_REPLAY=0 (every node then runs its Python launcher every step).
+    eager_replay: bool = os.environ.get("LOCKSTEP_CUDA_REPLAY", "1") != "0"
 
     def __init__(self):
         cupy = _import_cupy()
@@ -86,7 +91,12 @@ class CudaProvider:
         return self._ops.supports(node)
 
     def kernel(self, node: NodeInfo):
-        return self._ops.kernel(node)
+        """The op's launcher, wrapped for eager launch replay unless the op module sets
+        ``REPLAY = False`` (providers/cuda/replay.py)."""
+        module = self._ops.modules[(node.domain, node.op_type)]
+        if not self.eager_replay or not getattr(module, "REPLAY", True):
+            return module.run
+        return ReplayKernel(module.run, getattr(module, "replay_key", None))
 
     def allocate(self, shape: Sequence[int], dtype: Any, zero: bool = False):
         cp = self.cupy

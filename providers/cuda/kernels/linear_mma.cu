@@ -15,8 +15,15 @@
 // nbits4: int4 MatMulNBits weights read in place (codes [N, nb, blob], 2 per byte, LSB first):
 // per 64-wide k chunk lane (g, t) reads 8 bytes of rows g and g+8 (codes k0+16t .. +15);
 // virtual tile v (0..3) of the chunk maps its k slots (2t, 2t+1, 2t+8, 2t+9) to actual
-// k0 + 16t + 4v + (0, 1, 2, 3), and the activations use the same map.  Codes are dequantised
-// in fp32 ((q - zp) * scale, as cpu_reference) and rounded to fp16 before the mma.
+// k0 + 16t + 4v + (0, 1, 2, 3), and the activations use the same map.
+// Dequantisation keeps the fp32 weight of cpu_reference, w = (q - zp) * scale: w is split into
+// hi = fp16(w) and lo = fp16(w - hi), and each virtual tile is two mmas (hi, then lo) into the
+// same accumulator.  With an integer zero point and fp16 scales, w is exact in fp32 (a 5-bit
+// integer times an 11-bit scale) and hi + lo == w, so int4 logits carry no weight rounding
+// (rounding w to fp16 alone cost ~2% top-1 agreement with cpu_reference on SmolLM2-shaped
+// models).  That case is computed in fp16x2 arithmetic (q via the 0x6400 exponent trick,
+// hi = q*s, lo = fma(q, s, -hi): both exact or correctly rounded, so bitwise the fp32 route);
+// float zero points or fp32 scales take the fp32 route.
 #include <cuda_fp16.h>
 
 #define SEG_K 256
@@ -122,6 +129,27 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&h);
 }
 
+template <typename S> struct is_half_t { static constexpr bool value = false; };
+template <> struct is_half_t<__half> { static constexpr bool value = true; };
+
+// fp32 route: weights w0, w1 (fp32) -> hi = fp16(w), lo = fp16(w - hi), as packed half2 words.
+__device__ __forceinline__ void split_f32(float w0, float w1, unsigned& hi, unsigned& lo) {
+    __half2 h = __floats2half2_rn(w0, w1);
+    const float2 hf = __half22float2(h);
+    hi = *reinterpret_cast<unsigned*>(&h);
+    lo = pack2(__fsub_rn(w0, hf.x), __fsub_rn(w1, hf.y));
+}
+
+// fp16 route: two codes at bits 0-3 and 16-19 of ``codes``; zq = 1024 + zp, s = scale (half2).
+__device__ __forceinline__ void split_f16(unsigned codes, __half2 zq, __half2 s, unsigned& hi, unsigned& lo) {
+    const unsigned biased = codes | 0x64006400u;  // halves 1024 + q (exact)
+    const __half2 q = __hsub2(*reinterpret_cast<const __half2*>(&biased), zq);  // q - zp, exact
+    const __half2 h = __hmul2_rn(q, s);
+    const __half2 l = __hfma2(q, s, __hneg2(h));
+    hi = *reinterpret_cast<const unsigned*>(&h);
+    lo = *reinterpret_cast<const unsigned*>(&l);
+}
+
 // int4 MatMulNBits.  grid/block/shared as mma_dense.  Requires K % 16 == 0 and fp16 X.
 template <int NJ, typename S>
 __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
@@ -173,26 +201,39 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
                 xa[j][0] = make_uint4(0, 0, 0, 0); xa[j][1] = xa[j][0];
             }
         }
+        const bool f16 = is_half_t<S>::value && zp_mode != 2;
+        const __half2 zqa = __float2half2_rn(1024.f + za), zqb = __float2half2_rn(1024.f + zb);
+        const __half2 s2a = __float2half2_rn(sa), s2b = __float2half2_rn(sb);
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
             // codes 4v .. 4v + 3 of each row: 16 bits of the lane's 64
             const unsigned wa = ((v < 2 ? ca.x : ca.y) >> (16 * (v & 1))) & 0xffffu;
             const unsigned wb = ((v < 2 ? cb.x : cb.y) >> (16 * (v & 1))) & 0xffffu;
-            float fa[4], fb[4];
+            // a[0]: row g, slots 2t, 2t+1 <- k 4v, 4v+1; a[1]: row g + 8, same slots;
+            // a[2]: row g, slots 2t+8, 2t+9 <- k 4v+2, 4v+3; a[3]: row g + 8, same slots
+            unsigned hi[4], lo[4];
+            if (f16) {
+                split_f16((wa & 0xfu) | ((wa & 0xf0u) << 12), zqa, s2a, hi[0], lo[0]);
+                split_f16((wb & 0xfu) | ((wb & 0xf0u) << 12), zqb, s2b, hi[1], lo[1]);
+                split_f16(((wa >> 8) & 0xfu) | ((wa & 0xf000u) << 4), zqa, s2a, hi[2], lo[2]);
+                split_f16(((wb >> 8) & 0xfu) | ((wb & 0xf000u) << 4), zqb, s2b, hi[3], lo[3]);
+            } else {
+                float fa[4], fb[4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                fa[e] = __fmul_rn(__fsub_rn((float)((wa >> (4 * e)) & 15u), za), sa);
-                fb[e] = __fmul_rn(__fsub_rn((float)((wb >> (4 * e)) & 15u), zb), sb);
+                for (int e = 0; e < 4; ++e) {
+                    fa[e] = __fmul_rn(__fsub_rn((float)((wa >> (4 * e)) & 15u), za), sa);
+                    fb[e] = __fmul_rn(__fsub_rn((float)((wb >> (4 * e)) & 15u), zb), sb);
+                }
+                split_f32(fa[0], fa[1], hi[0], lo[0]);
+                split_f32(fb[0], fb[1], hi[1], lo[1]);
+                split_f32(fa[2], fa[3], hi[2], lo[2]);
+                split_f32(fb[2], fb[3], hi[3], lo[3]);
             }
-            unsigned a[4];
-            a[0] = pack2(fa[0], fa[1]);   // row g,     slots 2t, 2t+1   <- k 4v, 4v+1
-            a[1] = pack2(fb[0], fb[1]);   // row g + 8, slots 2t, 2t+1
-            a[2] = pack2(fa[2], fa[3]);   // row g,     slots 2t+8, 2t+9 <- k 4v+2, 4v+3
-            a[3] = pack2(fb[2], fb[3]);   // row g + 8
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);  // 8 words = 16 halves
-                mma16816(acc[j], a, xw[2 * v], xw[2 * v + 1]);
+                mma16816(acc[j], hi, xw[2 * v], xw[2 * v + 1]);
+                mma16816(acc[j], lo, xw[2 * v], xw[2 * v + 1]);
             }
         }
     }

@@ -51,6 +51,9 @@ def device_array(ctx, x, key: str, dtype=None):
 def _converted(ctx, x, key, dtype):
     import cupy
 
+    from providers.cuda import replay
+
+    replay.not_replayable()  # a CuPy launch, not a recorded Kernel launch
     buf = ctx.output(key, x.shape, dtype)
     cupy.copyto(buf, x, casting="unsafe")
     return buf

@@ -8,6 +8,7 @@ once), which equals cpu_reference's fp32-then-round for +, -, *.
 
 import numpy as np
 
+from providers.cuda import replay
 from providers.cuda.module import ctype, function
 from providers.cuda.ops import device_array, grid_threads, host_or_none, is_host
 
@@ -31,6 +32,7 @@ def run(ctx, ufunc, module_name: str, a, b):
                            np.asarray(b).dtype if is_host(b) else b.dtype)
     args = [_operand(ctx, x, f"host{i}") for i, x in enumerate((a, b))]
     out = ctx.output(0, shape, dtype)
+    replay.not_replayable()  # a CuPy ufunc launch, not a recorded Kernel launch
     ufunc(*args, out=out)
     return (out,)
 

@@ -8,6 +8,7 @@ from providers.cuda.ops import host_or_none
 
 OP_TYPE = "Cast"
 DOMAIN = ""
+REPLAY = False  # device work through CuPy expressions (providers/cuda/replay.py)
 
 
 def run(ctx, x):

@@ -6,6 +6,7 @@ other device gathers with cupy.take(..., out=). Out-of-range rows are zero on th
 import numpy as np
 
 from providers.cpu_reference.ops._util import normalize_axis
+from providers.cuda import replay
 from providers.cuda.module import function
 from providers.cuda.ops import device_array, host_or_none
 
@@ -30,5 +31,6 @@ def run(ctx, data, indices):
         kern((max(1, min(64, -(-units // 128))), idx.size), (128,),
              (data, idx, out, np.int64(idx.size), np.int64(data.shape[0]), np.int64(row_bytes)))
     elif idx.size:
+        replay.not_replayable()  # a CuPy launch, not a recorded Kernel launch
         cupy.take(data, idx, axis=axis, out=out)
     return (out,)

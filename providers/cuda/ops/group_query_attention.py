@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 
+from providers.cuda import replay
 from providers.cuda.module import ctype, function
 from providers.cuda.ops import NULL, device_array
 from providers.cuda.ops._linear import i32
@@ -36,6 +37,19 @@ def supports(node) -> bool:
             and int(attrs.get("rotary_interleaved", 0)) == 0
             and int(attrs.get("sliding_window_cache", 0)) == 0
             and (dtype is None or dtype in (np.float32, np.float16)))
+
+
+def replay_key(ctx, *inputs) -> tuple:
+    """Eager replay key (providers/cuda/replay.py): the launches use total_sequence_length
+    (input 6) only to pick the phase (S == total) and to check the KV capacity, so a decode
+    step replays although the total grows by one each step."""
+    total = inputs[6] if len(inputs) > 6 else None
+    if not isinstance(total, (np.ndarray, np.generic, int)):
+        return None, replay.host_values(inputs)  # run() raises: never replayed
+    total = int(np.asarray(total).reshape(-1)[0])
+    past = inputs[3] if len(inputs) > 3 else None
+    cap = 0 if past is None else past.shape[2 if ctx.kv_layout == "head_major" else 1]
+    return (total == inputs[0].shape[1], total <= cap), replay.host_values(inputs, skip=6)
 
 
 def _exprs(t):

@@ -10,6 +10,7 @@ from providers.cuda.ops import host_or_none, is_host
 
 OP_TYPE = "ReduceSum"
 DOMAIN = ""
+REPLAY = False  # device work through CuPy expressions (providers/cuda/replay.py)
 
 
 def run(ctx, data, axes=None):

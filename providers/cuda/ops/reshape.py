@@ -2,6 +2,7 @@
 host value. 0 copies the input dim unless allowzero=1; one -1 is inferred. ONNX Reshape-21."""
 
 from providers.cpu_reference.ops._util import int_list
+from providers.cuda import replay
 from providers.cuda.ops import host_or_none, is_host
 
 OP_TYPE = "Reshape"
@@ -17,4 +18,7 @@ def run(ctx, data, shape):
     dims = int_list(shape)
     if not ctx.node.attrs.get("allowzero", 0):
         dims = [data.shape[i] if d == 0 else d for i, d in enumerate(dims)]
-    return (data.reshape(dims),)
+    out = data.reshape(dims)
+    if out.data.ptr != data.data.ptr:  # a copy (non-contiguous input): a CuPy launch
+        replay.not_replayable()
+    return (out,)

@@ -9,6 +9,7 @@ from providers.cuda.ops import host_or_none
 
 OP_TYPE = "Transpose"
 DOMAIN = ""
+REPLAY = False  # device work through CuPy expressions (providers/cuda/replay.py)
 
 
 def run(ctx, x):

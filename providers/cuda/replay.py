@@ -1,0 +1,180 @@
+"""Eager launch replay: the host-side fast path of an eager (uncaptured) decode step.
+
+In eager mode every node runs its Python launcher on every step: shape checks, buffer lookups,
+launch configuration and CuPy's argument packing cost 10-30 us a node (8 us for the emptiest
+CuPy launch on the H200 host; ``benchmarks/launch_cost.py``), while a decode step of a small
+model is a few microseconds of GPU work a node. Decode steps repeat themselves: the session
+feeds the same persistent buffers each step and every node gets its persistent outputs back
+from its :class:`~core.protocol.KernelContext`.
+
+:class:`ReplayKernel` wraps an op's ``run``. A run records the launches the op makes
+(every launch goes through :class:`providers.cuda.module.Kernel`) as prepared driver-API
+launches: function handle, grid, block, shared bytes and the argument values packed once.
+When the node is next called with the same inputs (the same device arrays, by identity, and
+the same host values, or the op's ``replay_key`` facts) and the context is not frozen, the
+recorded launches are fired again through ``cuLaunchKernel`` and the recorded outputs returned.
+The kernels and their arguments are exactly those of the launcher's run, so results are bitwise
+the same; only the Python work is skipped. This is not a CUDA graph: every kernel is still
+launched by the host, one ``cuLaunchKernel`` each.
+
+A node is never replayed when its op module sets ``REPLAY = False`` or its run made device work
+outside :class:`~providers.cuda.module.Kernel` (a CuPy expression: the launcher calls
+:func:`not_replayable`), nor while its context is frozen (capture always runs the launcher,
+so the context can check and pin its buffers).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+#: Node calls since import: replayed (recorded launches fired), launched (the op's launcher
+#: ran), unreplayable (the launcher did device work outside Kernel). Read with :func:`stats`.
+_counts = {"replayed": 0, "launched": 0, "unreplayable": 0}
+#: Launches recorded by the node being run (None: no recording in progress).
+_recording: list | None = None
+#: Set by :func:`not_replayable` during a recording.
+_spoiled = False
+
+
+def stats() -> dict:
+    """A copy of the node-call counters (module docstring of :data:`_counts`)."""
+    return dict(_counts)
+
+
+def not_replayable() -> None:
+    """Mark the node being recorded as not replayable (it did device work outside Kernel)."""
+    global _spoiled
+    _spoiled = True
+
+
+def recording() -> bool:
+    """True while a node's launches are being recorded."""
+    return _recording is not None
+
+
+class Launch:
+    """One prepared launch: kernel arguments packed once into host memory; :meth:`fire` is one
+    ``cuLaunchKernel`` call (CuPy's thin driver wrapper).
+
+    Args:
+        fn: CUfunction handle (int).
+        grid, block: 1 to 3 dimensions.
+        args: the kernel's arguments as given to CuPy: device arrays and numpy scalars.
+        shared: dynamic shared memory, bytes.
+
+    Raises:
+        TypeError: an argument type without a fixed C layout (a Python int or float: CuPy
+            would choose its width); the caller then does not record the node.
+    """
+
+    __slots__ = ("fn", "dims", "shared", "params", "_keep")
+
+    def __init__(self, fn: int, grid: tuple, block: tuple, args: tuple, shared: int):
+        import cupy
+
+        values = []
+        for a in args:
+            if isinstance(a, cupy.ndarray):
+                values.append(np.array(a.data.ptr, np.uint64))
+            elif isinstance(a, np.generic):
+                values.append(np.array(a))
+            else:
+                raise TypeError(f"cannot pack kernel argument of type {type(a).__name__}")
+        g, b = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+        self.fn = fn
+        self.dims = (int(g[0]), int(g[1]), int(g[2]), int(b[0]), int(b[1]), int(b[2]))
+        self.shared = int(shared)
+        pointers = np.array([v.ctypes.data for v in values], np.uint64)
+        self.params = int(pointers.ctypes.data) if len(values) else 0
+        # the packed values, the pointer array and the device arrays (their memory must
+        # outlive every replay) stay referenced here
+        self._keep = (values, pointers, [a for a in args if isinstance(a, cupy.ndarray)])
+
+    def fire(self, stream: int) -> None:
+        """Launch on ``stream`` (a CUstream handle)."""
+        from cupy.cuda.driver import launchKernel
+
+        d = self.dims
+        launchKernel(self.fn, d[0], d[1], d[2], d[3], d[4], d[5], self.shared, stream, self.params, 0)
+
+
+def record(kernel_ptr: int, grid, block, args, shared) -> None:
+    """Called by :class:`~providers.cuda.module.Kernel` after each CuPy launch."""
+    global _spoiled
+    if _recording is None:
+        return
+    try:
+        _recording.append(Launch(kernel_ptr, grid, block, args, shared))
+    except TypeError:
+        _spoiled = True
+
+
+def _host_tag(x: Any):
+    host = np.asarray(x)
+    return (host.dtype.str, host.shape, host.tobytes())
+
+
+def host_values(inputs: tuple, skip: int | None = None) -> tuple:
+    """The values of the host inputs (None for device arrays and absent inputs), leaving out
+    input ``skip``: the default replay key's host part, for ops that refine it."""
+    import cupy
+
+    return tuple(None if x is None or i == skip or isinstance(x, cupy.ndarray) else _host_tag(x)
+                 for i, x in enumerate(inputs))
+
+
+class ReplayKernel:
+    """An op's ``run`` with eager launch replay (module docstring).
+
+    Args:
+        run: the op's ``run(ctx, *inputs)``.
+        host_facts: the op module's ``replay_key(ctx, *inputs)`` (optional): what the launcher
+            uses of its host inputs; default: the host inputs' values.
+    """
+
+    __slots__ = ("run", "host_facts", "_ndarray", "_stream")
+
+    def __init__(self, run: Callable, host_facts: Callable | None = None):
+        import cupy
+
+        self.run = run
+        self.host_facts = host_facts
+        self._ndarray = cupy.ndarray
+        self._stream = cupy.cuda.get_current_stream
+
+    def _key(self, ctx, inputs) -> tuple:
+        nd = self._ndarray
+        ids = tuple(id(x) if type(x) is nd else None for x in inputs)
+        if self.host_facts is not None:
+            return ids, self.host_facts(ctx, *inputs)
+        return ids, host_values(inputs)
+
+    def __call__(self, ctx, *inputs):
+        global _recording, _spoiled
+        if ctx.frozen:
+            return self.run(ctx, *inputs)
+        key = self._key(ctx, inputs)
+        memo = ctx.cache.get("_replay")
+        if memo is not None and memo[0] == key:
+            stream = self._stream().ptr
+            for launch in memo[2]:
+                launch.fire(stream)
+            _counts["replayed"] += 1
+            return memo[1]
+        outer, outer_spoiled = _recording, _spoiled
+        _recording, _spoiled = [], False
+        try:
+            outs = self.run(ctx, *inputs)
+            launches, spoiled = _recording, _spoiled
+        finally:
+            _recording, _spoiled = outer, outer_spoiled
+        _counts["launched"] += 1
+        if spoiled:
+            _counts["unreplayable"] += 1
+            ctx.cache.pop("_replay", None)
+        else:
+            # the inputs stay referenced, so the ids in the key cannot be reused
+            ctx.cache["_replay"] = (key, outs, launches, inputs)
+        return outs

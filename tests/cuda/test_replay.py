@@ -1,0 +1,74 @@
+"""Eager launch replay (providers/cuda/replay.py) on the GPU: bitwise the launchers' run, and
+actually used on decode steps."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _gpu import require_gpu
+
+require_gpu()
+
+from core.session import Session  # noqa: E402
+from core.testing.tiny_model import make_tiny_model  # noqa: E402
+from providers.cuda import replay  # noqa: E402
+from providers.cuda.provider import CudaProvider  # noqa: E402
+
+VARIANTS = {"fp32": ("float32", None), "fp16": ("float16", None), "int4": ("float16", "int4")}
+
+
+def _models():
+    out = [pytest.param(("tiny", v), id=f"tiny-{v}") for v in VARIANTS]
+    root = os.environ.get("LOCKSTEP_CUDA_MODELS")
+    if root:
+        out += [pytest.param(("smollm2", v), id=f"smollm2-{v}") for v in VARIANTS
+                if (Path(root) / v / "model.onnx").exists()]
+    return out
+
+
+@pytest.fixture(scope="module", params=_models())
+def model_dir(request, tmp_path_factory):
+    kind, variant = request.param
+    if kind == "smollm2":
+        return Path(os.environ["LOCKSTEP_CUDA_MODELS"]) / variant
+    dtype, quant = VARIANTS[variant]
+    return make_tiny_model(tmp_path_factory.mktemp(variant), dtype=dtype, quant=quant)
+
+
+def _decode(model_dir, provider, steps=40, **kw):
+    rng = np.random.default_rng(3)
+    rows = [list(rng.integers(3, 200, n)) for n in (9, 1, 4)]
+    s = Session(model_dir, provider, batch=3, capacity=64, capture=False, **kw)
+    tokens, logits = [s.prefill(rows).tokens], [s.last_logits()]
+    for _ in range(steps):
+        tokens.append(s.step().tokens)
+        logits.append(s.last_logits())
+    # a second request with other prompt lengths on the same session (prefill shapes change)
+    s.prefill([r[:2] for r in rows])
+    for _ in range(8):
+        tokens.append(s.step().tokens)
+        logits.append(s.last_logits())
+    return np.stack(tokens), np.stack(logits)
+
+
+@pytest.mark.parametrize("kv_policy", ["fixed", "growing"])
+def test_replay_is_bitwise_the_launchers(model_dir, kv_policy):
+    """Tokens and fp32 logits with replay on equal replay off bitwise, across two requests
+    (and growth events with kv_policy="growing"); most decode-step nodes were replayed."""
+    off = CudaProvider()
+    off.eager_replay = False
+    on = CudaProvider()
+    on.eager_replay = True
+    kw = {"kv_policy": kv_policy, "max_capacity": 64} if kv_policy == "growing" else {}
+    if kv_policy == "growing":
+        kw["capacity"] = 16
+    before = replay.stats()
+    with_replay = _decode(model_dir, on, **kw)
+    after = replay.stats()
+    without = _decode(model_dir, off, **kw)
+    assert np.array_equal(with_replay[0], without[0])
+    assert np.array_equal(with_replay[1], without[1])
+    replayed = after["replayed"] - before["replayed"]
+    launched = after["launched"] - before["launched"]
+    assert replayed > 3 * launched, (replayed, launched)
