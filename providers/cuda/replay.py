@@ -93,11 +93,41 @@ class Launch:
         self._keep = (values, pointers, [a for a in args if isinstance(a, cupy.ndarray)])
 
     def fire(self, stream: int) -> None:
-        """Launch on ``stream`` (a CUstream handle)."""
-        from cupy.cuda.driver import launchKernel
+        """Launch on ``stream`` (a CUstream handle).
 
+        Raises:
+            RuntimeError: the driver refused the launch (the CUresult is named).
+        """
         d = self.dims
-        launchKernel(self.fn, d[0], d[1], d[2], d[3], d[4], d[5], self.shared, stream, self.params, 0)
+        _launch(self.fn, d[0], d[1], d[2], d[3], d[4], d[5], self.shared, stream, self.params)
+
+
+def _bindings_launch(fn, gx, gy, gz, bx, by, bz, shared, stream, params) -> None:
+    from cuda.bindings import driver
+
+    (err,) = driver.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, shared, stream, params, 0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
+
+
+def _launcher():
+    """cuLaunchKernel through CuPy's Cython driver wrapper (raises on error); through
+    cuda-bindings where that module is absent."""
+    try:
+        from cupy_backends.cuda.api.driver import launchKernel
+    except ImportError:
+        return _bindings_launch
+
+    def launch(fn, gx, gy, gz, bx, by, bz, shared, stream, params) -> None:
+        launchKernel(fn, gx, gy, gz, bx, by, bz, shared, stream, params, 0)
+
+    return launch
+
+
+def _launch(*args) -> None:
+    global _launch
+    _launch = _launcher()
+    _launch(*args)
 
 
 def record(kernel_ptr: int, grid, block, args, shared) -> None:
