@@ -39,7 +39,8 @@ def model_dir(request, tmp_path_factory):
 def _decode(model_dir, provider, steps=40, **kw):
     rng = np.random.default_rng(3)
     rows = [list(rng.integers(3, 200, n)) for n in (9, 1, 4)]
-    s = Session(model_dir, provider, batch=3, capacity=64, capture=False, **kw)
+    kw.setdefault("capacity", 64)
+    s = Session(model_dir, provider, batch=3, capture=False, **kw)
     tokens, logits = [s.prefill(rows).tokens], [s.last_logits()]
     for _ in range(steps):
         tokens.append(s.step().tokens)
