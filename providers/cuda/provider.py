@@ -31,11 +31,25 @@ def _import_cupy():
     return cupy
 
 
+_STREAM = None
+
+
+def _shared_stream(cupy):
+    """The one non-blocking stream every CudaProvider of the process uses. Launches go to
+    CuPy's current stream, so two providers with streams of their own would race (the second
+    one made current while the first one's capture, replay and downloads use the first)."""
+    global _STREAM
+    if _STREAM is None:
+        _STREAM = cupy.cuda.Stream(non_blocking=True)
+    return _STREAM
+
+
 class CudaProvider:
     """CuPy arrays on the current device; every kernel launches on the provider's stream.
 
-    The provider makes its own non-blocking stream current at construction (capture needs a
-    stream other than the legacy default one, and warm-up should run on the capture stream).
+    Every instance uses one process-wide non-blocking stream and makes it current at
+    construction (capture needs a stream other than the legacy default one, and warm-up should
+    run on the capture stream).
     Graph capture: ``begin_capture()``; run the step; ``graph = end_capture()``;
     ``replay(graph)``. Arrays the captured step touches must be allocated before capture and
     kept alive by the caller (the graph holds no references; CUDA_NOTES "Stream capture").
@@ -52,7 +66,7 @@ class CudaProvider:
     def __init__(self):
         cupy = _import_cupy()
         self.cupy = cupy
-        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.stream = _shared_stream(cupy)
         self.stream.use()
         self.committed_bytes = 0
         self._argmax_scratch: dict = {}

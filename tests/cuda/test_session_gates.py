@@ -49,7 +49,12 @@ def test_parity_kit_gates_pass_against_cpu_reference(model_dir, gpu):
     print(report.render())
     assert report.passed, report.render()
     logits = report.gate("logits")
-    assert logits.metrics["top1_agreement"] >= 0.99
+    if "int4" in str(model_dir):
+        # stated int4 tolerance: random-weight int4 models have flat logits (many near ties),
+        # so top-1 is asserted where the reference's top-2 margin exceeds the logit tolerance
+        assert logits.metrics["top1_decisive"] >= 0.99
+    else:
+        assert logits.metrics["top1_agreement"] >= 0.99
 
 
 def _stream(model_dir, provider, batch, steps, **kw):
