@@ -1,0 +1,119 @@
+"""The bookkeeping of the cuda provider's eager launch replay (providers/cuda/replay.py),
+checked without a GPU: a stand-in ``cupy`` module supplies the array type and the current
+stream, and the driver launch is replaced by a recorder. The GPU tests (tests/cuda/test_replay.py)
+check that replayed steps are bitwise the launchers' steps on real kernels."""
+
+import ctypes
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from providers.cuda import replay
+from providers.cuda.ops import group_query_attention as gqa
+
+
+class FakeArray:
+    """Enough of cupy.ndarray for the replay code: a device pointer and a shape."""
+
+    def __init__(self, ptr, shape=(4,)):
+        self.data = types.SimpleNamespace(ptr=ptr)
+        self.shape = shape
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    stream = types.SimpleNamespace(ptr=0x5151)
+    cupy = types.SimpleNamespace(ndarray=FakeArray,
+                                 cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    fired = []
+    monkeypatch.setattr(replay, "_launch", lambda *args: fired.append(args))
+    return fired
+
+
+class Ctx:
+    def __init__(self):
+        self.frozen = False
+        self.cache = {}
+        self.kv_layout = "head_major"
+
+
+def make_op(calls, spoil=False, python_int=False):
+    """An op whose launcher 'launches' one kernel (fn 0xF00) over its input and output."""
+    out = FakeArray(0xB000)
+
+    def run(ctx, x, n=None):
+        calls.append(n)
+        scalar = 3 if python_int else np.int32(3)
+        replay.record(0xF00, (2,), (128,), (x, out, scalar), 64)
+        if spoil:
+            replay.not_replayable()
+        return (out,)
+
+    return run, out
+
+
+def test_same_inputs_fire_the_recorded_launch_instead_of_the_launcher(fake_cupy):
+    calls = []
+    run, out = make_op(calls)
+    kernel, ctx, x = replay.ReplayKernel(run), Ctx(), FakeArray(0xA000)
+    assert kernel(ctx, x) == (out,) and calls == [None] and fake_cupy == []
+    assert kernel(ctx, x) == (out,) and calls == [None]  # launcher not run again
+    (fn, gx, gy, gz, bx, by, bz, shared, stream, params), = fake_cupy
+    assert (fn, gx, gy, gz, bx, by, bz, shared, stream) == (0xF00, 2, 1, 1, 128, 1, 1, 64, 0x5151)
+    # the packed parameter array points at the argument values: two pointers and an int32
+    pointers = (ctypes.c_uint64 * 3).from_address(params)
+    assert ctypes.c_uint64.from_address(pointers[0]).value == 0xA000
+    assert ctypes.c_uint64.from_address(pointers[1]).value == 0xB000
+    assert ctypes.c_int32.from_address(pointers[2]).value == 3
+
+
+def test_other_inputs_or_host_values_run_the_launcher(fake_cupy):
+    calls = []
+    run, _ = make_op(calls)
+    kernel, ctx, x = replay.ReplayKernel(run), Ctx(), FakeArray(0xA000)
+    kernel(ctx, x, np.array([5]))
+    kernel(ctx, FakeArray(0xA000), np.array([5]))  # inputs match by identity, not by pointer
+    kernel(ctx, x, np.array([5]))  # the memo keeps the last call only: x was replaced
+    kernel(ctx, x, np.array([6]))  # another host value
+    kernel(ctx, x, np.array([6]))  # the only replay
+    assert [int(n[0]) for n in calls] == [5, 5, 5, 6] and len(fake_cupy) == 1
+
+
+def test_frozen_contexts_always_run_the_launcher(fake_cupy):
+    calls = []
+    run, _ = make_op(calls)
+    kernel, ctx, x = replay.ReplayKernel(run), Ctx(), FakeArray(0xA000)
+    kernel(ctx, x)
+    ctx.frozen = True  # capture: the context must see every buffer request
+    kernel(ctx, x)
+    kernel(ctx, x)
+    assert len(calls) == 3 and fake_cupy == []
+
+
+@pytest.mark.parametrize("kw", [{"spoil": True}, {"python_int": True}])
+def test_launchers_with_unrecorded_work_are_never_replayed(fake_cupy, kw):
+    calls = []
+    run, _ = make_op(calls, **kw)
+    kernel, ctx, x = replay.ReplayKernel(run), Ctx(), FakeArray(0xA000)
+    before = replay.stats()["unreplayable"]
+    for _ in range(3):
+        kernel(ctx, x)
+    assert len(calls) == 3 and fake_cupy == []
+    assert replay.stats()["unreplayable"] == before + 3
+
+
+def test_gqa_replay_key_ignores_the_growing_total_but_not_the_phase_or_capacity(fake_cupy):
+    ctx = Ctx()
+    q, kv = FakeArray(1, (2, 1, 96)), FakeArray(2, (2, 1, 64, 32))  # past [B, Nkv, cap=64, H]
+    seqlens = FakeArray(3, (2,))
+
+    def key(q_, total):
+        return gqa.replay_key(ctx, q_, None, None, kv, kv, seqlens, np.array([total], np.int32))
+
+    assert key(q, 10) == key(q, 11) == key(q, 64)  # decode steps
+    assert key(q, 64) != key(q, 65)  # past the KV capacity: the launcher must raise
+    prompt = FakeArray(4, (2, 7, 96))
+    assert key(prompt, 7) != key(prompt, 9)  # first prompt vs a later chunk
