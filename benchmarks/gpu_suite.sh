@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One device call: build SmolLM2-shaped test models, run the GPU tests, profile, and the
-# HF transformers baseline. Logs and JSON land in $OUT (the device tool brings them back).
+# HF transformers baseline. Logs and JSON are written to /tmp/gpu_suite and packed into
+# $OUT/gpu_suite.tgz at the end (the device tool brings back at most 8 files).
 #   carry: [".whl"]  (the onnxruntime-genai cp312 wheel for the builder; see benchmarks/README.md)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+FINAL_OUT=$OUT; OUT=/tmp/gpu_suite; mkdir -p $OUT
+trap 'tar czf "$FINAL_OUT/gpu_suite.tgz" -C "$OUT" . ; cp "$OUT"/tests_cuda.log "$FINAL_OUT"/ 2>/dev/null' EXIT
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD COLUMNS=200
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/onnxruntime_genai-*.whl || exit 1
 M=/tmp/models; mkdir -p $M
