@@ -87,7 +87,8 @@ class Plan:
                  provider: ExecutionProvider, kv_layout: str = "head_major"):
         self.provider = provider
         self.kv_layout = kv_layout
-        self.nodes = fusion.apply(node_infos(graph), {o.name for o in graph.output}, provider.supports)
+        self.nodes = fusion.apply(node_infos(graph), {o.name for o in graph.output}, provider.supports,
+                                  set(initializers))
         unsupported = [n for n in self.nodes if not provider.supports(n)]
         if unsupported:
             listed = "; ".join(f"{(n.domain + '.') if n.domain else ''}{n.op_type} at node {n.name!r}"

@@ -7,6 +7,12 @@ values have no other consumer and are not graph outputs.
 
 - ``lockstep.SiluMul(x, up) = Mul(Mul(x, Sigmoid(x)), up)``: the SiLU-gated MLP the builder
   writes as Sigmoid + Mul + Mul (OPS.md 0, step 6); 3 nodes -> 1 per layer.
+- ``lockstep.SiluGatedMatMul(x, w_gate, w_up) = SiluMul(MatMul(x, w_gate), MatMul(x, w_up))``
+  and ``lockstep.SiluGatedMatMulNBits(x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up)``
+  (the MatMulNBits attributes, shared by both projections; absent zero points are ""): the
+  gate and up projections and their SiluMul as one node, so a provider can compute both
+  projections in one GEMM with the SiluMul in its epilogue; 3 nodes -> 1 per layer. The
+  weights must be graph constants (initializers).
 """
 
 from __future__ import annotations
@@ -59,11 +65,67 @@ def fuse_silu_mul(nodes: list[NodeInfo], graph_outputs: set[str], supports) -> l
     return [replaced.get(i, n) for i, n in enumerate(nodes) if replaced.get(i, n) is not None]
 
 
-PASSES = (fuse_silu_mul,)
+def _dtype(node: NodeInfo, index: int):
+    return node.input_dtypes[index] if index < len(node.input_dtypes) else None
 
 
-def apply(nodes: list[NodeInfo], graph_outputs: set[str], supports) -> list[NodeInfo]:
-    """Run every pass of :data:`PASSES` in order."""
-    for p in PASSES:
-        nodes = p(nodes, graph_outputs, supports)
-    return nodes
+def _gated(gate: NodeInfo, up: NodeInfo, constants: set[str]):
+    """(op_type, inputs, attrs, input dtypes) of the fused projection pair, or None."""
+    if gate.inputs[0] != up.inputs[0] or (gate.op_type, gate.domain) != (up.op_type, up.domain):
+        return None
+    if (gate.op_type, gate.domain) == ("MatMul", ""):
+        weights = (gate.inputs[1], up.inputs[1])
+        if not all(w in constants for w in weights):
+            return None
+        return ("SiluGatedMatMul", (gate.inputs[0], *weights), {},
+                (_dtype(gate, 0), _dtype(gate, 1), _dtype(up, 1)))
+    if (gate.op_type, gate.domain) == ("MatMulNBits", "com.microsoft") and gate.attrs == up.attrs:
+        if len(gate.inputs) > 4 or len(up.inputs) > 4:  # g_idx or bias
+            return None
+        quant = [list(n.inputs[1:]) + [""] * (4 - len(n.inputs)) for n in (gate, up)]
+        if not all(x in constants for q in quant for x in q if x):
+            return None
+        dts = [[_dtype(n, i) if i < len(n.inputs) and n.inputs[i] else None for i in (1, 2, 3)]
+               for n in (gate, up)]
+        return ("SiluGatedMatMulNBits", (gate.inputs[0], *quant[0], *quant[1]), dict(gate.attrs),
+                (_dtype(gate, 0), *dts[0], *dts[1]))
+    return None
+
+
+def fuse_gated_matmul(nodes: list[NodeInfo], graph_outputs: set[str], supports,
+                      constants: set[str]) -> list[NodeInfo]:
+    """Replace gate/up projections feeding a ``lockstep.SiluMul`` by one
+    ``lockstep.SiluGatedMatMul`` or ``lockstep.SiluGatedMatMulNBits`` node (module docstring)."""
+    users = _consumers(nodes)
+    producer = {out: i for i, n in enumerate(nodes) for out in n.outputs if out}
+    replaced: dict[int, NodeInfo | None] = {}
+    for k, silu in enumerate(nodes):
+        if (silu.op_type, silu.domain) != ("SiluMul", FUSED_DOMAIN):
+            continue
+        g, u = silu.inputs
+        if g not in producer or u not in producer or g == u:
+            continue
+        if any(len(users[v]) != 1 or v in graph_outputs for v in (g, u)):
+            continue
+        i, j = producer[g], producer[u]
+        gate, up = nodes[i], nodes[j]
+        if len(gate.outputs) != 1 or len(up.outputs) != 1:
+            continue
+        found = _gated(gate, up, constants)
+        if found is None:
+            continue
+        op_type, inputs, attrs, dtypes = found
+        fused = NodeInfo(name=f"{silu.name}/Gated", op_type=op_type, domain=FUSED_DOMAIN, attrs=attrs,
+                         inputs=inputs, outputs=silu.outputs, input_dtypes=dtypes)
+        if not supports(fused):
+            continue
+        replaced[i], replaced[j], replaced[k] = None, None, fused
+    return [replaced.get(i, n) for i, n in enumerate(nodes) if replaced.get(i, n) is not None]
+
+
+def apply(nodes: list[NodeInfo], graph_outputs: set[str], supports,
+          constants: set[str] = frozenset()) -> list[NodeInfo]:
+    """Run the passes in order: :func:`fuse_silu_mul`, then :func:`fuse_gated_matmul` (which
+    fuses only projections whose weights are in ``constants``)."""
+    nodes = fuse_silu_mul(nodes, graph_outputs, supports)
+    return fuse_gated_matmul(nodes, graph_outputs, supports, constants)

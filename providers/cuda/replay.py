@@ -176,10 +176,10 @@ class ReplayKernel:
 
     def _key(self, ctx, inputs) -> tuple:
         nd = self._ndarray
-        ids = tuple(id(x) if type(x) is nd else None for x in inputs)
         if self.host_facts is not None:
-            return ids, self.host_facts(ctx, *inputs)
-        return ids, host_values(inputs)
+            return tuple(id(x) if isinstance(x, nd) else None for x in inputs), self.host_facts(ctx, *inputs)
+        # one pass: device arrays by identity, host values by content
+        return tuple(id(x) if isinstance(x, nd) else (None if x is None else _host_tag(x)) for x in inputs)
 
     def __call__(self, ctx, *inputs):
         global _recording, _spoiled

@@ -257,3 +257,42 @@ def test_silu_mul_is_bitwise_the_unfused_sequence(gpu, dtype):
         assert np.array_equal(y.view(view), np.asarray(ref).view(view))
     else:
         _close(y, ref, dtype)
+
+
+def _unfused_gated(gpu, kind, x, gate_args, up_args, node_g):
+    """The cuda provider's unfused MatMul(NBits), MatMul(NBits), SiluMul on the same inputs."""
+    module = "matmul" if kind != "int4" else "matmul_nbits"
+    (g,), _ = _run(gpu, module, node_g, x, *gate_args)
+    (u,), _ = _run(gpu, module, node_g, x, *up_args)
+    node = _node("SiluMul", domain="lockstep", inputs=("x", "up"), dtypes=(x.dtype, x.dtype))
+    return _run(gpu, "silu_mul", node, g, u)[0][0]
+
+
+@pytest.mark.parametrize("kind", ["dense16", "dense32", "int4", "int4_zp"])
+def test_gated_matmul_is_bitwise_the_unfused_chain_at_every_m(gpu, kind):
+    """lockstep.SiluGatedMatMul(NBits) == MatMul, MatMul, SiluMul on this provider, bitwise, for
+    M = 1 .. 256 (GLU epilogue on the tensor-core path; three kernels on the fp32 path); N = 52
+    exercises the padded last group of 8 features; outputs poisoned."""
+    rng = np.random.default_rng(23)
+    k, n = 576, 52
+    dtype = np.float32 if kind == "dense32" else np.float16
+    x_all = (rng.standard_normal((256, k)) * 0.5).astype(dtype)
+    if kind.startswith("int4"):
+        zp_kind = "uint8" if kind == "int4_zp" else None
+        bg, sg, zg, node_g = _nbits_case(rng, n, k, 4, 32, zp_kind, np.float16)
+        bu, su, zu, _ = _nbits_case(rng, n, k, 4, 32, zp_kind, np.float16)
+        gate_args, up_args = (bg, sg, zg), (bu, su, zu)
+        fused_node = _node("SiluGatedMatMulNBits", "lockstep", node_g.attrs, ("x", "bg", "sg", "zg", "bu", "su", "zu"))
+        module, fused_args = "silu_gated_matmul_nbits", (bg, sg, zg, bu, su, zu)
+    else:
+        wg, wu = [(rng.standard_normal((k, n)) * 0.05).astype(dtype) for _ in range(2)]
+        node_g = _node("MatMul", dtypes=(dtype, dtype))
+        gate_args, up_args = (wg,), (wu,)
+        fused_node = _node("SiluGatedMatMul", "lockstep", {}, ("x", "wg", "wu"), dtypes=(dtype,) * 3)
+        module, fused_args = "silu_gated_matmul", (wg, wu)
+    view = np.uint16 if dtype == np.float16 else np.uint32
+    for m in (1, 2, 3, 8, 64, 256):
+        x = x_all[:m]
+        (y,), _ = _run(gpu, module, fused_node, x, *fused_args, poison={0: ((m, n), dtype)})
+        want = _unfused_gated(gpu, kind, x, gate_args, up_args, node_g)
+        assert np.array_equal(y.view(view), want.view(view)), m

@@ -50,3 +50,41 @@ def test_fused_plan_is_bitwise_the_unfused_plan(tmp_path):
                     kv[name] = np.zeros((B, cfg.num_kv_heads, 16, cfg.head_size), model.io_dtype)
             outs.append(plan.run({**feeds, **kv})["logits"])
         assert np.array_equal(outs[0], outs[1]), dtype
+
+
+def test_gated_pass_fuses_gate_up_and_silu_mul_per_layer(tmp_path):
+    for quant, op in ((None, "SiluGatedMatMul"), ("int4", "SiluGatedMatMulNBits")):
+        model = load_model(make_tiny_model(tmp_path / str(quant), dtype="float16", quant=quant))
+        nodes = node_infos(model.graph)
+        fused = fusion.apply(nodes, {o.name for o in model.graph.output}, CpuReferenceProvider().supports,
+                             set(model.initializers))
+        n_sig = sum(n.op_type == "Sigmoid" for n in nodes)
+        assert sum(n.op_type == op for n in fused) == n_sig > 0
+        assert not any(n.op_type == "SiluMul" for n in fused)
+        assert len(nodes) - len(fused) == 4 * n_sig  # Sigmoid, Mul, Mul, and one projection
+        # without the weights among the constants the pass leaves the projections alone
+        kept = fusion.apply(nodes, {o.name for o in model.graph.output}, CpuReferenceProvider().supports)
+        assert sum(n.op_type == "SiluMul" for n in kept) == n_sig
+
+
+def test_gated_plan_is_bitwise_the_unfused_plan_in_prefill_and_decode(tmp_path):
+    class SiluMulOnly(CpuReferenceProvider):
+        def supports(self, node):
+            return not node.op_type.startswith("SiluGated") and super().supports(node)
+
+    for dtype, quant in (("float32", None), ("float16", None), ("float16", "int4")):
+        model = load_model(make_tiny_model(tmp_path / f"{dtype}{quant}", dtype=dtype, quant=quant))
+        rng = np.random.default_rng(5)
+        cfg = model.config
+        prompt = rng.integers(0, cfg.vocab_size, (2, 5)).astype(np.int64)
+        outs = []
+        for provider in (CpuReferenceProvider(), SiluMulOnly()):
+            plan = Plan(model.graph, model.initializers, provider)
+            fused = any(n.op_type.startswith("SiluGated") for n in plan.nodes)
+            assert fused == (not isinstance(provider, SiluMulOnly))
+            kv = {name: np.zeros((2, cfg.num_kv_heads, 16, cfg.head_size), model.io_dtype)
+                  for name in plan.input_names if name.startswith("past_key_values")}
+            first = plan.run({"input_ids": prompt, "attention_mask": np.ones((2, 5), np.int64), **kv})
+            step = plan.run({"input_ids": prompt[:, :1], "attention_mask": np.ones((2, 6), np.int64), **kv})
+            outs.append((first["logits"], step["logits"]))
+        assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1]), (dtype, quant)

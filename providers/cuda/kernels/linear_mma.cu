@@ -42,10 +42,22 @@ __device__ __forceinline__ unsigned ld_x2(const __half* x, long long row, int K,
     return *reinterpret_cast<unsigned*>(&h);
 }
 
+// SiluMul of a gate and an up value, each already rounded to fp16 as MatMul stores them, with
+// every step rounded to fp16 exactly as kernels/elementwise.cu ``silu_mul`` does (sigmoid,
+// x * s, then * up): the GLU epilogue is bitwise MatMul, MatMul, SiluMul.
+__device__ __forceinline__ __half silu_mul_h(__half gate, __half up) {
+    const float xv = __half2float(gate);
+    const float s = __half2float(__float2half_rn(__fdiv_rn(1.f, __fadd_rn(1.f, expf(-xv)))));
+    const float t = __half2float(__float2half_rn(__fmul_rn(xv, s)));
+    return __float2half_rn(__fmul_rn(t, __half2float(up)));
+}
+
 // Combine the segment partials in ascending order and store.  part: [nseg][16][8*NJ] floats.
-template <int NJ>
+// GLU: the block's 16 weight rows are 8 gate rows (0..7) and the 8 up rows of the same output
+// features (8..15); output feature n0/2 + r (r < 8) is silu_mul(gate, up), y has n_out columns.
+template <int NJ, bool GLU>
 __device__ __forceinline__ void finish(float* part, const float (*acc)[4], int nseg, const __half* bias,
-                                       __half* y, int M, int N, int n0, int m0) {
+                                       __half* y, int M, int N, int n0, int m0, int n_out) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     constexpr int TM = 8 * NJ;
 #pragma unroll
@@ -57,13 +69,27 @@ __device__ __forceinline__ void finish(float* part, const float (*acc)[4], int n
         p[(g + 8) * TM + j * 8 + 2 * t + 1] = acc[j][3];
     }
     __syncthreads();
-    for (int o = threadIdx.x; o < 16 * TM; o += blockDim.x) {
-        const int r = o / TM, col = o % TM, n = n0 + r, m = m0 + col;
-        if (n < N && m < M) {
-            float s = 0.f;
-            for (int w = 0; w < nseg; ++w) s = __fadd_rn(s, part[w * 16 * TM + o]);
-            if (bias) s = __fadd_rn(s, __half2float(bias[n]));
-            y[(long long)m * N + n] = __float2half_rn(s);
+    if constexpr (GLU) {
+        for (int o = threadIdx.x; o < 8 * TM; o += blockDim.x) {
+            const int r = o / TM, col = o % TM, n = n0 / 2 + r, m = m0 + col;
+            if (n < n_out && m < M) {
+                float sg = 0.f, su = 0.f;
+                for (int w = 0; w < nseg; ++w) {
+                    sg = __fadd_rn(sg, part[w * 16 * TM + o]);
+                    su = __fadd_rn(su, part[w * 16 * TM + o + 8 * TM]);
+                }
+                y[(long long)m * n_out + n] = silu_mul_h(__float2half_rn(sg), __float2half_rn(su));
+            }
+        }
+    } else {
+        for (int o = threadIdx.x; o < 16 * TM; o += blockDim.x) {
+            const int r = o / TM, col = o % TM, n = n0 + r, m = m0 + col;
+            if (n < N && m < M) {
+                float s = 0.f;
+                for (int w = 0; w < nseg; ++w) s = __fadd_rn(s, part[w * 16 * TM + o]);
+                if (bias) s = __fadd_rn(s, __half2float(bias[n]));
+                y[(long long)m * N + n] = __float2half_rn(s);
+            }
         }
     }
 }
@@ -84,10 +110,13 @@ __device__ __forceinline__ void ld_x16(const __half* x, long long m, int K, int 
 // grid (ceil(N/16), ceil(M/(8 NJ))), block 32 * nseg (nseg = ceil(K / SEG_K)),
 // shared nseg * 16 * 8 NJ floats.  wp: [N/16][Kp/16][32] uint4, Kp = K rounded up to 64; the
 // 4 tiles of 64-chunk c are virtual tiles v = 0..3 with the nbits4 k-slot map.
-template <int NJ>
+// GLU = false: y [M, N] (n_out unused).  GLU = true: the N packed weight rows are gate and up
+// interleaved in groups of 8 (rows 16b..16b+7: gate features 8b..8b+7; rows 16b+8..16b+15: the
+// up features of the same indices) and y [M, n_out] = silu_mul(x @ gate, x @ up) (see finish).
+template <int NJ, bool GLU>
 __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, const uint4* __restrict__ wp,
                                                  const __half* __restrict__ bias, __half* __restrict__ y,
-                                                 int M, int N, int K) {
+                                                 int M, int N, int K, int n_out) {
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nseg = blockDim.x >> 5, ktiles = ((K + 63) >> 6) << 2;
@@ -121,7 +150,7 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
                 }
         }
     }
-    finish<NJ>(part, acc, nseg, bias, y, M, N, nt * 16, m0);
+    finish<NJ, GLU>(part, acc, nseg, bias, y, M, N, nt * 16, m0, n_out);
 }
 
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
@@ -150,12 +179,14 @@ __device__ __forceinline__ void split_f16(unsigned codes, __half2 zq, __half2 s,
     lo = *reinterpret_cast<const unsigned*>(&l);
 }
 
-// int4 MatMulNBits.  grid/block/shared as mma_dense.  Requires K % 16 == 0 and fp16 X.
-template <int NJ, typename S>
+// int4 MatMulNBits.  grid/block/shared/GLU as mma_dense (GLU: the rows of q, scales and zero
+// points interleaved as dense's packed rows).  Requires K % 16 == 0 and fp16 X.
+template <int NJ, typename S, bool GLU>
 __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
                                                   const S* __restrict__ scales, const void* __restrict__ zp,
                                                   int zp_mode, int zp_stride, const __half* __restrict__ bias,
-                                                  __half* __restrict__ y, int M, int N, int K, int bs) {
+                                                  __half* __restrict__ y, int M, int N, int K, int bs,
+                                                  int n_out) {
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nseg = blockDim.x >> 5;
@@ -237,5 +268,5 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
             }
         }
     }
-    finish<NJ>(part, acc, nseg, bias, y, M, N, n0, m0);
+    finish<NJ, GLU>(part, acc, nseg, bias, y, M, N, n0, m0, n_out);
 }

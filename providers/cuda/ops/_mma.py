@@ -14,8 +14,9 @@ from providers.cuda.module import function
 
 SEG_K = 256
 MAX_K = 8 * SEG_K  # one warp per K segment, at most 8 warps per block
-EXPRS = tuple(f"mma_dense<{nj}>" for nj in (1, 2, 4)) + tuple(
-    f"mma_nbits4<{nj}, {s}>" for nj in (1, 2, 4) for s in ("__half", "float"))
+_BOOL = ("false", "true")
+EXPRS = tuple(f"mma_dense<{nj}, {glu}>" for nj in (1, 2, 4) for glu in _BOOL) + tuple(
+    f"mma_nbits4<{nj}, {s}, {glu}>" for nj in (1, 2, 4) for s in ("__half", "float") for glu in _BOOL)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -37,14 +38,31 @@ def _pack_index(kp: int, np_: int):
     return (k * np_ + n).reshape(-1).astype(np.int64)
 
 
-def packed(ctx, w):
-    """W [K, N] fp16 in fragment order (K padded to 64, k slots permuted as in nbits4) (cached per node by device pointer: W is a weight)."""
+def glu_rows(n: int) -> np.ndarray:
+    """Row order of a gate/up pair for the GLU kernels: index i of the packed rows takes row
+    ``order[i]`` of concatenate([gate, up, zero row]) (N rounded up to 8; the zero row pads).
+    Rows 16b..16b+7 are gate rows 8b..8b+7 and rows 16b+8..16b+15 the same up rows."""
+    n8 = -(-n // 8) * 8
+    i = np.arange(2 * n8)
+    feature = (i // 16) * 8 + i % 8
+    row = np.where(i % 16 < 8, feature, n + feature)
+    return np.where(feature < n, row, 2 * n)
+
+
+def packed(ctx, w, up=None):
+    """W [K, N] fp16 in fragment order (K padded to 64, k slots permuted as in nbits4), cached
+    per node by device pointer (W is a weight). With ``up`` (the up projection [K, N]) the
+    columns of W and up are interleaved in :func:`glu_rows` order first."""
     import cupy
 
-    key = ("mma_packed", w.data.ptr, w.shape)
+    key = ("mma_packed", w.data.ptr, w.shape, None if up is None else up.data.ptr)
     hit = ctx.cache.get("mma_packed")
     if hit is not None and hit[0] == key:
         return hit[1]
+    if up is not None:
+        cols = cupy.asarray(glu_rows(w.shape[1]))
+        both = cupy.concatenate([w, up, cupy.zeros((w.shape[0], 1), w.dtype)], axis=1)
+        w = cupy.ascontiguousarray(both[:, cols])
     k, n = w.shape
     kp, np_ = -(-k // 64) * 64, -(-n // 16) * 16
     pad = cupy.zeros((kp, np_), cupy.float16)
@@ -55,17 +73,24 @@ def packed(ctx, w):
     return out
 
 
-def dense(ctx, a, w, bias, y, m, n, k, null):
-    wp = packed(ctx, w)
-    nj, grid, block, shared = config(m, n, k)
-    function("linear_mma", f"mma_dense<{nj}>", EXPRS)(
-        grid, block, (a, wp, null if bias is None else bias, y, np.int32(m), np.int32(n), np.int32(k)),
+def dense(ctx, a, w, bias, y, m, n, k, null, up=None):
+    """y = a @ w (+ bias); with ``up``: y = silu_mul(a @ w, a @ up) (GLU, n = y's width)."""
+    wp = packed(ctx, w, up)
+    glu = up is not None
+    rows = 2 * (-(-n // 8) * 8) if glu else n
+    nj, grid, block, shared = config(m, rows, k)
+    function("linear_mma", f"mma_dense<{nj}, {_BOOL[glu]}>", EXPRS)(
+        grid, block, (a, wp, null if bias is None else bias, y, np.int32(m), np.int32(rows), np.int32(k),
+                      np.int32(n)),
         shared_mem=shared)
 
 
-def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null):
+def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0):
+    """y = a @ dequant(b)^T (+ bias), n weight rows. ``glu_out`` > 0: b, scales and zp hold
+    gate/up rows in :func:`glu_rows` order and y [m, glu_out] = silu_mul(gate, up)."""
     nj, grid, block, shared = config(m, n, k)
-    function("linear_mma", f"mma_nbits4<{nj}, {s_type}>", EXPRS)(
+    function("linear_mma", f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}>", EXPRS)(
         grid, block, (a, b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
-                      null if bias is None else bias, y, np.int32(m), np.int32(n), np.int32(k), np.int32(bs)),
+                      null if bias is None else bias, y, np.int32(m), np.int32(n), np.int32(k), np.int32(bs),
+                      np.int32(glu_out)),
         shared_mem=shared)

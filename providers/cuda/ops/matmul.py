@@ -37,11 +37,21 @@ def run(ctx, a, w):
     y = ctx.output(0, (*a.shape[:-1], n), a.dtype)
     if m == 0:
         return (y,)
-    if a.dtype == np.float16 and k <= _mma.MAX_K and a.flags.c_contiguous:
+    if uses_mma(a, k):
         _mma.dense(ctx, a, w, None, y, m, n, k, NULL)
-        return (y,)
+    else:
+        fma(a, w, y, m, n, k)
+    return (y,)
+
+
+def uses_mma(a, k: int) -> bool:
+    """True when an [.., K] x [K, N] product of ``a`` runs on the tensor-core kernel."""
+    return a.dtype == np.float16 and k <= _mma.MAX_K and a.flags.c_contiguous
+
+
+def fma(a, w, y, m: int, n: int, k: int) -> None:
+    """y = a @ w on kernels/linear.cu ``dense`` (the non-tensor-core path)."""
     t = ctype(a.dtype)
     rt, grid, block, shared = config(m, n, -(-k // 16))
     kern = function("linear", f"dense<{rt}, {t}, {t}>", _exprs(t))
     kern(grid, block, (a, w, NULL, y, i32(m), i32(n), i32(k)), shared_mem=shared)
-    return (y,)

@@ -30,9 +30,42 @@ def _exprs(t: str, s: str) -> tuple[str, ...]:
 
 
 def run(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
-    attrs = ctx.node.attrs
     if g_idx is not None:
         raise ValueError("MatMulNBits: g_idx is not supported")
+    k, n = int(ctx.node.attrs["K"]), int(ctx.node.attrs["N"])
+    y = ctx.output(0, (*a.shape[:-1], n), a.dtype)
+    launch(ctx.node.attrs, a, b, scales, zero_points, bias, y)
+    return (y,)
+
+
+def zero_point_mode(zero_points, a_dtype, n: int, nb: int):
+    """(array or NULL, mode, row stride) of the kernels: mode 0 none (2^(bits-1)), 1 packed
+    uint8 rows, 2 float per block.
+
+    Raises:
+        ValueError: another layout or dtype.
+    """
+    if zero_points is None:
+        return NULL, 0, 0
+    if zero_points.dtype == np.uint8:
+        return zero_points, 1, zero_points.size // n
+    if zero_points.dtype == a_dtype and zero_points.size == n * nb:
+        return zero_points, 2, nb
+    raise ValueError(f"MatMulNBits: zero_points {zero_points.dtype}{zero_points.shape} unsupported")
+
+
+def uses_mma(a, bits: int, k: int, zp_mode: int, zero_points) -> bool:
+    """True when the product runs on the tensor-core int4 kernel."""
+    return (a.dtype == np.float16 and bits == 4 and k % 16 == 0 and k <= _mma.MAX_K and a.flags.c_contiguous
+            and (zp_mode != 2 or zero_points.dtype == np.float16))
+
+
+def launch(attrs: dict, a, b, scales, zero_points, bias, y) -> None:
+    """y = a @ dequant(b)^T (+ bias) into ``y`` [..., N] (checks as in the module docstring).
+
+    Raises:
+        ValueError: shapes that do not match the attributes, or unsupported zero points / bias.
+    """
     k, n = int(attrs["K"]), int(attrs["N"])
     bits, bs = int(attrs.get("bits", 4)), int(attrs["block_size"])
     nb = -(-k // bs)
@@ -42,28 +75,18 @@ def run(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
     if b.size != n * nb * blob or scales.size != n * nb:
         raise ValueError(f"MatMulNBits: B {b.shape} / scales {scales.shape} do not match "
                          f"N={n}, n_blocks={nb}, blob={blob}")
-    if zero_points is None:
-        zp, zp_mode, zp_stride = NULL, 0, 0
-    elif zero_points.dtype == np.uint8:
-        zp, zp_mode, zp_stride = zero_points, 1, zero_points.size // n
-    elif zero_points.dtype == a.dtype and zero_points.size == n * nb:
-        zp, zp_mode, zp_stride = zero_points, 2, nb
-    else:
-        raise ValueError(f"MatMulNBits: zero_points {zero_points.dtype}{zero_points.shape} unsupported")
+    zp, zp_mode, zp_stride = zero_point_mode(zero_points, a.dtype, n, nb)
     if bias is not None and bias.dtype != a.dtype:
         raise ValueError("MatMulNBits: bias dtype must match A")
     m = a.size // k
-    y = ctx.output(0, (*a.shape[:-1], n), a.dtype)
     if m == 0:
-        return (y,)
+        return
     t, s = ctype(a.dtype), ctype(scales.dtype)
-    if (a.dtype == np.float16 and bits == 4 and k % 16 == 0 and k <= _mma.MAX_K and a.flags.c_contiguous
-            and (zp_mode != 2 or zero_points.dtype == np.float16)):
+    if uses_mma(a, bits, k, zp_mode, zero_points):
         _mma.nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s, NULL)
-        return (y,)
+        return
     rt, grid, block, shared = config(m, n, nb)
     kern = function("linear", f"nbits<{rt}, {t}, {s}>", _exprs(t, s))
     kern(grid, block, (a, b, scales, zp, i32(zp_mode), i32(zp_stride),
                        NULL if bias is None else bias, y, i32(m), i32(n), i32(k), i32(bits), i32(bs)),
          shared_mem=shared)
-    return (y,)

@@ -25,6 +25,11 @@ def run(ctx, x, up):
         raise ValueError(f"SiluMul (cuda): needs same-shape device operands, got {getattr(x, 'shape', x)} "
                          f"and {getattr(up, 'shape', up)}")
     y = ctx.output(0, x.shape, x.dtype)
+    launch(x, up, y)
+    return (y,)
+
+
+def launch(x, up, y) -> None:
+    """y = silu_mul(x, up) for same-shape fp16/fp32 device arrays."""
     kern = function("elementwise", _NAMES[x.dtype], EXPRS)
     kern(grid_threads(x.size, 256, 4096), (256,), (x, up, y, np.int64(x.size)))
-    return (y,)

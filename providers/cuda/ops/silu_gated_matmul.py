@@ -1,0 +1,43 @@
+"""SiluGatedMatMul (domain "lockstep", core.fusion): Y = SiluMul(X @ W_gate, X @ W_up).
+
+X [..., K] and W_gate, W_up [K, N] of one float dtype (graph constants). Where MatMul would
+use the tensor-core kernel (fp16, K <= 2048, contiguous X): ONE GEMM over the gate and up
+weights interleaved in groups of 8 features (``_mma.glu_rows``, packed once per node) with the
+SiluMul in its epilogue (kernels/linear_mma.cu, GLU). Each output's K order is the unfused
+MatMul's, and the epilogue rounds as MatMul and SiluMul do, so the result is bitwise the
+unfused MatMul, MatMul, SiluMul of this provider. Otherwise those three kernels run in turn.
+"""
+
+import numpy as np
+
+from providers.cuda.ops import NULL, is_host
+from providers.cuda.ops import _mma, matmul, silu_mul
+
+OP_TYPE = "SiluGatedMatMul"
+DOMAIN = "lockstep"
+
+
+def supports(node) -> bool:
+    dts = [d for d in node.input_dtypes[:3] if d is not None]
+    return len(node.inputs) == 3 and all(d in (np.float16, np.float32) for d in dts) and len(set(dts)) <= 1
+
+
+def run(ctx, x, w_gate, w_up):
+    if (is_host(x) or is_host(w_gate) or is_host(w_up) or w_gate.ndim != 2 or w_up.shape != w_gate.shape
+            or x.shape[-1] != w_gate.shape[0] or not x.dtype == w_gate.dtype == w_up.dtype):
+        raise ValueError(f"SiluGatedMatMul (cuda): needs device X [..., K] and W_gate, W_up [K, N] of one "
+                         f"dtype, got {getattr(x, 'shape', x)}, {getattr(w_gate, 'shape', w_gate)}, "
+                         f"{getattr(w_up, 'shape', w_up)}")
+    k, n = w_gate.shape
+    m = x.size // k
+    y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
+    if m == 0:
+        return (y,)
+    if matmul.uses_mma(x, k):
+        _mma.dense(ctx, x, w_gate, None, y, m, n, k, NULL, up=w_up)
+        return (y,)
+    gate, up = ctx.output("gate", y.shape, x.dtype), ctx.output("up", y.shape, x.dtype)
+    matmul.fma(x, w_gate, gate, m, n, k)
+    matmul.fma(x, w_up, up, m, n, k)
+    silu_mul.launch(gate, up, y)
+    return (y,)
