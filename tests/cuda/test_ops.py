@@ -261,7 +261,7 @@ def test_silu_mul_is_bitwise_the_unfused_sequence(gpu, dtype):
 
 def _unfused_gated(gpu, kind, x, gate_args, up_args, node_g):
     """The cuda provider's unfused MatMul(NBits), MatMul(NBits), SiluMul on the same inputs."""
-    module = "matmul" if kind != "int4" else "matmul_nbits"
+    module = "matmul_nbits" if kind.startswith("int4") else "matmul"
     (g,), _ = _run(gpu, module, node_g, x, *gate_args)
     (u,), _ = _run(gpu, module, node_g, x, *up_args)
     node = _node("SiluMul", domain="lockstep", inputs=("x", "up"), dtypes=(x.dtype, x.dtype))
