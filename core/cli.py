@@ -72,7 +72,7 @@ def _resolve_model(model: str | None, provider: str):
     if model is not None and model not in MODELS:
         return model
     precision, target = _default_target(provider)
-    with _status("preparing the default model") as update:
+    with _status("loading the default model (built once, then cached)") as update:
         return resolve_model(model, precision, target, progress=update)
 
 
@@ -136,11 +136,13 @@ def cmd_providers(a) -> int:
 
 
 def cmd_parity(a) -> int:
+    from core.plugins import get_provider
     from core.testing.parity import run_parity
 
+    provider = get_provider(a.provider)  # a missing provider is reported before any model build
     model = _resolve_model(a.model, a.provider)
     with _status(f"parity of {a.provider} against cpu_reference"):
-        report = run_parity(model, a.provider, batches=tuple(a.batch), steps=a.steps)
+        report = run_parity(model, provider, batches=tuple(a.batch), steps=a.steps)
     if a.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -96,6 +96,14 @@ def generate(session: Session, input_ids: Sequence[Sequence[int]], max_new_token
     return [(o, r or "length") for o, r in zip(outputs, reasons)]
 
 
+def _token_row(index: int, row) -> list[int]:
+    """A prompt row as a list of ints; RequestError unless it is a 1-D sequence of integers."""
+    arr = np.asarray(row) if not isinstance(row, (str, bytes)) else np.asarray([row])
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise RequestError(f"input_ids row {index} must be a list of integer token ids, got {row!r:.80}")
+    return [int(t) for t in arr]
+
+
 def run(model: str | Path | Model | None = None, provider: Any = "cpu_reference",
         prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
         max_new_tokens: int = 64, chat: bool = True, kv_layout: str = "head_major",
@@ -136,7 +144,7 @@ def run(model: str | Path | Model | None = None, provider: Any = "cpu_reference"
     model = model if isinstance(model, Model) else load_model(model)
     if prompts is not None:
         input_ids = encode_prompts(model, prompts, chat)
-    input_ids = [list(map(int, r)) for r in input_ids]
+    input_ids = [_token_row(i, r) for i, r in enumerate(input_ids)]
     if not input_ids:
         raise RequestError("no prompts given")
     if capacity is None:

@@ -57,16 +57,20 @@ class ModelConfig:
         eos = m.get("eos_token_id", m.get("pad_token_id", 0))
         eos = tuple(eos) if isinstance(eos, list) else (int(eos),)
         ins, outs = d.get("inputs", {}), d.get("outputs", {})
+        names = {key: group.get(key, getattr(cls, attr)) for group, key, attr in (
+            (ins, "past_key_names", "past_key"), (ins, "past_value_names", "past_value"),
+            (outs, "present_key_names", "present_key"), (outs, "present_value_names", "present_value"))}
+        for key, pattern in names.items():
+            if not isinstance(pattern, str) or pattern.count("%d") != 1:
+                raise ValueError(f"{key} must be a name pattern with one %d, got {pattern!r}")
         return cls(
             num_layers=int(d["num_hidden_layers"]), num_heads=int(d["num_attention_heads"]),
             num_kv_heads=int(d["num_key_value_heads"]), head_size=int(d["head_size"]),
             hidden_size=int(d["hidden_size"]), vocab_size=int(m["vocab_size"]),
             context_length=int(m["context_length"]), eos_token_ids=eos,
             pad_token_id=int(m.get("pad_token_id", eos[0])), bos_token_id=int(m.get("bos_token_id", 1)),
-            past_key=ins.get("past_key_names", cls.past_key),
-            past_value=ins.get("past_value_names", cls.past_value),
-            present_key=outs.get("present_key_names", cls.present_key),
-            present_value=outs.get("present_value_names", cls.present_value),
+            past_key=names["past_key_names"], past_value=names["past_value_names"],
+            present_key=names["present_key_names"], present_value=names["present_value_names"],
             share_buffer=bool(data.get("search", {}).get("past_present_share_buffer", True)),
         )
 
@@ -80,13 +84,29 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.exists():
             raise ModelError(f"model folder {folder} has no tokenizer.json")
-        self._tok = HFTokenizer.from_file(str(path))
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise ModelError(f"cannot read {path}: {exc}") from exc
         cfg_path = folder / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        try:
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        except ValueError as exc:
+            raise ModelError(f"cannot read {cfg_path}: {exc}") from exc
+        if not isinstance(cfg, dict):
+            raise ModelError(f"{cfg_path} must hold a JSON object")
         template = cfg.get("chat_template")
         jinja_path = folder / "chat_template.jinja"
         if template is None and jinja_path.exists():
             template = jinja_path.read_text()
+        if template is not None:
+            import jinja2
+
+            try:
+                self._template = _environment().from_string(template)
+            except jinja2.TemplateError as exc:
+                source = jinja_path if jinja_path.exists() and cfg.get("chat_template") is None else cfg_path
+                raise ModelError(f"chat template in {source} does not parse: {exc}") from exc
         self.chat_template: str | None = template
         self.bos_token = cfg.get("bos_token")
         self.eos_token = cfg.get("eos_token")
@@ -107,13 +127,17 @@ class Tokenizer:
         """
         if not self.chat_template:
             raise ModelError("this model has no chat template; pass chat=False (CLI: --raw)")
-        import jinja2
-
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-        env.globals["raise_exception"] = _raise_template_error
-        return env.from_string(self.chat_template).render(
+        return self._template.render(
             messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
             bos_token=_token_text(self.bos_token), eos_token=_token_text(self.eos_token))
+
+
+def _environment():
+    import jinja2
+
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env.globals["raise_exception"] = _raise_template_error
+    return env
 
 
 def _token_text(tok) -> str:

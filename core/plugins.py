@@ -80,6 +80,12 @@ class Registry:
                 continue
             seen.add(ep.name)
             yield ep.name, package, ep.load
+        if not autoload:
+            for name in allow:
+                if name not in seen:
+                    self.errors.append(PluginError(
+                        name, "?", f"named in LOCKSTEP_PLUGINS but no entry point of group "
+                                   f"{hookspecs.ENTRY_POINT_GROUP!r} has that name"))
 
     def _load(self, autoload: bool, allow: list[str]) -> None:
         for plugin, package, load in self._candidates(autoload, allow):

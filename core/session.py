@@ -96,6 +96,9 @@ class Session:
         self.provider = get_provider(provider)
         self.model = model if isinstance(model, Model) else load_model(model)
         cfg = self.model.config
+        if max_capacity is not None and (isinstance(max_capacity, bool) or not isinstance(
+                max_capacity, (int, np.integer)) or max_capacity < 1):
+            raise RequestError(f"max_capacity must be a positive integer, got {max_capacity!r}")
         if capacity is None:
             capacity = min(256, int(max_capacity or cfg.context_length), cfg.context_length)
         if not isinstance(capacity, (int, np.integer)) or not 1 <= capacity <= cfg.context_length:

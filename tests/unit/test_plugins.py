@@ -223,3 +223,13 @@ def test_allow_list_and_autoload_can_be_passed_explicitly(installed):
 def test_hookspec_module_documents_every_hook():
     hooks = [getattr(hookspecs, n) for n in dir(hookspecs) if n.startswith("lockstep_")]
     assert hooks and all(h.__doc__ and "When:" in h.__doc__ and "Returns:" in h.__doc__ for h in hooks)
+
+
+def test_unknown_names_in_lockstep_plugins_are_reported(monkeypatch):
+    from core.plugins import Registry
+
+    monkeypatch.setenv("LOCKSTEP_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("LOCKSTEP_PLUGINS", "no_such_plugin")
+    reg = Registry()
+    assert "cpu_reference" in reg.names()
+    assert any(e.plugin == "no_such_plugin" and "LOCKSTEP_PLUGINS" in e.reason for e in reg.errors)

@@ -72,3 +72,49 @@ def test_a_provider_that_does_not_write_the_shared_kv_in_place_is_refused(model_
     s = Session(model_dir, CopyingKV(), batch=1, capacity=16)
     with pytest.raises(ProviderError, match="in place"):
         s.prefill([[5, 6]])
+
+
+def _tiny_with_tokenizer(folder):
+    """The tiny model plus a two-word tokenizer.json."""
+    from tokenizers import Tokenizer, models
+
+    folder = make_tiny_model(folder)
+    Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>")).save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.mark.parametrize("case,match", [
+    ("tokenizer", "tokenizer.json"), ("config", "tokenizer_config.json"),
+    ("template", "chat_template.jinja"), ("template_in_config", "does not parse"),
+    ("names", "past_key_names")])
+def test_malformed_model_files_are_model_errors_naming_the_file(tmp_path, case, match):
+    import json
+
+    folder = _tiny_with_tokenizer(tmp_path / case)
+    if case == "tokenizer":
+        (folder / "tokenizer.json").write_text("not json")
+    elif case == "config":
+        (folder / "tokenizer_config.json").write_text("{broken")
+    elif case == "template":
+        (folder / "chat_template.jinja").write_text("{% if %}")
+    elif case == "template_in_config":
+        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x "}))
+    else:
+        cfg = json.loads((folder / "genai_config.json").read_text())
+        cfg["model"]["decoder"].setdefault("inputs", {})["past_key_names"] = "past_key_values.key"
+        (folder / "genai_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(core.ModelError, match=match):
+        core.load_model(folder)
+
+
+@pytest.mark.parametrize("rows", [[[1.7, 2.0]], [["a", "b"]], [1, 2, 3], [[[1]]]])
+def test_run_refuses_input_ids_that_are_not_integer_rows(model_dir, rows):
+    with pytest.raises(RequestError, match="integer token ids"):
+        core.run(model_dir, input_ids=rows, max_new_tokens=2)
+    assert core.run(model_dir, input_ids=[[1, 2]], max_new_tokens=2).rows[0].output_ids
+
+
+@pytest.mark.parametrize("value", [0, -5, 2.5, True])
+def test_max_capacity_must_be_a_positive_integer(model_dir, value):
+    with pytest.raises(RequestError, match="max_capacity"):
+        Session(model_dir, batch=1, kv_policy="growing", max_capacity=value)
