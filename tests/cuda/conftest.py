@@ -1,7 +1,12 @@
 """GPU-only tests. Each module starts with ``gpu_or_skip()``-style guards (see
 ``tests/cuda/_gpu.py``), so without CuPy or a visible GPU they are reported as skipped."""
 
+import os
+from pathlib import Path
+
 import pytest
+
+VARIANTS = {"fp32": ("float32", None), "fp16": ("float16", None), "int4": ("float16", "int4")}
 
 
 def pytest_collection_modifyitems(items):
@@ -15,3 +20,26 @@ def gpu():
     from providers.cuda.provider import CudaProvider
 
     return CudaProvider()
+
+
+def _models():
+    out = [pytest.param(("tiny", v), id=f"tiny-{v}") for v in VARIANTS]
+    root = os.environ.get("LOCKSTEP_CUDA_MODELS")
+    if root:
+        out += [pytest.param(("smollm2", v), id=f"smollm2-{v}") for v in VARIANTS
+                if (Path(root) / v / "model.onnx").exists()]
+    return out
+
+
+@pytest.fixture(scope="module", params=_models())
+def model_dir(request, tmp_path_factory):
+    """Model folders: tiny builder-pattern models made here (fp32, fp16, int4), plus the
+    SmolLM2-shaped ones under $LOCKSTEP_CUDA_MODELS (folders fp32, fp16, int4 made by
+    benchmarks/build_test_model.py) when that variable is set."""
+    from core.testing.tiny_model import make_tiny_model
+
+    kind, variant = request.param
+    if kind == "smollm2":
+        return Path(os.environ["LOCKSTEP_CUDA_MODELS"]) / variant
+    dtype, quant = VARIANTS[variant]
+    return make_tiny_model(tmp_path_factory.mktemp(variant), dtype=dtype, quant=quant)

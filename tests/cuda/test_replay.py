@@ -1,9 +1,6 @@
 """Eager launch replay (providers/cuda/replay.py) on the GPU: bitwise the launchers' run, and
 actually used on decode steps."""
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 from _gpu import require_gpu
@@ -11,29 +8,8 @@ from _gpu import require_gpu
 require_gpu()
 
 from core.session import Session  # noqa: E402
-from core.testing.tiny_model import make_tiny_model  # noqa: E402
 from providers.cuda import replay  # noqa: E402
 from providers.cuda.provider import CudaProvider  # noqa: E402
-
-VARIANTS = {"fp32": ("float32", None), "fp16": ("float16", None), "int4": ("float16", "int4")}
-
-
-def _models():
-    out = [pytest.param(("tiny", v), id=f"tiny-{v}") for v in VARIANTS]
-    root = os.environ.get("LOCKSTEP_CUDA_MODELS")
-    if root:
-        out += [pytest.param(("smollm2", v), id=f"smollm2-{v}") for v in VARIANTS
-                if (Path(root) / v / "model.onnx").exists()]
-    return out
-
-
-@pytest.fixture(scope="module", params=_models())
-def model_dir(request, tmp_path_factory):
-    kind, variant = request.param
-    if kind == "smollm2":
-        return Path(os.environ["LOCKSTEP_CUDA_MODELS"]) / variant
-    dtype, quant = VARIANTS[variant]
-    return make_tiny_model(tmp_path_factory.mktemp(variant), dtype=dtype, quant=quant)
 
 
 def _decode(model_dir, provider, steps=40, **kw):

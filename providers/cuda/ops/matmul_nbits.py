@@ -32,8 +32,7 @@ def _exprs(t: str, s: str) -> tuple[str, ...]:
 def run(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
     if g_idx is not None:
         raise ValueError("MatMulNBits: g_idx is not supported")
-    k, n = int(ctx.node.attrs["K"]), int(ctx.node.attrs["N"])
-    y = ctx.output(0, (*a.shape[:-1], n), a.dtype)
+    y = ctx.output(0, (*a.shape[:-1], int(ctx.node.attrs["N"])), a.dtype)
     launch(ctx.node.attrs, a, b, scales, zero_points, bias, y)
     return (y,)
 

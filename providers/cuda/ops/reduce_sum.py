@@ -3,8 +3,6 @@ cupy.sum(..., out=) (integer sums are exact; the builder only sums the int64 att
 Float sums are not batch-invariant by design here and only run outside the decode path.
 Source: ONNX ReduceSum-13."""
 
-import numpy as np
-
 from providers.cpu_reference.ops._util import int_list, normalize_axis
 from providers.cuda.ops import host_or_none, is_host
 

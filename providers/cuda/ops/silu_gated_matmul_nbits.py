@@ -9,8 +9,6 @@ its epilogue, bitwise the unfused MatMulNBits, MatMulNBits, SiluMul of this prov
 Otherwise those three kernels run in turn.
 """
 
-import numpy as np
-
 from providers.cpu_reference.ops.silu_gated_matmul_nbits import gate_view
 from providers.cuda.module import ctype
 from providers.cuda.ops import NULL, _mma, matmul_nbits, silu_mul
