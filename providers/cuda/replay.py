@@ -21,6 +21,9 @@ A node is never replayed when its op module sets ``REPLAY = False`` or its run m
 outside :class:`~providers.cuda.module.Kernel` (a CuPy expression: the launcher calls
 :func:`not_replayable`), nor while its context is frozen (capture always runs the launcher,
 so the context can check and pin its buffers).
+
+The recording state is process-global: plans of one process run nodes one at a time (the
+cuda provider launches on one process-wide stream), as they do today.
 """
 
 from __future__ import annotations
