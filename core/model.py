@@ -99,6 +99,7 @@ class Tokenizer:
         jinja_path = folder / "chat_template.jinja"
         if template is None and jinja_path.exists():
             template = jinja_path.read_text()
+        self._template = None
         if template is not None:
             import jinja2
 

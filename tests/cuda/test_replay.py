@@ -49,3 +49,12 @@ def test_replay_is_bitwise_the_launchers(model_dir, kv_policy):
     replayed = after["replayed"] - before["replayed"]
     launched = after["launched"] - before["launched"]
     assert replayed > 3 * launched, (replayed, launched)
+
+
+def test_every_provider_uses_one_stream():
+    """Launches go to CuPy's current stream: two providers with streams of their own raced
+    (capture, replay and downloads used the first one's while the second one's was current)."""
+    import cupy
+
+    a, b = CudaProvider(), CudaProvider()
+    assert a.stream is b.stream and cupy.cuda.get_current_stream().ptr == a.stream.ptr

@@ -1,34 +1,23 @@
-"""Helper of the gated-projection fusions (core.fusion.fuse_gated_matmul): each projection
-runs as its own op on a context of its own, so per-node caches (converted or dequantised
-weights) are kept for both weights instead of replacing each other on every call."""
+"""Helpers of the gated-projection fusions (core.fusion.fuse_gated_matmul)."""
 
 from __future__ import annotations
 
-
-class _NodeView:
-    """The node fields op modules read (name, attrs)."""
-
-    __slots__ = ("name", "attrs")
-
-    def __init__(self, name: str, attrs: dict):
-        self.name, self.attrs = name, attrs
+from types import SimpleNamespace
 
 
-class _Projection:
-    """A kernel context for one projection: ``node`` and ``cache``."""
-
-    __slots__ = ("node", "cache")
-
-    def __init__(self, name: str, attrs: dict):
-        self.node = _NodeView(name, attrs)
-        self.cache: dict = {}
+def gate_view(node) -> SimpleNamespace:
+    """The gate projection of a fused MatMulNBits node as a MatMulNBits node: its attributes,
+    inputs 0..3 and their dtypes."""
+    return SimpleNamespace(name=node.name, attrs=node.attrs, inputs=tuple(node.inputs[:4]),
+                           input_dtypes=tuple(node.input_dtypes[:4]))
 
 
 def projections(ctx) -> tuple:
-    """(gate context, up context) of a fused node's context, made on the first call."""
+    """(gate context, up context) of a fused node's context, made on the first call: each
+    projection runs as its own op on a context of its own (``node``, ``cache``), so the
+    per-node caches of converted or dequantised weights keep both weights."""
     pair = ctx.cache.get("_projections")
     if pair is None:
-        attrs = dict(ctx.node.attrs)
-        pair = ctx.cache["_projections"] = (_Projection(f"{ctx.node.name}/gate", attrs),
-                                            _Projection(f"{ctx.node.name}/up", attrs))
+        pair = ctx.cache["_projections"] = tuple(SimpleNamespace(node=gate_view(ctx.node), cache={})
+                                                 for _ in range(2))
     return pair

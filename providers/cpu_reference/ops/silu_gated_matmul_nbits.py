@@ -5,19 +5,11 @@ Inputs: X, B_gate, scales_gate, zero_points_gate (or absent), B_up, scales_up, z
 Exactly the unfused sequence, so a fused graph is bitwise the unfused one.
 """
 
-from types import SimpleNamespace
-
 from providers.cpu_reference.ops import matmul_nbits, silu_mul
-from providers.cpu_reference.ops._gated import projections
+from providers.cpu_reference.ops._gated import gate_view, projections
 
 OP_TYPE = "SiluGatedMatMulNBits"
 DOMAIN = "lockstep"
-
-
-def gate_view(node) -> SimpleNamespace:
-    """The gate projection as a MatMulNBits node (attributes, inputs 0..3, their dtypes)."""
-    return SimpleNamespace(name=node.name, attrs=node.attrs, inputs=tuple(node.inputs[:4]),
-                           input_dtypes=tuple(node.input_dtypes[:4]))
 
 
 def supports(node) -> bool:

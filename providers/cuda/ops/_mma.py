@@ -38,15 +38,27 @@ def _pack_index(kp: int, np_: int):
     return (k * np_ + n).reshape(-1).astype(np.int64)
 
 
+def glu_width(n: int) -> int:
+    """Rows of an interleaved gate/up pair of N features: 2 N rounded up to 16."""
+    return 2 * (-(-n // 8) * 8)
+
+
 def glu_rows(n: int) -> np.ndarray:
     """Row order of a gate/up pair for the GLU kernels: index i of the packed rows takes row
     ``order[i]`` of concatenate([gate, up, zero row]) (N rounded up to 8; the zero row pads).
     Rows 16b..16b+7 are gate rows 8b..8b+7 and rows 16b+8..16b+15 the same up rows."""
-    n8 = -(-n // 8) * 8
-    i = np.arange(2 * n8)
+    i = np.arange(glu_width(n))
     feature = (i // 16) * 8 + i % 8
     row = np.where(i % 16 < 8, feature, n + feature)
     return np.where(feature < n, row, 2 * n)
+
+
+def glu_interleave(xp, gate, up):
+    """gate, up [N, X] (one row per output feature) -> [glu_width(N), X] in :func:`glu_rows`
+    order, padding rows zero. ``xp`` is the array module (cupy; numpy in the CPU tests)."""
+    rows = xp.asarray(glu_rows(gate.shape[0]))
+    both = xp.concatenate([gate, up, xp.zeros((1, gate.shape[1]), gate.dtype)])
+    return xp.ascontiguousarray(both[rows])
 
 
 def packed(ctx, w, up=None):
@@ -60,9 +72,7 @@ def packed(ctx, w, up=None):
     if hit is not None and hit[0] == key:
         return hit[1]
     if up is not None:
-        cols = cupy.asarray(glu_rows(w.shape[1]))
-        both = cupy.concatenate([w, up, cupy.zeros((w.shape[0], 1), w.dtype)], axis=1)
-        w = cupy.ascontiguousarray(both[:, cols])
+        w = glu_interleave(cupy, w.T, up.T).T
     k, n = w.shape
     kp, np_ = -(-k // 64) * 64, -(-n // 16) * 16
     pad = cupy.zeros((kp, np_), cupy.float16)
@@ -77,7 +87,7 @@ def dense(ctx, a, w, bias, y, m, n, k, null, up=None):
     """y = a @ w (+ bias); with ``up``: y = silu_mul(a @ w, a @ up) (GLU, n = y's width)."""
     wp = packed(ctx, w, up)
     glu = up is not None
-    rows = 2 * (-(-n // 8) * 8) if glu else n
+    rows = glu_width(n) if glu else n
     nj, grid, block, shared = config(m, rows, k)
     function("linear_mma", f"mma_dense<{nj}, {_BOOL[glu]}>", EXPRS)(
         grid, block, (a, wp, null if bias is None else bias, y, np.int32(m), np.int32(rows), np.int32(k),

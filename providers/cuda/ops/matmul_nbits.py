@@ -59,11 +59,11 @@ def uses_mma(a, bits: int, k: int, zp_mode: int, zero_points) -> bool:
             and (zp_mode != 2 or zero_points.dtype == np.float16))
 
 
-def launch(attrs: dict, a, b, scales, zero_points, bias, y) -> None:
-    """y = a @ dequant(b)^T (+ bias) into ``y`` [..., N] (checks as in the module docstring).
+def geometry(attrs: dict, a, b, scales) -> tuple[int, int, int, int, int]:
+    """(K, N, bits, block_size, n_blocks) of the attributes, checked against A, B and scales.
 
     Raises:
-        ValueError: shapes that do not match the attributes, or unsupported zero points / bias.
+        ValueError: A's last dim is not K, or B / scales do not match N, K, bits, block_size.
     """
     k, n = int(attrs["K"]), int(attrs["N"])
     bits, bs = int(attrs.get("bits", 4)), int(attrs["block_size"])
@@ -74,6 +74,17 @@ def launch(attrs: dict, a, b, scales, zero_points, bias, y) -> None:
     if b.size != n * nb * blob or scales.size != n * nb:
         raise ValueError(f"MatMulNBits: B {b.shape} / scales {scales.shape} do not match "
                          f"N={n}, n_blocks={nb}, blob={blob}")
+    return k, n, bits, bs, nb
+
+
+def launch(attrs: dict, a, b, scales, zero_points, bias, y) -> None:
+    """y = a @ dequant(b)^T (+ bias) into ``y`` [..., N] (checks as in the module docstring).
+
+    Raises:
+        ValueError: shapes that do not match the attributes (:func:`geometry`), or unsupported
+            zero points / bias.
+    """
+    k, n, bits, bs, nb = geometry(attrs, a, b, scales)
     zp, zp_mode, zp_stride = zero_point_mode(zero_points, a.dtype, n, nb)
     if bias is not None and bias.dtype != a.dtype:
         raise ValueError("MatMulNBits: bias dtype must match A")

@@ -9,7 +9,7 @@ its epilogue, bitwise the unfused MatMulNBits, MatMulNBits, SiluMul of this prov
 Otherwise those three kernels run in turn.
 """
 
-from providers.cpu_reference.ops.silu_gated_matmul_nbits import gate_view
+from providers.cpu_reference.ops._gated import gate_view
 from providers.cuda.module import ctype
 from providers.cuda.ops import NULL, _mma, matmul_nbits, silu_mul
 
@@ -23,49 +23,36 @@ def supports(node) -> bool:
 
 
 def _interleaved(ctx, n: int, pairs):
-    """The (gate, up) arrays of ``pairs`` with rows in glu_rows order (zero padding rows),
-    cached per node by device pointers (the inputs are weights)."""
+    """The (gate, up) arrays of ``pairs`` as one array each, rows in glu_rows order, cached per
+    node by device pointers (the inputs are weights)."""
     import cupy
 
     key = tuple(None if g is None else (g.data.ptr, u.data.ptr, g.shape) for g, u in pairs)
     hit = ctx.cache.get("glu_rows")
     if hit is not None and hit[0] == key:
         return hit[1]
-    rows = cupy.asarray(_mma.glu_rows(n))
-    out = []
-    for g, u in pairs:
-        if g is None:
-            out.append(None)
-            continue
-        g2, u2 = g.reshape(n, -1), u.reshape(n, -1)
-        both = cupy.concatenate([g2, u2, cupy.zeros((1, g2.shape[1]), g.dtype)])
-        out.append(cupy.ascontiguousarray(both[rows]))
+    out = [None if g is None else _mma.glu_interleave(cupy, g.reshape(n, -1), u.reshape(n, -1))
+           for g, u in pairs]
     ctx.cache["glu_rows"] = (key, out)
     return out
 
 
 def run(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
     attrs = ctx.node.attrs
-    k, n = int(attrs["K"]), int(attrs["N"])
-    bits, bs = int(attrs.get("bits", 4)), int(attrs["block_size"])
-    nb = -(-k // bs)
+    k, n, bits, bs, nb = matmul_nbits.geometry(attrs, x, b_gate, scales_gate)
     if (b_gate.shape != b_up.shape or scales_gate.shape != scales_up.shape or scales_gate.dtype != scales_up.dtype
             or (zp_gate is None) != (zp_up is None)
             or (zp_gate is not None and (zp_gate.shape != zp_up.shape or zp_gate.dtype != zp_up.dtype))):
         raise ValueError("SiluGatedMatMulNBits: the gate and up weights differ in shape or dtype")
+    _, zp_mode, zp_stride = matmul_nbits.zero_point_mode(zp_gate, x.dtype, n, nb)
     y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
-    zp, zp_mode, zp_stride = matmul_nbits.zero_point_mode(zp_gate, x.dtype, n, nb)
-    if x.shape[-1] != k or b_gate.size != n * nb * (bs * bits // 8) or scales_gate.size != n * nb:
-        raise ValueError(f"SiluGatedMatMulNBits: X {x.shape}, B {b_gate.shape}, scales {scales_gate.shape} "
-                         f"do not match K={k}, N={n}, block_size={bs}, bits={bits}")
     m = x.size // k
     if m == 0:
         return (y,)
     if matmul_nbits.uses_mma(x, bits, k, zp_mode, zp_gate):
         b, s, z = _interleaved(ctx, n, ((b_gate, b_up), (scales_gate, scales_up),
                                         (None, None) if zp_gate is None else (zp_gate, zp_up)))
-        rows = 2 * (-(-n // 8) * 8)
-        _mma.nbits4(x, b, s, NULL if z is None else z, zp_mode, zp_stride, None, y, m, rows, k, bs,
+        _mma.nbits4(x, b, s, NULL if z is None else z, zp_mode, zp_stride, None, y, m, _mma.glu_width(n), k, bs,
                     ctype(s.dtype), NULL, glu_out=n)
         return (y,)
     gate, up = ctx.output("gate", y.shape, x.dtype), ctx.output("up", y.shape, x.dtype)
