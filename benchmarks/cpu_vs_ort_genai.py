@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from core.generate import encode_prompts
-from core.model import load_model
-from core.prepare import Variant, prepare
+from core.generation.generate import encode_prompts
+from core.models.model import load_model
+from core.models.prepare import Variant, prepare
 from core.session import Session
 
 PROMPTS = ["What is the capital of France?", "Name three primary colors.",

@@ -18,7 +18,7 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-from core.prepare import DEFAULT_MODEL, MODELS, PRECISIONS, TARGETS, Variant, prepare, resolve_model
+from core.models.prepare import DEFAULT_MODEL, MODELS, PRECISIONS, TARGETS, Variant, prepare, resolve_model
 
 console = Console(stderr=True, soft_wrap=True)  # an error stays one line in logs
 
@@ -79,7 +79,7 @@ def _resolve_model(model: str | None, provider: str):
 def cmd_run(a) -> int:
     from rich.progress import Progress
 
-    from core.generate import run
+    from core.generation.generate import run
     from core.plugins import get_provider
 
     provider = get_provider(a.provider)  # a missing provider is reported before any model build
@@ -88,6 +88,7 @@ def cmd_run(a) -> int:
         task = bar.add_task("decoding", total=a.max_new_tokens)
         result = run(model, provider=provider, prompts=a.prompt, max_new_tokens=a.max_new_tokens,
                      chat=not a.raw, kv_layout=a.layout, capture=False if a.no_capture else None,
+                     weight_budget=a.weight_budget,
                      progress=lambda done, total: bar.update(task, completed=done))
     if a.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -142,7 +143,8 @@ def cmd_parity(a) -> int:
     provider = get_provider(a.provider)  # a missing provider is reported before any model build
     model = _resolve_model(a.model, a.provider)
     with _status(f"parity of {a.provider} against cpu_reference"):
-        report = run_parity(model, provider, batches=tuple(a.batch), steps=a.steps)
+        report = run_parity(model, provider, batches=tuple(a.batch), steps=a.steps,
+                            weight_budget=a.weight_budget)
     if a.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -155,6 +157,12 @@ def cmd_profile(a) -> int:
 
     a.model = _resolve_model(a.model, a.provider)
     return profile_main(a, console, _table_console())
+
+
+def _budget_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--weight-budget", metavar="BYTES|PCT", help="device bytes for weights, staging "
+                        "included (2GiB, 512MB, 40%%, 0.4); the rest stream from pinned host memory "
+                        "every step (default: everything resident when it fits)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--layout", default="head_major", choices=["head_major", "seq_major"],
                    help="KV cache layout (default: %(default)s)")
     r.add_argument("--no-capture", action="store_true", help="never capture decode steps")
+    _budget_arg(r)
     r.set_defaults(func=cmd_run)
 
     q = sub.add_parser("prepare", help="build a model variant with the ONNX Runtime GenAI builder")
@@ -198,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch sizes of the teacher-forced logits gate, e.g. 1,2,8 (default)")
     t.add_argument("--steps", type=_positive_int, default=64, help="decode steps (default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the report as JSON")
+    _budget_arg(t)
     t.set_defaults(func=cmd_parity)
 
     f = sub.add_parser("profile", help="decode throughput sweep over batch sizes")
@@ -216,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--layout", default="head_major", choices=["head_major", "seq_major"],
                    help="KV cache layout (default: %(default)s)")
     f.add_argument("--no-capture", action="store_true", help="run every step eagerly")
+    _budget_arg(f)
     f.add_argument("--json", dest="json_out", help="write the rows as JSON to this file")
     f.add_argument("--plot", dest="plot_out", help="write tokens/s against batch as a PNG "
                    "(needs the plot extra: pip install -e \".[plot]\")")

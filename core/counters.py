@@ -22,7 +22,17 @@ class Counters:
         kv_bytes: bytes reserved for the KV cache (all layers, K and V).
         kv_committed_bytes: bytes of the current KV buffers backed through ``kv_commit`` (a
             gauge: growth that reallocates starts it again from the copied prefix).
-        weight_bytes: bytes of weights resident on the provider.
+        weight_bytes: bytes of weights resident on the provider (staging not included).
+        weight_budget: the weight budget in bytes (None: everything resident).
+        weight_bytes_resident: per-step weights kept on the device.
+        weight_bytes_streamed_per_step: host-to-device weight bytes one step copies.
+        staging_bytes: device bytes of the staging ring.
+        htod_bytes: weight bytes copied host-to-device so far (prefill and decode).
+        htod_bytes_per_token: decode-step weight bytes copied per generated token (per row).
+        page_ins, page_ins_per_token: weight copies into staging slots (all; per decode token).
+        evictions: copies that overwrote another weight in a staging slot.
+        hit_rate, byte_hit_rate: fraction of the per-step weight reads (by tensor; by bytes)
+            served by resident weights.
     """
 
     prefill_tokens: int = 0
@@ -39,7 +49,41 @@ class Counters:
     kv_bytes: int = 0
     kv_committed_bytes: int = 0
     weight_bytes: int = 0
+    weight_budget: int | None = None
+    weight_bytes_resident: int = 0
+    weight_bytes_streamed_per_step: int = 0
+    staging_bytes: int = 0
+    htod_bytes: int = 0
+    htod_bytes_per_token: float = 0.0
+    page_ins: int = 0
+    page_ins_per_token: float = 0.0
+    evictions: int = 0
+    hit_rate: float = 1.0
+    byte_hit_rate: float = 1.0
+    _decode_htod: int = attrs.field(default=0, repr=False)
+    _decode_page_ins: int = attrs.field(default=0, repr=False)
+    _decode_tokens: int = attrs.field(default=0, repr=False)
+
+    def set_residency(self, summary: dict, weight_bytes: int) -> None:
+        """Copy a :meth:`core.runtime.residency.ResidencyPlan.summary` into the counters."""
+        self.weight_bytes = weight_bytes
+        self.weight_budget = summary["weight_budget"]
+        for name in ("weight_bytes_resident", "weight_bytes_streamed_per_step", "staging_bytes", "hit_rate",
+                     "byte_hit_rate"):
+            setattr(self, name, summary[name])
+
+    def add_streamed(self, nbytes: int, copies: int, slots: int, decode_tokens: int = 0) -> None:
+        """Count one step's weight copies (``decode_tokens``: rows advanced, 0 for a prefill)."""
+        self.evictions += max(0, copies - max(0, slots - self.page_ins)) if copies else 0
+        self.htod_bytes += nbytes
+        self.page_ins += copies
+        if decode_tokens:
+            self._decode_htod += nbytes
+            self._decode_page_ins += copies
+            self._decode_tokens += decode_tokens
+            self.htod_bytes_per_token = self._decode_htod / self._decode_tokens
+            self.page_ins_per_token = self._decode_page_ins / self._decode_tokens
 
     def to_dict(self) -> dict:
         """The counters as plain JSON-ready data."""
-        return attrs.asdict(self)
+        return attrs.asdict(self, filter=lambda a, _v: not a.name.startswith("_"))

@@ -3,31 +3,94 @@
 Planning checks every node with ``provider.supports`` (an unsupported op is reported at load
 time, naming each op and node, CASES 15), applies the fusion passes of :mod:`core.fusion`
 the provider supports, asks the provider for one kernel per node, makes one
-:class:`~core.protocol.KernelContext` per node and uploads the weights once. Running walks the
-nodes in graph order (the builder writes them topologically sorted).
+:class:`~core.protocol.KernelContext` per node and uploads the weights once. Then it folds
+the nodes whose inputs are all constants (run once) and prepares weights (below). Running
+walks the remaining nodes, :attr:`Plan.steps`, in graph order (the builder writes them
+topologically sorted).
 
-Small integer initializers (at most :data:`HOST_CONSTANT_MAX` elements: axes, shapes, gather
-indices) stay host numpy arrays on every provider, as do Constant node values; kernels of shape
-ops must accept them.
+Host nodes. Small integer initializers (at most :data:`HOST_CONSTANT_MAX` elements: axes,
+shapes, gather indices) stay host numpy arrays on every provider, as do Constant node values
+and the shape arithmetic computed from them. On a device provider (one whose ``allocate``
+does not return a host array), a node whose inputs are all host values
+(:func:`core.opdefs.is_host`) runs on the cpu_reference kernel of its op, chosen here: the
+core imports ``providers.cpu_reference.ops`` lazily for that, so no device provider imports
+another provider. The provider still answers ``supports`` for every node (it declares its
+host-only ops such as Shape or Constant) and its own kernel runs whenever an input is on the
+device. The choice is made on the first run for each combination of graph-input types and
+kept for later runs with the same combination (a kernel's output types depend only on its
+input types).
+
+Output checks. Every kernel result must be a tuple (or list) with one entry per declared node
+output (entries past the declared count are tolerated only when None: some kernels return
+their op's full output list), and a named output must be a tensor of the dtype and rank the
+graph declares (value_info and graph outputs, where given); otherwise
+:class:`KernelOutputError`. A result object identical to the node's previous result (eager
+launch replay returns the recorded tuple) was checked already and is skipped; another result
+object has its type and length checked, and its dtypes and ranks too unless every entry is the
+same object as last time (persistent output buffers). So each node is fully checked on its
+first call and whenever its buffers change (a new shape), and a replayed node costs one
+identity test.
+
+Prepared weights. A provider may offer ``prepare(node) -> hook | None`` (an optional member;
+:meth:`core.ops.OpTable.prepare` returns the op module's ``prepare``, see :mod:`core.ops`).
+After folding, the hook of every per-step node with constant inputs is called once with the
+node's context and its inputs (constants, else None); the replacements it returns become new
+constants named ``f"{node.name}:prepared:{i}"`` that the node reads instead, an input it
+drops becomes absent, and a replaced constant that no per-step node still reads is dropped
+(:meth:`Plan.weight_bytes` counts what stays). Kernels also run unprepared (a direct call or
+a fed weight); a prepared node never runs on a host kernel.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import importlib
+import operator
+from typing import Any, NamedTuple
 
+import attrs
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from core import fusion
-from core.protocol import ExecutionProvider, KernelContext, NodeInfo
+from core.opdefs import is_host
+from core.ops import OpTable
+from core.protocol import ExecutionProvider, Kernel, KernelContext, NodeInfo
 
 HOST_CONSTANT_MAX = 64
 GATHER_OPS = ("Gather", "GatherBlockQuantized")
+#: The op package whose kernels run the host nodes of a device provider.
+REFERENCE_OPS = "providers.cpu_reference.ops"
 
 
 class UnsupportedOpError(ValueError):
     """The provider cannot run some nodes of the graph; the message lists op types and nodes."""
+
+
+class KernelOutputError(RuntimeError):
+    """A kernel returned something other than its node's declared outputs (not a tuple, a
+    wrong count, None for a used output, or a dtype / rank the graph does not declare); the
+    message names the node, its op type and the kernel."""
+
+
+class WeightRead(NamedTuple):
+    """A constant read by a per-step node (:meth:`Plan.weight_reads`).
+
+    Attributes:
+        step: position in execution order (the node is ``plan.nodes[plan.steps[step]]``).
+        node: name of the first per-step node that reads the constant.
+        constant: key in :attr:`Plan.constants`.
+        nbytes: bytes of the constant.
+        gathered: True when every per-step reader gathers rows of it (a Gather or
+            GatherBlockQuantized table: a step reads B rows, not the whole tensor).
+    """
+
+    step: int
+    node: str
+    constant: str
+    nbytes: int
+    gathered: bool
 
 
 def _attr_value(attr: onnx.AttributeProto) -> Any:
@@ -70,21 +133,73 @@ def is_host_constant(array: np.ndarray) -> bool:
     return array.dtype.kind in "iub" and array.size <= HOST_CONSTANT_MAX
 
 
+def _declared_types(graph: onnx.GraphProto) -> dict[str, tuple[np.dtype | None, int | None]]:
+    """Value name -> (dtype, rank) declared by value_info and graph outputs (None: not declared).
+
+    Outputs of Constant nodes are left out: their tensor attribute is their type, and the
+    builder declares them with an empty shape (rank 0) whatever the tensor's rank."""
+    constants = {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    out = {}
+    for vi in [v for v in graph.value_info if v.name not in constants] + list(graph.output):
+        tensor = vi.type.tensor_type
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.elem_type)) if tensor.elem_type else None
+        out[vi.name] = (dtype, len(tensor.shape.dim) if tensor.HasField("shape") else None)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def reference_ops() -> OpTable:
+    """The op table of :data:`REFERENCE_OPS` (imported on first use)."""
+    return OpTable(importlib.import_module(REFERENCE_OPS))
+
+
+def kernel_name(kernel: Any) -> str:
+    """``module.qualname`` of a kernel; for a wrapper object (the cuda provider's ReplayKernel)
+    the function it wraps (its ``run``) and the wrapper's class."""
+    inner = None if hasattr(kernel, "__qualname__") else getattr(kernel, "run", None)
+    target = kernel if inner is None else inner
+    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__qualname__)}"
+    return name if inner is None else f"{name} (wrapped by {type(kernel).__qualname__})"
+
+
+class _Step:
+    """One node of a run program: the kernel chosen for it and its last (checked) result."""
+
+    __slots__ = ("ctx", "host", "index", "inputs", "kernel", "last", "outputs")
+
+    def __init__(self, index: int, kernel: Kernel, ctx: KernelContext, node: NodeInfo, host: bool):
+        self.index, self.kernel, self.ctx, self.host = index, kernel, ctx, host
+        self.inputs, self.outputs = node.inputs, node.outputs
+        self.last = None
+
+
 class Plan:
-    """An executable plan of one graph on one provider.
+    """An executable plan of one graph on one provider (module docstring).
 
     Args:
         graph: the ONNX graph (initializers loaded).
         initializers: name -> numpy array.
         provider: the execution provider.
         kv_layout: "head_major" or "seq_major", passed to every kernel context.
+        host_dispatch: run host nodes on the cpu_reference kernels (module docstring); None
+            (default): when the provider's tensors are not host arrays.
+
+    Attributes:
+        nodes, contexts, kernels: per node (after fusion): its NodeInfo, context, kernel.
+        host_kernels: per node, the cpu_reference kernel used when all its inputs are host
+            values (None: never; always None without host dispatch).
+        constants: name -> value (initializers, folded values, prepared weights).
+        steps: indices into ``nodes`` of the nodes run per step, in execution order.
+        prepared: names of the constants made by prepare hooks.
 
     Raises:
         UnsupportedOpError: some nodes are not supported by the provider (all are listed).
+        KernelOutputError: a kernel run while folding constants returned bad outputs.
     """
 
     def __init__(self, graph: onnx.GraphProto, initializers: dict[str, np.ndarray],
-                 provider: ExecutionProvider, kv_layout: str = "head_major"):
+                 provider: ExecutionProvider, kv_layout: str = "head_major",
+                 host_dispatch: bool | None = None):
         self.provider = provider
         self.kv_layout = kv_layout
         self.nodes = fusion.apply(node_infos(graph), {o.name for o in graph.output}, provider.supports,
@@ -97,74 +212,226 @@ class Plan:
                 f"provider {provider.name!r} does not support {len(unsupported)} node(s): {listed}")
         self.contexts = [KernelContext(n, provider, kv_layout) for n in self.nodes]
         self.kernels = [provider.kernel(n) for n in self.nodes]
-        self.constants: dict[str, Any] = {}
-        for name, array in initializers.items():
-            self.constants[name] = array if is_host_constant(array) else provider.upload(array)
-        self.steps = self._fold_constants()
-        for value in self.constants.values():
-            if isinstance(value, np.ndarray):
-                value.flags.writeable = False  # constants are shared by every step: never written
-        self._program = [(self.kernels[i], self.contexts[i], self.nodes[i].inputs, self.nodes[i].outputs)
-                         for i in self.steps]
+        if host_dispatch is None:
+            host_dispatch = not is_host(provider.allocate((1,), np.float32))
+        self.host_dispatch = bool(host_dispatch)
+        table = reference_ops() if self.host_dispatch else None
+        self.host_kernels = [table.kernel(n) if table is not None and table.supports(n) else None
+                             for n in self.nodes]
+        self._host_contexts = [None if k is None else KernelContext(n, provider, kv_layout)
+                               for n, k in zip(self.nodes, self.host_kernels)]
+        self._types = _declared_types(graph)
         self.input_names = [i.name for i in graph.input]
         self.output_names = [o.name for o in graph.output]
         self.output_dtypes = {o.name: np.dtype(helper.tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type))
                               for o in graph.output}
+        self.constants: dict[str, Any] = {}
+        for name, array in initializers.items():
+            self.constants[name] = array if is_host_constant(array) else provider.upload(array)
+        self.steps = self._fold_constants()
+        self.prepared = self._prepare()
+        for value in self.constants.values():
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False  # constants are shared by every step: never written
+        self._programs: dict[tuple, list[_Step]] = {}
+        self._program: list[_Step] = []
+
+    def _step(self, i: int, args: list) -> _Step:
+        """Node ``i``'s step for these argument values: its host kernel when it has one and
+        every argument is a host value, else the provider's kernel."""
+        host = self.host_kernels[i] is not None and all(map(is_host, args))
+        if host:
+            return _Step(i, self.host_kernels[i], self._host_contexts[i], self.nodes[i], True)
+        return _Step(i, self.kernels[i], self.contexts[i], self.nodes[i], False)
 
     def _fold_constants(self) -> list[int]:
         """Run once every node whose inputs are all constants (Constant nodes, the builder's
         Transpose of the tied embedding); returns the indices of the nodes left to run per step."""
         steps = []
-        for i, (node, kernel, ctx) in enumerate(zip(self.nodes, self.kernels, self.contexts)):
+        for i, node in enumerate(self.nodes):
             if all((not x) or x in self.constants for x in node.inputs):
-                outs = kernel(ctx, *[self.constants[x] if x else None for x in node.inputs])
+                args = [self.constants[x] if x else None for x in node.inputs]
+                step = self._step(i, args)
+                outs = step.kernel(step.ctx, *args)
+                self._check_outputs(step, outs)
                 self.constants.update((n, v) for n, v in zip(node.outputs, outs) if n)
             else:
                 steps.append(i)
         return steps
 
+    def _prepare(self) -> list[str]:
+        """Apply the provider's ``prepare`` hooks to the per-step nodes (module docstring);
+        returns the names of the new constants.
+
+        Raises:
+            ValueError: a hook replaced an input that is not a constant.
+        """
+        lookup = getattr(self.provider, "prepare", None)
+        made: list[str] = []
+        if lookup is None:
+            return made
+        replaced = set()
+        for i in self.steps:
+            node = self.nodes[i]
+            hook = lookup(node)
+            args = [self.constants.get(x) if x else None for x in node.inputs]
+            if hook is None or all(a is None for a in args):
+                continue
+            changes = hook(self.contexts[i], *args)
+            if not changes:
+                continue
+            inputs = list(node.inputs)
+            dtypes = list(node.input_dtypes) + [None] * (len(inputs) - len(node.input_dtypes))
+            for j, value in sorted(changes.items()):
+                if not 0 <= j < len(inputs) or args[j] is None:
+                    raise ValueError(f"prepare hook of node {node.name!r} ({node.op_type}) replaced input {j}, "
+                                     "which is not a constant")
+                replaced.add(inputs[j])
+                if value is None:
+                    inputs[j], dtypes[j] = "", None
+                else:
+                    inputs[j], dtypes[j] = f"{node.name}:prepared:{j}", np.dtype(value.dtype)
+                    self.constants[inputs[j]] = value
+                    made.append(inputs[j])
+            self.nodes[i] = self.contexts[i].node = attrs.evolve(node, inputs=tuple(inputs),
+                                                                 input_dtypes=tuple(dtypes))
+            self.host_kernels[i] = None  # a reference kernel does not read the prepared form
+        still_read = {x for i in self.steps for x in self.nodes[i].inputs} | set(self.output_names)
+        for name in replaced - still_read:
+            del self.constants[name]
+        return made
+
+    def _check_outputs(self, step: _Step, results: Any) -> None:
+        """Check a result that is not ``step.last`` (module docstring, "Output checks").
+
+        Raises:
+            KernelOutputError: not a tuple/list, too few entries or a non-None entry past the
+                declared outputs, or a named output that is None or of another dtype / rank
+                than declared.
+        """
+        node = self.nodes[step.index]
+
+        def fail(what: str):
+            where = "host kernel" if step.host else "kernel"
+            domain = f"{node.domain}." if node.domain else ""
+            raise KernelOutputError(f"node {node.name!r} ({domain}{node.op_type}): {where} "
+                                    f"{kernel_name(step.kernel)} {what}")
+
+        if not isinstance(results, (tuple, list)):
+            fail(f"returned a {type(results).__name__}, not a tuple of {len(node.outputs)} output(s)")
+        if len(results) != len(node.outputs) and (
+                len(results) < len(node.outputs) or any(r is not None for r in results[len(node.outputs):])):
+            fail(f"returned {len(results)} entries for {len(node.outputs)} declared output(s)")
+        last = step.last
+        if last is None or len(last) != len(results) or not all(map(operator.is_, results, last)):
+            for name, value in zip(node.outputs, results):
+                if not name:
+                    continue
+                if value is None:
+                    fail(f"returned None for output {name!r}")
+                dtype, rank = self._types.get(name, (None, None))
+                got = getattr(value, "dtype", None)
+                if dtype is not None and got != dtype:
+                    fail(f"returned {got} for output {name!r}, declared {dtype}")
+                if rank is not None and getattr(value, "ndim", None) != rank:
+                    fail(f"returned rank {getattr(value, 'ndim', None)} for output {name!r}, declared {rank}")
+        step.last = results
+
+    def _every_context(self) -> list[KernelContext]:
+        return self.contexts + [c for c in self._host_contexts if c is not None]
+
     def set_frozen(self, frozen: bool) -> None:
         """Forbid (True) or allow (False) buffer allocation in every kernel context (capture)."""
-        for ctx in self.contexts:
+        for ctx in self._every_context():
             ctx.frozen = frozen
 
     def activation_bytes(self) -> int:
         """Bytes held in the per-node persistent buffers (activations and scratch)."""
-        return sum(ctx.buffer_bytes() for ctx in self.contexts)
+        return sum(ctx.buffer_bytes() for ctx in self._every_context())
+
+    def weight_reads(self) -> list[WeightRead]:
+        """The constants the per-step nodes read, in execution order, each listed once at its
+        first reader (:class:`WeightRead`); small host constants (axes, shapes) included.
+        Prepared weights appear under their own names; a dropped original does not."""
+        reads: list[WeightRead] = []
+        first: dict[str, int] = {}
+        for pos, i in enumerate(self.steps):
+            node = self.nodes[i]
+            for j, x in enumerate(node.inputs):
+                if not x or x not in self.constants:
+                    continue
+                gathered = node.op_type in GATHER_OPS and j != 1  # input 1 is the indices
+                k = first.get(x)
+                if k is None:
+                    first[x] = len(reads)
+                    reads.append(WeightRead(pos, node.name, x, int(getattr(self.constants[x], "nbytes", 0)),
+                                            gathered))
+                elif reads[k].gathered and not gathered:
+                    reads[k] = reads[k]._replace(gathered=False)
+        return reads
 
     def step_weight_bytes(self) -> int:
         """Bytes of constants one decode step reads in full: each constant input of a per-step
         node, counted once; gather tables are left out (a step reads B rows of them)."""
-        read = {}
-        for i in self.steps:
-            node = self.nodes[i]
-            if node.op_type in GATHER_OPS:
-                continue
-            read.update((x, self.constants[x]) for x in node.inputs if x in self.constants)
-        return sum(int(getattr(v, "nbytes", 0)) for v in read.values())
+        return sum(r.nbytes for r in self.weight_reads() if not r.gathered)
 
     def weight_bytes(self) -> int:
-        """Bytes of the resident constants (initializers and folded values, e.g. the transposed
-        tied embedding the builder gathers from)."""
+        """Bytes of the resident constants (initializers, folded values such as the transposed
+        tied embedding the builder gathers from, and prepared weights)."""
         return sum(int(getattr(v, "nbytes", 0)) for v in self.constants.values())
+
+    def reset_dispatch(self) -> None:
+        """Forget the host/device kernel choices (module docstring, "Host nodes"): the next run
+        chooses again. Needed only after replacing constants by values of another kind (a
+        device weight by a host array); the choices are keyed by the graph inputs' types."""
+        self._programs.clear()
+
+    def host_nodes(self) -> list[str]:
+        """Names of the nodes the latest run ran on host (cpu_reference) kernels."""
+        return [self.nodes[s.index].name for s in self._program if s.host]
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         """Run the graph. ``feeds`` maps every graph input to a tensor; returns graph outputs.
 
         Raises:
             KeyError: a graph input is not fed.
+            KernelOutputError: a kernel returned bad outputs (module docstring).
         """
         missing = [n for n in self.input_names if n not in feeds]
         if missing:
             raise KeyError(f"graph inputs not fed: {', '.join(missing)}")
         values: dict[str, Any] = dict(self.constants)
         values.update(feeds)
-        for kernel, ctx, inputs, outputs in self._program:
-            results = kernel(ctx, *[values[x] if x else None for x in inputs])
-            for name, value in zip(outputs, results):
+        key = tuple(type(feeds[n]) for n in self.input_names) if self.host_dispatch else None
+        program = self._programs.get(key)
+        if program is None:
+            self._program = self._programs[key] = self._dispatch(values)
+            return {name: values[name] for name in self.output_names}
+        self._program = program
+        for step in program:
+            results = step.kernel(step.ctx, *[values[x] if x else None for x in step.inputs])
+            if results is not step.last:
+                self._check_outputs(step, results)
+            for name, value in zip(step.outputs, results):
                 if name:
                     values[name] = value
         return {name: values[name] for name in self.output_names}
+
+    def _dispatch(self, values: dict[str, Any]) -> list[_Step]:
+        """Run every step, choosing each node's kernel from its argument values (host
+        dispatch); returns the program of the choices."""
+        program = []
+        for i in self.steps:
+            node = self.nodes[i]
+            args = [values[x] if x else None for x in node.inputs]
+            step = self._step(i, args)
+            results = step.kernel(step.ctx, *args)
+            self._check_outputs(step, results)
+            for name, value in zip(node.outputs, results):
+                if name:
+                    values[name] = value
+            program.append(step)
+        return program
 
 
 class PlanBinding:

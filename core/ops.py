@@ -1,8 +1,23 @@
 """Op tables: a provider's kernels as one module per op in a package.
 
 Each op module defines ``OP_TYPE``, optionally ``DOMAIN`` ("" default), ``run(ctx, *inputs)``
-returning one entry per node output, and optionally ``supports(node) -> bool`` for attribute
-and dtype checks. Modules whose name starts with "_" are helpers. The table is built by
+returning a tuple with one entry per node output (None for an unused optional output; the
+executor checks this, :class:`core.executor.KernelOutputError`), and optionally:
+
+- ``supports(node) -> bool``: attribute and dtype checks (default: True);
+- ``prepare(ctx, *inputs) -> dict[int, tensor | None] | None``: the plan-time weight hook.
+  The executor calls it once per per-step node, after constant folding and before the first
+  run, with the node's context and, for each node input, its value when it is a plan constant
+  (a weight: a device tensor; a small integer constant: a host array) and None otherwise. It
+  returns None (nothing to prepare) or {input index: replacement}: a tensor in the kernel's
+  own form (a packed or interleaved weight) that becomes a new plan constant for that input,
+  or None to drop that input (the kernel then receives None). Only constant inputs may be
+  replaced. Static per-node facts the kernel needs (K, N, ...) go in ``ctx.cache``; the
+  kernel reads them there, so the presence of its cache entry says "my inputs are prepared".
+  A kernel must never key a cache on a tensor's device pointer (streamed weights share one
+  staging slot), and must still run on unprepared inputs (direct calls, fed weights).
+
+Modules whose name starts with "_" are helpers. The table is built by
 introspecting the package (STYLE.md: the registry comes from the modules, not a hand-kept
 list), so adding an op is adding a file.
 """
@@ -11,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Callable
 from types import ModuleType
 
 from core.protocol import Kernel, NodeInfo
@@ -19,8 +35,8 @@ from core.protocol import Kernel, NodeInfo
 class OpTable:
     """(domain, op_type) -> op module, for every op module of ``package``.
 
-    ``supports`` and ``kernel`` are what a provider's protocol members of the same names
-    usually delegate to.
+    ``supports``, ``kernel`` and ``prepare`` are what a provider's members of the same names
+    usually delegate to (``prepare`` is the optional provider member the executor looks up).
     """
 
     def __init__(self, package: ModuleType):
@@ -48,3 +64,9 @@ class OpTable:
             KeyError: no module for the node's (domain, op_type).
         """
         return self.modules[(node.domain, node.op_type)].run
+
+    def prepare(self, node: NodeInfo) -> Callable[..., dict | None] | None:
+        """The op module's plan-time weight hook ``prepare(ctx, *inputs)`` (module docstring),
+        or None when the module has none or no module exists for the node."""
+        module = self.modules.get((node.domain, node.op_type))
+        return None if module is None else getattr(module, "prepare", None)

@@ -14,14 +14,14 @@ bytes/s, when the provider offers it).
 from __future__ import annotations
 
 import json
-import time
 
 import attrs
 import numpy as np
 
-from core.model import load_model
-from core.plugins import get_provider
-from core.session import Session
+from core.generation.loop import decode
+from core.models.model import load_model
+from core.runtime.runner import Runner
+from core.session import RequestError, Session
 
 
 @attrs.frozen
@@ -42,36 +42,38 @@ class ProfileRow:
     kv_bytes: int
     row0_matches_batch1: bool
     fallback_reasons: list = attrs.field(factory=list)
+    weight_bytes_streamed_per_step: int = 0
+    htod_bytes_per_token: float = 0.0
+    page_ins_per_token: float = 0.0
+    hit_rate: float = 1.0
+    byte_hit_rate: float = 1.0
+    copy_floor_ms: float | None = None
 
 
-def _stream(model, provider, batch, args, prompt, rng, bandwidth):
-    rows = [prompt] + [list(rng.integers(3, model.config.vocab_size, len(prompt))) for _ in range(batch - 1)]
-    session = Session(model, provider, batch=batch, capacity=args.context, kv_layout=args.layout,
+def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None):
+    vocab = runner.model.config.vocab_size
+    rows = [prompt] + [list(rng.integers(3, vocab, len(prompt))) for _ in range(batch - 1)]
+    session = Session(runner, batch=batch, capacity=args.context, kv_layout=args.layout,
                       kv_policy="fixed", capture=False if args.no_capture else None)
-    p = session.provider
-    if hasattr(p, "reset_peak"):
-        p.reset_peak()
-    tokens = [session.prefill(rows).tokens[0]]
-    for _ in range(args.warmup):
-        tokens.append(session.step().tokens[0])
-    times = []
-    for _ in range(args.tokens):
-        t0 = time.perf_counter()
-        tokens.append(session.step().tokens[0])
-        times.append(time.perf_counter() - t0)
-    times_ms = np.array(times) * 1e3
+    p = runner.provider
+    p.reset_peak()
+    trace = decode(session, rows, args.warmup + args.tokens)
+    times_ms = np.array(trace.seconds[1 + args.warmup:]) * 1e3
     c = session.counters
-    floor = None if bandwidth is None else session.plan.step_weight_bytes() / bandwidth * 1e3
-    peak = p.peak_bytes() if hasattr(p, "peak_bytes") else None
-    row = ProfileRow(batch, batch * len(times) / sum(times), float(np.percentile(times_ms, 50)),
+    floor = None if bandwidth is None else runner.plan.step_weight_bytes() / bandwidth * 1e3
+    streamed = c.weight_bytes_streamed_per_step
+    row = ProfileRow(batch, batch * len(times_ms) / (times_ms.sum() / 1e3), float(np.percentile(times_ms, 50)),
                      float(np.percentile(times_ms, 95)), floor, c.captures, c.replays,
-                     len(c.fallbacks), c.invalidations, c.kv_bytes_moved, peak, c.kv_bytes,
-                     False, list(c.fallbacks))
-    return row, tokens
+                     len(c.fallbacks), c.invalidations, c.kv_bytes_moved, p.peak_bytes(), c.kv_bytes,
+                     False, list(c.fallbacks), streamed, c.htod_bytes_per_token, c.page_ins_per_token,
+                     c.hit_rate, c.byte_hit_rate, None if not (h2d and streamed) else streamed / h2d * 1e3)
+    session.close()
+    return row, trace.tokens[:, 0].tolist()
 
 
 def profile(model_dir, provider, batches: list[int], args, progress=None) -> list[ProfileRow]:
-    """Run the sweep; returns one :class:`ProfileRow` per batch size.
+    """Run the sweep on one Runner (the weights are uploaded once); returns one
+    :class:`ProfileRow` per batch size.
 
     Raises:
         core.session.RequestError: the context cannot hold prompt + warm-up + measured steps.
@@ -79,20 +81,19 @@ def profile(model_dir, provider, batches: list[int], args, progress=None) -> lis
     model = load_model(model_dir)
     need = args.prompt_len + args.warmup + args.tokens + 1
     if need > args.context:
-        from core.session import RequestError
-
         raise RequestError(f"--context {args.context} is too small: prompt + warm-up + measured "
                            f"steps need {need} positions")
     rng = np.random.default_rng(0)
     prompt = list(rng.integers(3, model.config.vocab_size, args.prompt_len))
-    provider = get_provider(provider)
-    bandwidth = provider.device_bandwidth() if hasattr(provider, "device_bandwidth") else None
+    runner = Runner(model, provider, args.layout, weight_budget=getattr(args, "weight_budget", None))
+    bandwidth = runner.provider.device_bandwidth()
+    h2d = runner.provider.host_to_device_bandwidth() if runner.residency.streams else None
     rows, reference = [], None
     for i, batch in enumerate(batches):
-        row, stream = _stream(model, provider, batch, args, prompt, rng, bandwidth)
+        row, stream = _stream(runner, batch, args, prompt, rng, bandwidth, h2d)
         if reference is None:
-            reference = stream if batch == 1 else _stream(model, provider, 1, args, prompt, rng, None)[1]
-        rows.append(attrs.evolve(row, row0_matches_batch1=[int(t) for t in stream] == [int(t) for t in reference]))
+            reference = stream if batch == 1 else _stream(runner, 1, args, prompt, rng, None)[1]
+        rows.append(attrs.evolve(row, row0_matches_batch1=stream == reference))
         if progress is not None:
             progress(i + 1, len(batches), rows[-1])
     return rows
@@ -103,15 +104,21 @@ def render(rows: list[ProfileRow], title: str):
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("batch", "tok/s", "ms/step p50", "p95", "floor ms", "captures", "replays",
-                "fallbacks", "invalid.", "kv moved", "peak dev MiB", "KV MiB", "row0==b1"):
+    streams = any(r.weight_bytes_streamed_per_step for r in rows)
+    cols = ["batch", "tok/s", "ms/step p50", "p95", "floor ms", "captures", "replays",
+            "fallbacks", "invalid.", "kv moved", "peak dev MiB", "KV MiB", "row0==b1"]
+    if streams:
+        cols += ["copy floor ms", "htod MiB/tok", "page-ins/tok", "byte hit"]
+    for col in cols:
         table.add_column(col, justify="right")
     mib = lambda x: "-" if x is None else f"{x / 2**20:,.1f}"  # noqa: E731
     for r in rows:
         table.add_row(str(r.batch), f"{r.tokens_per_s:,.0f}", f"{r.step_ms_p50:.3f}", f"{r.step_ms_p95:.3f}",
                       "-" if r.floor_ms is None else f"{r.floor_ms:.3f}", str(r.captures), str(r.replays),
                       str(r.fallbacks), str(r.invalidations), str(r.kv_bytes_moved), mib(r.peak_device_bytes),
-                      mib(r.kv_bytes), "yes" if r.row0_matches_batch1 else "[red]NO[/red]")
+                      mib(r.kv_bytes), "yes" if r.row0_matches_batch1 else "[red]NO[/red]",
+                      *([f"{r.copy_floor_ms or 0:.3f}", f"{r.htod_bytes_per_token / 2**20:,.2f}",
+                         f"{r.page_ins_per_token:.1f}", f"{r.byte_hit_rate:.2f}"] if streams else []))
     return table
 
 

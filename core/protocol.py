@@ -6,8 +6,16 @@ Providers are registered through the pluggy entry-point group ``lockstep.provide
 (see :mod:`core.hookspecs`) and proven with the parity kit (:mod:`core.testing`).
 
 Tensors are whatever array type the provider uses (``numpy.ndarray`` on ``cpu_reference``,
-``cupy.ndarray`` on ``cuda``); the core only moves them through the methods below and reads
-``.shape`` and ``.dtype``.
+``cupy.ndarray`` on ``cuda``); the core only moves them through the methods below (upload,
+download, write, fill, copy_bytes) and reads ``.shape``, ``.dtype`` and ``.nbytes``; it never
+indexes a provider tensor. :class:`core.provider.ProviderBase` implements the protocol over a
+few private primitives: inheriting it is the short way to write a provider.
+
+Optional members (``reserve`` for VMM providers, ``peak_bytes``, ``reset_peak``,
+``device_bandwidth``, the capture trio) are declared through :class:`Capabilities` and have
+defaults in the base class, so the core never probes for them with ``hasattr``.
+
+Version 2 (this one) added ``write``, ``fill`` and ``copy_bytes`` to the required members.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import numpy as np
 
 #: The protocol version this core speaks. A provider declares the version it implements in
 #: ``Capabilities.protocol_version``; the plugin manager refuses any other.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 #: Device argmax result layout: int32 ``[B, 2]``, column 0 the token id, column 1 the error flag.
 ARGMAX_TOKEN, ARGMAX_ERROR = 0, 1
@@ -246,14 +254,23 @@ class ExecutionProvider(Protocol):
         On ``cpu_reference`` this only counts; on ``cuda`` with VMM it maps physical pages.
         """
 
+    def write(self, tensor: Any, array: np.ndarray) -> None:
+        """Copy a host array into an existing device tensor of the same shape, in place."""
+
+    def fill(self, tensor: Any, value: float) -> None:
+        """Set every element of a device tensor to ``value``."""
+
+    def copy_bytes(self, dst: Any, src: Any, copies: Sequence[tuple[int, int, int]]) -> int:
+        """Device-to-device copies ``(src_offset, dst_offset, nbytes)``; returns bytes copied."""
+
     def synchronize(self) -> None:
         """Wait for all queued device work."""
 
 
 #: Members every provider object must have (checked at load, named in the error).
 REQUIRED_MEMBERS = (
-    "name", "capabilities", "supports", "kernel", "allocate", "upload", "download",
-    "io_binding", "device_argmax", "decode_advance", "kv_commit", "synchronize",
+    "name", "capabilities", "supports", "kernel", "allocate", "upload", "download", "write",
+    "fill", "copy_bytes", "io_binding", "device_argmax", "decode_advance", "kv_commit", "synchronize",
 )
 
 #: Optional members of a provider that declares ``graph_capture``.

@@ -12,7 +12,7 @@ PROMPTS = [
 
 
 def _prepared(precision: str, target: str):
-    from core.prepare import Variant, prepare
+    from core.models.prepare import Variant, prepare
 
     return prepare(Variant("smollm2-135m", precision, target))
 
@@ -29,20 +29,20 @@ def int4_model_dir():
 
 @pytest.fixture(scope="session")
 def fp32_model(fp32_model_dir):
-    from core.model import load_model
+    from core.models.model import load_model
 
     return load_model(fp32_model_dir)
 
 
 @pytest.fixture(scope="session")
 def int4_model(int4_model_dir):
-    from core.model import load_model
+    from core.models.model import load_model
 
     return load_model(int4_model_dir)
 
 
 @pytest.fixture(scope="session")
 def prompt_ids(fp32_model):
-    from core.generate import encode_prompts
+    from core.generation.generate import encode_prompts
 
     return encode_prompts(fp32_model, PROMPTS, chat=True)

@@ -1,10 +1,17 @@
-"""Op conformance cases of the parity kit, written once as data.
+"""Op conformance cases of the parity kit, written once as data and run on every provider.
 
 Each :class:`OpCase` describes one single-node ONNX model: the op, its domain and attributes,
 an input generator (fresh random inputs on every call), the activation dtypes it is run in,
 and the tolerance per dtype. :mod:`core.testing.kit` builds the model with ``onnx.helper``,
 runs it through :class:`core.executor.Plan` on the provider under test and on cpu_reference,
-and compares. :data:`ARGMAX_CASES` do the same for ``device_argmax`` (CASES 11, 12).
+and compares. Two optional properties are checked bitwise on the provider under test alone:
+
+- ``rows``: each row of the batch, run alone, gives the bits of that row in the batch (batch
+  invariance at op level: CASES 1, 21, M = 1..256);
+- ``unfused``: a fused ``lockstep`` op gives the bits of the chain of standard ops it stands
+  for (the contract of :mod:`core.fusion`).
+
+:data:`ARGMAX_CASES` do the same for ``device_argmax`` (CASES 11, 12, 23).
 
 Input generators take ``(rng, dtype)`` and return an ordered dict ``input name -> array``
 (None for an absent optional input, written as "" in the node). Inputs named in
@@ -17,16 +24,16 @@ from typing import Callable
 
 import attrs
 import numpy as np
-
-from core.testing.tiny_model import quantize_int4
+from onnx import NodeProto, helper
 
 #: (atol, rtol) per dtype for elementwise ops (one rounding of the output).
 ELEMENTWISE = {"float32": (1e-6, 1e-5), "float16": (1e-3, 2e-3)}
 #: (atol, rtol) per dtype for ops with a reduction (matmul, norms, attention).
 REDUCTION = {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2)}
-#: Integer and shape ops are exact.
+#: Integer and shape ops are exact (and so is any product whose arithmetic is exact in fp32).
 EXACT = {"float32": (0.0, 0.0), "float16": (0.0, 0.0), "int64": (0.0, 0.0), "int32": (0.0, 0.0)}
 FLOATS = ("float32", "float16")
+LAYOUTS = ("head_major", "seq_major")
 
 Inputs = dict[str, "np.ndarray | None"]
 
@@ -39,16 +46,26 @@ class OpCase:
         id: unique name, "Op/variant"; the kit id of a run is "op/<id>/<dtype>".
         op: ONNX op type.
         make_inputs: ``(rng, dtype) -> {name: array | None}`` in node input order.
-        domain: "" or "com.microsoft".
+        domain: "", "com.microsoft" or "lockstep" (the core's fused ops).
         attributes: node attributes.
         outputs: node output names ("" for an unused optional output).
         dtypes: activation dtypes the case runs in.
         tolerance: ``dtype -> (atol, rtol)``; a value passes when |t - r| <= atol + rtol * |r|.
         constants: input names that become initializers.
-        output_dtype: dtype of every output (None: the dtype argument).
+        output_dtype: dtype of every output, or a tuple with one entry per output (None: the
+            dtype argument); None: the dtype argument for every output.
         kv_layout: layout tag of the kernel context ("head_major" or "seq_major").
         select: ``(inputs, output_index, array) -> array``: the part of an output that is
-            defined (e.g. live KV rows only); None compares everything.
+            defined for these inputs (e.g. live KV rows only); it must also work on the inputs
+            of one row (``rows``); None compares everything.
+        rows: fed inputs whose axis 0 is the batch (row) axis. When set, each row is also run
+            alone (these inputs sliced to that row, the others unchanged) and must give
+            bitwise the same (selected) outputs as its row of the batch run.
+        alone: ``inputs -> inputs`` applied to the inputs of one row before it is run alone
+            (e.g. drop a prompt's right padding); None runs the sliced inputs as they are.
+        unfused: ``() -> [onnx nodes]``: the chain of standard ops a fused op stands for, on
+            the case's input and output names; when set, the provider must give bitwise the
+            same outputs for the chain (run unfused) as for the fused node.
     """
 
     id: str
@@ -60,16 +77,28 @@ class OpCase:
     dtypes: tuple[str, ...] = FLOATS
     tolerance: dict = attrs.field(factory=lambda: dict(REDUCTION))
     constants: tuple[str, ...] = ()
-    output_dtype: str | None = None
+    output_dtype: str | tuple[str | None, ...] | None = None
     kv_layout: str = "head_major"
     select: Callable[[Inputs, int, np.ndarray], np.ndarray] | None = None
+    rows: tuple[str, ...] = ()
+    alone: Callable[[Inputs], Inputs] | None = None
+    unfused: Callable[[], list[NodeProto]] | None = None
 
 
 def _normal(rng, shape, dtype, scale=1.0):
     return (scale * rng.standard_normal(shape)).astype(dtype)
 
 
+def _exact_1e4(rng, shape, dtype):
+    """Values of magnitude 5000..10000, multiples of 8, random signs (exact in fp16)."""
+    return (rng.integers(625, 1251, shape) * 8 * rng.choice([-1, 1], shape)).astype(dtype)
+
+
 # -- MatMul / MatMulNBits / GatherBlockQuantized -------------------------------------------
+
+ROW_COUNTS = (2, 3, 5, 8, 9, 17, 64, 256)  # around the kernels' dispatch thresholds (CASES 21)
+EXACT_COUNTS = (1, 8, 9, 17, 64)
+
 
 def _matmul(m_shape, k, n):
     def make(rng, dtype):
@@ -77,77 +106,160 @@ def _matmul(m_shape, k, n):
     return make
 
 
-def _matmul_nbits(m_shape, k, n, block, zp):
-    n_blocks = -(-k // block)
-
+def _matmul_1e4(m, k, n):
+    """A ~ 1e4 (CASES 22), B multiples of 1/128 in [-1/16, 1/16]: every product and partial
+    sum is a multiple of 1/16 below 2^20, exact in fp32, so any fp32 accumulation gives the
+    same bits, while an fp16 accumulator (spacing 8 at 1e4) loses them."""
     def make(rng, dtype):
-        packed, scales = quantize_int4(rng.standard_normal((k, n)).astype(np.float32), block)
-        packed = rng.integers(0, 256, packed.shape, dtype=np.uint8)  # every code value
-        inputs = {"a": _normal(rng, (*m_shape, k), dtype), "b": packed,
-                  "scales": (scales * rng.uniform(0.5, 1.5, scales.shape)).astype(dtype).reshape(-1)}
-        if zp:
-            inputs["zero_points"] = rng.integers(0, 256, (n, -(-n_blocks // 2)), dtype=np.uint8)
-        return inputs
+        return {"a": _exact_1e4(rng, (m, k), dtype), "b": (rng.integers(-8, 9, (k, n)) / 128).astype(dtype)}
     return make
 
 
-def _nbits_case(m_shape, k, n, block, zp) -> OpCase:
-    tag = f"bs{block}-K{k}-{'zp' if zp else 'nozp'}-M{int(np.prod(m_shape))}"
-    return OpCase(f"MatMulNBits/{tag}", "MatMulNBits", _matmul_nbits(m_shape, k, n, block, zp),
-                  domain="com.microsoft",
-                  attributes={"K": k, "N": n, "bits": 4, "block_size": block, "accuracy_level": 4},
-                  constants=("b", "scales", "zero_points"))
+def _nbits_weights(rng, dtype, k, n, block, bits=4, zp=None, scale=None):
+    """(B, scales, zero_points) of MatMulNBits: every code value; scales for O(1) outputs, or
+    ``scale`` everywhere; zp None (2^(bits-1)), "packed" (uint8 codes) or "float"."""
+    n_blocks = -(-k // block)
+    b = rng.integers(0, 256, (n, n_blocks, block * bits // 8), dtype=np.uint8)
+    if scale is None:
+        scales = rng.uniform(0.5, 1.5, n * n_blocks) / (2 ** (bits - 1) * np.sqrt(k))
+    else:
+        scales = np.full(n * n_blocks, scale)
+    zero_points = None
+    if zp == "packed":
+        zero_points = rng.integers(0, 256, (n, -(-n_blocks * bits // 8)), dtype=np.uint8)
+    elif zp == "float":
+        zero_points = rng.integers(0, 2 ** bits, (n, n_blocks)).astype(dtype)
+    return b, scales.astype(dtype), zero_points
 
 
-def _gbq(shape, v, d, block, zp):
+def _nbits_attrs(k, n, block, bits=4):
+    return {"K": k, "N": n, "bits": bits, "block_size": block, "accuracy_level": 4}
+
+
+def _nbits_case(m_shape, k, n, block, bits=4, zp=None, tag=None, exact=False, rows=False) -> OpCase:
+    """MatMulNBits [*m_shape, K] x [K, N]; ``exact``: A ~ 1e4 and scale 1/128 (see _matmul_1e4);
+    ``rows``: with the row-invariance property."""
+    def make(rng, dtype):
+        a = _exact_1e4(rng, (*m_shape, k), dtype) if exact else _normal(rng, (*m_shape, k), dtype)
+        b, scales, zero_points = _nbits_weights(rng, dtype, k, n, block, bits, zp, 1 / 128 if exact else None)
+        inputs = {"a": a, "b": b, "scales": scales}
+        if zero_points is not None:
+            inputs["zero_points"] = zero_points
+        return inputs
+
+    tag = tag or f"int{bits}-bs{block}-K{k}-N{n}-{zp or 'nozp'}-M{int(np.prod(m_shape))}"
+    return OpCase(f"MatMulNBits/{tag}", "MatMulNBits", make, domain="com.microsoft",
+                  attributes=_nbits_attrs(k, n, block, bits), constants=("b", "scales", "zero_points"),
+                  tolerance=dict(EXACT if exact else REDUCTION), rows=("a",) if rows else ())
+
+
+def _linear_cases() -> list[OpCase]:
+    cases = [
+        OpCase("MatMul/2d", "MatMul", _matmul((5,), 64, 32), constants=("b",)),
+        OpCase("MatMul/3d", "MatMul", _matmul((2, 3), 40, 24), constants=("b",), rows=("a",)),
+        OpCase("MatMul/M1", "MatMul", _matmul((1, 1), 96, 40), constants=("b",)),
+        OpCase("MatMul/K576-N960-M1", "MatMul", _matmul((1,), 576, 960), constants=("b",)),
+        OpCase("MatMul/K100-N37-M5", "MatMul", _matmul((5,), 100, 37), constants=("b",)),
+        OpCase("MatMul/K1536-N576-M33", "MatMul", _matmul((33,), 1536, 576), constants=("b",)),
+        OpCase("MatMul/K2560-N64-M3", "MatMul", _matmul((3,), 2560, 64), constants=("b",)),  # K > 2048
+        _nbits_case((1, 1), 40, 24, 16),                   # K % 16 != 0, odd block count
+        _nbits_case((2, 3), 40, 24, 16, zp="packed", rows=True),
+        _nbits_case((2, 3), 72, 24, 32),                   # K % 32 != 0
+        _nbits_case((1, 1), 64, 24, 32, zp="packed"),
+        _nbits_case((2, 3), 200, 16, 128, zp="packed"),    # K % 128 != 0, even block count
+        _nbits_case((1, 1), 256, 16, 128),
+        _nbits_case((1, 3), 576, 72, 32),
+        _nbits_case((1, 3), 80, 72, 16, zp="packed"),
+        _nbits_case((1, 3), 300, 72, 128, zp="packed"),
+        _nbits_case((1, 3), 576, 72, 64, zp="float"),
+        _nbits_case((3,), 600, 40, 256, zp="packed"),
+        _nbits_case((3,), 1100, 40, 512),                  # 3 blocks of 512, K % 512 != 0
+        _nbits_case((3,), 2560, 64, 128, zp="packed"),     # K > 2048
+        _nbits_case((1, 3), 200, 72, 64, bits=8),
+        _nbits_case((1, 3), 96, 72, 32, bits=8, zp="packed"),
+        _nbits_case((3,), 96, 40, 32, bits=2, zp="packed"),
+    ]
+    for m in ROW_COUNTS:
+        cases.append(OpCase(f"MatMul/rows-M{m}", "MatMul", _matmul((m,), 576, 200), constants=("b",), rows=("a",)))
+        cases.append(_nbits_case((m,), 576, 200, 32, tag=f"rows-M{m}", rows=True))
+    for m in EXACT_COUNTS:
+        cases.append(OpCase(f"MatMul/1e4-M{m}", "MatMul", _matmul_1e4(m, 576, 64), constants=("b",),
+                            tolerance=dict(EXACT)))
+        cases.append(_nbits_case((m,), 576, 64, 32, tag=f"1e4-M{m}", exact=True))
+    return cases
+
+
+def _gbq(shape, v, d, block, bits=4, zp=False):
     def make(rng, dtype):
         n_blocks = d // block
-        inputs = {"data": rng.integers(0, 256, (v, d // 2), dtype=np.uint8),
+        inputs = {"data": rng.integers(0, 256, (v, d * bits // 8), dtype=np.uint8),
                   "indices": rng.integers(0, v, shape).astype(np.int64),
                   "scales": rng.uniform(0.01, 0.1, (v, n_blocks)).astype(dtype)}
         if zp:
-            inputs["zero_points"] = rng.integers(0, 256, (v, -(-n_blocks // 2)), dtype=np.uint8)
+            inputs["zero_points"] = rng.integers(0, 256, (v, -(-n_blocks * bits // 8)), dtype=np.uint8)
         return inputs
     return make
+
+
+def _gbq_case(tag, shape, v, d, block, bits=4, zp=False) -> OpCase:
+    return OpCase(f"GatherBlockQuantized/{tag}", "GatherBlockQuantized", _gbq(shape, v, d, block, bits, zp),
+                  domain="com.microsoft",
+                  attributes={"bits": bits, "block_size": block, "gather_axis": 0, "quantize_axis": 1},
+                  constants=("data", "scales", "zero_points"), tolerance=dict(ELEMENTWISE))
 
 
 # -- GroupQueryAttention -------------------------------------------------------------------
 
-NQ, NKV, HEAD, CAP = 4, 2, 16, 16
+CAP = 16
 
 
-def _kv_buffer(rng, dtype, layout, batch, lengths):
+def _kv_buffer(rng, dtype, layout, nkv, head, lengths):
     """A KV buffer of capacity CAP with rows [0, length_b) random and NaN beyond (poison)."""
-    buf = np.full((batch, NKV, CAP, HEAD), np.nan, np.float32)
+    buf = np.full((len(lengths), nkv, CAP, head), np.nan, np.float32)
     for b, n in enumerate(lengths):
-        buf[b, :, :n] = rng.standard_normal((NKV, n, HEAD))
+        buf[b, :, :n] = rng.standard_normal((nkv, n, head))
     buf = buf.astype(dtype)
     return np.ascontiguousarray(buf if layout == "head_major" else buf.transpose(0, 2, 1, 3))
 
 
-def _gqa(layout, seq, pasts, lengths, total):
+def _gqa(layout, seq, pasts, lengths, total, heads, nan_padding):
     """Packed-QKV GQA inputs: ``pasts`` rows already cached, ``lengths`` new tokens per row
-    (right padding up to ``seq``); seqlens_k = past + length - 1."""
-    batch = len(pasts)
+    (right padding up to ``seq``, NaN with ``nan_padding``); seqlens_k = past + length - 1."""
+    nq, nkv, head = heads
 
     def make(rng, dtype):
-        angles = np.arange(64)[:, None] / (10000.0 ** (np.arange(0, HEAD, 2) / HEAD))[None, :]
+        angles = np.arange(64)[:, None] / (10000.0 ** (np.arange(0, head, 2) / head))[None, :]
+        query = _normal(rng, (len(pasts), seq, (nq + 2 * nkv) * head), dtype)
+        if nan_padding:
+            for b, n in enumerate(lengths):
+                query[b, n:] = np.nan
         return {
-            "query": _normal(rng, (batch, seq, (NQ + 2 * NKV) * HEAD), dtype),
-            "key": None, "value": None,
-            "past_key": _kv_buffer(rng, dtype, layout, batch, pasts),
-            "past_value": _kv_buffer(rng, dtype, layout, batch, pasts),
+            "query": query, "key": None, "value": None,
+            "past_key": _kv_buffer(rng, dtype, layout, nkv, head, pasts),
+            "past_value": _kv_buffer(rng, dtype, layout, nkv, head, pasts),
             "seqlens_k": np.array([p + n - 1 for p, n in zip(pasts, lengths)], np.int32),
             "total_sequence_length": np.array(total, np.int32),
             "cos_cache": np.cos(angles).astype(dtype), "sin_cache": np.sin(angles).astype(dtype)}
     return make
 
 
-def _gqa_select(layout, pasts, lengths):
-    """Compare output rows of real tokens, and KV rows [0, past + length) of each row."""
+def _gqa_spans(inputs: Inputs) -> list[tuple[int, int]]:
+    """(past, new tokens) of every row, read from the inputs (the op's own rule: a first
+    prompt when S == total_sequence_length, else past = seqlens_k + 1 - S)."""
+    seq, total = inputs["query"].shape[1], int(inputs["total_sequence_length"])
+    spans = []
+    for sk in inputs["seqlens_k"]:
+        t = int(sk) + 1
+        past = 0 if seq == total else t - seq
+        spans.append((past, t - past))
+    return spans
+
+
+def _gqa_select(layout):
+    """Output rows of real tokens, and KV rows [0, past + new) of each row."""
     def select(inputs, index, array):
         parts = []
-        for b, (p, n) in enumerate(zip(pasts, lengths)):
+        for b, (p, n) in enumerate(_gqa_spans(inputs)):
             if index == 0:
                 parts.append(array[b, :n].ravel())
             elif layout == "head_major":
@@ -158,37 +270,110 @@ def _gqa_select(layout, pasts, lengths):
     return select
 
 
-def _gqa_case(name, layout, seq, pasts, lengths, total) -> OpCase:
+def _gqa_alone(inputs: Inputs) -> Inputs:
+    """One row of a first prompt without its right padding (S = total = its length)."""
+    (past, new), = _gqa_spans(inputs)
+    if past or new == inputs["query"].shape[1]:
+        return inputs
+    return dict(inputs, query=inputs["query"][:, :new], total_sequence_length=np.array(new, np.int32))
+
+
+def _gqa_case(name, layout, seq, pasts, lengths, total, heads=(4, 2, 16), scale=None,
+              nan_padding=False) -> OpCase:
+    nq, nkv, head = heads
     return OpCase(
         f"GroupQueryAttention/{name}-{layout}", "GroupQueryAttention",
-        _gqa(layout, seq, pasts, lengths, total), domain="com.microsoft",
-        attributes={"num_heads": NQ, "kv_num_heads": NKV, "scale": HEAD ** -0.5, "local_window_size": -1,
-                    "softcap": 0.0, "do_rotary": 1, "rotary_interleaved": 0},
+        _gqa(layout, seq, pasts, lengths, total, heads, nan_padding), domain="com.microsoft",
+        attributes={"num_heads": nq, "kv_num_heads": nkv, "scale": head ** -0.5 if scale is None else scale,
+                    "local_window_size": -1, "softcap": 0.0, "do_rotary": 1, "rotary_interleaved": 0},
         outputs=("y", "present_key", "present_value"), constants=("cos_cache", "sin_cache"),
-        kv_layout=layout, select=_gqa_select(layout, pasts, lengths))
+        kv_layout=layout, select=_gqa_select(layout),
+        rows=("query", "past_key", "past_value", "seqlens_k") if len(pasts) > 1 else (), alone=_gqa_alone)
 
 
 def _gqa_cases() -> list[OpCase]:
     cases = []
-    for layout in ("head_major", "seq_major"):
-        # prompt (first prompt: every past is 0), right padding to S = 6
+    g3 = {"heads": (6, 2, 32), "scale": 0.0}  # 3 query heads per KV head, default scale
+    for layout in LAYOUTS:
+        # prompt (first prompt: every past is 0), right padding to S = 6; padding NaN (CASES 20)
         cases.append(_gqa_case("prompt-right-padding", layout, 6, [0, 0, 0], [6, 3, 1], 6))
-        # decode: S = 1 against a shared buffer of capacity 16, per-row past lengths
+        cases.append(_gqa_case("prompt-nan-padding", layout, 6, [0, 0, 0], [6, 3, 1], 6, nan_padding=True))
+        cases.append(_gqa_case("g3-h32-prompt", layout, 7, [0, 0, 0], [3, 7, 1], 7, **g3))
+        # decode: S = 1 against a shared buffer of capacity 16, per-row past lengths (CASES 2, 7)
         cases.append(_gqa_case("decode-per-row-lengths", layout, 1, [5, 9, 2], [1, 1, 1], CAP))
+        cases.append(_gqa_case("g3-h32-decode", layout, 1, [3, 7, 1], [1, 1, 1], CAP, **g3))
         # append 4 tokens after 3 into a shared buffer of capacity 16 (CASES 5, B = 1)
         cases.append(_gqa_case("append-shared-buffer", layout, 4, [3], [4], 7))
     return cases
 
 
+# -- fused ops (core.fusion) ---------------------------------------------------------------
+
+FUSED_COUNTS = (1, 3, 8, 17, 256)
+
+
+def _silu_chain(x: str, up: str, y: str) -> list[NodeProto]:
+    """Mul(Mul(x, Sigmoid(x)), up): what lockstep.SiluMul stands for."""
+    return [helper.make_node("Sigmoid", [x], [f"{y}.s"]), helper.make_node("Mul", [x, f"{y}.s"], [f"{y}.g"]),
+            helper.make_node("Mul", [f"{y}.g", up], [y])]
+
+
+def _silu_mul(rng, dtype):
+    return {"x": _normal(rng, (3, 1, 1536), dtype, 4.0), "up": _normal(rng, (3, 1, 1536), dtype)}
+
+
+def _gated_case(m, k, n, nbits=False, zp=None) -> OpCase:
+    """lockstep.SiluGatedMatMul(NBits) at M rows; N = 52 leaves a partial last group of 8."""
+    names = ("b_gate", "scales_gate", "zp_gate", "b_up", "scales_up", "zp_up") if nbits else ("w_gate", "w_up")
+
+    def make(rng, dtype):
+        inputs = {"x": _normal(rng, (m, k), dtype, 0.5)}
+        if not nbits:
+            return inputs | {name: _normal(rng, (k, n), dtype, k ** -0.5) for name in names}
+        weights = [*_nbits_weights(rng, dtype, k, n, 32, zp=zp), *_nbits_weights(rng, dtype, k, n, 32, zp=zp)]
+        return inputs | dict(zip(names, weights))
+
+    attrs = _nbits_attrs(k, n, 32) if nbits else {}
+
+    def unfused():
+        if nbits:
+            gate = ["x", "b_gate", "scales_gate"] + (["zp_gate"] if zp else [])
+            up = ["x", "b_up", "scales_up"] + (["zp_up"] if zp else [])
+            proj = [helper.make_node("MatMulNBits", gate, ["gate"], domain="com.microsoft", **attrs),
+                    helper.make_node("MatMulNBits", up, ["up"], domain="com.microsoft", **attrs)]
+        else:
+            proj = [helper.make_node("MatMul", ["x", "w_gate"], ["gate"]),
+                    helper.make_node("MatMul", ["x", "w_up"], ["up"])]
+        return proj + _silu_chain("gate", "up", "y")
+
+    op = "SiluGatedMatMulNBits" if nbits else "SiluGatedMatMul"
+    tag = f"int4-{zp or 'nozp'}-M{m}" if nbits else f"M{m}"
+    return OpCase(f"{op}/{tag}", op, make, domain="lockstep", attributes=attrs, constants=names,
+                  rows=("x",), unfused=unfused)
+
+
+def _fused_cases() -> list[OpCase]:
+    cases = [OpCase("SiluMul/d1536", "SiluMul", _silu_mul, domain="lockstep", rows=("x", "up"),
+                    unfused=lambda: _silu_chain("x", "up", "y"))]
+    for m in FUSED_COUNTS:
+        cases += [_gated_case(m, 576, 52), _gated_case(m, 576, 52, nbits=True),
+                  _gated_case(m, 576, 52, nbits=True, zp="packed")]
+    return cases
+
+
 # -- norms, elementwise, gather, cast ------------------------------------------------------
 
-def _skip_norm(rng, dtype):
-    return {"x": _normal(rng, (2, 3, 48), dtype), "skip": _normal(rng, (2, 3, 48), dtype),
-            "gamma": (1 + 0.1 * rng.standard_normal(48)).astype(dtype)}
+def _skip_norm(shape):
+    def make(rng, dtype):
+        return {"x": _normal(rng, shape, dtype), "skip": _normal(rng, shape, dtype),
+                "gamma": (1 + 0.1 * rng.standard_normal(shape[-1])).astype(dtype)}
+    return make
 
 
-def _norm(rng, dtype):
-    return {"x": _normal(rng, (2, 3, 48), dtype, 3.0), "scale": (1 + 0.1 * rng.standard_normal(48)).astype(dtype)}
+def _norm(shape):
+    def make(rng, dtype):
+        return {"x": _normal(rng, shape, dtype, 3.0), "scale": (1 + 0.1 * rng.standard_normal(shape[-1])).astype(dtype)}
+    return make
 
 
 def _binary(shape_a, shape_b):
@@ -197,8 +382,10 @@ def _binary(shape_a, shape_b):
     return make
 
 
-def _gather_rows(rng, dtype):
-    return {"data": _normal(rng, (50, 24), dtype), "indices": rng.integers(0, 50, (3, 5)).astype(np.int64)}
+def _gather_rows(v, d):
+    def make(rng, dtype):
+        return {"data": _normal(rng, (v, d), dtype), "indices": rng.integers(0, v, (3, 5)).astype(np.int64)}
+    return make
 
 
 def _gather_shape(rng, dtype):
@@ -217,36 +404,33 @@ def _reduce_sum(rng, dtype):
     return {"x": rng.integers(0, 2, (3, 12)).astype(np.int64), "axes": np.array([1], np.int64)}
 
 
+SKIP_NORM = {"op": "SkipSimplifiedLayerNormalization", "domain": "com.microsoft",
+             "attributes": {"epsilon": 1e-5}, "constants": ("gamma",), "rows": ("x", "skip")}
+
 OP_CASES: list[OpCase] = [
-    OpCase("MatMul/2d", "MatMul", _matmul((5,), 64, 32), constants=("b",)),
-    OpCase("MatMul/3d", "MatMul", _matmul((2, 3), 40, 24), constants=("b",)),
-    OpCase("MatMul/M1", "MatMul", _matmul((1, 1), 96, 40), constants=("b",)),
-    _nbits_case((1, 1), 40, 24, 16, False),   # K % 16 != 0, odd block count
-    _nbits_case((2, 3), 40, 24, 16, True),
-    _nbits_case((2, 3), 72, 24, 32, False),   # K % 32 != 0
-    _nbits_case((1, 1), 64, 24, 32, True),
-    _nbits_case((2, 3), 200, 16, 128, True),  # K % 128 != 0, even block count
-    _nbits_case((1, 1), 256, 16, 128, False),
-    OpCase("GatherBlockQuantized/bs32-nozp", "GatherBlockQuantized", _gbq((2, 5), 40, 64, 32, False),
-           domain="com.microsoft", attributes={"bits": 4, "block_size": 32, "gather_axis": 0, "quantize_axis": 1},
-           constants=("data", "scales"), tolerance=dict(ELEMENTWISE)),
-    OpCase("GatherBlockQuantized/bs16-zp", "GatherBlockQuantized", _gbq((1, 3), 40, 48, 16, True),
-           domain="com.microsoft", attributes={"bits": 4, "block_size": 16, "gather_axis": 0, "quantize_axis": 1},
-           constants=("data", "scales", "zero_points"), tolerance=dict(ELEMENTWISE)),
+    *_linear_cases(),
+    _gbq_case("bs32-nozp", (2, 5), 40, 64, 32),
+    _gbq_case("bs16-zp", (1, 3), 40, 48, 16, zp=True),
+    _gbq_case("bs32-d576-nozp", (3, 4), 100, 576, 32),
+    _gbq_case("int8-bs64-zp", (3, 4), 50, 256, 64, bits=8, zp=True),
     *_gqa_cases(),
-    OpCase("SkipSimplifiedLayerNormalization/y-sum", "SkipSimplifiedLayerNormalization", _skip_norm,
-           domain="com.microsoft", attributes={"epsilon": 1e-5}, outputs=("y", "", "", "sum"),
-           constants=("gamma",)),
-    OpCase("SkipSimplifiedLayerNormalization/y", "SkipSimplifiedLayerNormalization", _skip_norm,
-           domain="com.microsoft", attributes={"epsilon": 1e-5}, constants=("gamma",)),
-    OpCase("SimplifiedLayerNormalization/last-axis", "SimplifiedLayerNormalization", _norm,
-           attributes={"epsilon": 1e-5, "axis": -1, "stash_type": 1}, constants=("scale",)),
+    *_fused_cases(),
+    OpCase("SkipSimplifiedLayerNormalization/y-sum", make_inputs=_skip_norm((2, 3, 48)),
+           outputs=("y", "", "", "sum"), **SKIP_NORM),
+    OpCase("SkipSimplifiedLayerNormalization/y", make_inputs=_skip_norm((2, 3, 48)), **SKIP_NORM),
+    OpCase("SkipSimplifiedLayerNormalization/d576-inv-std", make_inputs=_skip_norm((2, 5, 576)),
+           outputs=("y", "", "inv_std", "sum"), output_dtype=(None, None, "float32", None), **SKIP_NORM),
+    OpCase("SimplifiedLayerNormalization/last-axis", "SimplifiedLayerNormalization", _norm((2, 3, 48)),
+           attributes={"epsilon": 1e-5, "axis": -1, "stash_type": 1}, constants=("scale",), rows=("x",)),
+    OpCase("SimplifiedLayerNormalization/d576", "SimplifiedLayerNormalization", _norm((2, 5, 576)),
+           attributes={"epsilon": 1e-5, "axis": -1, "stash_type": 1}, constants=("scale",), rows=("x",)),
     OpCase("Mul/same-shape", "Mul", _binary((2, 3, 20), (2, 3, 20)), tolerance=dict(ELEMENTWISE)),
     OpCase("Mul/broadcast", "Mul", _binary((2, 3, 20), (20,)), tolerance=dict(ELEMENTWISE)),
     OpCase("Add/broadcast", "Add", _binary((2, 3, 20), (1, 3, 1)), tolerance=dict(ELEMENTWISE)),
     OpCase("Sigmoid/wide-range", "Sigmoid", lambda rng, dt: {"x": _normal(rng, (4, 33), dt, 6.0)},
            tolerance=dict(ELEMENTWISE)),
-    OpCase("Gather/embedding-rows", "Gather", _gather_rows, constants=("data",), tolerance=dict(EXACT)),
+    OpCase("Gather/embedding-rows", "Gather", _gather_rows(50, 24), constants=("data",), tolerance=dict(EXACT)),
+    OpCase("Gather/embedding-576", "Gather", _gather_rows(100, 576), constants=("data",), tolerance=dict(EXACT)),
     OpCase("Gather/shape-scalar", "Gather", _gather_shape, attributes={"axis": 0}, constants=("indices",),
            dtypes=("int64",), tolerance=dict(EXACT), output_dtype="int64"),
     OpCase("Cast/float32-to-float16", "Cast", _cast_from("float32"), attributes={"to": 10},
@@ -260,9 +444,10 @@ OP_CASES: list[OpCase] = [
 ]
 
 
-# -- device_argmax (CASES 11, 12) ----------------------------------------------------------
+# -- device_argmax (CASES 11, 12, 23) ------------------------------------------------------
 
 VOCAB = 2304  # > 2 * 1024, so ties {i, i + blockDim} fit for blockDim 256 and 1024
+WIDE_VOCABS = (49152, 151936, 262144)  # SmolLM2, Qwen3, Gemma 3
 
 
 def _argmax_ties(rng, dtype):
@@ -295,6 +480,26 @@ def _argmax_positions(rng, dtype):
     return logits.astype(dtype), np.array([4, 0, 2, 1], np.int32)
 
 
+def _argmax_wide(vocab):
+    """Full-size vocabularies, logits [8, 2, V] read at positions 0, 1, 0, 1, ...: ties at
+    {0, last}, {i, i + 256}, {4097, 12288}, {j, j + 1024}, an all-equal row, NaN at 0, +inf,
+    and an all-NaN row; position 1 holds the rows in reverse order."""
+    def make(rng, dtype):
+        rows = _normal(rng, (8, vocab), np.float32)
+        rows[0, [0, vocab - 1]] = 10.0
+        i = int(rng.integers(0, 256))
+        rows[1, [i, i + 256]] = 10.0
+        rows[2, [4097, 3 * 4096]] = 10.0
+        j = int(rng.integers(0, vocab - 1024))
+        rows[3, [j, j + 1024]] = 10.0
+        rows[4] = 1.0
+        rows[5, 0] = np.nan
+        rows[6, 77] = np.inf
+        rows[7] = np.nan
+        return np.stack([rows, rows[::-1]], 1).astype(dtype), np.array([0, 1] * 4, np.int32)
+    return make
+
+
 @attrs.frozen
 class ArgmaxCase:
     """A device_argmax case: ``make(rng, dtype) -> (logits [B, S, V], positions int32 [B])``."""
@@ -308,6 +513,7 @@ ARGMAX_CASES: list[ArgmaxCase] = [
     ArgmaxCase("ties", _argmax_ties),
     ArgmaxCase("nonfinite", _argmax_nonfinite),
     ArgmaxCase("positions", _argmax_positions),
+    *[ArgmaxCase(f"vocab{v}", _argmax_wide(v)) for v in WIDE_VOCABS],
 ]
 
 

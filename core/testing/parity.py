@@ -8,7 +8,7 @@
   agreement of the provider's device argmax (over all (step, row) pairs, and over the decisive
   ones: the reference's top-2 margin above the tolerance), first divergence; passes when the
   rel error stays within the tolerance of the model dtype (:data:`LOGIT_RTOL`);
-- ``greedy``: free-running greedy decoding (:func:`core.generate.generate`) at the largest
+- ``greedy``: free-running greedy decoding (:func:`core.generation.generate.generate`) at the largest
   batch gives the reference's tokens; a divergence passes only where the reference's top-2
   margin is within the logits tolerance (a near tie), and is reported;
 - ``batch_invariance``: row i of a batch of mixed-length prompts is bitwise its batch-1 run;
@@ -33,12 +33,13 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
-from core.generate import generate
-from core.kv import round_capacity
-from core.model import Model, load_model
+from core.generation.generate import generate
+from core.generation.loop import decode
+from core.runtime.kv import round_capacity
+from core.models.model import Model, load_model
 from core.plugins import get_provider
-from core.session import RequestError
-from core.session import Session
+from core.runtime.runner import Runner
+from core.session import RequestError, Session
 
 #: Max |provider - reference| / max |reference logit| per row and step, by model dtype.
 LOGIT_RTOL = {"float32": 1e-3, "float16": 3e-2}
@@ -138,37 +139,26 @@ def _digest(row: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(row).tobytes(), digest_size=12).hexdigest()
 
 
-def _fill(tensor: Any, value) -> bool:
-    try:
-        tensor[...] = value
-    except Exception:  # noqa: BLE001 - tensors without item assignment cannot be poisoned
-        return False
-    return True
-
-
 def _decode(session: Session, prompts: list[list[int]], steps: int, forced: list[list[int]] | None,
             keep_logits: bool) -> _Run:
-    tokens, digests, logits = [], [], []
+    digests, logits = [], []
 
-    def record(out):
+    def record(_t, _out, _seconds):
         lg = session.last_logits()
-        tokens.append(out.tokens.copy())
         digests.append([_digest(r) for r in lg])
         if keep_logits:
             logits.append(lg)
 
-    record(session.prefill(prompts))
-    for t in range(steps):
-        record(session.step(force_tokens=None if forced is None else [row[t] for row in forced]))
-    return _Run(np.array(tokens), np.array(digests, dtype=object), logits if keep_logits else None,
+    trace = decode(session, prompts, steps, force=forced, observer=record)
+    return _Run(trace.tokens, np.array(digests, dtype=object), logits if keep_logits else None,
                 session.counters.growth_events, session.counters.to_dict())
 
 
-def _session(model: Model, provider, batch: int, need: int, **kw) -> Session:
-    kw.setdefault("capacity", round_capacity(need, model.config.context_length))
+def _session(runner: Runner, batch: int, need: int, **kw) -> Session:
+    kw.setdefault("capacity", round_capacity(need, runner.model.config.context_length))
     kw.setdefault("kv_policy", "fixed")
     kw.setdefault("capture", False)
-    return Session(model, provider, batch=batch, **kw)
+    return Session(runner, batch=batch, kv_layout=runner.kv_layout, **kw)
 
 
 def default_prompts(model: Model, count: int, seed: int = 1234) -> list[list[int]]:
@@ -194,7 +184,7 @@ def _bitwise(name: str, a: _Run, b: _Run, rows_a=None, rows_b=None, what: str = 
 
 def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] = (1, 2, 8),
                steps: int = 64, prompts: Sequence[Sequence[int] | str] | None = None,
-               reference: Any = "cpu_reference") -> ParityReport:
+               reference: Any = "cpu_reference", weight_budget: int | float | str | None = None) -> ParityReport:
     """Run the decode gates of ``provider`` on ``model``; see the module docstring.
 
     Args:
@@ -206,6 +196,9 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
         prompts: token-id lists, or strings (encoded without chat template; needs a tokenizer);
             default :func:`default_prompts`. At least max(batches) prompts are used (cycled).
         reference: the oracle provider (name or object).
+        weight_budget: the provider under test streams the weights past this budget
+            (:mod:`core.runtime.residency`); the reference keeps everything resident. The
+            ``streaming`` gate then checks that weights streamed and stayed within the budget.
 
     Raises:
         core.session.RequestError (a ValueError): empty batches, steps < 1, or a prompt plus
@@ -231,19 +224,20 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
     caps = provider.capabilities()
 
     # reference: free-running greedy, batch 1 per prompt (cpu_reference is batch-invariant)
-    refs = [_decode(_session(model, reference, 1, need), [p], steps, None, True) for p in prompts]
+    ref_runner, runner = Runner(model, reference), Runner(model, provider, weight_budget=weight_budget)
+    refs = [_decode(_session(ref_runner, 1, need), [p], steps, None, True) for p in prompts]
     ref_tokens = [r.tokens[:, 0] for r in refs]
     forced_all = [t[:steps].tolist() for t in ref_tokens]
 
     # provider: teacher-forced batch-1 runs (the invariance baseline) and batch-N runs
-    singles = [_decode(_session(model, provider, 1, need), [p], steps, [f], True)
+    singles = [_decode(_session(runner, 1, need), [p], steps, [f], True)
                for p, f in zip(prompts, forced_all)]
     batch_runs = {1: singles[0]}
     for n in batches:
         if n > 1:
-            batch_runs[n] = _decode(_session(model, provider, n, need), prompts[:n], steps, forced_all[:n], True)
+            batch_runs[n] = _decode(_session(runner, n, need), prompts[:n], steps, forced_all[:n], True)
     _logits_gate(report, batch_runs, singles, refs, rtol)
-    _greedy_gate(report, model, provider, prompts, refs, steps, need, rtol)
+    _greedy_gate(report, model, runner, prompts, refs, steps, need, rtol)
 
     big = batch_runs[n_max]
     fails = [g for n in batches if n > 1
@@ -254,44 +248,46 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
         f"every row of batches {[n for n in batches if n > 1]} is bitwise its batch-1 run" if n_max > 1
         else "needs a batch > 1"))
 
-    same = _decode(_session(model, provider, n_max, need), [prompts[0]] * n_max, steps, [forced_all[0]] * n_max, False)
+    same = _decode(_session(runner, n_max, need), [prompts[0]] * n_max, steps, [forced_all[0]] * n_max, False)
     diff = [i for i in range(1, n_max) if not (np.array_equal(same.digests[:, i], same.digests[:, 0])
                                                 and np.array_equal(same.tokens[:, i], same.tokens[:, 0]))]
     report.gates.append(Gate("row_identity", FAIL, f"rows {diff} differ from row 0") if diff else Gate(
         "row_identity", PASS if n_max > 1 else SKIP, f"{n_max} copies of prompt 0 are bitwise equal"))
 
-    s = _session(model, provider, n_max, need)
+    s = _session(runner, n_max, need)
     first = _decode(s, prompts, steps, forced_all, False)
     second = _decode(s, prompts, steps, forced_all, False)
     report.gates.append(_bitwise("reuse", first, second, what="second request on one session") or Gate(
         "reuse", PASS, "a second request on the same session is bitwise the first"))
 
-    s = _session(model, provider, n_max, need)
-    poisoned = all(_fill(t, np.nan) for pair in s.kv for t in pair)
-    if poisoned:
+    s = _session(runner, n_max, need)
+    if hasattr(provider, "fill"):
+        for t in s.state.kv.buffers():
+            provider.fill(t, np.nan)
         run = _decode(s, prompts, steps, forced_all, False)
         report.gates.append(_bitwise("poison", run, big, what="NaN-filled KV vs clean") or Gate(
             "poison", PASS, "NaN in every KV slot before the request changes no logit"))
     else:
-        report.gates.append(Gate("poison", SKIP, "the provider's tensors do not support item assignment"))
+        report.gates.append(Gate("poison", SKIP, "the provider has no fill() (core.provider.ProviderBase)"))
 
     if "seq_major" in caps.kv_layouts and "head_major" in caps.kv_layouts:
-        run = _decode(_session(model, provider, n_max, need, kv_layout="seq_major"), prompts, steps, forced_all, False)
+        seq_major = Runner(model, provider, "seq_major", weight_budget=weight_budget)
+        run = _decode(_session(seq_major, n_max, need), prompts, steps, forced_all, False)
         report.gates.append(_bitwise("layout", run, big, what="seq_major vs head_major") or Gate(
             "layout", PASS, "seq_major == head_major, bitwise"))
     else:
         report.gates.append(Gate("layout", SKIP, f"provider has KV layouts {caps.kv_layouts} only"))
 
     start = max(len(p) for p in prompts)
-    grow = _decode(_session(model, provider, n_max, need, capacity=start, kv_policy="growing"),
+    grow = _decode(_session(runner, n_max, need, capacity=start, kv_policy="growing"),
                    prompts, steps, forced_all, False)
     report.gates.append(_bitwise("growth", grow, big, what=f"growing ({grow.growth_events} growth events) vs fixed")
                         or Gate("growth", PASS, f"growing == fixed, bitwise, across {grow.growth_events} growth "
                                                 f"event(s)", {"growth_events": grow.growth_events}))
 
     if caps.graph_capture:
-        on = _decode(_session(model, provider, n_max, need, capture=True), prompts, steps, forced_all, False)
-        on_grow = _decode(_session(model, provider, n_max, need, capture=True, capacity=start, kv_policy="growing"),
+        on = _decode(_session(runner, n_max, need, capture=True), prompts, steps, forced_all, False)
+        on_grow = _decode(_session(runner, n_max, need, capture=True, capacity=start, kv_policy="growing"),
                           prompts, steps, forced_all, False)
         gate = (_bitwise("capture", on, big, what="capture on vs off (fixed)")
                 or _bitwise("capture", on_grow, big, what="capture on vs off (growing)"))
@@ -304,7 +300,27 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
             report.gates[-1].detail += f"; fallbacks: {on.counters['fallbacks']}"
     else:
         report.gates.append(Gate("capture", SKIP, "provider declares no graph capture"))
+    report.gates.append(_streaming_gate(runner, big, weight_budget))
     return report
+
+
+def _streaming_gate(runner: Runner, run: _Run, weight_budget) -> Gate:
+    """With a budget: weights streamed (bytes copied every step) within the budget; the logits
+    and tokens gates above were run streamed, so they compare streamed against the reference."""
+    if weight_budget is None:
+        return Gate("streaming", SKIP, "no weight budget given")
+    r, c = runner.residency, run.counters
+    resident = runner.weight_bytes + r.staging_bytes
+    if not r.streams or c.get("htod_bytes", 0) <= 0:
+        return Gate("streaming", FAIL, f"a budget of {r.budget:,} bytes streamed nothing "
+                                       f"(htod bytes {c.get('htod_bytes')})")
+    if resident > r.budget:
+        return Gate("streaming", FAIL, f"{resident:,} device weight bytes exceed the budget {r.budget:,}")
+    return Gate("streaming", PASS, f"{r.weight_bytes_streamed_per_step:,} bytes streamed per step through "
+                                   f"{r.slots} slots; {resident:,} device bytes within the {r.budget:,} budget; "
+                                   f"htod {c['htod_bytes_per_token']:,.0f} bytes per token",
+                {k: c.get(k) for k in ("htod_bytes", "htod_bytes_per_token", "page_ins", "hit_rate",
+                                       "byte_hit_rate")})
 
 
 def _logits_gate(report: ParityReport, batch_runs: dict, singles: list, refs: list, rtol: float) -> None:
@@ -346,9 +362,9 @@ def _logits_gate(report: ParityReport, batch_runs: dict, singles: list, refs: li
     report.gates.append(Gate("logits", PASS if worst_rel <= rtol else FAIL, detail, metrics))
 
 
-def _greedy_gate(report: ParityReport, model: Model, provider, prompts, refs, steps: int, need: int,
+def _greedy_gate(report: ParityReport, model: Model, runner: Runner, prompts, refs, steps: int, need: int,
                  rtol: float) -> None:
-    session = _session(model, provider, len(prompts), need)
+    session = _session(runner, len(prompts), need)
     results = generate(session, prompts, steps + 1)
     eos = set(model.config.eos_token_ids)
     near_ties, hard = [], []

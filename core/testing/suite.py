@@ -5,6 +5,11 @@ imported by a project's own conformance tests (``from core.testing.suite import 
 ``lockstep_target`` fixture returning a :class:`core.testing.target.KitTarget`.
 Each test has a kit id ("op/<case>/<dtype>", "argmax/<case>/<dtype>", "advance/decode_advance",
 "gate/<name>") that exclusion patterns match.
+
+A case is skipped only for a stated reason: an exclusion rule (its reason and source), a dtype
+or KV layout the provider does not declare, or the provider's support check rejecting the
+case's node (:class:`core.testing.kit.UnsupportedCase`, naming the op, dtypes, attributes and
+the provider's ``support_reason`` when it has one). Any exception is a failure.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.testing.kit import CaseResult, run_argmax_case, run_decode_advance, run_op_case
+from core.testing.kit import CaseResult, UnsupportedCase, run_argmax_case, run_decode_advance, run_op_case
 from core.testing.op_cases import argmax_params, case_params
 
 GATES = ("logits", "greedy", "batch_invariance", "row_identity", "reuse", "poison", "layout",
@@ -38,34 +43,43 @@ def _record(request, result: CaseResult) -> None:
     request.node.user_properties.append(("lockstep_detail", result.summary()))
 
 
-def _check_declared(provider, dtype: str, kv_layout: str = "head_major") -> None:
+def _skip(request, reason: str) -> None:
+    request.node.user_properties.append(("lockstep_detail", reason))
+    pytest.skip(reason)
+
+
+def _check_declared(request, provider, dtype: str, kv_layout: str = "head_major") -> None:
     caps = provider.capabilities()
     if np.dtype(dtype).kind == "f" and dtype not in caps.dtypes:
-        pytest.skip(f"provider declares dtypes {caps.dtypes}, not {dtype}")
+        _skip(request, f"provider {provider.name!r} declares dtypes {caps.dtypes}, not {dtype}")
     if kv_layout not in caps.kv_layouts:
-        pytest.skip(f"provider declares KV layouts {caps.kv_layouts}, not {kv_layout}")
+        _skip(request, f"provider {provider.name!r} declares KV layouts {caps.kv_layouts}, not {kv_layout}")
 
 
 @pytest.mark.parametrize("kit_id,case,dtype", [pytest.param(*p, id=p[0]) for p in case_params()])
 def test_op(lockstep_target, request, kit_id, case, dtype):
-    """One single-node model on the provider vs cpu_reference, two fresh random draws, outputs poisoned."""
+    """One single-node model on the provider vs cpu_reference, two fresh random draws, outputs
+    poisoned; rows alone and the unfused chain bitwise where the case asks for them."""
     _enter(lockstep_target, request, kit_id)
     provider = lockstep_target.provider()
-    _check_declared(provider, dtype, case.kv_layout)
-    result = run_op_case(case, dtype, provider, lockstep_target.reference(), lockstep_target.rng(kit_id))
+    _check_declared(request, provider, dtype, case.kv_layout)
+    try:
+        result = run_op_case(case, dtype, provider, lockstep_target.reference(), lockstep_target.rng(kit_id))
+    except UnsupportedCase as exc:
+        _skip(request, str(exc))
     _record(request, result)
     assert result.passed, f"{kit_id}: {result.detail} (seed {lockstep_target.seed})"
 
 
 @pytest.mark.parametrize("kit_id,case,dtype", [pytest.param(*p, id=p[0]) for p in argmax_params()])
 def test_device_argmax(lockstep_target, request, kit_id, case, dtype):
-    """device_argmax: lowest index on ties, non-finite rows flagged [-1, 1] (CASES 11, 12)."""
+    """device_argmax: lowest index on ties, non-finite rows flagged [-1, 1] (CASES 11, 12, 23)."""
     _enter(lockstep_target, request, kit_id)
     provider = lockstep_target.provider()
-    _check_declared(provider, dtype)
+    _check_declared(request, provider, dtype)
     result = run_argmax_case(case, dtype, provider, lockstep_target.reference(), lockstep_target.rng(kit_id))
     _record(request, result)
-    assert result.passed, f"{kit_id}: {result.detail}"
+    assert result.passed, f"{kit_id}: {result.detail} (seed {lockstep_target.seed})"
 
 
 def test_decode_advance(lockstep_target, request):

@@ -8,9 +8,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from core.executor import PlanBinding
 from core.ops import OpTable
 from core.protocol import Capabilities, KVRequest, NodeInfo
+from core.provider import ProviderBase
 from providers.cuda.replay import ReplayKernel
 
 _MISSING_CUPY = ("the 'cuda' provider needs CuPy: install lockstep[cuda13] (CUDA 13) or "
@@ -44,7 +44,7 @@ def _shared_stream(cupy):
     return _STREAM
 
 
-class CudaProvider:
+class CudaProvider(ProviderBase):
     """CuPy arrays on the current device; every kernel launches on the provider's stream.
 
     Every instance uses one process-wide non-blocking stream and makes it current at
@@ -64,11 +64,11 @@ class CudaProvider:
     eager_replay: bool = os.environ.get("LOCKSTEP_CUDA_REPLAY", "1") != "0"
 
     def __init__(self):
+        super().__init__()
         cupy = _import_cupy()
         self.cupy = cupy
         self.stream = _shared_stream(cupy)
         self.stream.use()
-        self.committed_bytes = 0
         self._argmax_scratch: dict = {}
         from providers.cuda import ops
         self._ops = OpTable(ops)
@@ -76,6 +76,7 @@ class CudaProvider:
         # base pointer -> VmmArena; weak, so an arena is released with the last array over it
         self._arenas: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._bandwidth: float | None = None
+        self._h2d: float | None = None
         self._vmm, page = None, 4096
         try:
             from providers.cuda import vmm
@@ -84,7 +85,7 @@ class CudaProvider:
         except Exception:  # noqa: BLE001 - no cuda-bindings or no VMM: growth reallocates instead
             self._vmm, page = None, 4096
         self._capabilities = Capabilities(dtypes=("float32", "float16"), graph_capture=True,
-                                          vmm=self._vmm is not None, page_bytes=page)
+                                          vmm=self._vmm is not None, weight_streaming=True, page_bytes=page)
 
     def _check_headers(self) -> None:
         from providers.cuda.module import function
@@ -112,24 +113,31 @@ class CudaProvider:
             return module.run
         return ReplayKernel(module.run, getattr(module, "replay_key", None))
 
-    def allocate(self, shape: Sequence[int], dtype: Any, zero: bool = False):
+    def _allocate(self, shape, dtype, zero):
         cp = self.cupy
-        return cp.zeros(tuple(shape), dtype) if zero else cp.empty(tuple(shape), dtype)
+        return cp.zeros(shape, dtype) if zero else cp.empty(shape, dtype)
 
-    def upload(self, array: np.ndarray):
-        return self.cupy.asarray(np.ascontiguousarray(array))
+    def _upload(self, array: np.ndarray):
+        return self.cupy.asarray(array)
 
-    def download(self, tensor: Any) -> np.ndarray:
+    def _download(self, tensor: Any) -> np.ndarray:
         if isinstance(tensor, np.ndarray):
             return tensor.copy()
         out = tensor.get(stream=self.stream)
         self.stream.synchronize()
         return out
 
-    def io_binding(self, plan) -> PlanBinding:
-        """Bound device arrays fed to the plan on every run; KV outputs alias the past buffers
-        (GroupQueryAttention writes them in place)."""
-        return PlanBinding(plan)
+    def _write(self, tensor, host: np.ndarray) -> None:
+        tensor.set(host, stream=self.stream)
+
+    def _fill(self, tensor, value: float) -> None:
+        tensor.fill(value)
+
+    def _copy_bytes(self, dst, src, copies) -> None:
+        cp = self.cupy
+        for so, do, n in copies:
+            cp.cuda.runtime.memcpyAsync(dst.data.ptr + do, src.data.ptr + so, n,
+                                        cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
 
     def device_argmax(self, logits: Any, positions: Any, result: Any) -> None:
         from providers.cuda.ops import _argmax
@@ -147,16 +155,13 @@ class CudaProvider:
         self._arenas[arena.ptr] = arena
         return arena.array(tuple(shape), dtype)
 
-    def kv_commit(self, arena: Any, requests: Sequence[KVRequest]) -> int:
+    def _kv_commit(self, arena: Any, requests: Sequence[KVRequest]) -> int:
         """Back the requested byte ranges of a tensor made by :meth:`reserve` (maps pages);
         for a plain allocation, only count. Returns bytes newly committed."""
         vmm = self._arenas.get(getattr(getattr(arena, "data", None), "ptr", None))
         if vmm is None:
-            added = sum(r.nbytes for r in requests)
-        else:
-            added = sum(vmm.commit(r.offset, r.nbytes) for r in requests)
-        self.committed_bytes += added
-        return added
+            return super()._kv_commit(arena, requests)
+        return sum(vmm.commit(r.offset, r.nbytes) for r in requests)
 
     def device_bandwidth(self) -> float:
         """Measured device-to-device copy bandwidth in bytes/s, counting bytes read plus
@@ -176,6 +181,38 @@ class CudaProvider:
             self._bandwidth = 2 * a.nbytes / float(np.median(times[1:]))
             del a, b
         return self._bandwidth
+
+    def weight_stream(self, slots: int, slot_bytes: int):
+        """A staging ring with a copy stream and per-slot events (providers/cuda/streaming.py)."""
+        from providers.cuda.streaming import CudaWeightStream
+
+        return CudaWeightStream(self, slots, slot_bytes)
+
+    def host_to_device_bandwidth(self) -> float:
+        """Pinned host-to-device copy bandwidth in bytes/s (256 MiB copies, median of 5, CUDA
+        events); measured once."""
+        if self._h2d is None:
+            cp = self.cupy
+            n = 1 << 28
+            mem = cp.cuda.alloc_pinned_memory(n)
+            dev = cp.empty(n, cp.uint8)
+            rt = cp.cuda.runtime
+            times = []
+            for _ in range(6):
+                start, stop = cp.cuda.Event(), cp.cuda.Event()
+                start.record(self.stream)
+                rt.memcpyAsync(dev.data.ptr, mem.ptr, n, rt.memcpyHostToDevice, self.stream.ptr)
+                stop.record(self.stream)
+                stop.synchronize()
+                times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+            self._h2d = n / float(np.median(times[1:]))
+            del dev, mem
+        return self._h2d
+
+    def free_device_bytes(self) -> int:
+        """Free device memory now (cudaMemGetInfo) plus what CuPy's pool holds unused."""
+        free, _ = self.cupy.cuda.runtime.memGetInfo()
+        return int(free) + int(self.cupy.get_default_memory_pool().free_bytes())
 
     def peak_bytes(self) -> int:
         """Device bytes held: the CuPy pool's high-water total plus committed VMM pages."""

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from core.generate import generate
+from core.generation.generate import generate
+from core.generation.loop import decode
 from core.session import Session
 
 pytestmark = pytest.mark.model
@@ -14,13 +15,9 @@ STEPS = 24
 def run_rows(model, rows, steps=STEPS, **kw):
     """Tokens and per-step last-position logits of each row."""
     session = Session(model, "cpu_reference", batch=len(rows), capacity=kw.pop("capacity", 128), **kw)
-    out = session.prefill(rows)
-    tokens, logits = [out.tokens], [session.last_logits()]
-    for _ in range(steps):
-        out = session.step()
-        tokens.append(out.tokens)
-        logits.append(session.last_logits())
-    return np.stack(tokens, 1), np.stack(logits, 1)
+    logits = []
+    trace = decode(session, rows, steps, observer=lambda *_: logits.append(session.last_logits()))
+    return trace.tokens.T, np.stack(logits, 1)
 
 
 def test_each_row_of_a_mixed_batch_is_bitwise_its_batch1_run(fp32_model, prompt_ids):
@@ -92,7 +89,7 @@ def test_nan_in_unused_kv_slots_changes_nothing(fp32_model, prompt_ids):
     session = Session(fp32_model, "cpu_reference", batch=2, capacity=128)
 
     def poison():
-        for k, v in session.kv:
+        for k, v in session.state.kv.layers:
             for b in range(2):
                 n = int(session.lengths[b]) + (1 if session.started else max(len(r) for r in rows))
                 k[b, :, n:] = np.nan

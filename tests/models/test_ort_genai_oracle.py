@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from core.generate import generate
+from core.generation.generate import generate
+from core.generation.loop import decode
 from core.session import Session
 
 og = pytest.importorskip("onnxruntime_genai")
@@ -52,11 +53,8 @@ def test_fp32_greedy_tokens_equal_ort_genai(fp32_model, fp32_model_dir, prompt_i
 
 def teacher_forced_logits(model, ids, forced):
     session = Session(model, "cpu_reference", batch=1, capacity=128)
-    session.prefill([ids])
-    out = [session.last_logits()[0]]
-    for tok in forced:
-        session.step(force_tokens=[tok])
-        out.append(session.last_logits()[0])
+    out = []
+    decode(session, [ids], len(forced), force=[list(forced)], observer=lambda *_: out.append(session.last_logits()[0]))
     return np.stack(out)
 
 

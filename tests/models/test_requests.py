@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 import core
-from core.generate import generate
+from core.generation.generate import generate
 from core.session import Session
 
 pytestmark = pytest.mark.model

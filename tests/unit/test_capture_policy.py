@@ -1,4 +1,4 @@
-"""The capture state machine (core.capture) on a provider that records capture calls.
+"""The capture state machine (core.runtime.capture) on a provider that records capture calls.
 
 The fake provider runs kernels eagerly (NumPy) and records which decode steps happened while
 a capture was open; "replay" re-runs the recorded step function, which is what a CUDA graph
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from core.protocol import Capabilities
+from core.runtime.step import decode_step
 from core.session import Session
 from core.testing.tiny_model import make_tiny_model
 from providers.cpu_reference.provider import CpuReferenceProvider
@@ -46,11 +47,11 @@ class RecordingCapture(CpuReferenceProvider):
 
     def replay(self, graph):
         assert graph == "graph"
-        self.session.decode_step_device()
+        decode_step(self.session.state)
 
     def _state(self):
-        s = self.session
-        return [s.input_ids, s.attention_mask, s.result, s.lengths_dev] + [t for kv in s.kv for t in kv]
+        s = self.session.state
+        return [s.input_ids, s.attention_mask, s.result, s.lengths_dev] + s.kv.buffers()
 
     def device_argmax(self, logits, positions, result):
         if self.capturing:
@@ -98,8 +99,9 @@ def test_a_second_request_reuses_the_graph(model_dir):
 def test_pointer_change_invalidates_and_recaptures(model_dir):
     prov = RecordingCapture()
     _, _, s = stream(model_dir, prov, steps=3, capture=True)
-    s.input_ids = prov.allocate(s.input_ids.shape, s.input_ids.dtype, zero=True)  # a new buffer
-    s.binding.bind_input("input_ids", s.input_ids)
+    st = s.state
+    st.input_ids = prov.allocate(st.input_ids.shape, st.input_ids.dtype, zero=True)  # a new buffer
+    st.binding.bind_input("input_ids", st.input_ids)
     s.step()  # invalidated: this step is a fresh warm-up
     s.step()  # recapture + replay
     c = s.counters
@@ -139,3 +141,21 @@ def test_new_prompt_lengths_do_not_invalidate_the_graph(model_dir):
         s.prefill([[5] * n, [6] * (n + 1), [7] * (n + 2)])
         s.step()
     assert s.counters.captures == 1 and s.counters.invalidations == 0
+
+
+def test_a_later_session_of_the_same_batch_reuses_the_graph_on_the_runner(model_dir):
+    """One graph per batch on a Runner: a second session of batch 3 captures nothing and
+    replays the first one's graph, bitwise the same tokens as a fresh eager run."""
+    from core.runtime.runner import Runner
+
+    prov = RecordingCapture()
+    runner = Runner(model_dir, prov)
+    first = stream(runner, prov, capture=True)
+    graph = first[2].state.capture.graph
+    first[2].close()
+    second = stream(runner, prov, capture=True)
+    c = second[2].counters
+    assert second[2].state.capture.graph is graph
+    assert (c.captures, c.replays, c.invalidations) == (0, 8, 0)
+    eager = stream(model_dir, CpuReferenceProvider())
+    assert np.array_equal(eager[0], second[0]) and np.array_equal(eager[1], second[1])

@@ -4,7 +4,7 @@ import numpy as np
 
 from core import fusion
 from core.executor import Plan, node_infos
-from core.model import load_model
+from core.models.model import load_model
 from core.testing.tiny_model import make_tiny_model
 from providers.cpu_reference.provider import CpuReferenceProvider
 

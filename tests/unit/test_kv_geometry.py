@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from core import kv
+from core.runtime import kv
 
 
 def geo(layout, cap=8):

@@ -25,8 +25,8 @@ def test_bad_forced_tokens_are_refused_and_leave_the_session_consistent(model_di
     s.prefill([[5, 6, 7], [8, 9]])
     with pytest.raises(RequestError, match="force_tokens"):
         s.step(force_tokens=forced)
-    assert s.lengths.tolist() == [3, 2] and s.lengths_dev.tolist() == [3, 2]
-    assert s.attention_mask.sum(axis=1).tolist() == [3, 2]
+    assert s.lengths.tolist() == [3, 2] and s.state.lengths_dev.tolist() == [3, 2]
+    assert s.state.attention_mask.sum(axis=1).tolist() == [3, 2]
     s.step(force_tokens=[1, 2])
     assert s.lengths.tolist() == [4, 3]
 

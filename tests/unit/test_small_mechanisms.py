@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from core.executor import Plan
-from core.model import load_model
+from core.models.model import load_model
 from core.testing import parity
 from core.testing.tiny_model import make_tiny_model
 from providers.cpu_reference.ops._util import as_compute

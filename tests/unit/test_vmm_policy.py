@@ -10,7 +10,7 @@ the tokens and logits of a fixed full-capacity run, bitwise.
 import numpy as np
 import pytest
 
-from core import kv as kvgeo
+from core.runtime import kv as kvgeo
 from core.protocol import Capabilities
 from core.session import Session
 from core.testing.tiny_model import make_tiny_model
@@ -56,7 +56,7 @@ def run(model_dir, provider, steps, **kw):
     s = Session(model_dir, provider, batch=3, **kw)
     rows = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
     toks, logits = [s.prefill(rows).tokens], [s.last_logits()]
-    first_kv = [id(t) for pair in s.kv for t in pair]
+    first_kv = [id(t) for t in s.state.kv.buffers()]
     for _ in range(steps):
         toks.append(s.step().tokens)
         logits.append(s.last_logits())
@@ -71,13 +71,12 @@ def test_growth_commits_pages_instead_of_moving(model_dir):
     s = grown[2]
     c = s.counters
     assert c.growth_events >= 3 and c.kv_bytes_moved == 0 and c.invalidations == 0
-    assert [id(t) for pair in s.kv for t in pair] == grown[3], "a KV buffer was reallocated"
+    assert [id(t) for t in s.state.kv.buffers()] == grown[3], "a KV buffer was reallocated"
     assert np.array_equal(fixed[0], grown[0]) and np.array_equal(fixed[1], grown[1])
     # every live byte sits in a committed (zeroed, then written) page
-    for pair in s.kv:
-        for t in pair:
-            for off, size in kvgeo.live_ranges(s.geometry, [int(x) for x in s.lengths]):
-                pages = set(range(off // PAGE, -(-(off + size) // PAGE)))
-                assert pages <= prov.pages[id(t)]
-            assert len(prov.pages[id(t)]) < -(-t.nbytes // PAGE), "committed everything up front"
+    for t in s.state.kv.buffers():
+        for off, size in kvgeo.live_ranges(s.state.kv.geometry, [int(x) for x in s.lengths]):
+            pages = set(range(off // PAGE, -(-(off + size) // PAGE)))
+            assert pages <= prov.pages[id(t)]
+        assert len(prov.pages[id(t)]) < -(-t.nbytes // PAGE), "committed everything up front"
     assert c.kv_committed_bytes > 0

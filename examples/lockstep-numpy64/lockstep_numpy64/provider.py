@@ -9,21 +9,21 @@ What it shows (docs/providers.md walks through it):
   kernels for every other op (their public ``run`` functions);
 - kernels that write into persistent buffers from ``ctx.output`` (what graph capture needs);
 - ``device_argmax`` with the shared policy (lowest index on ties, a non-finite row flagged as
-  ``[-1, 1]``), ``decode_advance``, and ``kv_commit`` that only counts bytes.
+  ``[-1, 1]``);
+- everything else (decode_advance, kv_commit accounting, write/fill/copy_bytes, the upload
+  counters) from the base class :class:`core.provider.ProviderBase`.
 
-Only the public protocol (``core.protocol``), the hook marker (``core.hookimpl``) and the
-cpu_reference op modules are used. Every row is reduced alone (one vector-matrix product per
+Only the public protocol (``core.protocol``, ``core.provider``), the hook marker
+(``core.hookimpl``) and the cpu_reference op modules are used. Every row is reduced alone (one vector-matrix product per
 row), so a row's result does not depend on the batch: the kit's batch-invariance gate holds.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
 import numpy as np
-from core.executor import PlanBinding
 from core.ops import OpTable
-from core.protocol import Capabilities, KernelContext, KVRequest, NodeInfo
+from core.protocol import Capabilities, KernelContext, NodeInfo
+from core.provider import ProviderBase
 from providers.cpu_reference import ops as reference_ops
 from providers.cpu_reference.ops.matmul_nbits import dequantize
 
@@ -103,8 +103,13 @@ KERNELS = {
 }
 
 
-class Numpy64Provider:
-    """NumPy tensors on the host, float64 accumulation; no graph capture, no VMM."""
+class Numpy64Provider(ProviderBase):
+    """NumPy tensors on the host, float64 accumulation; no graph capture, no VMM.
+
+    It inherits :class:`core.provider.ProviderBase`: the validated public methods, the
+    counters, io_binding, decode_advance, kv_commit accounting, write/fill/copy_bytes; it
+    writes only the memory primitives (``_allocate``, ``_upload``, ``_download``) and kernels.
+    """
 
     name = "numpy64"
     #: Conformance exclusions the kit applies to this provider: fnmatch pattern of a kit id
@@ -112,8 +117,8 @@ class Numpy64Provider:
     parity_exclusions: dict[str, str] = {}
 
     def __init__(self):
+        super().__init__()
         self._reference = OpTable(reference_ops)
-        self.committed_bytes = 0
 
     def capabilities(self) -> Capabilities:
         return Capabilities(dtypes=("float32", "float16"), graph_capture=False,
@@ -121,45 +126,24 @@ class Numpy64Provider:
 
     def supports(self, node: NodeInfo) -> bool:
         if (node.domain, node.op_type) in KERNELS:
-            return node.op_type != "MatMulNBits" or self._reference_supports(node)
-        return self._reference_supports(node)
-
-    def _reference_supports(self, node: NodeInfo) -> bool:
+            return node.op_type != "MatMulNBits" or self._reference.supports(node)
         return self._reference.supports(node)
 
     def kernel(self, node: NodeInfo):
         own = KERNELS.get((node.domain, node.op_type))
         return own if own is not None else self._reference.kernel(node)
 
-    def allocate(self, shape: Sequence[int], dtype: Any, zero: bool = False) -> np.ndarray:
+    def _allocate(self, shape, dtype, zero) -> np.ndarray:
         return np.zeros(shape, dtype) if zero else np.empty(shape, dtype)
 
-    def upload(self, array: np.ndarray) -> np.ndarray:
+    def _upload(self, array: np.ndarray) -> np.ndarray:
         return np.array(array, copy=True)
 
-    def download(self, tensor: np.ndarray) -> np.ndarray:
+    def _download(self, tensor: np.ndarray) -> np.ndarray:
         return np.array(tensor, copy=True)
-
-    def io_binding(self, plan) -> PlanBinding:
-        # Host arrays need nothing special: the core's PlanBinding feeds the bound arrays to
-        # the plan on every run (a device provider would pin/stage here).
-        return PlanBinding(plan)
 
     def device_argmax(self, logits: np.ndarray, positions: np.ndarray, result: np.ndarray) -> None:
         rows = logits[np.arange(logits.shape[0]), np.asarray(positions, np.int64)].astype(np.float64)
         bad = ~np.isfinite(rows).all(axis=-1)
         result[:, 0] = np.where(bad, -1, np.argmax(np.where(bad[:, None], 0.0, rows), axis=-1))
         result[:, 1] = bad
-
-    def decode_advance(self, result, input_ids, attention_mask, lengths) -> None:
-        input_ids[:, 0] = np.where(result[:, 1] != 0, 0, result[:, 0])
-        attention_mask[np.arange(len(lengths)), lengths] = 1
-        lengths += 1
-
-    def kv_commit(self, arena: Any, requests: Sequence[KVRequest]) -> int:
-        added = sum(r.nbytes for r in requests)
-        self.committed_bytes += added
-        return added
-
-    def synchronize(self) -> None:
-        """Host arrays: every call has finished when it returns."""

@@ -2,7 +2,8 @@
 
 Each module defines:
     OP_TYPE: the ONNX op type; DOMAIN: "" or "com.microsoft" (default "");
-    run(ctx, *inputs) -> tuple of outputs (one per declared node output);
+    run(ctx, *inputs) -> tuple of outputs (one per declared node output), each written into
+        the node's persistent buffer ``ctx.output(slot, shape, dtype)`` and returned (ops._out);
     optionally supports(node) -> bool for attribute/dtype checks (default: True).
 
 Kernels compute every batch row independently of the others with a fixed reduction order per
@@ -16,12 +17,15 @@ from __future__ import annotations
 import numpy as np
 
 
-def rowwise_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def rowwise_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``x @ w`` for x ``[..., K]`` and a 2-D ``w`` ``[K, N]`` with every row reduced alone.
 
     numpy's stacked matmul over ``[M, 1, K]`` runs one identical vector-matrix product per row,
-    so row i's result is the same bits whatever M is (checked in tests/unit).
+    so row i's result is the same bits whatever M is (checked in tests/unit). ``out``: a
+    C-contiguous ``[..., N]`` array of the product's dtype to write into (and return).
     """
-    lead = x.shape[:-1]
     flat = x.reshape(-1, 1, x.shape[-1])
-    return np.matmul(flat, w)[:, 0, :].reshape(*lead, w.shape[-1])
+    if out is not None:
+        np.matmul(flat, w, out=out.reshape(-1, 1, w.shape[-1]))
+        return out
+    return np.matmul(flat, w)[:, 0, :].reshape(*x.shape[:-1], w.shape[-1])

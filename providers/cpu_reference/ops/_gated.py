@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-
-def gate_view(node) -> SimpleNamespace:
-    """The gate projection of a fused MatMulNBits node as a MatMulNBits node: its attributes,
-    inputs 0..3 and their dtypes."""
-    return SimpleNamespace(name=node.name, attrs=node.attrs, inputs=tuple(node.inputs[:4]),
-                           input_dtypes=tuple(node.input_dtypes[:4]))
+from core.opdefs import gate_view
 
 
 def projections(ctx) -> tuple:

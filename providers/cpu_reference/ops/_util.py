@@ -1,14 +1,19 @@
 """Helpers shared by the cpu_reference op modules (no OP_TYPE: not an op).
 
+``int_list``, ``int_scalar`` and ``normalize_axis`` are :mod:`core.opdefs` (shared by every
+provider), re-exported here for the op modules.
+
 fp16 is computed in fp32 and rounded to fp16 at the op output, like ORT's CPU kernels;
 fp32/fp64 and integer tensors are computed in their own dtype.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
+
+from core.opdefs import int_list, int_scalar, normalize_axis  # noqa: F401 - re-exported
 
 
 def compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -42,23 +47,3 @@ def elementwise(fn: Callable[..., np.ndarray], *xs: np.ndarray) -> np.ndarray:
     args = [np.asarray(x).astype(work, copy=False) if np.asarray(x).dtype.kind == "f" else np.asarray(x)
             for x in xs]
     return np.asarray(fn(*args)).astype(dtype, copy=False)
-
-
-def int_list(x) -> list[int]:
-    """A host integer tensor (scalar or 1-D, any int dtype) as a list of Python ints."""
-    return [int(v) for v in np.asarray(x).reshape(-1)]
-
-
-def int_scalar(x) -> int:
-    """A host integer scalar or 1-element tensor as a Python int."""
-    values = int_list(x)
-    if len(values) != 1:
-        raise ValueError(f"expected a scalar or 1-element tensor, got {len(values)} elements")
-    return values[0]
-
-
-def normalize_axis(axis: int, rank: int) -> int:
-    """``axis`` in [-rank, rank) as a non-negative axis; raises ValueError when out of range."""
-    if not -rank <= axis < rank:
-        raise ValueError(f"axis {axis} out of range for rank {rank}")
-    return axis % rank

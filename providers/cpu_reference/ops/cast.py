@@ -7,6 +7,8 @@ are not supported (``supports`` rejects them). Source: ONNX Cast-21.
 import numpy as np
 from onnx import TensorProto, helper
 
+from providers.cpu_reference.ops._out import write
+
 OP_TYPE = "Cast"
 DOMAIN = ""
 
@@ -21,4 +23,4 @@ def supports(node) -> bool:
 
 def run(ctx, x):
     dtype = helper.tensor_dtype_to_np_dtype(int(ctx.node.attrs["to"]))
-    return (np.asarray(x).astype(dtype),)
+    return (write(ctx, 0, x, dtype),)

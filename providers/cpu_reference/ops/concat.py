@@ -2,9 +2,11 @@
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
+
 OP_TYPE = "Concat"
 DOMAIN = ""
 
 
 def run(ctx, *inputs):
-    return (np.concatenate([np.asarray(x) for x in inputs], axis=int(ctx.node.attrs["axis"])),)
+    return (write(ctx, 0, np.concatenate([np.asarray(x) for x in inputs], axis=int(ctx.node.attrs["axis"]))),)

@@ -6,6 +6,8 @@ supported. Source: ONNX Constant-21.
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
+
 OP_TYPE = "Constant"
 DOMAIN = ""
 
@@ -19,4 +21,4 @@ def supports(node) -> bool:
 
 def run(ctx, *_):
     (name, value), = ctx.node.attrs.items()
-    return (np.array(value, dtype=_KINDS[name]),)
+    return (write(ctx, 0, np.array(value, dtype=_KINDS[name])),)

@@ -6,7 +6,7 @@ integer division in ORT's CPU kernel (not numpy's floor division). Source: ONNX 
 
 import numpy as np
 
-from providers.cpu_reference.ops._util import elementwise
+from providers.cpu_reference.ops._out import write, write_elementwise
 
 OP_TYPE = "Div"
 DOMAIN = ""
@@ -19,5 +19,5 @@ def _trunc_div(a, b):
 
 def run(ctx, a, b):
     if np.asarray(a).dtype.kind in "iu":
-        return (_trunc_div(np.asarray(a), np.asarray(b)).astype(np.asarray(a).dtype),)
-    return (elementwise(np.divide, a, b),)
+        return (write(ctx, 0, _trunc_div(np.asarray(a), np.asarray(b)), np.asarray(a).dtype),)
+    return (write_elementwise(ctx, np.divide, a, b),)

@@ -1,11 +1,12 @@
 """Expand (ONNX, default domain): broadcast the input with the int64 ``shape`` input.
 
-Bidirectional numpy broadcasting (a dim of 1 in ``shape`` keeps the input dim). Returns a
-contiguous copy. Source: ONNX Expand-13.
+Bidirectional numpy broadcasting (a dim of 1 in ``shape`` keeps the input dim), written into
+the output buffer. Source: ONNX Expand-13.
 """
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
 from providers.cpu_reference.ops._util import int_list
 
 OP_TYPE = "Expand"
@@ -15,4 +16,4 @@ DOMAIN = ""
 def run(ctx, x, shape):
     x = np.asarray(x)
     out_shape = np.broadcast_shapes(x.shape, tuple(int_list(shape)))
-    return (np.array(np.broadcast_to(x, out_shape), copy=True),)
+    return (write(ctx, 0, np.broadcast_to(x, out_shape)),)

@@ -7,6 +7,7 @@ lookup (OPS.md 0). Source: ONNX Gather-13.
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
 from providers.cpu_reference.ops._util import normalize_axis
 
 OP_TYPE = "Gather"
@@ -20,4 +21,4 @@ def run(ctx, data, indices):
     dim = data.shape[axis]
     if idx.size and (idx.min() < -dim or idx.max() >= dim):
         raise IndexError(f"Gather: index out of range [-{dim}, {dim})")
-    return (np.take(data, np.where(idx < 0, idx + dim, idx), axis=axis),)
+    return (write(ctx, 0, np.take(data, np.where(idx < 0, idx + dim, idx), axis=axis)),)

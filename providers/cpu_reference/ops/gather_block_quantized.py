@@ -13,6 +13,7 @@ gather_block_quantized.cc; BASE make_embedding.
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
 from providers.cpu_reference.ops._quant import unpack
 
 OP_TYPE = "GatherBlockQuantized"
@@ -48,4 +49,4 @@ def run(ctx, data, indices, scales, zero_points=None):
     block = np.arange(d) // bs
     out = (codes - zp[:, block]) * scales[rows].astype(np.float32)[:, block]
     out = np.where(valid.reshape(-1, 1), out, 0.0).reshape(*idx.shape, d)
-    return (out.astype(scales.dtype),)
+    return (write(ctx, 0, out, scales.dtype),)

@@ -24,8 +24,9 @@ key (a padding row under a window) outputs zeros.
 KV buffer sharing: when past is given and holds at least total_sequence_length rows, present
 has the same shape as past (present length = max(total, P_buf), OPS.md 1.1), which is when
 ORT may run in place: the new rows are written into past itself and the same arrays are
-returned as present (GenAI share-buffer mode). Otherwise present is a new zero-filled buffer of
-max(total, P_buf) rows with rows [0, P_b) copied from past (OPS.md 1.3 step 2).
+returned as present (GenAI share-buffer mode). Otherwise present is the node's output buffer
+(ctx.output), zero-filled, of max(total, P_buf) rows with rows [0, P_b) copied from past
+(OPS.md 1.3 step 2). The output is written into the node's output buffer 0.
 
 dtypes: T = fp32 or fp16. Q and K are rotated in fp32 and rounded to T (the cache holds T);
 scores, softmax and P.V are fp32; the output is rounded to T.
@@ -38,6 +39,7 @@ import math
 import numpy as np
 
 from providers.cpu_reference.ops import rowwise_matmul
+from providers.cpu_reference.ops._out import buffer, write
 from providers.cpu_reference.ops._rotary import cache_rows, rotate
 from providers.cpu_reference.ops._util import int_list, int_scalar
 
@@ -131,7 +133,8 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
     else:
         length = max(total, p_buf)
         shape = (bsz, nkv, length, h) if layout == "head_major" else (bsz, length, nkv, h)
-        present_k, present_v = np.zeros(shape, dtype), np.zeros(shape, dtype)
+        present_k, present_v = buffer(ctx, 1, shape, dtype), buffer(ctx, 2, shape, dtype)
+        present_k[...], present_v[...] = 0, 0
     capacity = _capacity(present_k, layout)
     for b in range(bsz):
         if pasts[b] + s_len > capacity or totals[b] > capacity:
@@ -188,7 +191,7 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
                 denom = denom + np.exp(sink - m)
             probs = np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
             out[b, :, g * group:(g + 1) * group] = rowwise_matmul(probs, vals).transpose(1, 0, 2)
-    result = out.reshape(bsz, s_len, nq * h).astype(dtype)
+    result = write(ctx, 0, out.reshape(bsz, s_len, nq * h), dtype)
     names = ctx.node.outputs
     outs = (result, present_k, present_v)
     return tuple(o if i < len(names) and names[i] else None for i, o in enumerate(outs))

@@ -9,7 +9,7 @@ Attributes: K, N, bits (2/4/8, default 4), block_size (power of 2, >= 16), accur
 weight_prepacked (must be 0).
 Dequantization, for k in block b = k div block_size: W[n, k] = (q - zp) * scales[n, b], with
 the LSB-first codes of ops._quant, zp = 2^(bits-1) when absent, codes k >= K ignored.
-The dequantized fp32 weight [K, N] is cached per node (keyed by the B/scales/zp objects).
+The dequantized fp32 weight [K, N] is cached per node for read-only (constant) B/scales/zp.
 Y is fp32-accumulated row by row (ops.rowwise_matmul) and rounded to A's dtype.
 An unsupported configuration raises ValueError (never zeros). Source: ORT
 contrib_ops/cpu/quantization/matmul_nbits.cc, matmul_nbits_impl.cc.
@@ -17,19 +17,13 @@ contrib_ops/cpu/quantization/matmul_nbits.cc, matmul_nbits_impl.cc.
 
 import numpy as np
 
+from core.opdefs import matmul_nbits_supports
 from providers.cpu_reference.ops import rowwise_matmul
 from providers.cpu_reference.ops._quant import unpack
 
 OP_TYPE = "MatMulNBits"
 DOMAIN = "com.microsoft"
-
-
-def supports(node) -> bool:
-    attrs = node.attrs
-    bs = int(attrs.get("block_size", 0))
-    g_idx = len(node.inputs) > 4 and node.inputs[4] != ""
-    return (int(attrs.get("bits", 4)) in (2, 4, 8) and bs >= 16 and bs & (bs - 1) == 0
-            and not attrs.get("weight_prepacked", 0) and not g_idx)
+supports = matmul_nbits_supports  # the configurations above (core.opdefs)
 
 
 def dequantize(b, scales, zero_points, k: int, n: int, bits: int, block_size: int) -> np.ndarray:
@@ -60,6 +54,22 @@ def dequantize(b, scales, zero_points, k: int, n: int, bits: int, block_size: in
     return np.ascontiguousarray(w.reshape(n, n_blocks * block_size)[:, :k].T)
 
 
+def _weight(ctx, b, scales, zero_points, k: int, n: int) -> np.ndarray:
+    """The dequantized weight; cached per node while the same read-only arrays come back (plan
+    constants are frozen read-only; a writable input, e.g. a streaming slot whose contents
+    change in place, is dequantized on every call)."""
+    attrs = ctx.node.attrs
+    parts = (b, scales, zero_points)
+    constant = all(x is None or (isinstance(x, np.ndarray) and not x.flags.writeable) for x in parts)
+    hit = ctx.cache.get("weight")
+    if constant and hit is not None and all(x is y for x, y in zip(hit[0], parts)):
+        return hit[1]
+    w = dequantize(b, scales, zero_points, k, n, int(attrs.get("bits", 4)), int(attrs["block_size"]))
+    if constant:
+        ctx.cache["weight"] = (parts, w)
+    return w
+
+
 def run(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
     attrs = ctx.node.attrs
     if g_idx is not None:
@@ -70,14 +80,7 @@ def run(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
     a = np.asarray(a)
     if a.shape[-1] != k:
         raise ValueError(f"MatMulNBits: A last dim {a.shape[-1]} != K {k}")
-    key = "weight"
-    cached = ctx.cache.get(key)
-    if cached is None or cached[0] is not b or cached[1] is not scales or cached[2] is not zero_points:
-        w = dequantize(b, scales, zero_points, k, n, int(attrs.get("bits", 4)),
-                       int(attrs["block_size"]))
-        cached = (b, scales, zero_points, w)
-        ctx.cache[key] = cached
-    y = rowwise_matmul(a.astype(np.float32), cached[3])
+    y = rowwise_matmul(a.astype(np.float32), _weight(ctx, b, scales, zero_points, k, n))
     if bias is not None:
         y = y + np.asarray(bias, dtype=np.float32)
     return (y.astype(a.dtype),)

@@ -5,11 +5,11 @@ Any numeric dtype; fp16 computed in fp32 and rounded at the output. Source: ONNX
 
 import numpy as np
 
-from providers.cpu_reference.ops._util import elementwise
+from providers.cpu_reference.ops._out import write_elementwise
 
 OP_TYPE = "Mul"
 DOMAIN = ""
 
 
 def run(ctx, a, b):
-    return (elementwise(np.multiply, a, b),)
+    return (write_elementwise(ctx, np.multiply, a, b),)

@@ -2,9 +2,11 @@
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
+
 OP_TYPE = "Neg"
 DOMAIN = ""
 
 
 def run(ctx, x):
-    return (np.negative(x),)
+    return (write(ctx, 0, np.negative(x)),)

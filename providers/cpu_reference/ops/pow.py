@@ -5,6 +5,7 @@ Floats computed in fp32 for fp16 (exponent converted to the compute dtype). Sour
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
 from providers.cpu_reference.ops._util import compute_dtype
 
 OP_TYPE = "Pow"
@@ -14,4 +15,4 @@ DOMAIN = ""
 def run(ctx, x, y):
     x = np.asarray(x)
     work = compute_dtype(x.dtype)
-    return (np.power(x.astype(work), np.asarray(y).astype(work)).astype(x.dtype),)
+    return (write(ctx, 0, np.power(x.astype(work), np.asarray(y).astype(work)), x.dtype),)

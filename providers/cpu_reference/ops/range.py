@@ -8,6 +8,8 @@ import math
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import buffer
+
 OP_TYPE = "Range"
 DOMAIN = ""
 
@@ -18,7 +20,7 @@ def run(ctx, start, limit, delta):
     if delta == 0:
         raise ValueError("Range: delta 0")
     n = max(int(math.ceil((float(limit) - float(start)) / float(delta))), 0)
-    out = np.empty(n, dtype)
+    out = buffer(ctx, 0, (n,), dtype)
     value = start
     for i in range(n):
         out[i] = value

@@ -8,6 +8,7 @@ An ``axes`` attribute (opset < 13) is honoured when the input is absent. Source:
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
 from providers.cpu_reference.ops._util import compute_dtype, int_list, normalize_axis
 
 OP_TYPE = "ReduceSum"
@@ -21,8 +22,8 @@ def run(ctx, data, axes=None):
     axis_list = int_list(axes) if axes is not None else list(attrs.get("axes", []))
     if not axis_list:
         if attrs.get("noop_with_empty_axes", 0):
-            return (data.copy(),)
+            return (write(ctx, 0, data),)
         axis_list = list(range(data.ndim))
     reduce_axes = tuple(sorted({normalize_axis(a, data.ndim) for a in axis_list}))
     total = np.sum(data, axis=reduce_axes, keepdims=keepdims, dtype=compute_dtype(data.dtype))
-    return (np.asarray(total).astype(data.dtype),)
+    return (write(ctx, 0, total, data.dtype),)

@@ -12,6 +12,7 @@ contrib_ops/cpu/bert/rotary_embedding.cc and rotary_embedding_helper.h.
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
 from providers.cpu_reference.ops._rotary import cache_rows, rotate
 
 OP_TYPE = "RotaryEmbedding"
@@ -52,4 +53,4 @@ def run(ctx, x, position_ids, cos_cache, sin_cache):
     out = rotate(xs, cache_rows(cos_cache, pos), cache_rows(sin_cache, pos),
                  bool(attrs.get("interleaved", 0)))
     out = out.transpose(0, 2, 1, 3) if x.ndim == 4 else out.reshape(x.shape)
-    return (np.ascontiguousarray(out).astype(x.dtype),)
+    return (write(ctx, 0, out, x.dtype),)

@@ -5,6 +5,8 @@ start (default 0) and end (default rank) follow Python slicing with clamping. ON
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
+
 OP_TYPE = "Shape"
 DOMAIN = ""
 
@@ -13,4 +15,4 @@ def run(ctx, x):
     shape = np.asarray(x).shape
     start = int(ctx.node.attrs.get("start", 0))
     end = ctx.node.attrs.get("end")
-    return (np.array(shape[start:None if end is None else int(end)], dtype=np.int64),)
+    return (write(ctx, 0, np.array(shape[start:None if end is None else int(end)], dtype=np.int64)),)

@@ -5,16 +5,17 @@ Source: ONNX Sigmoid-13. The builder writes SiLU as Sigmoid followed by Mul (OPS
 
 import numpy as np
 
-from providers.cpu_reference.ops._util import elementwise
+from providers.cpu_reference.ops._out import write_elementwise
 
 OP_TYPE = "Sigmoid"
 DOMAIN = ""
 
 
-def _sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
+def sigmoid(x):
+    """1 / (1 + exp(-x)) in x's dtype (fp32 for the kernels), without an overflow warning."""
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
 
 
 def run(ctx, x):
-    with np.errstate(over="ignore"):
-        return (elementwise(_sigmoid, x),)
+    return (write_elementwise(ctx, sigmoid, x),)

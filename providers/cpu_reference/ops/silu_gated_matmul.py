@@ -4,15 +4,16 @@ Exactly the unfused MatMul, MatMul, SiluMul sequence (each product rounded to th
 then SiluMul's own roundings), so a fused graph is bitwise the unfused one.
 """
 
+import numpy as np
+
 from providers.cpu_reference.ops import matmul, silu_mul
-from providers.cpu_reference.ops._gated import projections
 
 OP_TYPE = "SiluGatedMatMul"
 DOMAIN = "lockstep"
 
 
 def run(ctx, x, w_gate, w_up):
-    gate_ctx, up_ctx = projections(ctx)
-    (gate,) = matmul.run(gate_ctx, x, w_gate)
-    (up,) = matmul.run(up_ctx, x, w_up)
+    dtype = np.asarray(x).dtype
+    gate = matmul.product(ctx, x, w_gate, "gate").astype(dtype)
+    up = matmul.product(ctx, x, w_up, "up").astype(dtype)
     return silu_mul.run(ctx, gate, up)

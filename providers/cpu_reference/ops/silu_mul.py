@@ -4,13 +4,16 @@ Exactly the unfused Sigmoid, Mul, Mul sequence, rounded to the input dtype after
 (fp16 computed in fp32), so a fused graph is bitwise the unfused one.
 """
 
-from providers.cpu_reference.ops import mul, sigmoid
+import numpy as np
+
+from providers.cpu_reference.ops._out import write_elementwise
+from providers.cpu_reference.ops._util import elementwise
+from providers.cpu_reference.ops.sigmoid import sigmoid
 
 OP_TYPE = "SiluMul"
 DOMAIN = "lockstep"
 
 
 def run(ctx, x, up):
-    (s,) = sigmoid.run(ctx, x)
-    (g,) = mul.run(ctx, x, s)
-    return mul.run(ctx, g, up)
+    g = elementwise(np.multiply, x, elementwise(sigmoid, x))
+    return (write_elementwise(ctx, np.multiply, g, up),)

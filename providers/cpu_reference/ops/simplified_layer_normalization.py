@@ -8,6 +8,7 @@ Source: ORT core/providers/cpu/nn/layer_norm_impl.cc.
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
 from providers.cpu_reference.ops._util import normalize_axis
 
 OP_TYPE = "SimplifiedLayerNormalization"
@@ -23,5 +24,7 @@ def run(ctx, x, scale):
     v = x.astype(np.float32).reshape(*lead, -1)
     inv_std = (np.float32(1.0) / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)).astype(np.float32)
     y = (v * inv_std).reshape(x.shape) * np.asarray(scale, dtype=np.float32)
-    outs = [y.astype(np.asarray(scale).dtype), inv_std.reshape(*lead, *([1] * (x.ndim - axis)))]
-    return tuple(o if name else None for o, name in zip(outs, ctx.node.outputs))
+    names = ctx.node.outputs
+    y = write(ctx, 0, y, np.asarray(scale).dtype)
+    inv = write(ctx, 1, inv_std.reshape(*lead, *([1] * (x.ndim - axis)))) if len(names) > 1 and names[1] else None
+    return (y, inv)[:len(names)]

@@ -10,6 +10,8 @@ Source: ORT contrib_ops/cpu/skip_layer_norm.cc.
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
+
 OP_TYPE = "SkipSimplifiedLayerNormalization"
 DOMAIN = "com.microsoft"
 
@@ -27,6 +29,6 @@ def run(ctx, x, skip, gamma, bias=None):
     eps = np.float32(ctx.node.attrs.get("epsilon", 1e-12))
     inv_std = (np.float32(1.0) / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)).astype(np.float32)
     y = v * inv_std * np.asarray(gamma, dtype=np.float32)
-    outs = [y.astype(x.dtype), np.zeros_like(inv_std), inv_std, v.astype(x.dtype)]
-    names = ctx.node.outputs
-    return tuple(o if name else None for o, name in zip(outs, names))
+    outs = (y, np.zeros_like(inv_std), inv_std, v)
+    dtypes = (x.dtype, np.float32, np.float32, x.dtype)
+    return tuple(write(ctx, i, o, dt) if name else None for i, (o, dt, name) in enumerate(zip(outs, dtypes, ctx.node.outputs)))

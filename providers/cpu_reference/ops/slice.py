@@ -2,12 +2,13 @@
 
 Negative starts/ends add the dim; then clamping per the ONNX spec: step > 0 clamps start and
 end to [0, dim]; step < 0 clamps start to [0, dim-1] and end to [-1, dim-1] (-1 = before 0).
-axes default to 0..len(starts)-1, steps to 1; a step of 0 raises. Returns a copy.
+axes default to 0..len(starts)-1, steps to 1; a step of 0 raises. The values are copied into the output buffer.
 Source: ONNX Slice-13.
 """
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
 from providers.cpu_reference.ops._util import int_list, normalize_axis
 
 OP_TYPE = "Slice"
@@ -32,4 +33,4 @@ def run(ctx, data, starts, ends, axes=None, steps=None):
         else:
             start, end = min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
         index[axis] = slice(start, None if end < 0 else end, step)
-    return (np.array(data[tuple(index)], copy=True),)
+    return (write(ctx, 0, data[tuple(index)]),)

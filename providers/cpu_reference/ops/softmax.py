@@ -6,7 +6,7 @@ the axis is reduced alone. Source: ONNX Softmax-13 (opset < 13 2-D coercion not 
 
 import numpy as np
 
-from providers.cpu_reference.ops._util import elementwise
+from providers.cpu_reference.ops._out import write_elementwise
 
 OP_TYPE = "Softmax"
 DOMAIN = ""
@@ -19,4 +19,4 @@ def run(ctx, x):
         e = np.exp(v - np.max(v, axis=axis, keepdims=True))
         return e / np.sum(e, axis=axis, keepdims=True)
 
-    return (elementwise(_softmax, x),)
+    return (write_elementwise(ctx, _softmax, x),)

@@ -7,6 +7,7 @@ outputs. The builder uses it for Qwen3 q/k/v (OPS.md 0). Source: ONNX Split-18.
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
 from providers.cpu_reference.ops._util import int_list, normalize_axis
 
 OP_TYPE = "Split"
@@ -28,6 +29,6 @@ def run(ctx, x, split=None):
     if sum(sizes) != dim or len(sizes) != len(ctx.node.outputs):
         raise ValueError(f"Split: sizes {sizes} do not split dim {dim} into {len(ctx.node.outputs)}")
     bounds = np.cumsum([0] + sizes)
-    parts = [np.array(np.take(x, np.arange(bounds[i], bounds[i + 1]), axis=axis))
-             for i in range(len(sizes))]
-    return tuple(p if name else None for p, name in zip(parts, ctx.node.outputs))
+    lead = (slice(None),) * axis
+    return tuple(write(ctx, i, x[lead + (slice(bounds[i], bounds[i + 1]),)]) if name else None
+                 for i, name in enumerate(ctx.node.outputs))

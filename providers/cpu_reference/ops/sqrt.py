@@ -2,11 +2,11 @@
 
 import numpy as np
 
-from providers.cpu_reference.ops._util import elementwise
+from providers.cpu_reference.ops._out import write_elementwise
 
 OP_TYPE = "Sqrt"
 DOMAIN = ""
 
 
 def run(ctx, x):
-    return (elementwise(np.sqrt, x),)
+    return (write_elementwise(ctx, np.sqrt, x),)

@@ -1,9 +1,11 @@
 """Transpose (ONNX, default domain): permute axes by ``perm`` (default: reversed). ONNX Transpose-21.
 
-Returns a contiguous copy (never a view of the input).
+Written into the output buffer (never a view of the input).
 """
 
 import numpy as np
+
+from providers.cpu_reference.ops._out import write
 
 OP_TYPE = "Transpose"
 DOMAIN = ""
@@ -11,4 +13,4 @@ DOMAIN = ""
 
 def run(ctx, x):
     perm = ctx.node.attrs.get("perm")
-    return (np.ascontiguousarray(np.transpose(x, None if perm is None else list(perm))),)
+    return (write(ctx, 0, np.transpose(x, None if perm is None else list(perm))),)

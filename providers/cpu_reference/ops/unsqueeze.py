@@ -1,10 +1,11 @@
 """Unsqueeze (ONNX, default domain): insert size-1 dims at ``axes`` (input, opset 13+; or attr).
 
-Negative axes count from the end of the output rank. Returns a copy. Source: ONNX Unsqueeze-21.
+Negative axes count from the end of the output rank. The values are copied into the output buffer. Source: ONNX Unsqueeze-21.
 """
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
 from providers.cpu_reference.ops._util import int_list, normalize_axis
 
 OP_TYPE = "Unsqueeze"
@@ -18,4 +19,4 @@ def run(ctx, data, axes=None):
     out = data
     for a in sorted(normalize_axis(a, rank) for a in axis_list):
         out = np.expand_dims(out, a)
-    return (np.array(out, copy=True),)
+    return (write(ctx, 0, out),)

@@ -5,9 +5,11 @@ Source: ONNX Where-16.
 
 import numpy as np
 
+from providers.cpu_reference.ops._out import write
+
 OP_TYPE = "Where"
 DOMAIN = ""
 
 
 def run(ctx, condition, x, y):
-    return (np.where(np.asarray(condition, dtype=bool), x, y),)
+    return (write(ctx, 0, np.where(np.asarray(condition, dtype=bool), x, y)),)

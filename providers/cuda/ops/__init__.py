@@ -1,35 +1,40 @@
-"""One module per ONNX op (same convention as providers.cpu_reference.ops).
+"""One module per ONNX op (the op-module convention of :mod:`core.ops`).
 
-Each module defines OP_TYPE, DOMAIN ("" default), run(ctx, *inputs) -> tuple of outputs and
-optionally supports(node). Rules every launcher follows (CUDA_NOTES "Stream capture"):
-outputs and scratch come from ``ctx.output``; no CuPy expression that allocates; no host sync;
-scalars passed as numpy int32/int64/float32; launches on the current (provider) stream.
-Ops whose inputs are all host numpy arrays (shape arithmetic on small integer constants) run
-on the host through the cpu_reference op of the same name (see :func:`host_or_none`).
+Each module defines OP_TYPE, DOMAIN ("" default), run(ctx, *inputs) -> tuple with one entry
+per node output, optionally supports(node), and optionally prepare(ctx, *inputs), the
+plan-time weight hook (:mod:`core.ops`): it turns constant weights into the kernel's form
+once (the fp16 tensor-core packing of ``_mma.pack``, the gate/up interleave of ``_mma.glu_*``)
+and records the static facts the kernel needs in ``ctx.cache``; the kernel reads prepared
+inputs when that entry is present and still runs on raw inputs (direct calls, fed weights).
+
+Rules every launcher follows (CUDA_NOTES "Stream capture"): outputs and scratch come from
+``ctx.output``; no CuPy expression that allocates; no host sync; scalars passed as numpy
+int32/int64/float32; launches on the current (provider) stream. Nodes whose inputs are all
+host values (shape arithmetic on small integer constants) never reach these launchers: the
+core runs them on the host (core.executor, "Host nodes"); a launcher may still receive host
+values beside device ones (a host scalar operand, host axes). Host-only ops (Shape,
+Constant) are declared here so that ``supports`` answers for them. No module imports
+another provider: shared op rules are in :mod:`core.opdefs`.
 Modules whose name starts with "_" are helpers, not ops.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
+
+from core.opdefs import is_host  # noqa: F401 - the launchers' host test
 
 #: A NULL device pointer for optional kernel arguments.
 NULL = np.uint64(0)
 
 
-def is_host(x) -> bool:
-    """True for host values (numpy arrays / scalars) and absent inputs."""
-    return x is None or isinstance(x, (np.ndarray, np.generic, int, float))
+def array_module(x):
+    """numpy for a host array (the prepare hooks run on numpy in the unit tests), else cupy."""
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
 
-
-def host_or_none(ctx, module_name: str, inputs):
-    """The cpu_reference op's result when every input is on the host, else None."""
-    if all(is_host(x) for x in inputs):
-        ref = importlib.import_module(f"providers.cpu_reference.ops.{module_name}")
-        return ref.run(ctx, *inputs)
-    return None
+    return cupy
 
 
 def device_array(ctx, x, key: str, dtype=None):

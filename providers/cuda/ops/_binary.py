@@ -2,15 +2,16 @@
 launch, little Python); broadcasting or integer cases through CuPy ufuncs with ``out=``.
 
 A host operand of one element is passed as a scalar of its own dtype; a larger host operand is
-uploaded once (device_array). fp16 is computed as CuPy does (converted to fp32 and rounded
-once), which equals cpu_reference's fp32-then-round for +, -, *.
+uploaded once (device_array). Two host operands are the core's business (core.executor runs
+such nodes on the host). fp16 is computed as CuPy does (converted to fp32 and rounded
+once), which equals the reference provider's fp32-then-round for +, -, *
 """
 
 import numpy as np
 
 from providers.cuda import replay
 from providers.cuda.module import ctype, function
-from providers.cuda.ops import device_array, grid_threads, host_or_none, is_host
+from providers.cuda.ops import device_array, grid_threads, is_host
 
 EXPRS = ("binary<__half>", "binary<float>", "sigmoid<__half>", "sigmoid<float>", "silu_mul<__half>",
          "silu_mul<float>")
@@ -24,9 +25,6 @@ def run(ctx, ufunc, module_name: str, a, b):
         kern = function("elementwise", f"binary<{ctype(a.dtype)}>", EXPRS)
         kern(grid_threads(a.size, 256, 4096), (256,), (a, b, out, np.int64(a.size), np.int32(OPS[module_name])))
         return (out,)
-    host = host_or_none(ctx, module_name, (a, b))
-    if host is not None:
-        return host
     shape = np.broadcast_shapes(a.shape, b.shape)
     dtype = np.result_type(np.asarray(a).dtype if is_host(a) else a.dtype,
                            np.asarray(b).dtype if is_host(b) else b.dtype)

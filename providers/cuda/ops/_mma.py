@@ -2,6 +2,10 @@
 
 Used for every M of an fp16 layer (never switched by batch size); NJ (n8 token tiles per
 block) follows M freely: token columns are independent inside an mma.
+
+Dense weights are packed (:func:`pack`) once, at plan time, by the prepare hooks of MatMul and
+SiluGatedMatMul (:func:`prepare_dense`, core.ops); :func:`unprepared` packs raw weights
+passed to a kernel directly.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import functools
 import numpy as np
 
 from providers.cuda.module import function
+from providers.cuda.ops import array_module
 
 SEG_K = 256
 MAX_K = 8 * SEG_K  # one warp per K segment, at most 8 warps per block
@@ -27,7 +32,7 @@ def config(m: int, n: int, k: int) -> tuple[int, tuple, tuple, int]:
     return nj, (-(-n // 16), -(-m // (8 * nj))), (32 * nseg,), nseg * 16 * 8 * nj * 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pack_index(kp: int, np_: int):
     nt, kt, lane, e = np.meshgrid(np.arange(np_ // 16), np.arange(kp // 16), np.arange(32), np.arange(8),
                                   indexing="ij")
@@ -61,32 +66,67 @@ def glu_interleave(xp, gate, up):
     return xp.ascontiguousarray(both[rows])
 
 
-def packed(ctx, w, up=None):
-    """W [K, N] fp16 in fragment order (K padded to 64, k slots permuted as in nbits4), cached
-    per node by device pointer (W is a weight). With ``up`` (the up projection [K, N]) the
-    columns of W and up are interleaved in :func:`glu_rows` order first."""
-    import cupy
-
-    key = ("mma_packed", w.data.ptr, w.shape, None if up is None else up.data.ptr)
-    hit = ctx.cache.get("mma_packed")
-    if hit is not None and hit[0] == key:
-        return hit[1]
+def pack(xp, w, up=None):
+    """W [K, N] fp16 in fragment order: K padded to 64 and N to 16 with zeros, k slots permuted
+    as in nbits4; returns a 1-D fp16 array of ceil(K/64)*64 * ceil(N'/16)*16 elements. With
+    ``up`` (the up projection [K, N]) the columns of W and up are interleaved in
+    :func:`glu_rows` order first (N' = glu_width(N)). ``xp`` is the array module of W."""
     if up is not None:
-        w = glu_interleave(cupy, w.T, up.T).T
+        w = glu_interleave(xp, w.T, up.T).T
     k, n = w.shape
     kp, np_ = -(-k // 64) * 64, -(-n // 16) * 16
-    pad = cupy.zeros((kp, np_), cupy.float16)
+    pad = xp.zeros((kp, np_), xp.float16)
     pad[:k, :n] = w
-    idx = cupy.asarray(_pack_index(kp, np_))
-    out = cupy.ascontiguousarray(pad.reshape(-1)[idx])
-    ctx.cache["mma_packed"] = (key, out)
+    idx = xp.asarray(_pack_index(kp, np_))
+    return xp.ascontiguousarray(pad.reshape(-1)[idx])
+
+
+#: ctx.cache key of a dense node whose weight prepare() packed: (K, N) of the raw weight.
+PREPARED = "mma_prepared"
+
+
+def prepare_dense(ctx, w, up=None):
+    """The prepare hook's work for MatMul (``up`` None) and SiluGatedMatMul: the packed weight
+    where the tensor-core kernel applies to every call (fp16 W [K, N], K <= MAX_K, ``up`` of
+    W's shape and dtype), recording (K, N) in ctx.cache[PREPARED]; else None."""
+    if (w is None or w.ndim != 2 or w.dtype != np.float16 or w.shape[0] > MAX_K
+            or (up is not None and (up.shape != w.shape or up.dtype != w.dtype))):
+        return None
+    ctx.cache[PREPARED] = tuple(int(d) for d in w.shape)
+    return pack(array_module(w), w, up)
+
+
+def unprepared(ctx, w, up=None):
+    """:func:`pack` of raw weights passed to the kernel (no prepare: direct calls, fed
+    weights), kept while the same objects come back (by identity, with a reference held so
+    the ids stay unique; never by device pointer). A plan prepares its constant weights, so
+    streamed weights never come here."""
+    hit = ctx.cache.get("mma_unprepared")
+    if hit is not None and hit[0] is w and hit[1] is up:
+        return hit[2]
+    out = pack(array_module(w), w, up)
+    ctx.cache["mma_unprepared"] = (w, up, out)
     return out
 
 
-def dense(ctx, a, w, bias, y, m, n, k, null, up=None):
-    """y = a @ w (+ bias); with ``up``: y = silu_mul(a @ w, a @ up) (GLU, n = y's width)."""
-    wp = packed(ctx, w, up)
-    glu = up is not None
+def contiguous(ctx, a):
+    """``a`` when C-contiguous, else a copy in the node's scratch buffer "a_contiguous" (the
+    tensor-core kernels read A densely; activations are contiguous in practice)."""
+    if a.flags.c_contiguous:
+        return a
+    import cupy
+
+    from providers.cuda import replay
+
+    replay.not_replayable()  # a CuPy copy, not a recorded Kernel launch
+    buf = ctx.output("a_contiguous", a.shape, a.dtype)
+    cupy.copyto(buf, a)
+    return buf
+
+
+def dense(a, wp, bias, y, m, n, k, null, glu: bool = False):
+    """y = a @ w (+ bias) for the packed weight ``wp`` (:func:`pack`); with ``glu``: wp packs a
+    gate/up pair and y = silu_mul(a @ w_gate, a @ w_up) (GLU, n = y's width)."""
     rows = glu_width(n) if glu else n
     nj, grid, block, shared = config(m, rows, k)
     function("linear_mma", f"mma_dense<{nj}, {_BOOL[glu]}>", EXPRS)(

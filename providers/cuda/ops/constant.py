@@ -1,8 +1,12 @@
-"""Constant (ONNX): a host value (cpu_reference). ONNX Constant-21."""
+"""Constant (ONNX): a host value (core.opdefs). Declared here so the provider supports it; the
+core folds Constant nodes at plan time on the host kernel (core.executor). ONNX Constant-21."""
 
-from providers.cpu_reference.ops import constant as _ref
+from core.opdefs import constant_supports, constant_value
 
 OP_TYPE = "Constant"
 DOMAIN = ""
-supports = _ref.supports
-run = _ref.run
+supports = constant_supports
+
+
+def run(ctx, *_):
+    return (constant_value(ctx.node),)

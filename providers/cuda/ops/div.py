@@ -1,5 +1,5 @@
-"""Div (ONNX, default domain): numpy broadcasting, on the device (CuPy ufunc with out=)
-or on the host when both operands are host values (cpu_reference). Source: ONNX Div-14."""
+"""Div (ONNX, default domain): numpy broadcasting, on the device (kernels/elementwise.cu
+or a CuPy ufunc with out=); two host operands run on the host (core.executor). Source: ONNX Div-14."""
 
 from providers.cuda.ops import _binary
 

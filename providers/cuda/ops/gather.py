@@ -1,14 +1,14 @@
-"""Gather (ONNX): host operands on the host (cpu_reference, e.g. Shape()[1]); the embedding
+"""Gather (ONNX): host operands run on the host (core.executor, e.g. Shape()[1]); the embedding
 lookup (device data, axis 0) with kernels/gather.cu ``gather_rows`` (16-byte row copies);
 other device gathers with cupy.take(..., out=). Out-of-range rows are zero on the device
 (no host check: that would sync). ONNX Gather-13."""
 
 import numpy as np
 
-from providers.cpu_reference.ops._util import normalize_axis
+from core.opdefs import normalize_axis
 from providers.cuda import replay
 from providers.cuda.module import function
-from providers.cuda.ops import device_array, host_or_none
+from providers.cuda.ops import device_array
 
 OP_TYPE = "Gather"
 DOMAIN = ""
@@ -17,9 +17,6 @@ DOMAIN = ""
 def run(ctx, data, indices):
     import cupy
 
-    host = host_or_none(ctx, "gather", (data, indices))
-    if host is not None:
-        return host
     axis = normalize_axis(int(ctx.node.attrs.get("axis", 0)), data.ndim)
     idx = device_array(ctx, indices, "indices", np.int64)
     shape = (*data.shape[:axis], *idx.shape, *data.shape[axis + 1:])

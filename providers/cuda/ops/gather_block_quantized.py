@@ -5,7 +5,7 @@ last, bits 4/8. Kernel: kernels/gather.cu ``gather_block_quantized`` (fp32 math)
 
 import numpy as np
 
-from providers.cpu_reference.ops.gather_block_quantized import supports  # noqa: F401
+from core.opdefs import gather_block_quantized_supports as supports  # noqa: F401
 from providers.cuda.module import ctype, function
 from providers.cuda.ops import NULL, device_array
 

@@ -1,16 +1,17 @@
 """MatMul (ONNX): Y = A @ W for A [..., K] (fp16/fp32) and a 2-D W [K, N] of the same dtype.
 
 Kernel: kernels/linear.cu ``dense`` (fixed K order per output: chunks of 16 ascending, each
-chunk an fmaf chain; batch-invariant for every M). Both operands on the host (shape math) run
-on the host. A W of rank > 2 is not supported (the builder's weights are 2-D).
+chunk an fmaf chain; batch-invariant for every M); fp16 with K <= 2048: kernels/linear_mma.cu
+(tensor cores), its weight packed once at plan time by :func:`prepare`. Both operands on the
+host (shape math) run on the host (core.executor). A W of rank > 2 is not supported (the
+builder's weights are 2-D).
 """
 
 import numpy as np
 
 from providers.cuda.module import ctype, function
-from providers.cuda.ops import NULL, host_or_none
+from providers.cuda.ops import NULL, _mma
 from providers.cuda.ops._linear import config, i32
-from providers.cuda.ops import _mma
 
 OP_TYPE = "MatMul"
 DOMAIN = ""
@@ -25,10 +26,23 @@ def _exprs(t: str) -> tuple[str, ...]:
     return tuple(f"dense<{rt}, {t}, {t}>" for rt in (1, 2, 4, 8))
 
 
+def prepare(ctx, a, w):
+    """Plan-time hook (core.ops): an fp16 constant W [K, N] with K <= MAX_K is replaced by its
+    tensor-core packed form (``_mma.prepare_dense``; (K, N) in ctx.cache[_mma.PREPARED])."""
+    packed = _mma.prepare_dense(ctx, w)
+    return None if packed is None else {1: packed}
+
+
 def run(ctx, a, w):
-    host = host_or_none(ctx, "matmul", (a, w))
-    if host is not None:
-        return host
+    prepared = ctx.cache.get(_mma.PREPARED)
+    if prepared is not None:  # w is the packed weight
+        k, n = prepared
+        if a.shape[-1] != k or a.dtype != np.float16:
+            raise ValueError(f"MatMul (cuda): A {a.dtype}{a.shape} for a packed fp16 weight [{k}, {n}]")
+        y = ctx.output(0, (*a.shape[:-1], n), a.dtype)
+        if a.size:
+            _mma.dense(_mma.contiguous(ctx, a), w, None, y, a.size // k, n, k, NULL)
+        return (y,)
     if w.ndim != 2 or a.shape[-1] != w.shape[0] or a.dtype != w.dtype:
         raise ValueError(f"MatMul: unsupported operands {a.dtype}{a.shape} @ {w.dtype}{w.shape} "
                          "(needs A [..., K] and a 2-D W [K, N] of the same float dtype)")
@@ -38,7 +52,7 @@ def run(ctx, a, w):
     if m == 0:
         return (y,)
     if uses_mma(a, k):
-        _mma.dense(ctx, a, w, None, y, m, n, k, NULL)
+        _mma.dense(a, _mma.unprepared(ctx, w), None, y, m, n, k, NULL)
     else:
         fma(a, w, y, m, n, k)
     return (y,)

@@ -9,20 +9,19 @@ Kernel: kernels/linear.cu ``nbits`` (dequantisation in registers; K order fixed 
 
 import numpy as np
 
+from core.opdefs import matmul_nbits_supports
 from providers.cuda.module import ctype, function
-from providers.cuda.ops import NULL
+from providers.cuda.ops import NULL, _mma
 from providers.cuda.ops._linear import config, i32
-from providers.cuda.ops import _mma
-from providers.cpu_reference.ops import matmul_nbits as reference
 
 OP_TYPE = "MatMulNBits"
 DOMAIN = "com.microsoft"
 
 
 def supports(node) -> bool:
-    """The configurations cpu_reference accepts, with fp16 or fp32 activations."""
+    """The configurations of core.opdefs.matmul_nbits_supports, with fp16 or fp32 activations."""
     dt = node.input_dtypes[0] if node.input_dtypes else None
-    return reference.supports(node) and (dt is None or dt in (np.float16, np.float32))
+    return matmul_nbits_supports(node) and (dt is None or dt in (np.float16, np.float32))
 
 
 def _exprs(t: str, s: str) -> tuple[str, ...]:
@@ -55,12 +54,19 @@ def zero_point_mode(zero_points, a_dtype, n: int, nb: int):
 
 def uses_mma(a, bits: int, k: int, zp_mode: int, zero_points) -> bool:
     """True when the product runs on the tensor-core int4 kernel."""
-    return (a.dtype == np.float16 and bits == 4 and k % 16 == 0 and k <= _mma.MAX_K and a.flags.c_contiguous
+    return a.flags.c_contiguous and mma_config(a.dtype, bits, k, zp_mode, zero_points)
+
+
+def mma_config(a_dtype, bits: int, k: int, zp_mode: int, zero_points) -> bool:
+    """The static part of :func:`uses_mma` (all but A's contiguity): fp16 A, 4 bits, K a
+    multiple of 16 and at most MAX_K, zero points absent, packed or fp16."""
+    return (a_dtype == np.float16 and bits == 4 and k % 16 == 0 and k <= _mma.MAX_K
             and (zp_mode != 2 or zero_points.dtype == np.float16))
 
 
 def geometry(attrs: dict, a, b, scales) -> tuple[int, int, int, int, int]:
-    """(K, N, bits, block_size, n_blocks) of the attributes, checked against A, B and scales.
+    """(K, N, bits, block_size, n_blocks) of the attributes, checked against A (unless None),
+    B and scales.
 
     Raises:
         ValueError: A's last dim is not K, or B / scales do not match N, K, bits, block_size.
@@ -69,7 +75,7 @@ def geometry(attrs: dict, a, b, scales) -> tuple[int, int, int, int, int]:
     bits, bs = int(attrs.get("bits", 4)), int(attrs["block_size"])
     nb = -(-k // bs)
     blob = bs * bits // 8
-    if a.shape[-1] != k:
+    if a is not None and a.shape[-1] != k:
         raise ValueError(f"MatMulNBits: A last dim {a.shape[-1]} != K {k}")
     if b.size != n * nb * blob or scales.size != n * nb:
         raise ValueError(f"MatMulNBits: B {b.shape} / scales {scales.shape} do not match "

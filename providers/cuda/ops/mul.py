@@ -1,5 +1,5 @@
-"""Mul (ONNX, default domain): numpy broadcasting, on the device (CuPy ufunc with out=)
-or on the host when both operands are host values (cpu_reference). Source: ONNX Mul-14."""
+"""Mul (ONNX, default domain): numpy broadcasting, on the device (kernels/elementwise.cu
+or a CuPy ufunc with out=); two host operands run on the host (core.executor). Source: ONNX Mul-14."""
 
 from providers.cuda.ops import _binary
 

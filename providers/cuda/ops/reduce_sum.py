@@ -1,10 +1,9 @@
-"""ReduceSum (ONNX, opset 13+): host values on the host (cpu_reference); device tensors with
+"""ReduceSum (ONNX, opset 13+): host data runs on the host (core.executor); device tensors with
 cupy.sum(..., out=) (integer sums are exact; the builder only sums the int64 attention mask).
 Float sums are not batch-invariant by design here and only run outside the decode path.
 Source: ONNX ReduceSum-13."""
 
-from providers.cpu_reference.ops._util import int_list, normalize_axis
-from providers.cuda.ops import host_or_none, is_host
+from core.opdefs import int_list, is_host, normalize_axis
 
 OP_TYPE = "ReduceSum"
 DOMAIN = ""
@@ -14,9 +13,6 @@ REPLAY = False  # device work through CuPy expressions (providers/cuda/replay.py
 def run(ctx, data, axes=None):
     import cupy
 
-    host = host_or_none(ctx, "reduce_sum", (data, axes))
-    if host is not None:
-        return host
     if not is_host(axes):
         raise ValueError("ReduceSum (cuda): axes must be a host value")
     attrs = ctx.node.attrs

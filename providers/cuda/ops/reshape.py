@@ -1,18 +1,15 @@
 """Reshape (ONNX): a view of the device input (no copy, no launch); the shape input must be a
-host value. 0 copies the input dim unless allowzero=1; one -1 is inferred. ONNX Reshape-21."""
+host value (host data runs on the host, core.executor). 0 copies the input dim unless
+allowzero=1; one -1 is inferred. ONNX Reshape-21."""
 
-from providers.cpu_reference.ops._util import int_list
+from core.opdefs import int_list, is_host
 from providers.cuda import replay
-from providers.cuda.ops import host_or_none, is_host
 
 OP_TYPE = "Reshape"
 DOMAIN = ""
 
 
 def run(ctx, data, shape):
-    host = host_or_none(ctx, "reshape", (data, shape))
-    if host is not None:
-        return host
     if not is_host(shape):
         raise ValueError("Reshape (cuda): the shape input must be a host value")
     dims = int_list(shape)

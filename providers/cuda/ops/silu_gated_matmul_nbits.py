@@ -4,17 +4,21 @@ MatMulNBits(X, up)) with the MatMulNBits attributes shared by both projections (
 Inputs: X, B_gate, scales_gate, zero_points_gate (or absent), B_up, scales_up, zero_points_up
 (graph constants of equal shapes and dtypes). Where MatMulNBits would use the tensor-core
 int4 kernel: ONE launch over the gate and up rows interleaved in groups of 8 features
-(``_mma.glu_rows``; codes, scales and zero points copied once per node) with the SiluMul in
-its epilogue, bitwise the unfused MatMulNBits, MatMulNBits, SiluMul of this provider.
-Otherwise those three kernels run in turn.
+(``_mma.glu_rows``; codes, scales and zero points interleaved once at plan time by
+:func:`prepare`) with the SiluMul in its epilogue, bitwise the unfused MatMulNBits,
+MatMulNBits, SiluMul of this provider. Otherwise those three kernels run in turn.
 """
 
-from providers.cpu_reference.ops._gated import gate_view
+import numpy as np
+
+from core.opdefs import gate_view
 from providers.cuda.module import ctype
-from providers.cuda.ops import NULL, _mma, matmul_nbits, silu_mul
+from providers.cuda.ops import NULL, _mma, array_module, matmul_nbits, silu_mul
 
 OP_TYPE = "SiluGatedMatMulNBits"
 DOMAIN = "lockstep"
+#: ctx.cache key of a prepared node: (K, N, block_size, zp_mode, zp_stride).
+PREPARED = "glu_prepared"
 
 
 def supports(node) -> bool:
@@ -22,36 +26,83 @@ def supports(node) -> bool:
     return len(node.inputs) == 7 and matmul_nbits.supports(gate_view(node))
 
 
-def _interleaved(ctx, n: int, pairs):
-    """The (gate, up) arrays of ``pairs`` as one array each, rows in glu_rows order, cached per
-    node by device pointers (the inputs are weights)."""
-    import cupy
-
-    key = tuple(None if g is None else (g.data.ptr, u.data.ptr, g.shape) for g, u in pairs)
-    hit = ctx.cache.get("glu_rows")
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    out = [None if g is None else _mma.glu_interleave(cupy, g.reshape(n, -1), u.reshape(n, -1))
-           for g, u in pairs]
-    ctx.cache["glu_rows"] = (key, out)
-    return out
+def interleave(xp, n: int, pairs) -> list:
+    """Each (gate, up) pair of ``pairs`` (arrays of N rows, or (None, None)) as one array of
+    glu_width(N) rows in glu_rows order (``_mma.glu_interleave``); None for an absent pair."""
+    return [None if g is None else _mma.glu_interleave(xp, g.reshape(n, -1), u.reshape(n, -1))
+            for g, u in pairs]
 
 
-def run(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
-    attrs = ctx.node.attrs
-    k, n, bits, bs, nb = matmul_nbits.geometry(attrs, x, b_gate, scales_gate)
+def _check_pair(b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up) -> None:
     if (b_gate.shape != b_up.shape or scales_gate.shape != scales_up.shape or scales_gate.dtype != scales_up.dtype
             or (zp_gate is None) != (zp_up is None)
             or (zp_gate is not None and (zp_gate.shape != zp_up.shape or zp_gate.dtype != zp_up.dtype))):
         raise ValueError("SiluGatedMatMulNBits: the gate and up weights differ in shape or dtype")
+
+
+def prepare(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
+    """Plan-time hook (core.ops). Where the fused tensor-core launch applies to every call
+    (declared fp16 X and the static conditions of ``matmul_nbits.mma_config``), inputs 1..3
+    become the interleaved codes, scales and zero points (:func:`interleave`), inputs 4..6 are
+    dropped and ctx.cache[PREPARED] = (K, N, block_size, zp_mode, zp_stride). Returns None
+    (nothing prepared) for fed weights or a configuration ``run`` would reject."""
+    node = ctx.node
+    weights = (b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up)
+    dtype = node.input_dtypes[0] if node.input_dtypes else None
+    if dtype != np.float16 or any(name and w is None for name, w in zip(node.inputs[1:7], weights)):
+        return None
+    try:
+        k, n, bits, bs, nb = matmul_nbits.geometry(node.attrs, None, b_gate, scales_gate)
+        _check_pair(*weights)
+        _, zp_mode, zp_stride = matmul_nbits.zero_point_mode(zp_gate, np.dtype(np.float16), n, nb)
+    except ValueError:
+        return None  # run() raises it on the raw inputs
+    if not matmul_nbits.mma_config(np.dtype(np.float16), bits, k, zp_mode, zp_gate):
+        return None
+    b, s, z = interleave(array_module(b_gate), n, ((b_gate, b_up), (scales_gate, scales_up), (zp_gate, zp_up)))
+    ctx.cache[PREPARED] = (k, n, bs, zp_mode, zp_stride)
+    changes = {1: b, 2: s, 4: None, 5: None}
+    if z is not None:
+        changes.update({3: z, 6: None})
+    return changes
+
+
+def _unprepared(ctx, n: int, pairs):
+    """:func:`interleave` of raw weights passed to the kernel (no prepare: direct calls, fed
+    weights), kept while the same objects come back (by identity, references held; never by
+    device pointer)."""
+    flat = tuple(x for pair in pairs for x in pair)
+    hit = ctx.cache.get("glu_unprepared")
+    if hit is not None and all(a is b for a, b in zip(hit[0], flat)):
+        return hit[1]
+    out = interleave(array_module(pairs[0][0]), n, pairs)
+    ctx.cache["glu_unprepared"] = (flat, out)
+    return out
+
+
+def run(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
+    prepared = ctx.cache.get(PREPARED)
+    if prepared is not None:  # inputs 1..3 interleaved gate/up (zp None when absent), 4..6 None
+        k, n, bs, zp_mode, zp_stride = prepared
+        if x.shape[-1] != k or x.dtype != np.float16:
+            raise ValueError(f"SiluGatedMatMulNBits (cuda): X {x.dtype}{x.shape} for prepared fp16 weights, K={k}")
+        y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
+        if x.size:
+            _mma.nbits4(_mma.contiguous(ctx, x), b_gate, scales_gate, NULL if zp_gate is None else zp_gate, zp_mode,
+                        zp_stride, None, y, x.size // k, _mma.glu_width(n), k, bs, ctype(scales_gate.dtype), NULL,
+                        glu_out=n)
+        return (y,)
+    attrs = ctx.node.attrs
+    k, n, bits, bs, nb = matmul_nbits.geometry(attrs, x, b_gate, scales_gate)
+    _check_pair(b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up)
     _, zp_mode, zp_stride = matmul_nbits.zero_point_mode(zp_gate, x.dtype, n, nb)
     y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
     m = x.size // k
     if m == 0:
         return (y,)
     if matmul_nbits.uses_mma(x, bits, k, zp_mode, zp_gate):
-        b, s, z = _interleaved(ctx, n, ((b_gate, b_up), (scales_gate, scales_up),
-                                        (None, None) if zp_gate is None else (zp_gate, zp_up)))
+        b, s, z = _unprepared(ctx, n, ((b_gate, b_up), (scales_gate, scales_up),
+                                       (None, None) if zp_gate is None else (zp_gate, zp_up)))
         _mma.nbits4(x, b, s, NULL if z is None else z, zp_mode, zp_stride, None, y, m, _mma.glu_width(n), k, bs,
                     ctype(s.dtype), NULL, glu_out=n)
         return (y,)

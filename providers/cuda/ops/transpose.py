@@ -1,11 +1,9 @@
 """Transpose (ONNX): contiguous copy with permuted axes (cupy.copyto into the output buffer).
 
 The builder's Transpose of the tied embedding has only constant inputs, so the core folds it
-once at planning time (core.executor); a per-step Transpose is a plain copy. ONNX Transpose-21.
+once at planning time (core.executor); a per-step Transpose is a plain copy (of a host
+input: on the host, core.executor). ONNX Transpose-21.
 """
-
-
-from providers.cuda.ops import host_or_none
 
 OP_TYPE = "Transpose"
 DOMAIN = ""
@@ -15,9 +13,6 @@ REPLAY = False  # device work through CuPy expressions (providers/cuda/replay.py
 def run(ctx, x):
     import cupy
 
-    host = host_or_none(ctx, "transpose", (x,))
-    if host is not None:
-        return host
     perm = ctx.node.attrs.get("perm")
     perm = list(range(x.ndim))[::-1] if perm is None else [int(p) for p in perm]
     y = ctx.output(0, [x.shape[p] for p in perm], x.dtype)

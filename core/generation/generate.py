@@ -8,8 +8,10 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
-from core import kv as kvgeo
-from core.model import Model, load_model
+from core.runtime import kv as kvgeo
+from core.models.model import Model, load_model
+from core.runtime.runner import Runner
+from core.generation.loop import decode
 from core.session import RequestError, Session
 
 
@@ -69,20 +71,20 @@ def generate(session: Session, input_ids: Sequence[Sequence[int]], max_new_token
     """
     session.check_prompts(input_ids, max_new_tokens)
     B = len(input_ids)
-    outputs: list[list[int]] = [[] for _ in range(B)]
-    reasons: list[str | None] = [None] * B
     if max_new_tokens == 0:
         return [([], "length") for _ in range(B)]
+    outputs: list[list[int]] = [[] for _ in range(B)]
+    reasons: list[str | None] = [None] * B
     eos = set(session.model.config.eos_token_ids)
-    step = session.prefill(input_ids)
-    for t in range(max_new_tokens):
+
+    def observe(t: int, out, _seconds: float) -> bool:
         for b in range(B):
             if reasons[b] is not None:
                 continue
-            if step.errors[b]:
+            if out.errors[b]:
                 reasons[b] = "error"
                 continue
-            tok = int(step.tokens[b])
+            tok = int(out.tokens[b])
             outputs[b].append(tok)
             if tok in eos:
                 reasons[b] = "eos"
@@ -90,9 +92,9 @@ def generate(session: Session, input_ids: Sequence[Sequence[int]], max_new_token
                 reasons[b] = "length"
         if progress is not None:
             progress(t + 1, max_new_tokens)
-        if all(r is not None for r in reasons):
-            break
-        step = session.step()
+        return all(r is not None for r in reasons)
+
+    decode(session, input_ids, max_new_tokens - 1, observer=observe)
     return [(o, r or "length") for o, r in zip(outputs, reasons)]
 
 
@@ -104,24 +106,29 @@ def _token_row(index: int, row) -> list[int]:
     return [int(t) for t in arr]
 
 
-def run(model: str | Path | Model | None = None, provider: Any = "cpu_reference",
+def run(model: str | Path | Model | Runner | None = None, provider: Any = "cpu_reference",
         prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
-        max_new_tokens: int = 64, chat: bool = True, kv_layout: str = "head_major",
-        capacity: int | None = None, capture: bool | None = None, progress=None) -> Result:
+        max_new_tokens: int = 64, chat: bool = True, kv_layout: str | None = None,
+        capacity: int | None = None, capture: bool | None = None, progress=None,
+        weight_budget: int | float | str | None = None) -> Result:
     """Run several prompts as one batch and decode greedily.
 
     Args:
-        model: a builder model folder, a loaded Model, or None for the default model
-            (SmolLM2-135M-Instruct, prepared on first use; see :mod:`core.prepare`).
+        model: a builder model folder, a loaded Model, a Runner (weights already on the
+            provider; ``provider`` is then ignored), or None for the default model
+            (SmolLM2-135M-Instruct, prepared on first use; see :mod:`core.models.prepare`).
         provider: provider name or object.
         prompts: texts (one row each); or ``input_ids``: token-id lists. Exactly one is given.
         max_new_tokens: tokens to generate per row (>= 0).
         chat: apply the model's chat template to ``prompts`` (ignored for input_ids).
-        kv_layout: "head_major" or "seq_major".
+        kv_layout: "head_major" or "seq_major" (default: the Runner's, else "head_major").
         capacity: KV positions per row; default what the request needs, rounded up to 64,
             at most the model context.
         capture: graph capture for decode steps (None = when the provider supports it).
         progress: optional callable(step, total).
+        weight_budget: device bytes for the weights, staging included (bytes, a fraction of the
+            weight bytes, or "2GiB" / "40%"); the rest stream every step (see
+            :mod:`core.runtime.residency`). Default: everything resident when it fits.
 
     Returns:
         :class:`Result` with one :class:`Row` per prompt.
@@ -129,7 +136,7 @@ def run(model: str | Path | Model | None = None, provider: Any = "cpu_reference"
     Raises:
         RequestError: bad request (no/both prompt kinds, empty prompt, negative
             max_new_tokens, prompt beyond the capacity); checked before any kernel runs.
-        core.plugins.ProviderError, core.model.ModelError, core.executor.UnsupportedOpError.
+        core.plugins.ProviderError, core.models.model.ModelError, core.executor.UnsupportedOpError.
     """
     if (prompts is None) == (input_ids is None):
         raise RequestError("pass exactly one of prompts= or input_ids=")
@@ -138,10 +145,11 @@ def run(model: str | Path | Model | None = None, provider: Any = "cpu_reference"
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise RequestError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
     if model is None:
-        from core.prepare import resolve_model
+        from core.models.prepare import resolve_model
 
         model = resolve_model(None)
-    model = model if isinstance(model, Model) else load_model(model)
+    runner = model if isinstance(model, Runner) else None
+    model = runner.model if runner is not None else model if isinstance(model, Model) else load_model(model)
     if prompts is not None:
         input_ids = encode_prompts(model, prompts, chat)
     input_ids = [_token_row(i, r) for i, r in enumerate(input_ids)]
@@ -153,8 +161,9 @@ def run(model: str | Path | Model | None = None, provider: Any = "cpu_reference"
             raise RequestError(f"the request needs {need} KV positions; the model context is "
                                f"{model.config.context_length}")
         capacity = kvgeo.round_capacity(need, model.config.context_length)
-    session = Session(model, provider, batch=len(input_ids), capacity=capacity,
-                      kv_layout=kv_layout, kv_policy="fixed", capture=capture)
+    session = Session(runner or model, provider, batch=len(input_ids), capacity=capacity,
+                      kv_layout=kv_layout or (runner.kv_layout if runner else "head_major"),
+                      kv_policy="fixed", capture=capture, weight_budget=weight_budget)
     results = generate(session, input_ids, max_new_tokens, progress)
     tok = model.tokenizer
     rows = [Row(list(p), out, tok.decode(out) if tok else "", reason)

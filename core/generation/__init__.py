@@ -1,0 +1,1 @@
+"""Generation: the decode loop, stop rules and the main job (`core.run`)."""

@@ -1,0 +1,78 @@
+"""The decode loop: prefill, then decode steps, with an observer per step.
+
+Every caller that decodes (``core.run``, the parity kit, ``lockstep profile``, the benchmarks
+and the tests) goes through :func:`decode`, so what is measured and checked is the loop users run.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import attrs
+import numpy as np
+
+from core.runtime.step import StepOutput
+
+#: ``observer(t, out, seconds) -> stop?``: t = 0 for the prefill, t >= 1 for decode step t;
+#: ``seconds`` is the host wall time of that call (it includes the [B, 2] read-back).
+Observer = Callable[[int, StepOutput, float], "bool | None"]
+
+
+@attrs.define
+class Trace:
+    """What :func:`decode` ran.
+
+    Attributes:
+        tokens: int64 ``[T + 1, B]``: the prefill's tokens, then each decode step's.
+        errors: bool ``[T + 1, B]``: rows whose logits were non-finite at that step.
+        seconds: wall seconds of the prefill (entry 0) and of each decode step.
+    """
+
+    tokens: np.ndarray
+    errors: np.ndarray
+    seconds: list[float]
+
+    @property
+    def steps(self) -> int:
+        """Decode steps run (the prefill not counted)."""
+        return len(self.seconds) - 1
+
+
+def decode(session, input_ids: Sequence[Sequence[int]], steps: int,
+           force: Sequence[Sequence[int]] | None = None, observer: Observer | None = None) -> Trace:
+    """Prefill ``input_ids`` on ``session``, then run up to ``steps`` decode steps.
+
+    Args:
+        session: a :class:`core.session.Session` of ``len(input_ids)`` rows.
+        input_ids: one token-id list per row.
+        steps: decode steps to run after the prefill (>= 0).
+        force: teacher forcing: ``force[b][t]`` is fed to row b at decode step t + 1 instead of
+            the row's own previous token (each row needs ``steps`` entries).
+        observer: called after the prefill and after every step; returning True stops the loop.
+
+    Raises:
+        core.session.RequestError: the request is refused (before any kernel runs), or
+            ``force`` rows are shorter than ``steps``.
+    """
+    from core.session import RequestError
+
+    if force is not None and any(len(row) < steps for row in force):
+        raise RequestError(f"force needs {steps} tokens per row")
+    tokens, errors, seconds = [], [], []
+
+    def record(t: int, out: StepOutput, t0: float) -> bool:
+        seconds.append(time.perf_counter() - t0)
+        tokens.append(out.tokens)
+        errors.append(out.errors)
+        return bool(observer(t, out, seconds[-1])) if observer is not None else False
+
+    t0 = time.perf_counter()
+    stop = record(0, session.prefill(input_ids), t0)
+    for t in range(steps):
+        if stop:
+            break
+        forced = None if force is None else [row[t] for row in force]
+        t0 = time.perf_counter()
+        stop = record(t + 1, session.step(force_tokens=forced), t0)
+    return Trace(np.array(tokens, np.int64), np.array(errors, bool), seconds)

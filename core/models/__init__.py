@@ -1,0 +1,1 @@
+"""Models: loading builder folders and preparing the default model."""

@@ -1,0 +1,106 @@
+"""Op semantics shared by providers: host-value tests, integer-input parsing, attribute and
+dtype rules of the ops (ONNX, com.microsoft and the core's fused ops).
+
+Providers import these instead of each other's op modules, so no provider depends on another
+one (a cuda op never imports cpu_reference). NumPy only; no provider import.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+from onnx import TensorProto
+
+#: Types of host values: numpy arrays and scalars, Python numbers (None is an absent input).
+HOST_TYPES = (np.ndarray, np.generic, int, float)
+
+
+def is_host(x) -> bool:
+    """True for host values (numpy arrays / scalars, Python numbers) and absent inputs (None)."""
+    return x is None or isinstance(x, HOST_TYPES)
+
+
+def int_list(x) -> list[int]:
+    """A host integer tensor (scalar or 1-D, any int dtype) as a list of Python ints."""
+    return [int(v) for v in np.asarray(x).reshape(-1)]
+
+
+def int_scalar(x) -> int:
+    """A host integer scalar or 1-element tensor as a Python int.
+
+    Raises:
+        ValueError: ``x`` has not exactly one element.
+    """
+    values = int_list(x)
+    if len(values) != 1:
+        raise ValueError(f"expected a scalar or 1-element tensor, got {len(values)} elements")
+    return values[0]
+
+
+def normalize_axis(axis: int, rank: int) -> int:
+    """``axis`` in [-rank, rank) as a non-negative axis.
+
+    Raises:
+        ValueError: ``axis`` out of range.
+    """
+    if not -rank <= axis < rank:
+        raise ValueError(f"axis {axis} out of range for rank {rank}")
+    return axis % rank
+
+
+# -- Constant (ONNX Constant-21) ------------------------------------------------------------
+#: Attribute of a Constant node -> numpy dtype of its value (None: the tensor's own dtype).
+CONSTANT_KINDS = {"value": None, "value_float": np.float32, "value_floats": np.float32,
+                  "value_int": np.int64, "value_ints": np.int64}
+
+
+def constant_supports(node) -> bool:
+    """Exactly one attribute, a dense tensor or float/int value(s); sparse and string values
+    are not supported."""
+    return len(node.attrs) == 1 and next(iter(node.attrs)) in CONSTANT_KINDS
+
+
+def constant_value(node) -> np.ndarray:
+    """The host array a Constant node outputs."""
+    (name, value), = node.attrs.items()
+    return np.array(value, dtype=CONSTANT_KINDS[name])
+
+
+# -- Cast (ONNX Cast-21) --------------------------------------------------------------------
+#: Cast targets no provider supports: bfloat16, float8, string, 4-bit integers.
+CAST_UNSUPPORTED = frozenset({
+    TensorProto.BFLOAT16, TensorProto.STRING, TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E4M3FNUZ,
+    TensorProto.FLOAT8E5M2, TensorProto.FLOAT8E5M2FNUZ, TensorProto.UINT4, TensorProto.INT4})
+
+
+def cast_supports(node) -> bool:
+    """The ``to`` attribute is set and names a supported dtype (not in CAST_UNSUPPORTED)."""
+    to = int(node.attrs.get("to", 0))
+    return to != 0 and to not in CAST_UNSUPPORTED
+
+
+# -- MatMulNBits and GatherBlockQuantized (com.microsoft, OPS.md 2 and 5) ---------------------
+def matmul_nbits_supports(node) -> bool:
+    """bits 2/4/8, block_size a power of two >= 16, no prepacked weight, no g_idx (input 4)."""
+    attrs = node.attrs
+    bs = int(attrs.get("block_size", 0))
+    g_idx = len(node.inputs) > 4 and node.inputs[4] != ""
+    return (int(attrs.get("bits", 4)) in (2, 4, 8) and bs >= 16 and bs & (bs - 1) == 0
+            and not attrs.get("weight_prepacked", 0) and not g_idx)
+
+
+def gather_block_quantized_supports(node) -> bool:
+    """gather_axis 0, quantize_axis the last (1), bits 4/8, block_size a power of two >= 16."""
+    attrs = node.attrs
+    bs = int(attrs.get("block_size", 128))
+    return (int(attrs.get("gather_axis", 0)) == 0 and int(attrs.get("quantize_axis", 1)) in (1, -1)
+            and int(attrs.get("bits", 4)) in (4, 8) and bs >= 16 and bs & (bs - 1) == 0)
+
+
+# -- fused gated projections (core.fusion) -------------------------------------------------
+def gate_view(node) -> SimpleNamespace:
+    """The gate projection of a fused ``lockstep.SiluGatedMatMulNBits`` node as a MatMulNBits
+    node: its name, attributes, inputs 0..3 and their dtypes."""
+    return SimpleNamespace(name=node.name, attrs=node.attrs, inputs=tuple(node.inputs[:4]),
+                           input_dtypes=tuple(node.input_dtypes[:4]))

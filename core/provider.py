@@ -1,0 +1,273 @@
+"""A base class for execution providers: validated public methods over private implementations.
+
+:class:`ProviderBase` implements the public protocol of :mod:`core.protocol`. Each public method
+checks its arguments, keeps the provider's counters and calls an underscored method that a
+provider implements (``_allocate``, ``_upload``, ``_download``, ``_write``, ``_copy_bytes``, ...).
+It also gives defaults for what most providers share: an IO binding over the plan, kv_commit
+accounting, decode_advance and fill/copy written with array indexing (NumPy and CuPy arrays
+both support it), and no-op answers for the optional members (peak memory, bandwidth).
+
+The core touches provider tensors only through these methods (``write``, ``fill``,
+``copy_bytes``, ``upload``, ``download``); it never indexes a provider tensor itself.
+
+A provider does not have to inherit from this class: any object with the members of
+:data:`core.protocol.REQUIRED_MEMBERS` is accepted. Inheriting gives the checks and counters
+for free, so a new provider writes only its memory primitives and its kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from core.protocol import ARGMAX_ERROR, ARGMAX_TOKEN, Capabilities, KVRequest, NodeInfo
+
+
+class ProviderBase:
+    """Validated protocol methods; subclasses implement the underscored primitives.
+
+    Counters (bytes, cumulative over the provider's life):
+        uploaded_bytes: bytes copied host -> device by :meth:`upload` and :meth:`write`.
+        downloaded_bytes: bytes copied device -> host by :meth:`download`.
+        committed_bytes: bytes backed through :meth:`kv_commit`.
+
+    Subclasses must set ``name`` and implement ``capabilities``, ``supports``, ``kernel``,
+    ``_allocate(shape, dtype, zero)``, ``_upload(array)``, ``_download(tensor)``,
+    ``device_argmax`` and ``synchronize``. ``_write``, ``_fill`` and ``_copy_bytes`` have
+    array-indexing defaults.
+    """
+
+    name = "provider"
+
+    def __init__(self) -> None:
+        self.uploaded_bytes = 0
+        self.downloaded_bytes = 0
+        self.committed_bytes = 0
+
+    # -- what a provider must implement ---------------------------------------------------
+    def capabilities(self) -> Capabilities:
+        """Static description of what this provider can do."""
+        raise NotImplementedError
+
+    def supports(self, node: NodeInfo) -> bool:
+        """True when :meth:`kernel` can run ``node``."""
+        raise NotImplementedError
+
+    def kernel(self, node: NodeInfo):
+        """The callable that runs ``node`` (called once per node at plan time)."""
+        raise NotImplementedError
+
+    def device_argmax(self, logits: Any, positions: Any, result: Any) -> None:
+        """Greedy selection on the device (see :class:`core.protocol.ExecutionProvider`)."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work."""
+
+    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype, zero: bool) -> Any:
+        raise NotImplementedError
+
+    def _upload(self, array: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    def _download(self, tensor: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    # -- validated public methods ---------------------------------------------------------
+    def allocate(self, shape: Sequence[int], dtype: Any, zero: bool = False) -> Any:
+        """A device tensor of ``shape`` / ``dtype`` (zero-filled when ``zero``).
+
+        Raises:
+            ValueError: a negative or non-integer dimension.
+        """
+        dims = tuple(int(s) for s in shape)
+        if any(d < 0 for d in dims) or len(dims) != len(tuple(shape)):
+            raise ValueError(f"{self.name}: cannot allocate shape {tuple(shape)}")
+        return self._allocate(dims, np.dtype(dtype), bool(zero))
+
+    def upload(self, array: np.ndarray) -> Any:
+        """Copy a host array to a new device tensor (counted in ``uploaded_bytes``)."""
+        host = np.ascontiguousarray(array)
+        self.uploaded_bytes += host.nbytes
+        return self._upload(host)
+
+    def download(self, tensor: Any) -> np.ndarray:
+        """Copy a device tensor to a new host array (synchronises)."""
+        out = self._download(tensor)
+        self.downloaded_bytes += int(out.nbytes)
+        return out
+
+    def write(self, tensor: Any, array: np.ndarray) -> None:
+        """Copy a host array into an existing device tensor of the same shape, in place.
+
+        Raises:
+            ValueError: the shapes differ.
+        """
+        host = np.ascontiguousarray(array, dtype=tensor.dtype)
+        if tuple(host.shape) != tuple(tensor.shape):
+            raise ValueError(f"{self.name}: write of {host.shape} into a tensor of {tuple(tensor.shape)}")
+        self.uploaded_bytes += host.nbytes
+        self._write(tensor, host)
+
+    def fill(self, tensor: Any, value: float) -> None:
+        """Set every element of ``tensor`` to ``value`` (e.g. NaN, to poison unused KV slots)."""
+        self._fill(tensor, value)
+
+    def copy_bytes(self, dst: Any, src: Any, copies: Sequence[tuple[int, int, int]]) -> int:
+        """Device-to-device copies ``(src_offset, dst_offset, nbytes)`` between two tensors' bytes.
+
+        Returns:
+            bytes copied.
+
+        Raises:
+            ValueError: a range outside either tensor.
+        """
+        for s, d, n in copies:
+            if s < 0 or d < 0 or s + n > src.nbytes or d + n > dst.nbytes:
+                raise ValueError(f"{self.name}: copy ({s}, {d}, {n}) outside {src.nbytes} / {dst.nbytes} bytes")
+        self._copy_bytes(dst, src, copies)
+        return sum(n for _, _, n in copies)
+
+    def io_binding(self, plan):
+        """Persistent IO binding over a plan (the core's :class:`~core.executor.PlanBinding`)."""
+        from core.executor import PlanBinding
+
+        return PlanBinding(plan)
+
+    def decode_advance(self, result: Any, input_ids: Any, attention_mask: Any, lengths: Any) -> None:
+        """Feed the chosen tokens back (see :class:`core.protocol.ExecutionProvider`)."""
+        flagged = result[:, ARGMAX_ERROR] != 0
+        input_ids[:, 0] = (result[:, ARGMAX_TOKEN] * (1 - flagged)).astype(input_ids.dtype)
+        rows = self._arange(len(lengths))
+        attention_mask[rows, lengths] = 1
+        lengths += 1
+
+    def kv_commit(self, arena: Any, requests: Sequence[KVRequest]) -> int:
+        """Make byte ranges of a KV arena backed; returns bytes newly committed (the default
+        only counts, clipped to the arena: memory from :meth:`allocate` is always backed).
+        Ranges are whole pages (``capabilities().page_bytes``), so the last may end past the
+        arena's last byte.
+
+        Raises:
+            ValueError: a range starting outside the arena.
+        """
+        for r in requests:
+            if r.offset < 0 or r.nbytes < 0 or r.offset >= arena.nbytes:
+                raise ValueError(f"{self.name}: KV commit ({r.offset}, {r.nbytes}) outside {arena.nbytes} bytes")
+        added = self._kv_commit(arena, requests)
+        self.committed_bytes += added
+        return added
+
+    def reserve(self, shape: Sequence[int], dtype: Any) -> Any:
+        """A tensor over reserved address space, pages backed by :meth:`kv_commit` (only when
+        ``capabilities().vmm``).
+
+        Raises:
+            NotImplementedError: the provider has no VMM.
+        """
+        raise NotImplementedError(f"provider {self.name!r} has no VMM (capabilities().vmm is False)")
+
+    def weight_stream(self, slots: int, slot_bytes: int) -> "WeightStream":
+        """A staging ring of ``slots`` device buffers of ``slot_bytes`` for weight streaming
+        (:mod:`core.runtime.residency`). The default copies synchronously with :meth:`write`;
+        a device provider overrides it with asynchronous copies on a copy stream."""
+        return WeightStream(self, slots, slot_bytes)
+
+    # -- optional measurements (None when the provider cannot tell) ------------------------
+    def peak_bytes(self) -> int | None:
+        """Device bytes held at the high-water mark, or None."""
+        return None
+
+    def reset_peak(self) -> None:
+        """Start a new peak measurement (no-op by default)."""
+
+    def device_bandwidth(self) -> float | None:
+        """Measured device memory bandwidth in bytes/s (read + write), or None."""
+        return None
+
+    def host_to_device_bandwidth(self) -> float | None:
+        """Measured host-to-device copy bandwidth from staged (pinned) memory in bytes/s, or None."""
+        return None
+
+    def free_device_bytes(self) -> int | None:
+        """Device bytes free now (for the default weight budget), or None when unbounded/unknown."""
+        return None
+
+    # -- array-indexing defaults ----------------------------------------------------------
+    def _write(self, tensor: Any, host: np.ndarray) -> None:
+        tensor[...] = self._upload(host)
+
+    def _fill(self, tensor: Any, value: float) -> None:
+        tensor[...] = value
+
+    def _copy_bytes(self, dst: Any, src: Any, copies: Sequence[tuple[int, int, int]]) -> None:
+        d, s = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
+        for so, do, n in copies:
+            d[do:do + n] = s[so:so + n]
+
+    def _kv_commit(self, arena: Any, requests: Sequence[KVRequest]) -> int:
+        return sum(min(r.offset + r.nbytes, arena.nbytes) - r.offset for r in requests)
+
+    def _arange(self, n: int) -> Any:
+        return np.arange(n)
+
+
+class WeightStream:
+    """A ring of device staging slots that streamed weights are copied into, step by step.
+
+    The executor drives it in a static order per step (:meth:`core.executor.Plan.run`)::
+
+        begin()                          # the step starts (device providers: fork the copy stream)
+        copy(slot, host, view)           # weight -> slot; waits for the slot's last reader
+        ready(slot)                      # before the first kernel that reads the slot
+        release(slot)                    # after the last kernel that reads the slot
+        end()                            # the step ends (join the copy stream)
+
+    This default runs on the host: ``copy`` writes synchronously through the provider, the
+    other calls do nothing. A device provider subclasses it with a copy stream and events so
+    that copies overlap compute (providers/cuda/streaming.py).
+
+    Attributes:
+        slots: the device buffers, uint8 ``[slot_bytes]`` each.
+        copies, bytes_copied: copies issued and bytes they moved (cumulative).
+    """
+
+    def __init__(self, provider: ProviderBase, slots: int, slot_bytes: int):
+        self.provider = provider
+        self.slots = [provider.allocate((slot_bytes,), np.uint8) for _ in range(slots)]
+        self.copies = 0
+        self.bytes_copied = 0
+
+    def stage(self, array: np.ndarray) -> Any:
+        """The host copy a weight is streamed from (pinned memory on a GPU), made once."""
+        return np.ascontiguousarray(array).copy()
+
+    def view(self, slot: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        """Slot ``slot`` seen as a tensor of ``shape`` / ``dtype`` (what the kernel reads)."""
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        return self.slots[slot][:n].view(dtype).reshape(shape)
+
+    def begin(self) -> None:
+        """A step starts."""
+
+    def copy(self, slot: int, host: Any, view: Any) -> None:
+        """Copy a staged weight into ``view`` (a view of slot ``slot``)."""
+        self.provider._write(view, host)
+        self.copies += 1
+        self.bytes_copied += int(host.nbytes)
+
+    def ready(self, slot: int) -> None:
+        """Make the kernels that follow wait for the copy into ``slot``."""
+
+    def release(self, slot: int) -> None:
+        """Every kernel that reads ``slot``'s current weight has been issued."""
+
+    def end(self) -> None:
+        """A step ends."""
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device bytes of the ring."""
+        return sum(int(s.nbytes) for s in self.slots)

@@ -1,0 +1,271 @@
+"""KV-cache geometry as pure functions (no device, no state).
+
+Layouts of one layer's K (or V) buffer with batch B, Nkv kv heads, capacity C, head size H:
+
+- ``head_major``: ``[B, Nkv, C, H]``, the builder's BNSH (OPS.md 1.1, input 3);
+- ``seq_major``:  ``[B, C, Nkv, H]``.
+
+Row b holds ``length[b]`` live positions, always the prefix ``[0, length[b])`` (GQA right
+padding, OPS.md 1.4). Policies: ``fixed`` (the full stride is reserved once; physical pages are
+committed as rows grow, so pointers never move) and ``growing`` (a bucket reallocated to a larger
+capacity: the live prefix is copied, the suffix zeroed).
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+LAYOUTS = ("head_major", "seq_major")
+POLICIES = ("fixed", "growing")
+
+
+class KVLayoutError(ValueError):
+    """A layout/policy/batch combination that cannot work (named in the message)."""
+
+
+@attrs.frozen
+class KVGeometry:
+    """Shape facts of one layer's K or V buffer.
+
+    Attributes:
+        layout: "head_major" or "seq_major".
+        batch, kv_heads, capacity, head_size: B, Nkv, C, H.
+        itemsize: bytes per element (2 for fp16, 4 for fp32).
+    """
+
+    layout: str
+    batch: int
+    kv_heads: int
+    capacity: int
+    head_size: int
+    itemsize: int
+
+    def __attrs_post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise KVLayoutError(f"unknown KV layout {self.layout!r}; use one of {LAYOUTS}")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The buffer shape in this layout."""
+        b, n, c, h = self.batch, self.kv_heads, self.capacity, self.head_size
+        return (b, n, c, h) if self.layout == "head_major" else (b, c, n, h)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one buffer (B * Nkv * C * H * itemsize)."""
+        return self.batch * self.kv_heads * self.capacity * self.head_size * self.itemsize
+
+    def with_capacity(self, capacity: int) -> "KVGeometry":
+        """The same geometry with capacity ``capacity``."""
+        return attrs.evolve(self, capacity=capacity)
+
+
+def live_ranges(geo: KVGeometry, lengths: list[int]) -> list[tuple[int, int]]:
+    """Byte ranges ``(offset, nbytes)`` holding live positions of every row, in address order.
+
+    head_major: one range per (row, kv head): ``length[b] * H`` elements at
+    ``((b * Nkv + g) * C) * H``. seq_major: one range per row: ``length[b] * Nkv * H`` elements at
+    ``b * C * Nkv * H``.
+
+    Raises:
+        KVLayoutError: a length is negative or exceeds the capacity, or len(lengths) != batch.
+    """
+    _check_lengths(geo, lengths)
+    h, n, c, item = geo.head_size, geo.kv_heads, geo.capacity, geo.itemsize
+    out = []
+    for b, length in enumerate(lengths):
+        if length == 0:
+            continue
+        if geo.layout == "head_major":
+            out += [(((b * n + g) * c) * h * item, length * h * item) for g in range(n)]
+        else:
+            out.append((b * c * n * h * item, length * n * h * item))
+    return out
+
+
+def commit_requests(geo: KVGeometry, old_lengths: list[int], new_lengths: list[int],
+                    page: int) -> list[tuple[int, int]]:
+    """Page-aligned byte ranges that must become backed when rows grow from old to new lengths.
+
+    Returns merged ``(offset, nbytes)`` ranges, each a multiple of ``page`` bytes, covering every
+    byte of the new live prefix not covered by the old one (already committed pages are skipped).
+    """
+    def pages(lengths):
+        covered = set()
+        for off, size in live_ranges(geo, lengths):
+            covered.update(range(off // page, (off + size + page - 1) // page))
+        return covered
+
+    need = sorted(pages(new_lengths) - pages(old_lengths))
+    merged: list[tuple[int, int]] = []
+    for p in need:
+        if merged and merged[-1][0] + merged[-1][1] == p * page:
+            merged[-1] = (merged[-1][0], merged[-1][1] + page)
+        else:
+            merged.append((p * page, page))
+    return merged
+
+
+def growth_copies(old: KVGeometry, new_capacity: int, lengths: list[int]
+                  ) -> list[tuple[int, int, int]]:
+    """Copies ``(src_offset, dst_offset, nbytes)`` that move every live prefix into a buffer of
+    ``new_capacity``; bytes of the new buffer not written by a copy must be zeroed.
+
+    head_major works at any batch (each (row, head) prefix moves to its new stride).
+    seq_major: row b starts at ``b * C * Nkv * H``, so growing C relocates every row b > 0.
+
+    Raises:
+        KVLayoutError: seq_major at batch > 1 (refused by design: DESIGN.md, Decode state), or
+            new_capacity smaller than a live length.
+    """
+    if old.layout == "seq_major" and old.batch > 1:
+        raise KVLayoutError("a growing seq_major KV cache at batch > 1 would relocate every "
+                            "sequence b > 0; use layout head_major or the fixed policy")
+    _check_lengths(old.with_capacity(new_capacity), lengths)
+    new = old.with_capacity(new_capacity)
+    src, dst = live_ranges(old, lengths), live_ranges(new, lengths)
+    return [(s_off, d_off, size) for (s_off, size), (d_off, _) in zip(src, dst)]
+
+
+def _check_lengths(geo: KVGeometry, lengths: list[int]) -> None:
+    if len(lengths) != geo.batch:
+        raise KVLayoutError(f"{len(lengths)} lengths for a batch of {geo.batch}")
+    bad = [x for x in lengths if not 0 <= x <= geo.capacity]
+    if bad:
+        raise KVLayoutError(f"lengths {bad} outside [0, capacity={geo.capacity}]")
+
+
+def round_capacity(needed: int, context_length: int, multiple: int = 64) -> int:
+    """Capacity for ``needed`` tokens: rounded up to ``multiple``, at most the model context."""
+    return min(context_length, -(-needed // multiple) * multiple)
+
+
+class KVFullError(ValueError):
+    """A step needs more KV positions than the cache may hold (its limit is in the message)."""
+
+
+class KVCache:
+    """The KV cache of one batch: one K and one V buffer per layer, and the policy that sizes them.
+
+    Owns the geometry, the capacity (the one place it is kept), page commits and growth:
+
+    - ``fixed``: ``capacity`` positions per row, a hard limit.
+    - ``growing`` without VMM: buffers of ``capacity`` positions, reallocated to a larger bucket
+      (at least double, rounded to 16) when a step needs more: live prefixes copied with
+      ``provider.copy_bytes``, suffix zero; the bytes copied are counted in ``kv_bytes_moved``.
+    - ``growing`` with VMM (``capabilities().vmm``): the buffers reserve ``max_capacity``
+      positions of address space once; growth only raises the logical capacity, pages are
+      committed as rows reach them, pointers never move and nothing is copied.
+
+    Args:
+        provider: the execution provider (a :class:`core.provider.ProviderBase` or protocol object).
+        layout: "head_major" ([B, Nkv, C, H]) or "seq_major" ([B, C, Nkv, H]).
+        batch, kv_heads, head_size, layers: B, Nkv, H and the number of layers.
+        dtype: the KV dtype (the model's io dtype).
+        capacity: initial positions per row; max_capacity: the most a growing cache may reach.
+        policy: "fixed" or "growing".
+        counters: a :class:`core.counters.Counters` the cache keeps ``kv_bytes``,
+            ``kv_committed_bytes``, ``growth_events`` and ``kv_bytes_moved`` in.
+
+    Raises:
+        KVLayoutError: an unknown layout or policy, or growing seq_major at batch > 1 (growth
+            would relocate every row b > 0).
+    """
+
+    def __init__(self, provider, layout: str, batch: int, kv_heads: int, head_size: int, layers: int,
+                 dtype, capacity: int, max_capacity: int, policy: str, counters):
+        if policy not in POLICIES:
+            raise KVLayoutError(f"unknown KV policy {policy!r}; use one of {POLICIES}")
+        if policy == "growing" and layout == "seq_major" and batch > 1:
+            raise KVLayoutError("a growing seq_major KV cache at batch > 1 would relocate every "
+                                "sequence b > 0; use kv_layout='head_major' or kv_policy='fixed'")
+        self.provider, self.policy, self.layers_count, self.dtype = provider, policy, layers, dtype
+        self.max_capacity = max_capacity
+        self.vmm = bool(policy == "growing" and provider.capabilities().vmm)
+        self.page = provider.capabilities().page_bytes
+        self.counters = counters
+        self._shape = (layout, batch, kv_heads, head_size, np.dtype(dtype).itemsize)
+        self._allocate(capacity)
+
+    @property
+    def limit(self) -> int:
+        """The most positions a row may ever hold in this cache (capacity if fixed)."""
+        return self.capacity if self.policy == "fixed" else self.max_capacity
+
+    def buffers(self) -> list:
+        """Every K and V buffer, layer by layer (K0, V0, K1, V1, ...)."""
+        return [t for pair in self.layers for t in pair]
+
+    def _allocate(self, capacity: int) -> None:
+        layout, batch, heads, head_size, itemsize = self._shape
+        self.capacity = capacity
+        stride = self.max_capacity if self.vmm else capacity
+        self.geometry = KVGeometry(layout, batch, heads, stride, head_size, itemsize)
+        p = self.provider
+        if self.vmm:
+            def new():
+                return p.reserve(self.geometry.shape, self.dtype)
+        else:
+            def new():
+                return p.allocate(self.geometry.shape, self.dtype, zero=True)
+        self.layers = [(new(), new()) for _ in range(self.layers_count)]
+        self._committed_len = 0  # positions of every row backed through kv_commit
+        self.counters.kv_committed_bytes = 0  # a gauge of the current buffers
+        self.counters.kv_bytes = 2 * self.layers_count * self.geometry.nbytes
+
+    def reserve_positions(self, needed: int, lengths: list[int]) -> bool:
+        """Make room for ``needed`` positions in every row and back them before a kernel writes.
+
+        Args:
+            needed: positions each row's buffer must hold (the longest row after the next write).
+            lengths: each row's live length now (the prefix copied if the buffers move).
+
+        Returns:
+            True when the buffers were reallocated (pointers changed: rebind, recapture).
+
+        Raises:
+            KVFullError: ``needed`` exceeds the limit (fixed capacity or max_capacity).
+        """
+        moved = False
+        if needed > self.capacity:
+            if needed > self.limit:
+                what = "capacity" if self.policy == "fixed" else "maximum capacity"
+                raise KVFullError(f"KV cache full: a step needs {needed} positions, the {what} is {self.limit}")
+            moved = self._grow(needed, lengths)
+        self._commit(needed)
+        return moved
+
+    def _grow(self, needed: int, lengths: list[int]) -> bool:
+        new_cap = round_capacity(max(needed, 2 * self.capacity), self.max_capacity, multiple=16)
+        self.counters.growth_events += 1
+        if self.vmm:
+            self.capacity = new_cap
+            return False
+        old, old_geo = self.layers, self.geometry
+        copies = growth_copies(old_geo, new_cap, lengths)
+        self._allocate(new_cap)
+        moved = 0
+        for old_pair, new_pair in zip(old, self.layers):
+            for src, dst in zip(old_pair, new_pair):
+                moved += self.provider.copy_bytes(dst, src, copies)
+        self.counters.kv_bytes_moved += moved
+        return True
+
+    def _commit(self, upto: int) -> None:
+        """Back positions ``[0, upto)`` of every row, in whole pages past a high-water mark
+        (a decode step costs one comparison unless a row enters a new page)."""
+        if upto <= self._committed_len:
+            return
+        g = self.geometry
+        per_position = g.head_size * g.itemsize * (g.kv_heads if g.layout == "seq_major" else 1)
+        chunk = max(1, self.page // per_position)
+        new = min(g.capacity, -(-upto // chunk) * chunk)
+        from core.protocol import KVRequest
+
+        reqs = [KVRequest(o, n) for o, n in commit_requests(
+            g, [self._committed_len] * g.batch, [new] * g.batch, page=self.page)]
+        if reqs:
+            self.counters.kv_committed_bytes += sum(
+                self.provider.kv_commit(t, reqs) for t in self.buffers())
+        self._committed_len = new

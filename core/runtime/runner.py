@@ -1,0 +1,128 @@
+"""The Runner: one per model x provider x KV layout, shared by every session on it.
+
+A Runner plans the graph once on its provider (fusion passes, one kernel and context per node),
+uploads the weights once, keeps the weight-derived caches the kernels build (packed or
+dequantised weights live in the plan's kernel contexts) and pools the per-batch decode states,
+so a later session of the same batch reuses the buffers and the captured graph of an earlier
+one. A second session on the same Runner uploads no weight.
+
+    >>> runner = Runner("path/to/model", provider="cuda")
+    >>> a = Session(runner, batch=8)      # plans nothing, uploads nothing
+    >>> b = Session(runner, batch=8)      # a second decode state of batch 8
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from core.counters import Counters
+from core.executor import Plan
+from core.models.model import Model, load_model
+from core.plugins import get_provider
+from core.runtime import kv as kvgeo
+from core.runtime import residency
+
+log = logging.getLogger("lockstep")
+
+
+class Runner:
+    """A model planned on one provider for one KV layout.
+
+    Args:
+        model: a model folder or a loaded :class:`~core.models.model.Model`.
+        provider: a provider name (``lockstep providers``) or a provider object.
+        kv_layout: "head_major" ([B, Nkv, S, H]) or "seq_major" ([B, S, Nkv, H]).
+        weight_budget: device bytes for the weights, staging ring included: bytes, a fraction
+            of the weight bytes, or a string ("2GiB", "40%"). Weights past it stream from
+            host memory every step (core.runtime.residency). Default: everything resident when
+            the weights fit the provider's free memory, else 80% of the free memory (logged).
+        staging_slots: staging ring slots (default: one layer's streamed tensors plus one).
+
+    Attributes:
+        model, provider, kv_layout, plan: what the runner was made of.
+        weight_bytes: bytes of the resident constants (weights and folded values).
+        residency: the :class:`~core.runtime.residency.ResidencyPlan` (what streams).
+        weight_upload_bytes: bytes the provider uploaded while the runner planned the graph.
+
+    Raises:
+        kv.KVLayoutError: an unknown layout, or one the provider's kernels do not read.
+        core.plugins.ProviderError: unknown provider (lists the available ones).
+        core.models.model.ModelError: the model folder is missing or incomplete.
+        core.executor.UnsupportedOpError: the provider cannot run some graph node.
+        core.runtime.residency.BudgetError: a budget too small for the always-resident weights
+            plus the staging ring, or a provider that cannot stream.
+    """
+
+    #: Free decode states kept per runner (each holds its KV cache and captured graph).
+    POOL_SIZE = 4
+
+    def __init__(self, model: str | Path | Model, provider: Any = "cpu_reference",
+                 kv_layout: str = "head_major", weight_budget: int | float | str | None = None,
+                 staging_slots: int | None = None):
+        if kv_layout not in kvgeo.LAYOUTS:
+            raise kvgeo.KVLayoutError(f"kv_layout must be one of {kvgeo.LAYOUTS}, got {kv_layout!r}")
+        self.provider = get_provider(provider)
+        if kv_layout not in self.provider.capabilities().kv_layouts:
+            raise kvgeo.KVLayoutError(f"provider {self.provider.name!r} does not support KV layout {kv_layout!r}")
+        self.model = model if isinstance(model, Model) else load_model(model)
+        self.kv_layout = kv_layout
+        before = getattr(self.provider, "uploaded_bytes", 0)
+        self.plan = Plan(self.model.graph, self.model.initializers, self.provider, kv_layout)
+        self.weight_upload_bytes = getattr(self.provider, "uploaded_bytes", 0) - before
+        self._free: list = []
+        self.weight_budget = weight_budget
+        self.stream = None
+        self.residency = self._plan_residency(weight_budget, staging_slots)
+        self.weight_bytes = self.plan.weight_bytes()
+
+    def _plan_residency(self, weight_budget, staging_slots) -> residency.ResidencyPlan:
+        """The residency plan for ``weight_budget`` (module core.runtime.residency), applied to
+        the plan: streamed weights move to staged host memory and read a staging slot."""
+        weights = residency.weights_of(self.plan.weight_reads())
+        total = sum(w.nbytes for w in weights)
+        budget = residency.parse_budget(weight_budget, total)
+        if budget is None:
+            free = self.provider.free_device_bytes()
+            if free is not None and total > free:
+                budget = int(free * 0.8)
+                log.warning("the model's %.2f GB of weights exceed the %.2f GB free on %s: streaming "
+                            "with a weight budget of %.2f GB", total / 1e9, free / 1e9, self.provider.name,
+                            budget / 1e9)
+        plan = residency.plan_residency(weights, budget, staging_slots)
+        if plan.streams:
+            if not self.provider.capabilities().weight_streaming:
+                raise residency.BudgetError(f"provider {self.provider.name!r} cannot stream weights "
+                                            "(capabilities().weight_streaming is False)")
+            self.stream = self.provider.weight_stream(plan.slots, plan.slot_bytes)
+            self.plan.stream(plan, self.stream)
+        return plan
+
+    def stream_meter(self) -> tuple:
+        """(weight bytes copied, copies) so far on the staging ring; () when nothing streams."""
+        return () if self.stream is None else (self.stream.bytes_copied, self.stream.copies)
+
+    def acquire_state(self, batch: int, capacity: int, max_capacity: int, policy: str,
+                      capture: bool | None, counters: Counters):
+        """A decode state for ``batch`` rows: a pooled free one with the same shape and policy
+        (its buffers and captured graph reused), else a new one.
+
+        Raises:
+            kv.KVLayoutError: a policy the layout cannot grow under (see :class:`kv.KVCache`).
+        """
+        from core.runtime.state import DecodeState
+
+        key = (batch, capacity if policy == "fixed" else None, max_capacity, policy, capture)
+        for i, state in enumerate(self._free):
+            if state.pool_key == key:
+                del self._free[i]
+                state.attach(counters)
+                return state
+        return DecodeState(self, batch, capacity, max_capacity, policy, capture, counters, key)
+
+    def release_state(self, state) -> None:
+        """Return a decode state to the pool (the oldest free one is dropped past POOL_SIZE)."""
+        if state not in self._free:
+            self._free.append(state)
+            del self._free[:-self.POOL_SIZE]

@@ -1,0 +1,120 @@
+"""DecodeState: the persistent device buffers of one batch on a Runner.
+
+For a batch of B rows, on the runner's provider:
+
+- ``input_ids`` int64 ``[B, 1]``: the token each row feeds to the next decode step;
+- ``attention_mask`` int64 ``[B, stride]``: ones over each row's live length (GroupQueryAttention
+  derives seqlens_k and total_sequence_length from it, docs/ops.md 1.4);
+- ``result`` int32 ``[B, 2]``: the device argmax (token id, error flag);
+- ``positions`` int32 ``[B]``: the sequence index device_argmax reads (0 during decode);
+- ``lengths_dev`` int32 ``[B]``: tokens in each row's cache, advanced on the device by
+  decode_advance; ``lengths`` int64 ``[B]`` is its host mirror and the one owner of the
+  lengths: only :meth:`DecodeState.set_lengths` and :meth:`DecodeState.advanced` change it;
+- ``kv``: the :class:`~core.runtime.kv.KVCache` (its buffers are bound as both
+  ``past_key_values.i.*`` and ``present.i.*``, docs/ops.md 6.2).
+
+The capacity lives in ``kv.capacity`` only; the mask width is ``kv.geometry.capacity``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from core.counters import Counters
+from core.runtime import step as steps
+from core.runtime.capture import CapturedStep
+from core.runtime.kv import KVCache
+
+
+class DecodeState:
+    """Buffers, KV cache and captured step of one batch (made by :meth:`Runner.acquire_state`).
+
+    Args:
+        runner: the :class:`~core.runtime.runner.Runner`.
+        batch: rows B.
+        capacity, max_capacity, policy: see :class:`~core.runtime.kv.KVCache`.
+        capture: graph capture for decode steps (None: when the provider supports it).
+        counters: the session counters charged until the next :meth:`attach`.
+        pool_key: how the runner's pool matches this state to a later request.
+    """
+
+    def __init__(self, runner, batch: int, capacity: int, max_capacity: int, policy: str,
+                 capture: bool | None, counters: Counters, pool_key: tuple = ()):
+        p, cfg = runner.provider, runner.model.config
+        self.runner, self.batch, self.pool_key = runner, batch, pool_key
+        self.counters = counters
+        self.kv = KVCache(p, runner.kv_layout, batch, cfg.num_kv_heads, cfg.head_size, cfg.num_layers,
+                          runner.model.io_dtype, capacity, max_capacity, policy, counters)
+        self.input_ids = p.allocate((batch, 1), np.int64, zero=True)
+        self.result = p.allocate((batch, 2), np.int32, zero=True)
+        self.positions = p.allocate((batch,), np.int32, zero=True)
+        self.lengths_dev = p.allocate((batch,), np.int32, zero=True)
+        self.lengths = np.zeros(batch, np.int64)
+        self.binding = p.io_binding(runner.plan)
+        self._bind_kv()
+        self.logits = None
+        self.started = False
+        self.capture = CapturedStep(p, runner.plan, lambda: steps.decode_step(self), self.capture_key,
+                                    capture, counters, meter=runner.stream_meter)
+
+    def attach(self, counters: Counters) -> None:
+        """Charge ``counters`` from now on (a pooled state handed to a new session)."""
+        self.counters = self.kv.counters = counters
+        counters.kv_bytes = 2 * self.kv.layers_count * self.kv.geometry.nbytes
+        self.started = False
+
+    def capture_key(self) -> tuple:
+        """What a captured decode step bakes in: batch, KV stride, layout, plan, buffers."""
+        buffers = [self.input_ids, self.attention_mask, self.result, self.positions, self.lengths_dev]
+        buffers += self.kv.buffers()
+        return (self.batch, self.kv.geometry.capacity, self.runner.kv_layout, id(self.runner.plan),
+                id(self.runner.residency), tuple(id(b) for b in buffers))
+
+    def _bind_kv(self) -> None:
+        p, cfg = self.runner.provider, self.runner.model.config
+        self.attention_mask = p.allocate((self.batch, self.kv.geometry.capacity), np.int64, zero=True)
+        self.bind_persistent()
+        for i, (k, v) in enumerate(self.kv.layers):
+            self.binding.bind_input(cfg.past_key % i, k)
+            self.binding.bind_input(cfg.past_value % i, v)
+            self.binding.bind_output(cfg.present_key % i, k)
+            self.binding.bind_output(cfg.present_value % i, v)
+
+    def bind_persistent(self) -> None:
+        """Bind the persistent ids and mask (prefill binds its own [B, S] ones meanwhile)."""
+        self.binding.bind_input("input_ids", self.input_ids)
+        self.binding.bind_input("attention_mask", self.attention_mask)
+
+    def reserve(self, needed: int) -> None:
+        """Room and backed pages for ``needed`` positions per row (KVCache.reserve_positions);
+        when growth reallocated the buffers: a new mask, rebinding, and the graph invalidated.
+
+        Raises:
+            core.runtime.kv.KVFullError: beyond the cache's limit.
+        """
+        if self.kv.reserve_positions(needed, [int(x) for x in self.lengths]):
+            self._bind_kv()
+            self.write_mask()
+            self.capture.invalidate("KV buffers reallocated by growth", self.counters)
+
+    def write_mask(self) -> None:
+        """Write the persistent mask from the host lengths: ones over each row's live prefix."""
+        width = self.kv.geometry.capacity
+        mask = (np.arange(width)[None, :] < self.lengths[:, None]).astype(np.int64)
+        self.runner.provider.write(self.attention_mask, mask)
+
+    def set_lengths(self, lengths: np.ndarray) -> None:
+        """Set every row's live length (after prefill): host mirror, device copy and mask."""
+        self.lengths = np.asarray(lengths, np.int64).copy()
+        self.runner.provider.write(self.lengths_dev, self.lengths.astype(np.int32))
+        self.write_mask()
+
+    def begin_request(self) -> None:
+        """A new request starts: no row holds live positions (the device copies are rewritten
+        by the prefill that follows)."""
+        self.lengths = np.zeros(self.batch, np.int64)
+        self.started = False
+
+    def advanced(self) -> None:
+        """Record on the host that a decode step added one token to every row."""
+        self.lengths = self.lengths + 1

@@ -1,0 +1,91 @@
+"""Prefill and the decode step, as functions of a decode state (and through it, its Runner).
+
+:func:`decode_step` is the function a capture records: decode_advance, the graph with S = 1,
+device_argmax, touching only persistent buffers. :func:`prefill` runs the prompts right-padded
+to the longest (GroupQueryAttention "first prompt", docs/ops.md 1.4). Neither validates a
+request: :class:`core.session.Session` does that before calling them.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from core.plugins import ProviderError
+from core.protocol import ARGMAX_ERROR, ARGMAX_TOKEN
+
+
+@attrs.frozen
+class StepOutput:
+    """What one prefill or decode step produced.
+
+    Attributes:
+        tokens: int64 ``[B]`` chosen token per row (-1 where the row's logits were non-finite).
+        errors: bool ``[B]``, True where the row's logits held NaN or infinity (docs/cases.md 12).
+    """
+
+    tokens: np.ndarray
+    errors: np.ndarray
+
+
+def prefill(state, input_ids) -> None:
+    """Run the prompts and choose each row's first token into ``state.result``.
+
+    Args:
+        state: a :class:`~core.runtime.state.DecodeState` of ``len(input_ids)`` rows.
+        input_ids: one list of token ids per row (lengths may differ; already validated).
+
+    Raises:
+        core.runtime.kv.KVFullError: the longest prompt does not fit the cache.
+        core.plugins.ProviderError: the provider returned a new present KV tensor instead of
+            writing the shared past/present buffer in place.
+    """
+    runner = state.runner
+    p, cfg = runner.provider, runner.model.config
+    lens = np.array([len(r) for r in input_ids], np.int64)
+    S = int(lens.max())
+    state.begin_request()
+    state.reserve(S)  # prefill writes S positions of K/V in every row, padding too
+    ids = np.full((state.batch, S), cfg.pad_token_id, np.int64)
+    for b, row in enumerate(input_ids):
+        ids[b, : len(row)] = row
+    mask = (np.arange(S)[None, :] < lens[:, None]).astype(np.int64)
+    state.binding.bind_input("input_ids", p.upload(ids))
+    state.binding.bind_input("attention_mask", p.upload(mask))
+    outs = state.binding.run()
+    present = outs.get(cfg.present_key % 0)
+    if present is not None and present is not state.kv.layers[0][0]:
+        raise ProviderError(
+            f"provider {p.name!r} returned a new present KV tensor; it must write the shared "
+            "past/present buffer in place (past_present_share_buffer, docs/ops.md 1.3 step 2)")
+    state.logits = outs["logits"]
+    p.device_argmax(state.logits, p.upload((lens - 1).astype(np.int32)), state.result)
+    state.set_lengths(lens)
+    state.bind_persistent()
+    state.started = True
+
+
+def decode_step(state) -> None:
+    """The device work of one decode step; the function a capture records.
+
+    Feeds the argmax result back (decode_advance: input_ids, mask, lengths_dev), runs the graph
+    with S = 1 against the full mask and selects the next tokens into ``state.result``.
+    """
+    p = state.runner.provider
+    p.decode_advance(state.result, state.input_ids, state.attention_mask, state.lengths_dev)
+    outs = state.binding.run()
+    state.logits = outs["logits"]
+    p.device_argmax(state.logits, state.positions, state.result)
+
+
+def read_result(state) -> StepOutput:
+    """Download the ``[B, 2]`` argmax result as a :class:`StepOutput` (synchronises)."""
+    res = state.runner.provider.download(state.result)
+    return StepOutput(res[:, ARGMAX_TOKEN].astype(np.int64), res[:, ARGMAX_ERROR] != 0)
+
+
+def force_tokens(state, tokens: np.ndarray) -> None:
+    """Teacher forcing: make the next decode step feed ``tokens`` int64 ``[B]`` (validated)."""
+    res = np.zeros((state.batch, 2), np.int32)
+    res[:, ARGMAX_TOKEN] = tokens
+    state.runner.provider.write(state.result, res)

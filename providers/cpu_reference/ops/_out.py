@@ -1,0 +1,54 @@
+"""Output buffers of the cpu_reference kernels (no OP_TYPE: not an op).
+
+Every kernel writes its results into its node's persistent buffers,
+``ctx.output(slot, shape, dtype)`` (:class:`core.protocol.KernelContext`), and returns those
+buffers: a step allocates nothing once the shapes are known, no output aliases an input, and
+the parity kit's poison (buffers filled with NaN before a run) shows any element a kernel
+forgets to write. The one output that is not such a buffer is the present KV of
+GroupQueryAttention in share-buffer mode: the past buffer itself, written in place.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from providers.cpu_reference.ops._util import compute_dtype
+
+
+def buffer(ctx, slot, shape, dtype) -> np.ndarray:
+    """The host buffer of output ``slot``: ``ctx.output(slot, shape, dtype)``.
+
+    When the context belongs to a device provider (core.executor runs this kernel on host
+    values for it: host dispatch), its buffers are device tensors; the result is then a new
+    host array.
+    """
+    out = ctx.output(slot, shape, dtype)
+    return out if isinstance(out, np.ndarray) else np.empty(shape, dtype)
+
+
+def write(ctx, slot, value, dtype=None) -> np.ndarray:
+    """``value`` converted to ``dtype`` (default: its own; numpy ``astype`` rounding) and
+    copied into the buffer of output ``slot``; returns the buffer."""
+    value = np.asarray(value)
+    out = buffer(ctx, slot, value.shape, value.dtype if dtype is None else dtype)
+    np.copyto(out, value, casting="unsafe")
+    return out
+
+
+def write_all(ctx, *values) -> tuple:
+    """One entry per declared output of the node: ``values[i]`` written into slot i (its own
+    dtype), None where output i is unused ("")."""
+    names = ctx.node.outputs
+    return tuple(write(ctx, i, v) if i < len(names) and names[i] else None for i, v in enumerate(values))
+
+
+def write_elementwise(ctx, fn: Callable[..., np.ndarray], *xs) -> np.ndarray:
+    """``fn(*xs)`` computed in :func:`compute_dtype` of the first input and rounded into
+    output buffer 0 in the first input's dtype (the rounding of ``_util.elementwise``)."""
+    dtype = np.asarray(xs[0]).dtype
+    work = compute_dtype(dtype)
+    args = [np.asarray(x).astype(work, copy=False) if np.asarray(x).dtype.kind == "f" else np.asarray(x)
+            for x in xs]
+    return write(ctx, 0, fn(*args), dtype)

@@ -1,0 +1,122 @@
+"""The cuda ops' plan-time prepare hooks, checked without a GPU: the hooks run on numpy
+arrays, and a launch recorder stands in for the kernels, so the prepared path is seen to
+launch the same kernel with the same (packed) arguments as the unprepared path. The GPU tests
+(tests/cuda) check the kernels' results."""
+
+import numpy as np
+import pytest
+
+from core.protocol import KernelContext, NodeInfo
+from providers.cuda.ops import _mma, matmul, silu_gated_matmul, silu_gated_matmul_nbits
+
+
+class HostMemory:
+    """Just enough provider for KernelContext.output: zero-filled numpy buffers."""
+
+    def allocate(self, shape, dtype, zero=False):
+        return np.zeros(shape, dtype)
+
+
+def _ctx(op, inputs, attrs=None, dtypes=()):
+    node = NodeInfo(name=op, op_type=op, domain="", attrs=attrs or {}, inputs=tuple(inputs), outputs=("y",),
+                    input_dtypes=tuple(dtypes))
+    return KernelContext(node, HostMemory(), "head_major")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Launches of _mma kernels as (expression, grid, block, args, shared)."""
+    record = []
+
+    def function(name, expression, expressions):
+        return lambda grid, block, args, shared_mem=0: record.append((expression, grid, block, args, shared_mem))
+
+    monkeypatch.setattr(_mma, "function", function)
+    monkeypatch.setattr(silu_gated_matmul, "is_host", lambda x: x is None)  # numpy stands in for device arrays
+    return record
+
+
+def _same_launch(a, b):
+    assert a[0] == b[0] and a[1] == b[1] and a[2] == b[2] and a[4] == b[4]
+    assert len(a[3]) == len(b[3])
+    for x, y in zip(a[3], b[3]):
+        assert np.array_equal(np.asarray(x), np.asarray(y)) and np.asarray(x).dtype == np.asarray(y).dtype
+
+
+def test_matmul_prepare_packs_fp16_weights_only():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((100, 37)).astype(np.float16)
+    ctx = _ctx("MatMul", ("a", "w"))
+    changes = matmul.prepare(ctx, None, w)
+    assert set(changes) == {1} and np.array_equal(changes[1], _mma.pack(np, w))
+    assert changes[1].shape == (128 * 48,) and ctx.cache[_mma.PREPARED] == (100, 37)
+    for other in (w.astype(np.float32), np.zeros((_mma.MAX_K + 1, 8), np.float16), None):
+        ctx = _ctx("MatMul", ("a", "w"))
+        assert matmul.prepare(ctx, None, other) is None and _mma.PREPARED not in ctx.cache
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_prepared_matmul_launches_what_the_unprepared_one_does(launches, m):
+    rng = np.random.default_rng(m)
+    a = rng.standard_normal((1, m, 100)).astype(np.float16)
+    w = rng.standard_normal((100, 37)).astype(np.float16)
+    (y_raw,) = matmul.run(_ctx("MatMul", ("a", "w")), a, w)
+    ctx = _ctx("MatMul", ("a", "w"))
+    (y,) = matmul.run(ctx, a, matmul.prepare(ctx, None, w)[1])
+    assert y.shape == y_raw.shape == (1, m, 37) and launches[0][0].startswith("mma_dense<")
+    _same_launch(launches[0], launches[1])
+
+
+def test_prepared_gated_matmul_launches_what_the_unprepared_one_does(launches):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 64)).astype(np.float16)
+    wg, wu = (rng.standard_normal((64, 52)).astype(np.float16) for _ in range(2))
+    silu_gated_matmul.run(_ctx("SiluGatedMatMul", ("x", "wg", "wu")), x, wg, wu)
+    ctx = _ctx("SiluGatedMatMul", ("x", "wg", "wu"))
+    changes = silu_gated_matmul.prepare(ctx, None, wg, wu)
+    assert set(changes) == {1, 2} and changes[2] is None
+    assert np.array_equal(changes[1], _mma.pack(np, wg, wu))
+    silu_gated_matmul.run(ctx, x, changes[1], None)
+    assert launches[0][0] == "mma_dense<1, true>"
+    _same_launch(launches[0], launches[1])
+
+
+def _nbits(rng, n, k, bs, zp):
+    nb = k // bs
+    b = rng.integers(0, 256, (n, nb, bs // 2), dtype=np.uint8)
+    s = (rng.random((n, nb)) * 0.02).astype(np.float16)
+    z = rng.integers(0, 256, (n, -(-nb // 2)), dtype=np.uint8) if zp else None
+    return b, s, z
+
+
+@pytest.mark.parametrize("zp", [False, True])
+def test_prepared_gated_nbits_interleaves_once_and_launches_what_the_unprepared_one_does(launches, zp):
+    rng = np.random.default_rng(2)
+    n, k, bs = 52, 128, 32
+    gate, up = _nbits(rng, n, k, bs, zp), _nbits(rng, n, k, bs, zp)
+    names = ("x", "bg", "sg", "zg" if zp else "", "bu", "su", "zu" if zp else "")
+    attrs = {"K": k, "N": n, "bits": 4, "block_size": bs}
+    x = rng.standard_normal((4, k)).astype(np.float16)
+    op = "SiluGatedMatMulNBits"
+    silu_gated_matmul_nbits.run(_ctx(op, names, attrs, (np.float16,)), x, *gate, *up)
+    ctx = _ctx(op, names, attrs, (np.float16,))
+    changes = silu_gated_matmul_nbits.prepare(ctx, None, *gate, *up)
+    assert set(changes) == ({1, 2, 3, 4, 5, 6} if zp else {1, 2, 4, 5})
+    assert all(changes[j] is None for j in changes if j > 3)
+    for j in (1, 2) + ((3,) if zp else ()):
+        g, u = gate[j - 1], up[j - 1]
+        assert np.array_equal(changes[j], _mma.glu_interleave(np, g.reshape(n, -1), u.reshape(n, -1)))
+    prepared = [changes.get(j) for j in (1, 2, 3)]
+    silu_gated_matmul_nbits.run(ctx, x, *prepared, None, None, None)
+    assert launches[0][0] == "mma_nbits4<1, __half, true>"
+    _same_launch(launches[0], launches[1])
+
+
+def test_gated_nbits_prepare_leaves_fed_weights_and_other_dtypes_alone():
+    rng = np.random.default_rng(3)
+    gate, up = _nbits(rng, 16, 64, 32, False), _nbits(rng, 16, 64, 32, False)
+    attrs = {"K": 64, "N": 16, "bits": 4, "block_size": 32}
+    names = ("x", "bg", "sg", "", "bu", "su", "")
+    fed = (None, *gate[1:], *up)
+    assert silu_gated_matmul_nbits.prepare(_ctx("G", names, attrs, (np.float16,)), None, *fed) is None
+    assert silu_gated_matmul_nbits.prepare(_ctx("G", names, attrs, (np.float32,)), None, *gate, *up) is None

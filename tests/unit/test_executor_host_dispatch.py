@@ -1,0 +1,100 @@
+"""Host nodes of a device provider run on the cpu_reference kernels, chosen by the core; the
+provider's kernels run whenever an input is on the device."""
+
+import subprocess
+import sys
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from core.executor import Plan
+from providers.cpu_reference.provider import CpuReferenceProvider
+
+
+class Dev:
+    """A 'device' tensor: not a host value for the executor (wraps a numpy array)."""
+
+    def __init__(self, array):
+        self.a = np.asarray(array)
+        self.shape, self.dtype, self.ndim, self.nbytes = self.a.shape, self.a.dtype, self.a.ndim, self.a.nbytes
+
+
+class FakeDevice(CpuReferenceProvider):
+    """Kernels for Shape, Gather, Cast and Mul that log their calls; Gather and Cast refuse
+    host inputs (the core must route those to cpu_reference)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def allocate(self, shape, dtype, zero=False):
+        return Dev(np.zeros(shape, dtype))
+
+    def upload(self, array):
+        return Dev(array)
+
+    def download(self, tensor):
+        return np.array(tensor.a)
+
+    def kernel(self, node):
+        def run(ctx, *xs):
+            self.calls.append(node.op_type)
+            if node.op_type == "Shape":
+                return (np.array(xs[0].shape, np.int64),)  # a host result, as on cuda
+            if node.op_type == "Mul":
+                return (Dev(xs[0].a * np.asarray(xs[1]).astype(xs[0].dtype)),)
+            raise AssertionError(f"{node.op_type} got host inputs: the core should have run it")
+        return run
+
+
+def _graph():
+    """y = x * Cast(Gather(Shape(x), 1)) for x float32 [B, 4]."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"], name="shape"),
+             helper.make_node("Gather", ["s", "one"], ["n"], name="gather", axis=0),
+             helper.make_node("Cast", ["n"], ["f"], name="cast", to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["x", "f"], ["y"], name="mul")]
+    return helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 4])],
+                             [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 4])])
+
+
+INITS = {"one": np.array(1, np.int64)}
+X = np.arange(8, dtype=np.float32).reshape(2, 4)
+
+
+def test_host_nodes_run_on_reference_kernels_and_device_nodes_on_the_provider():
+    provider = FakeDevice()
+    plan = Plan(_graph(), INITS, provider)
+    assert plan.host_dispatch
+    y = plan.run({"x": Dev(X)})["y"]
+    assert np.array_equal(y.a, X * 4)
+    assert provider.calls == ["Shape", "Mul"]
+    assert plan.host_nodes() == ["gather", "cast"]
+
+
+def test_the_choice_is_kept_for_later_runs_and_remade_for_other_feed_types():
+    provider = FakeDevice()
+    plan = Plan(_graph(), INITS, provider)
+    plan.run({"x": Dev(X)})
+    plan.run({"x": Dev(X[:1])})
+    assert provider.calls == ["Shape", "Mul"] * 2 and plan.host_nodes() == ["gather", "cast"]
+    y = plan.run({"x": X})["y"]  # a host feed: every node is a host node now
+    assert np.array_equal(y, X * 4) and provider.calls == ["Shape", "Mul"] * 2
+    assert plan.host_nodes() == ["shape", "gather", "cast", "mul"]
+
+
+def test_a_host_provider_runs_every_node_itself():
+    plan = Plan(_graph(), INITS, CpuReferenceProvider())
+    assert not plan.host_dispatch and all(k is None for k in plan.host_kernels)
+    plan.run({"x": X})
+    assert plan.host_nodes() == []
+
+
+def test_cuda_ops_import_no_other_provider():
+    code = ("import importlib, pkgutil, sys\n"
+            "import providers.cuda.ops as ops\n"
+            "for m in pkgutil.iter_modules(ops.__path__):\n"
+            "    importlib.import_module('providers.cuda.ops.' + m.name)\n"
+            "import providers.cuda.provider\n"
+            "print(sorted(m for m in sys.modules if m.startswith('providers.cpu_reference')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
