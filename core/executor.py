@@ -8,8 +8,8 @@ the nodes whose inputs are all constants (run once) and prepares weights (below)
 walks the remaining nodes, :attr:`Plan.steps`, in graph order (the builder writes them
 topologically sorted).
 
-Host nodes. Small integer initializers (at most :data:`HOST_CONSTANT_MAX` elements: axes,
-shapes, gather indices) stay host numpy arrays on every provider, as do Constant node values
+Host nodes. Small signed-integer initializers (at most :data:`HOST_CONSTANT_MAX` elements:
+axes, shapes, gather indices; :func:`is_host_constant`) stay host numpy arrays on every provider, as do Constant node values
 and the shape arithmetic computed from them. On a device provider (one whose ``allocate``
 does not return a host array), a node whose inputs are all host values
 (:func:`core.opdefs.is_host`) runs on the cpu_reference kernel of its op, chosen here: the
@@ -129,8 +129,10 @@ def node_infos(graph: onnx.GraphProto) -> list[NodeInfo]:
 
 
 def is_host_constant(array: np.ndarray) -> bool:
-    """True for initializers kept on the host: integer tensors of at most HOST_CONSTANT_MAX elements."""
-    return array.dtype.kind in "iub" and array.size <= HOST_CONSTANT_MAX
+    """True for initializers kept on the host: signed integer or bool tensors (shapes, axes,
+    indices) of at most HOST_CONSTANT_MAX elements. Unsigned ones are quantized data (uint8
+    codes and zero points) that device kernels read, so they are uploaded whatever their size."""
+    return array.dtype.kind in "ib" and array.size <= HOST_CONSTANT_MAX
 
 
 def _declared_types(graph: onnx.GraphProto) -> dict[str, tuple[np.dtype | None, int | None]]:

@@ -219,7 +219,7 @@ class WeightStream:
     The executor drives it in a static order per step (:meth:`core.executor.Plan.run`)::
 
         begin()                          # the step starts (device providers: fork the copy stream)
-        copy(slot, host, view)           # weight -> slot; waits for the slot's last reader
+        copy(slot, items)                # a page of weights -> slot; waits for its last reader
         ready(slot)                      # before the first kernel that reads the slot
         release(slot)                    # after the last kernel that reads the slot
         end()                            # the step ends (join the copy stream)
@@ -230,7 +230,7 @@ class WeightStream:
 
     Attributes:
         slots: the device buffers, uint8 ``[slot_bytes]`` each.
-        copies, bytes_copied: copies issued and bytes they moved (cumulative).
+        copies, bytes_copied: pages copied and the bytes they moved (cumulative).
     """
 
     def __init__(self, provider: ProviderBase, slots: int, slot_bytes: int):
@@ -243,20 +243,22 @@ class WeightStream:
         """The host copy a weight is streamed from (pinned memory on a GPU), made once."""
         return np.ascontiguousarray(array).copy()
 
-    def view(self, slot: int, shape: tuple[int, ...], dtype: Any) -> Any:
-        """Slot ``slot`` seen as a tensor of ``shape`` / ``dtype`` (what the kernel reads)."""
+    def view(self, slot: int, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        """Bytes ``offset...`` of slot ``slot`` seen as a tensor of ``shape`` / ``dtype`` (what
+        the kernel reads)."""
         dtype = np.dtype(dtype)
         n = int(np.prod(shape)) * dtype.itemsize
-        return self.slots[slot][:n].view(dtype).reshape(shape)
+        return self.slots[slot][offset:offset + n].view(dtype).reshape(shape)
 
     def begin(self) -> None:
         """A step starts."""
 
-    def copy(self, slot: int, host: Any, view: Any) -> None:
-        """Copy a staged weight into ``view`` (a view of slot ``slot``)."""
-        self.provider._write(view, host)
+    def copy(self, slot: int, items: Sequence[tuple[Any, Any]]) -> None:
+        """Copy a page: each staged weight ``host`` into its ``view`` of slot ``slot``."""
+        for host, view in items:
+            self.provider._write(view, host)
+            self.bytes_copied += int(host.nbytes)
         self.copies += 1
-        self.bytes_copied += int(host.nbytes)
 
     def ready(self, slot: int) -> None:
         """Make the kernels that follow wait for the copy into ``slot``."""

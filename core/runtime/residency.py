@@ -8,7 +8,9 @@ Admission policy (what stays resident, and why):
 
 1. Gathered tables (Gather / GatherBlockQuantized inputs: the embedding) are resident. A step
    reads B rows of them, so streaming one would move the whole table to use a few rows, and no
-   kernel may read host memory directly.
+   kernel may read host memory directly. So are weights several nodes read every step (the
+   rotary cos/sin caches, read by every layer): their reuse is highest, and a page read across
+   the whole step would hold its slot for the whole step.
 2. Small tensors (below :data:`SMALL_BYTES`: norm weights, biases, int4 scales of small
    layers) are resident: a copy costs a few microseconds of issue and event overhead whatever
    its size, more than their bytes are worth.
@@ -19,15 +21,17 @@ Admission policy (what stays resident, and why):
    resident, so the copy stream prefetches the first streamed weights while the resident
    layers compute, and the tail streams.
 
-The staging ring is ``slots`` device buffers of ``slot_bytes`` each (the largest streamed
-tensor). Streamed weight j goes to slot ``j % slots``; copy j waits for the last reader of
-weight ``j - slots``. The default ring holds one layer's streamed tensors plus one (at least
-2 slots), so copies run at least one layer ahead, capped so staging takes at most a quarter of
-the budget.
+Weights stream in pages: a page is the streamed weights one node reads (a fused MLP node reads
+four int4 tensors: gate and up codes and scales), copied together into one staging slot. The
+staging ring is ``slots`` device buffers of ``slot_bytes`` each (the largest page). Page j goes
+to slot ``j % slots``; its copy waits for the last reader of page ``j - slots``. The default
+ring holds one layer's streamed pages plus one (at least 2 slots), so copies run at least one
+layer ahead, capped so staging takes at most a quarter of the budget. Admission works on pages
+too: a node's weights are resident together or stream together.
 
 Counters per step (:class:`ResidencyPlan` properties): ``weight_bytes_streamed_per_step``,
-``page_ins_per_step`` (copies), ``evictions_per_step`` (copies into a slot that held another
-weight: every copy once the ring is warm), ``hit_rate`` (resident reads / weight reads per
+``page_ins_per_step`` (pages copied), ``evictions_per_step`` (pages copied into a slot that
+held another page: every copy once the ring is warm), ``hit_rate`` (resident reads / weight reads per
 step, by tensor) and ``byte_hit_rate`` (by bytes).
 """
 
@@ -43,6 +47,8 @@ SMALL_BYTES = 256 * 1024
 #: Staging may take at most this fraction of the weight budget when the slot count is automatic.
 STAGING_SHARE = 0.25
 _LAYER = re.compile(r"layers[./_](\d+)")
+#: Byte alignment of a tensor inside a staging slot.
+ALIGN = 256
 
 
 class BudgetError(ValueError):
@@ -52,12 +58,19 @@ class BudgetError(ValueError):
 
 @attrs.frozen
 class Weight:
-    """A constant one decode step reads: name, bytes, whether it is gathered, its layer (or -1)."""
+    """A constant one decode step reads: name, bytes, whether it is gathered, its layer (or -1)
+    and its page (the name of its first reading node)."""
 
     name: str
     nbytes: int
     gathered: bool
     layer: int
+    page: str = ""
+    readers: int = 1
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 @attrs.frozen
@@ -67,15 +80,20 @@ class ResidencyPlan:
     Attributes:
         budget: the weight budget in bytes (None: everything resident).
         weights: every per-step weight, in execution order of its first read.
-        streamed: names of the streamed weights, in execution order.
+        pages: the streamed pages in execution order, each the names of its weights.
         slots, slot_bytes: the staging ring (0 slots when nothing streams).
     """
 
     budget: int | None
     weights: tuple[Weight, ...]
-    streamed: tuple[str, ...] = ()
+    pages: tuple[tuple[str, ...], ...] = ()
     slots: int = 0
     slot_bytes: int = 0
+
+    @property
+    def streamed(self) -> tuple[str, ...]:
+        """Names of the streamed weights, in execution order."""
+        return tuple(name for page in self.pages for name in page)
 
     @property
     def streams(self) -> bool:
@@ -101,14 +119,14 @@ class ResidencyPlan:
 
     @property
     def page_ins_per_step(self) -> int:
-        """Weight copies into staging slots per step."""
-        return len(self.streamed)
+        """Pages copied into staging slots per step."""
+        return len(self.pages)
 
     @property
     def evictions_per_step(self) -> int:
-        """Copies per step that overwrite another weight in a slot: every copy once the ring
-        has been filled (from the second step on), the steady state this reports."""
-        return len(self.streamed)
+        """Pages per step copied over another page in a slot: every copy once the ring has
+        been filled (from the second step on), the steady state this reports."""
+        return len(self.pages)
 
     @property
     def hit_rate(self) -> float:
@@ -121,9 +139,16 @@ class ResidencyPlan:
         total = sum(w.nbytes for w in self.weights)
         return 1.0 - self.weight_bytes_streamed_per_step / total if total else 1.0
 
-    def slot_of(self) -> dict[str, int]:
-        """Streamed weight name -> its staging slot."""
-        return {name: j % self.slots for j, name in enumerate(self.streamed)}
+    def placement(self) -> dict[str, tuple[int, int]]:
+        """Streamed weight name -> (staging slot, byte offset in the slot)."""
+        sizes = {w.name: w.nbytes for w in self.weights}
+        out = {}
+        for j, page in enumerate(self.pages):
+            offset = 0
+            for name in page:
+                out[name] = (j % self.slots, offset)
+                offset += _aligned(sizes[name])
+        return out
 
     def summary(self) -> dict:
         """The residency counters of one step, by their reported names."""
@@ -138,13 +163,19 @@ class ResidencyPlan:
         }
 
 
-def weights_of(reads: Sequence) -> tuple[Weight, ...]:
-    """:class:`Weight` per constant of ``plan.weight_reads()`` (execution order), with the
-    layer index parsed from the reading node's name (builder names: ``/model/layers.3/...``)."""
+def weights_of(plan) -> tuple[Weight, ...]:
+    """:class:`Weight` per constant of ``plan.weight_reads()`` (execution order): the layer
+    index parsed from the first reader's name (builder names: ``/model/layers.3/...``), the
+    page (that reader) and the number of per-step nodes that read it."""
+    readers: dict[str, int] = {}
+    for i in plan.steps:
+        for x in set(plan.nodes[i].inputs):
+            readers[x] = readers.get(x, 0) + 1
     out = []
-    for r in reads:
+    for r in plan.weight_reads():
         m = _LAYER.search(r.node)
-        out.append(Weight(r.constant, int(r.nbytes), bool(r.gathered), int(m.group(1)) if m else -1))
+        out.append(Weight(r.constant, int(r.nbytes), bool(r.gathered), int(m.group(1)) if m else -1, r.node,
+                          readers.get(r.constant, 1)))
     return tuple(out)
 
 
@@ -200,14 +231,21 @@ def plan_residency(weights: Sequence[Weight], budget: int | None, slots: int | N
         return ResidencyPlan(budget, weights)
     if slots is not None and slots < 2:
         raise BudgetError(f"the staging ring needs at least 2 slots, got {slots}")
-    pinned = [w for w in weights if w.gathered or w.nbytes < SMALL_BYTES]
-    candidates = [w for w in weights if not (w.gathered or w.nbytes < SMALL_BYTES)]
-    fixed = sum(w.nbytes for w in pinned)
-    if not candidates:
+    fixed = sum(w.nbytes for w in weights if _pinned(w))
+    pages: dict[str, list[Weight]] = {}
+    for w in weights:
+        if not _pinned(w):
+            pages.setdefault(w.page or w.name, []).append(w)
+    if not pages:
         raise BudgetError(f"a budget of {budget:,} bytes is below the {fixed:,} bytes of weights that "
                           "must stay resident (gathered tables and small tensors)")
-    slot_bytes = max(w.nbytes for w in candidates)
-    streamed: list[Weight] = []
+    candidates = list(pages.values())
+
+    def page_bytes(page):
+        return sum(w.nbytes for w in page)
+
+    slot_bytes = max(sum(_aligned(w.nbytes) for w in page) for page in candidates)
+    streamed: list[list[Weight]] = []
     for _ in range(2):  # the ring size depends on what streams; the second pass uses the real one
         n_slots = slots or _default_slots(streamed or candidates, slot_bytes, budget)
         room = budget - fixed - n_slots * slot_bytes
@@ -217,25 +255,31 @@ def plan_residency(weights: Sequence[Weight], budget: int | None, slots: int | N
                 f"plus a staging ring of {n_slots} x {slot_bytes:,} bytes; the smallest working budget "
                 f"is {fixed + 2 * slot_bytes:,} bytes")
         streamed = []
-        for w in candidates:
-            if w.nbytes <= room:
-                room -= w.nbytes
+        for page in candidates:
+            if page_bytes(page) <= room:
+                room -= page_bytes(page)
             else:
-                streamed.append(w)
-        new_slot = max((w.nbytes for w in streamed), default=0)
+                streamed.append(page)
+        new_slot = max((sum(_aligned(w.nbytes) for w in page) for page in streamed), default=0)
         if new_slot == slot_bytes or not streamed:
             break
         slot_bytes = new_slot
     if not streamed:
         return ResidencyPlan(budget, weights)
     n_slots = min(slots or _default_slots(streamed, slot_bytes, budget), len(streamed))
-    return ResidencyPlan(budget, weights, tuple(w.name for w in streamed), max(n_slots, 1), slot_bytes)
+    return ResidencyPlan(budget, weights, tuple(tuple(w.name for w in page) for page in streamed),
+                         max(n_slots, 1), slot_bytes)
 
 
-def _default_slots(streamed: Sequence[Weight], slot_bytes: int, budget: int) -> int:
+def _pinned(w: Weight) -> bool:
+    return w.gathered or w.nbytes < SMALL_BYTES or w.readers > 1
+
+
+def _default_slots(pages: Sequence[Sequence[Weight]], slot_bytes: int, budget: int) -> int:
     per_layer: dict[int, int] = {}
-    for w in streamed:
-        per_layer[w.layer] = per_layer.get(w.layer, 0) + 1
+    for page in pages:
+        layer = page[0].layer
+        per_layer[layer] = per_layer.get(layer, 0) + 1
     want = max(per_layer.values(), default=1) + 1
     cap = max(2, int(budget * STAGING_SHARE) // max(slot_bytes, 1))
     return max(2, min(want, cap))

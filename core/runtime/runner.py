@@ -22,7 +22,7 @@ from core.executor import Plan
 from core.models.model import Model, load_model
 from core.plugins import get_provider
 from core.runtime import kv as kvgeo
-from core.runtime import residency
+from core.runtime import residency, streaming
 
 log = logging.getLogger("lockstep")
 
@@ -75,12 +75,13 @@ class Runner:
         self.weight_budget = weight_budget
         self.stream = None
         self.residency = self._plan_residency(weight_budget, staging_slots)
-        self.weight_bytes = self.plan.weight_bytes()
+        # the slot views of streamed weights stand in the plan's constants: not resident bytes
+        self.weight_bytes = self.plan.weight_bytes() - self.residency.weight_bytes_streamed_per_step
 
     def _plan_residency(self, weight_budget, staging_slots) -> residency.ResidencyPlan:
         """The residency plan for ``weight_budget`` (module core.runtime.residency), applied to
         the plan: streamed weights move to staged host memory and read a staging slot."""
-        weights = residency.weights_of(self.plan.weight_reads())
+        weights = residency.weights_of(self.plan)
         total = sum(w.nbytes for w in weights)
         budget = residency.parse_budget(weight_budget, total)
         if budget is None:
@@ -96,7 +97,7 @@ class Runner:
                 raise residency.BudgetError(f"provider {self.provider.name!r} cannot stream weights "
                                             "(capabilities().weight_streaming is False)")
             self.stream = self.provider.weight_stream(plan.slots, plan.slot_bytes)
-            self.plan.stream(plan, self.stream)
+            streaming.apply(self.plan, plan, self.stream)
         return plan
 
     def stream_meter(self) -> tuple:

@@ -52,14 +52,16 @@ class CudaWeightStream(WeightStream):
         self.copy_stream.wait_event(self._fork)
         self._released_this_step = [False] * len(self.slots)
 
-    def copy(self, slot: int, host, view) -> None:
+    def copy(self, slot: int, items) -> None:
         rt = self._cp.cuda.runtime
         if self._released_this_step[slot]:
             self.copy_stream.wait_event(self.released[slot])
-        rt.memcpyAsync(view.data.ptr, host.ctypes.data, host.nbytes, rt.memcpyHostToDevice, self.copy_stream.ptr)
+        for host, view in items:
+            rt.memcpyAsync(view.data.ptr, host.ctypes.data, host.nbytes, rt.memcpyHostToDevice,
+                           self.copy_stream.ptr)
+            self.bytes_copied += int(host.nbytes)
         self.copied[slot].record(self.copy_stream)
         self.copies += 1
-        self.bytes_copied += int(host.nbytes)
 
     def ready(self, slot: int) -> None:
         self.compute.wait_event(self.copied[slot])

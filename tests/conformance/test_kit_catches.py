@@ -10,10 +10,11 @@ from importlib import metadata
 import numpy as np
 import pytest
 
-from core.testing.kit import run_argmax_case, run_op_case
-from core.testing.op_cases import ARGMAX_CASES, OP_CASES
+from core.testing.kit import UnsupportedCase, run_argmax_case, run_op_case
+from core.testing.op_cases import ARGMAX_CASES, OP_CASES, case_params
 from core.testing.parity import run_parity
 from core.testing.tiny_model import make_tiny_model
+from providers.cpu_reference.ops import group_query_attention
 from providers.cpu_reference.provider import CpuReferenceProvider
 
 
@@ -55,6 +56,123 @@ def test_a_kernel_that_leaves_poisoned_lanes_fails():
     result = run_op_case(_case("Mul/same-shape"), "float32", Broken({("", "Mul"): mul}),
                          CpuReferenceProvider(), np.random.default_rng(0))
     assert result.poisoned and not result.passed and "nan" in result.detail
+
+
+def test_an_off_by_one_kernel_that_leaves_its_last_row_unwritten_fails_on_the_poison():
+    """The kit poisons the buffers a kernel takes from ctx.output: a row it never writes is NaN
+    (without the poison it would hold whatever the buffer held, often a right answer)."""
+    def matmul(ctx, a, b):
+        out = ctx.output(0, (*a.shape[:-1], b.shape[1]), a.dtype)
+        out[:-1] = (a[:-1].astype(np.float32) @ b.astype(np.float32)).astype(a.dtype)
+        return (out,)
+
+    result = run_op_case(_case("MatMul/K100-N37-M5"), "float16", Broken({("", "MatMul"): matmul}),
+                         CpuReferenceProvider(), np.random.default_rng(0))
+    assert result.poisoned and not result.passed and "nan" in result.detail
+
+
+def test_a_kernel_that_returns_a_fresh_array_is_reported_unpoisoned():
+    mul = lambda ctx, a, b: (a * b,)  # noqa: E731 - correct values, but not in its buffer
+    result = run_op_case(_case("Mul/same-shape"), "float32", Broken({("", "Mul"): mul}),
+                         CpuReferenceProvider(), np.random.default_rng(0))
+    assert result.passed and not result.poisoned and result.unpoisoned == ["y"]
+    assert "outputs not poisoned: y" in result.summary()
+
+
+#: cpu_reference ops whose kernel still returns a fresh array instead of its ctx.output buffer.
+#: MatMulNBits (providers/cpu_reference/ops/matmul_nbits.py) is pending; drop it from here when
+#: it writes into ctx.output.
+FRESH_OUTPUTS = {"MatMulNBits"}
+
+
+def test_cpu_reference_writes_every_output_into_its_poisoned_buffer():
+    """cpu_reference takes every output from ctx.output, so the kit's poison is real for it
+    (the present KV of GroupQueryAttention is the past buffer, written in place)."""
+    provider, reference, rng = CpuReferenceProvider(), CpuReferenceProvider(), np.random.default_rng(0)
+    fresh = {case.op for _, case, dtype in case_params()
+             if not run_op_case(case, dtype, provider, reference, rng, iterations=1).poisoned}
+    assert fresh == FRESH_OUTPUTS
+
+
+def test_a_batch_dependent_matmul_fails_its_row_case():
+    def matmul(ctx, a, b):  # an error that grows with M: within tolerance, not row-invariant
+        y = np.matmul(a.astype(np.float32), b.astype(np.float32)) * np.float32(1 + 1e-6 * a.shape[0])
+        out = ctx.output(0, y.shape, a.dtype)
+        out[...] = y
+        return (out,)
+
+    result = run_op_case(_case("MatMul/rows-M8"), "float32", Broken({("", "MatMul"): matmul}),
+                         CpuReferenceProvider(), np.random.default_rng(0))
+    assert result.poisoned and not result.passed and "row 0 run alone differs" in result.detail
+    assert result.max_abs < 1e-4  # the comparison with the reference alone passes
+
+
+def test_a_padded_prompt_row_that_depends_on_its_padding_fails_its_row_case():
+    """GQA rows are also run alone without their right padding (CASES 1): a kernel whose real
+    rows depend on the padded length S is caught, though within tolerance of the reference."""
+    def gqa(ctx, query, *rest):
+        outs = group_query_attention.run(ctx, query, *rest)
+        outs[0][...] *= np.float32(1 + 1e-6 * query.shape[1])
+        return outs
+
+    case = _case("GroupQueryAttention/prompt-right-padding-head_major")
+    result = run_op_case(case, "float32", Broken({("com.microsoft", "GroupQueryAttention"): gqa}),
+                         CpuReferenceProvider(), np.random.default_rng(0))
+    assert not result.passed and "row 1 run alone differs" in result.detail
+
+
+def test_a_fused_op_that_is_not_its_chain_fails_its_unfused_case():
+    def silu_mul(ctx, x, up):  # one fp32 pass rounded once: close to the chain, not its bits
+        x32 = x.astype(np.float32)
+        out = ctx.output(0, x.shape, x.dtype)
+        out[...] = x32 / (1 + np.exp(-x32)) * up.astype(np.float32)
+        return (out,)
+
+    result = run_op_case(_case("SiluMul/d1536"), "float16", Broken({("lockstep", "SiluMul"): silu_mul}),
+                         CpuReferenceProvider(), np.random.default_rng(0))
+    assert not result.passed and "unfused chain (Sigmoid -> Mul -> Mul)" in result.detail
+    assert result.max_abs < 0.1  # the comparison with the reference alone passes
+
+
+class Declining(CpuReferenceProvider):
+    """cpu_reference that declines one op; ``reason``: what its support_reason says (None:
+    the provider has no support_reason)."""
+
+    def __init__(self, op, reason=None):
+        super().__init__()
+        self.op = op
+        if reason is not None:
+            self.support_reason = lambda node: reason if node.op_type == op else None
+
+    def supports(self, node):
+        return node.op_type != self.op and super().supports(node)
+
+
+def test_an_unsupported_case_is_skipped_with_the_providers_reason():
+    with pytest.raises(UnsupportedCase) as info:
+        run_op_case(_case("Sigmoid/wide-range"), "float16", Declining("Sigmoid", "no Sigmoid kernel yet"),
+                    CpuReferenceProvider(), np.random.default_rng(0))
+    text = str(info.value)
+    assert all(s in text for s in ("'cpu_reference'", "ai.onnx.Sigmoid", "[float16]", "no Sigmoid kernel yet"))
+
+
+def test_without_support_reason_the_skip_names_the_op_dtypes_and_attributes():
+    with pytest.raises(UnsupportedCase) as info:
+        run_op_case(_case("GroupQueryAttention/decode-per-row-lengths-seq_major"), "float32",
+                    Declining("GroupQueryAttention"), CpuReferenceProvider(), np.random.default_rng(0))
+    text = str(info.value)
+    assert all(s in text for s in ("com.microsoft.GroupQueryAttention", "float32", "num_heads=4",
+                                   "kv_num_heads=2", "gives no reason"))
+
+
+def test_a_kernel_that_raises_fails_its_case_instead_of_skipping_it():
+    def sigmoid(ctx, x):
+        raise ValueError("a kernel bug")
+
+    with pytest.raises(ValueError, match="a kernel bug") as info:
+        run_op_case(_case("Sigmoid/wide-range"), "float32", Broken({("", "Sigmoid"): sigmoid}),
+                    CpuReferenceProvider(), np.random.default_rng(0))
+    assert not isinstance(info.value, UnsupportedCase)
 
 
 def test_argmax_with_highest_index_on_ties_fails():

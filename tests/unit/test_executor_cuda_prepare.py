@@ -112,7 +112,7 @@ def test_prepared_gated_nbits_interleaves_once_and_launches_what_the_unprepared_
     _same_launch(launches[0], launches[1])
 
 
-def test_gated_nbits_prepare_leaves_fed_weights_and_other_dtypes_alone():
+def test_gated_nbits_prepare_leaves_fed_weights_and_fp32_activations_alone():
     rng = np.random.default_rng(3)
     gate, up = _nbits(rng, 16, 64, 32, False), _nbits(rng, 16, 64, 32, False)
     attrs = {"K": 64, "N": 16, "bits": 4, "block_size": 32}
@@ -120,3 +120,5 @@ def test_gated_nbits_prepare_leaves_fed_weights_and_other_dtypes_alone():
     fed = (None, *gate[1:], *up)
     assert silu_gated_matmul_nbits.prepare(_ctx("G", names, attrs, (np.float16,)), None, *fed) is None
     assert silu_gated_matmul_nbits.prepare(_ctx("G", names, attrs, (np.float32,)), None, *gate, *up) is None
+    undeclared = silu_gated_matmul_nbits.prepare(_ctx("G", names, attrs), None, *gate, *up)  # fp16 scales
+    assert set(undeclared) == {1, 2, 4, 5}

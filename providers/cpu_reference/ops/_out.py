@@ -31,7 +31,8 @@ def buffer(ctx, slot, shape, dtype) -> np.ndarray:
 def write(ctx, slot, value, dtype=None) -> np.ndarray:
     """``value`` converted to ``dtype`` (default: its own; numpy ``astype`` rounding) and
     copied into the buffer of output ``slot``; returns the buffer."""
-    value = np.asarray(value)
+    if not isinstance(value, np.ndarray):
+        value = np.asarray(value)
     out = buffer(ctx, slot, value.shape, value.dtype if dtype is None else dtype)
     np.copyto(out, value, casting="unsafe")
     return out
@@ -46,9 +47,14 @@ def write_all(ctx, *values) -> tuple:
 
 def write_elementwise(ctx, fn: Callable[..., np.ndarray], *xs) -> np.ndarray:
     """``fn(*xs)`` computed in :func:`compute_dtype` of the first input and rounded into
-    output buffer 0 in the first input's dtype (the rounding of ``_util.elementwise``)."""
-    dtype = np.asarray(xs[0]).dtype
+    output buffer 0 in the first input's dtype (the rounding of ``_util.elementwise``). A
+    numpy ufunc computes straight into the buffer (its loop in the compute dtype, the result
+    cast on output: the same rounding, no temporary)."""
+    xs = [np.asarray(x) for x in xs]
+    dtype = xs[0].dtype
     work = compute_dtype(dtype)
-    args = [np.asarray(x).astype(work, copy=False) if np.asarray(x).dtype.kind == "f" else np.asarray(x)
-            for x in xs]
+    if isinstance(fn, np.ufunc):
+        shape = xs[0].shape if all(x.shape == xs[0].shape for x in xs) else np.broadcast(*xs).shape
+        return fn(*xs, out=buffer(ctx, 0, shape, dtype), dtype=work, casting="unsafe")
+    args = [x.astype(work, copy=False) if x.dtype.kind == "f" else x for x in xs]
     return write(ctx, 0, fn(*args), dtype)

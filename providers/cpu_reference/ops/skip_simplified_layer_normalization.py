@@ -10,7 +10,7 @@ Source: ORT contrib_ops/cpu/skip_layer_norm.cc.
 
 import numpy as np
 
-from providers.cpu_reference.ops._out import write
+from providers.cpu_reference.ops._out import buffer, write
 
 OP_TYPE = "SkipSimplifiedLayerNormalization"
 DOMAIN = "com.microsoft"
@@ -28,7 +28,10 @@ def run(ctx, x, skip, gamma, bias=None):
         v = v + np.asarray(bias, dtype=np.float32)
     eps = np.float32(ctx.node.attrs.get("epsilon", 1e-12))
     inv_std = (np.float32(1.0) / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)).astype(np.float32)
-    y = v * inv_std * np.asarray(gamma, dtype=np.float32)
-    outs = (y, np.zeros_like(inv_std), inv_std, v)
-    dtypes = (x.dtype, np.float32, np.float32, x.dtype)
-    return tuple(write(ctx, i, o, dt) if name else None for i, (o, dt, name) in enumerate(zip(outs, dtypes, ctx.node.outputs)))
+    y = buffer(ctx, 0, x.shape, x.dtype)
+    outs = [np.multiply(v * inv_std, np.asarray(gamma, dtype=np.float32), out=y, casting="unsafe")]
+    names = ctx.node.outputs
+    for i, (value, dtype) in enumerate(((np.zeros_like(inv_std), np.float32), (inv_std, np.float32),
+                                        (v, x.dtype)), start=1):
+        outs.append(write(ctx, i, value, dtype) if i < len(names) and names[i] else None)
+    return tuple(outs[:len(names)])

@@ -42,14 +42,17 @@ def _check_pair(b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up) -> None:
 
 def prepare(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
     """Plan-time hook (core.ops). Where the fused tensor-core launch applies to every call
-    (declared fp16 X and the static conditions of ``matmul_nbits.mma_config``), inputs 1..3
-    become the interleaved codes, scales and zero points (:func:`interleave`), inputs 4..6 are
-    dropped and ctx.cache[PREPARED] = (K, N, block_size, zp_mode, zp_stride). Returns None
-    (nothing prepared) for fed weights or a configuration ``run`` would reject."""
+    (fp16 X, as declared or else as the scales' dtype, which ORT's schema gives A too; the
+    static conditions of ``matmul_nbits.mma_config``), inputs 1..3 become the interleaved
+    codes, scales and zero points (:func:`interleave`), inputs 4..6 are dropped and
+    ctx.cache[PREPARED] = (K, N, block_size, zp_mode, zp_stride). Returns None (nothing
+    prepared) for fed weights or a configuration ``run`` would reject."""
     node = ctx.node
     weights = (b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up)
+    if any(name and w is None for name, w in zip(node.inputs[1:7], weights)):
+        return None
     dtype = node.input_dtypes[0] if node.input_dtypes else None
-    if dtype != np.float16 or any(name and w is None for name, w in zip(node.inputs[1:7], weights)):
+    if (scales_gate.dtype if dtype is None else dtype) != np.float16:  # A and scales share T1 (ORT schema)
         return None
     try:
         k, n, bits, bs, nb = matmul_nbits.geometry(node.attrs, None, b_gate, scales_gate)

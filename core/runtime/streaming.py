@@ -1,0 +1,106 @@
+"""The streaming schedule: a residency plan applied to an executor plan.
+
+:func:`apply` moves every streamed weight to the provider's staged host memory (pinned on a
+GPU) and replaces the plan's constant by a view of its staging slot, so a kernel reads the
+slot as if it were the weight. It then wraps the kernels of the nodes that must act around
+their launch (:class:`StreamedKernel`), in execution order over ``plan.steps``:
+
+- the first node that reads a device weight starts the step: ``stream.begin()`` and the
+  copies of the first ``slots`` streamed pages;
+- before the first reader of page j: ``stream.ready(slot j)``;
+- after the last reader of page j: ``stream.release(slot j)``, then the copy of page
+  ``j + slots`` into the same slot (it waits for that release);
+- after the last reader of the last page: ``stream.end()``.
+
+The schedule is static, so every prefill and decode step copies the same bytes in the same
+order, and a captured step records the copies with the kernels. A copy is always issued
+before the ``ready`` that waits for it: :func:`apply` checks that the last reader of page j
+comes before the first reader of page ``j + slots``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable
+
+import numpy as np
+
+from core.runtime.residency import BudgetError, ResidencyPlan
+
+
+class StreamedKernel:
+    """A kernel with streaming actions before and after it (module docstring).
+
+    Attributes:
+        run: the wrapped kernel (named in error messages).
+    """
+
+    def __init__(self, kernel: Any, before: list[Callable[[], None]], after: list[Callable[[], None]]):
+        self.run, self.before, self.after = kernel, tuple(before), tuple(after)
+
+    def __call__(self, ctx, *args):
+        for action in self.before:
+            action()
+        results = self.run(ctx, *args)
+        for action in self.after:
+            action()
+        return results
+
+
+def apply(plan, residency: ResidencyPlan, stream) -> None:
+    """Stream ``residency.pages`` through ``stream`` on every run of ``plan``.
+
+    Args:
+        plan: a :class:`core.executor.Plan` that has not run yet.
+        residency: what streams (:func:`core.runtime.residency.plan_residency`).
+        stream: the provider's :class:`core.provider.WeightStream` (``slots`` slots).
+
+    Raises:
+        BudgetError: a page is read again after the page ``slots`` later needs its slot
+            (a larger ring, or those weights resident, is needed).
+    """
+    provider, slots = plan.provider, residency.slots
+    place = residency.placement()
+    page_of = {name: j for j, page in enumerate(residency.pages) for name in page}
+    readers = defaultdict(list)  # page -> positions (in plan.steps) of the nodes reading it
+    first_device = None
+    for pos, i in enumerate(plan.steps):
+        for x in plan.nodes[i].inputs:
+            if x in page_of:
+                readers[page_of[x]].append(pos)
+            if first_device is None and x in plan.constants and not isinstance(plan.constants[x], np.ndarray):
+                first_device = pos
+    pages = len(residency.pages)
+    for j in range(pages - slots):
+        if max(readers[j]) >= min(readers[j + slots]):
+            raise BudgetError(f"page {residency.pages[j]} is still read after page {residency.pages[j + slots]} "
+                              f"needs its staging slot; use more staging slots than {slots}")
+    items: list[list] = [[] for _ in range(pages)]
+    for name, j in page_of.items():
+        value = plan.constants[name]
+        slot, offset = place[name]
+        view = stream.view(slot, offset, tuple(value.shape), value.dtype)
+        items[j].append((stream.stage(provider.download(value)), view))
+        plan.constants[name] = view
+    del value
+    plan.streamed_weights = items  # the staged host copies, kept alive with the plan
+
+    def copier(j: int) -> Callable[[], None]:
+        return lambda: stream.copy(j % slots, items[j])
+
+    before, after = defaultdict(list), defaultdict(list)
+    start = min(first_device if first_device is not None else 0, min(readers[0]))
+    before[start].append(stream.begin)
+    before[start].extend(copier(j) for j in range(min(slots, pages)))
+    for j in range(pages):
+        slot = j % slots
+        before[min(readers[j])].append(lambda slot=slot: stream.ready(slot))
+        after[max(readers[j])].append(lambda slot=slot: stream.release(slot))
+        if j + slots < pages:
+            after[max(readers[j])].append(copier(j + slots))
+    after[max(readers[pages - 1])].append(stream.end)
+    for pos in set(before) | set(after):
+        i = plan.steps[pos]
+        plan.kernels[i] = StreamedKernel(plan.kernels[i], before[pos], after[pos])
+        plan.host_kernels[i] = None  # it reads a device weight: never a host node
+    provider.reset_peak()  # give the device copies of the streamed weights back to the device
