@@ -1,10 +1,15 @@
-"""Build a SmolLM2-135M-shaped builder model with random weights (for GPU speed and parity runs).
+"""Build a builder model of a known architecture with random weights (GPU speed and parity runs).
 
 Real weights do not travel well to the GPU machine; random weights exercise the same graph,
 kernels and shapes. ``--init-std`` above the HF default (0.02) makes logits peaky, so greedy
 tokens are well separated and cross-provider token comparisons are meaningful.
 
     python benchmarks/build_test_model.py OUT --precision fp16 --target cuda [--layers 30]
+    python benchmarks/build_test_model.py OUT --arch qwen2.5-1.5b --precision int4 --keep-hf HF_DIR
+
+Architectures: smollm2-135m (LlamaForCausalLM, the default) and qwen2.5-1.5b (Qwen2ForCausalLM:
+hidden 1536, 28 layers, 12 heads / 2 kv heads, intermediate 8960, vocab 151,936, QKV bias,
+tied embeddings; the public config's geometry).
 """
 
 from __future__ import annotations
@@ -25,6 +30,15 @@ SMOLLM2_135M = dict(
 )
 
 
+QWEN25_1_5B = dict(
+    architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=1536, intermediate_size=8960,
+    num_attention_heads=12, num_key_value_heads=2, num_hidden_layers=28, vocab_size=151936,
+    max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+    bos_token_id=151643, eos_token_id=151645, pad_token_id=151643, hidden_act="silu",
+)
+ARCHS = {"smollm2-135m": SMOLLM2_135M, "qwen2.5-1.5b": QWEN25_1_5B}
+
+
 def _placeholder_tokenizer(vocab_size: int):
     """A word-level tokenizer over names t0..t{V-1} (the builder requires some tokenizer)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -37,17 +51,20 @@ def _placeholder_tokenizer(vocab_size: int):
                                    eos_token="t2", pad_token="t2")
 
 
-def build(out: Path, precision: str, target: str, layers: int, init_std: float, seed: int,
-          tokenizer_from: Path | None) -> Path:
+def build(out: Path, precision: str, target: str, layers: int | None, init_std: float, seed: int,
+          tokenizer_from: Path | None, arch: str = "smollm2-135m", keep_hf: Path | None = None) -> Path:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": layers, "initializer_range": init_std})
-    model = LlamaForCausalLM(cfg).to(torch.float32)
+    spec = dict(ARCHS[arch])
+    if layers is not None:
+        spec["num_hidden_layers"] = layers
+    cfg = AutoConfig.for_model(spec.pop("model_type"), **spec, initializer_range=init_std)
     with tempfile.TemporaryDirectory() as tmp:
-        hf = Path(tmp) / "hf"
-        model.save_pretrained(hf)
+        hf = keep_hf or Path(tmp) / "hf"
+        if not (hf / "config.json").exists():
+            AutoModelForCausalLM.from_config(cfg).to(torch.float32).save_pretrained(hf)
         if tokenizer_from is not None:
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 if (tokenizer_from / name).exists():
@@ -66,12 +83,14 @@ def main(argv=None) -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--precision", default="fp16", choices=["fp32", "fp16", "int4"])
     p.add_argument("--target", default="cuda", choices=["cpu", "cuda"])
-    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--arch", default="smollm2-135m", choices=sorted(ARCHS))
+    p.add_argument("--layers", type=int, default=None, help="layers (default: the architecture's)")
+    p.add_argument("--keep-hf", type=Path, default=None, help="keep (or reuse) the random HF checkpoint here")
     p.add_argument("--init-std", type=float, default=0.06)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer-from", type=Path, default=None)
     a = p.parse_args(argv)
-    print(build(a.out, a.precision, a.target, a.layers, a.init_std, a.seed, a.tokenizer_from))
+    print(build(a.out, a.precision, a.target, a.layers, a.init_std, a.seed, a.tokenizer_from, a.arch, a.keep_hf))
 
 
 if __name__ == "__main__":

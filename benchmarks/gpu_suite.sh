@@ -1,35 +1,52 @@
 #!/usr/bin/env bash
-# One device call: build SmolLM2-shaped test models, run the GPU tests, profile, and the
-# HF transformers baseline. Logs and JSON are written to /tmp/gpu_suite and packed into
-# $OUT/gpu_suite.tgz at the end (the device tool brings back at most 8 files).
-#   carry: [".whl"]  (the onnxruntime-genai cp312 wheel for the builder; see benchmarks/README.md)
+# One device call: build the test models, run the GPU tests, profile (before/after when
+# .before/before.tar is carried), and the streaming sweep. Logs land in /tmp/gpu_suite and are
+# packed into $OUT/gpu_suite.tgz at the end (the device tool brings back at most 8 files).
+#   carry: [".whl", ".before"]   (the onnxruntime-genai cp312 wheel for the builder; see README)
+#   STAGE=models|tests|profile|stream|all (comma list), TEST_TIMEOUT, SWEEP
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-FINAL_OUT=$OUT; OUT=/tmp/gpu_suite; mkdir -p $OUT
-trap 'tar czf "$FINAL_OUT/gpu_suite.tgz" -C "$OUT" . ; cp "$OUT"/tests_cuda.log "$FINAL_OUT"/ 2>/dev/null' EXIT
+FINAL_OUT=$OUT; LOG=/tmp/gpu_suite; mkdir -p $LOG
+trap 'tar czf "$FINAL_OUT/gpu_suite.tgz" -C "$LOG" . ; cp "$LOG"/*.log "$FINAL_OUT"/ 2>/dev/null' EXIT
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD COLUMNS=200
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/onnxruntime_genai-*.whl || exit 1
-M=/tmp/models; mkdir -p $M
-for v in "fp16 cuda" "int4 cuda" "fp32 cpu"; do
-  set -- $v
-  python3 benchmarks/build_test_model.py $M/$1 --precision $1 --target $2 > /dev/null 2>&1 &
-done
-wait
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee $OUT/gpu.txt
 STAGE=${STAGE:-all}
-if [[ $STAGE == all || $STAGE == tests ]]; then
-  LOCKSTEP_CUDA_MODELS=$M timeout ${TEST_TIMEOUT:-900} python3 -m pytest -q -p no:cacheprovider tests/cuda \
-    -rsP 2>&1 | tee $OUT/tests_cuda.log | tail -25  # -rP: the parity reports (max errors) of passing tests
-fi
-if [[ $STAGE == all || $STAGE == bench ]]; then
-  SWEEP=${SWEEP:-1,8,32,64,128,256}
-  for v in fp16 int4; do
-    python3 -m core profile $M/$v --provider cuda --batch-sweep $SWEEP --tokens 64 --context 128 \
-      --json $OUT/profile_${v}_captured.json 2>&1 | tee $OUT/profile_${v}_captured.txt | tail -12
-    python3 -m core profile $M/$v --provider cuda --batch-sweep $SWEEP --tokens 32 --context 128 \
-      --no-capture --json $OUT/profile_${v}_eager.json 2>&1 | tail -12
+has() { [[ ",$STAGE," == *",$1,"* || $STAGE == all ]]; }
+[ -d /tmp/site/onnxruntime_genai ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/onnxruntime_genai-*.whl || exit 1
+M=/tmp/models; mkdir -p $M
+if has models; then
+  for v in "fp16 cuda" "int4 cuda" "fp32 cpu"; do
+    set -- $v
+    [ -f $M/$1/model.onnx ] || python3 benchmarks/build_test_model.py $M/$1 --precision $1 --target $2 > $LOG/build_$1.txt 2>&1 &
   done
-  python3 benchmarks/hf_decode.py --batches $SWEEP --prompt-len 16 --tokens 64 2>&1 | tee $OUT/hf.txt
-  # where the time goes, node by node (synchronised per node: launch + kernel, not pure GPU time)
-  python3 benchmarks/cuda_decode.py $M/fp16 --batches 1,32,256 --steps 16 --profile 1,32,256 2>&1 | tee $OUT/op_profile.txt | tail -40
+  [ -f $M/qwen-fp16/model.onnx ] || python3 benchmarks/build_test_model.py $M/qwen-fp16 --arch qwen2.5-1.5b --precision fp16 --target cuda --keep-hf /tmp/qwen-hf > $LOG/build_qwen_fp16.txt 2>&1
+  [ -f $M/qwen-int4/model.onnx ] || python3 benchmarks/build_test_model.py $M/qwen-int4 --arch qwen2.5-1.5b --precision int4 --target cuda --keep-hf /tmp/qwen-hf > $LOG/build_qwen_int4.txt 2>&1 &
+  wait
+  ls $M/*/model.onnx | tee $LOG/models.txt
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee $LOG/gpu.txt
+if has tests; then
+  LOCKSTEP_CUDA_MODELS=$M timeout ${TEST_TIMEOUT:-900} python3 -m pytest -q -p no:cacheprovider tests/cuda \
+    -rsP -x ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee $LOG/tests_cuda.log | tail -25
+fi
+if has profile; then
+  SWEEP=${SWEEP:-1,32,256}
+  if [ -f .before/before.tar ]; then
+    rm -rf /tmp/before && mkdir -p /tmp/before && tar xf .before/before.tar -C /tmp/before
+    (cd /tmp/before && PYTHONPATH=/tmp/site:/tmp/before python3 -m core profile $M/fp16 --provider cuda \
+      --batch-sweep $SWEEP --tokens 64 --context 128 --json $LOG/profile_before.json 2>&1 | tee $LOG/profile_before.txt | tail -8)
+  fi
+  python3 -m core profile $M/fp16 --provider cuda --batch-sweep $SWEEP --tokens 64 --context 128 \
+    --json $LOG/profile_after.json 2>&1 | tee $LOG/profile_after.txt | tail -8
+  if [ -f .before/before.tar ]; then  # the same pair again: the spread between runs is the noise
+    (cd /tmp/before && PYTHONPATH=/tmp/site:/tmp/before python3 -m core profile $M/fp16 --provider cuda \
+      --batch-sweep $SWEEP --tokens 64 --context 128 --json $LOG/profile_before2.json 2>&1 | tail -6)
+  fi
+  python3 -m core profile $M/fp16 --provider cuda --batch-sweep $SWEEP --tokens 64 --context 128 \
+    --json $LOG/profile_after2.json 2>&1 | tail -6
+fi
+if has stream; then
+  for v in ${STREAM_MODELS:-qwen-fp16 qwen-int4}; do
+    python3 benchmarks/streaming.py $M/$v --offload ${OFFLOAD:-0,0.25,0.5,0.75} --batches ${SBATCH:-1,2,4,8,16,32,64} \
+      ${HF:+--hf /tmp/qwen-hf} --json $LOG/stream_$v.json --plot $LOG/stream_$v.png 2>&1 | tee $LOG/stream_$v.txt | tail -30
+  done
 fi

@@ -9,8 +9,8 @@ walks the remaining nodes, :attr:`Plan.steps`, in graph order (the builder write
 topologically sorted).
 
 Host nodes. Small signed-integer initializers (at most :data:`HOST_CONSTANT_MAX` elements:
-axes, shapes, gather indices; :func:`is_host_constant`) stay host numpy arrays on every provider, as do Constant node values
-and the shape arithmetic computed from them. On a device provider (one whose ``allocate``
+axes, shapes, gather indices; :func:`is_host_constant`) stay host numpy arrays on every
+provider, as do Constant node values and the shape arithmetic computed from them. On a device provider (one whose ``allocate``
 does not return a host array), a node whose inputs are all host values
 (:func:`core.opdefs.is_host`) runs on the cpu_reference kernel of its op, chosen here: the
 core imports ``providers.cpu_reference.ops`` lazily for that, so no device provider imports

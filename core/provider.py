@@ -129,6 +129,11 @@ class ProviderBase:
         self._copy_bytes(dst, src, copies)
         return sum(n for _, _, n in copies)
 
+    def prepare(self, node: NodeInfo):
+        """The plan-time weight hook of ``node``'s op, or None (see :mod:`core.ops`: a hook turns
+        constant inputs into the kernel's own form once, e.g. packed for the tensor cores)."""
+        return None
+
     def io_binding(self, plan):
         """Persistent IO binding over a plan (the core's :class:`~core.executor.PlanBinding`)."""
         from core.executor import PlanBinding

@@ -105,6 +105,10 @@ class CudaProvider(ProviderBase):
     def supports(self, node: NodeInfo) -> bool:
         return self._ops.supports(node)
 
+    def prepare(self, node: NodeInfo):
+        """The op module's plan-time ``prepare`` hook (packed / interleaved weights), or None."""
+        return self._ops.prepare(node)
+
     def kernel(self, node: NodeInfo):
         """The op's launcher, wrapped for eager launch replay unless the op module sets
         ``REPLAY = False`` (providers/cuda/replay.py)."""

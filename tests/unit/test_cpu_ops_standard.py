@@ -7,6 +7,13 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
+from core.executor import Plan
+from core.ops import OpTable
+from core.protocol import KernelContext, NodeInfo
+from core.testing.op_cases import OP_CASES
+from providers.cpu_reference import ops
+from providers.cpu_reference.provider import CpuReferenceProvider
+
 F32 = dict(rtol=1e-5, atol=1e-6)
 F16 = dict(rtol=1e-3, atol=1e-3)
 
@@ -217,3 +224,86 @@ def test_split_sizes_and_equal_chunks(one_node, rng, split, num_outputs):
     want, got = one_node.both("Split", inputs, {"a": np.float32, "b": np.float32, "c": np.float32}, **attrs)
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g, w)
+
+
+# -- output buffers ------------------------------------------------------------------------
+
+def _every_op() -> dict:
+    """op -> (domain, attributes, inputs, number of outputs): one node of every cpu_reference
+    op that has no case in the parity kit (whose poison covers the others), plus MatMul."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    y = rng.standard_normal(4).astype(np.float32)
+
+    def i64(*v):
+        return np.array(v, np.int64)
+
+    angles = np.arange(4)[:, None] * np.arange(1, 5)[None, :] / 10
+    rotary = (rng.standard_normal((1, 2, 16)).astype(np.float32), i64(0, 1)[None],
+              np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))
+    return {
+        "Add": ("", {}, (x, y), 1), "Sub": ("", {}, (x, y), 1), "Mul": ("", {}, (x, y), 1),
+        "Div": ("", {}, (x, y + 3), 1), "Pow": ("", {}, (np.abs(x), np.array(2.0, np.float32)), 1),
+        "Neg": ("", {}, (x,), 1), "Sqrt": ("", {}, (np.abs(x),), 1), "Tanh": ("", {}, (x,), 1),
+        "Sigmoid": ("", {}, (x,), 1), "Softmax": ("", {}, (x,), 1),
+        "Equal": ("", {}, (i64(1, 2, 3), i64(1, 0, 3)), 1), "Where": ("", {}, (x > 0, x, y), 1),
+        "Cast": ("", {"to": TensorProto.FLOAT16}, (x,), 1), "Concat": ("", {"axis": 1}, (x, x), 1),
+        "Constant": ("", {"value": np.arange(3)}, (), 1), "Expand": ("", {}, (x[:, :1], i64(2, 3, 4)), 1),
+        "Gather": ("", {"axis": 1}, (x, i64(0, 2, 2)), 1), "Range": ("", {}, (np.array(0), np.array(7), np.array(2)), 1),
+        "ReduceSum": ("", {"keepdims": 0}, (x, i64(1)), 1), "Reshape": ("", {}, (x, i64(6, 4)), 1),
+        "Shape": ("", {}, (x,), 1), "Slice": ("", {}, (x, i64(0), i64(2), i64(1)), 1),
+        "Split": ("", {"axis": 2}, (x, i64(1, 3)), 2), "Squeeze": ("", {}, (x[:, :1], i64(1)), 1),
+        "Unsqueeze": ("", {}, (x, i64(0)), 1), "Transpose": ("", {"perm": [2, 0, 1]}, (x,), 1),
+        "MatMul": ("", {}, (x, rng.standard_normal((4, 5)).astype(np.float32)), 1),
+        "SimplifiedLayerNormalization": ("", {"axis": -1}, (x, y), 2),
+        "RotaryEmbedding": ("com.microsoft", {"num_heads": 2}, rotary, 1),
+    }
+
+
+EVERY_OP = _every_op()
+
+
+def test_every_cpu_reference_op_is_checked_here_or_by_the_kit():
+    assert {op for _, op in OpTable(ops).modules} <= set(EVERY_OP) | {c.op for c in OP_CASES}
+
+
+def _poison(array: np.ndarray) -> None:
+    array[...] = np.nan if array.dtype.kind == "f" else (True if array.dtype.kind == "b" else -7)
+
+
+@pytest.mark.parametrize("op", sorted(EVERY_OP))
+def test_outputs_are_the_nodes_buffers_fully_rewritten_and_never_an_input(op):
+    """Each output is the node's ctx.output buffer: the same buffer on the next call, every
+    element rewritten (the buffers are poisoned in between), sharing no memory with an input."""
+    domain, attrs, inputs, n_out = EVERY_OP[op]
+    node = NodeInfo(op, op, domain, attrs, tuple(f"x{i}" for i in range(len(inputs))),
+                    tuple(f"y{i}" for i in range(n_out)), tuple(np.asarray(x).dtype for x in inputs))
+    ctx = KernelContext(node, CpuReferenceProvider(), "head_major")
+    run = OpTable(ops).kernel(node)
+    first = run(ctx, *inputs)
+    want = [np.array(o, copy=True) for o in first]
+    for out in first:
+        _poison(out)
+    again = run(ctx, *inputs)
+    for i, (got, expected) in enumerate(zip(again, want)):
+        assert got is first[i] and got is ctx.output(i, expected.shape, expected.dtype)
+        np.testing.assert_array_equal(got, expected)
+        assert not any(np.shares_memory(got, x) for x in inputs if isinstance(x, np.ndarray))
+
+
+def test_a_folded_value_is_its_nodes_buffer_frozen_read_only_and_never_rewritten(rng):
+    """The builder's Transpose of the tied embedding runs once at plan time: its output buffer
+    becomes a frozen plan constant that later steps read and never write."""
+    w = rng.standard_normal((6, 4)).astype(np.float32)
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "wt"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    plan = Plan(graph, {"w": w}, CpuReferenceProvider())
+    folded = plan.constants["wt"]
+    assert not folded.flags.writeable and folded is plan.contexts[0].output(0, (4, 6), np.float32)
+    for _ in range(2):
+        x = rng.standard_normal((2, 4)).astype(np.float32)
+        y = plan.run({"x": x})["y"]
+        np.testing.assert_allclose(y, x @ w.T, rtol=1e-5)
+        assert not np.shares_memory(y, folded)
+    np.testing.assert_array_equal(folded, w.T)

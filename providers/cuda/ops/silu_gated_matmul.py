@@ -3,9 +3,10 @@
 X [..., K] and W_gate, W_up [K, N] of one float dtype (graph constants). Where MatMul would
 use the tensor-core kernel (fp16, K <= 2048, contiguous X): ONE GEMM over the gate and up
 weights interleaved in groups of 8 features (``_mma.glu_rows``; packed once at plan time by
-:func:`prepare`) with the SiluMul in its epilogue (kernels/linear_mma.cu, GLU). Each output's K order is the unfused
-MatMul's, and the epilogue rounds as MatMul and SiluMul do, so the result is bitwise the
-unfused MatMul, MatMul, SiluMul of this provider. Otherwise those three kernels run in turn.
+:func:`prepare`) with the SiluMul in its epilogue (kernels/linear_mma.cu, GLU). Each output's
+K order is the unfused MatMul's, and the epilogue rounds as MatMul and SiluMul do, so the
+result is bitwise the unfused MatMul, MatMul, SiluMul of this provider. Otherwise those three
+kernels run in turn.
 """
 
 import numpy as np
