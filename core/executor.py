@@ -1,7 +1,7 @@
 """Graph executor: plan an ONNX graph once, then dispatch its nodes to a provider's kernels.
 
 Planning checks every node with ``provider.supports`` (an unsupported op is reported at load
-time, naming each op and node, CASES 15), applies the fusion passes of :mod:`core.fusion`
+time, naming each op and node, docs/cases.md 15), applies the fusion passes of :mod:`core.fusion`
 the provider supports, asks the provider for one kernel per node, makes one
 :class:`~core.protocol.KernelContext` per node and uploads the weights once. Then it folds
 the nodes whose inputs are all constants (run once) and prepares weights (below). Running

@@ -6,7 +6,7 @@ provider). A pass fires only where ``provider.supports(fused)`` is true and the 
 values have no other consumer and are not graph outputs.
 
 - ``lockstep.SiluMul(x, up) = Mul(Mul(x, Sigmoid(x)), up)``: the SiLU-gated MLP the builder
-  writes as Sigmoid + Mul + Mul (OPS.md 0, step 6); 3 nodes -> 1 per layer.
+  writes as Sigmoid + Mul + Mul (docs/ops.md 0, step 6); 3 nodes -> 1 per layer.
 - ``lockstep.SiluGatedMatMul(x, w_gate, w_up) = SiluMul(MatMul(x, w_gate), MatMul(x, w_up))``
   and ``lockstep.SiluGatedMatMulNBits(x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up)``
   (the MatMulNBits attributes, shared by both projections; absent zero points are ""): the

@@ -80,7 +80,7 @@ def cast_supports(node) -> bool:
     return to != 0 and to not in CAST_UNSUPPORTED
 
 
-# -- MatMulNBits and GatherBlockQuantized (com.microsoft, OPS.md 2 and 5) ---------------------
+# -- MatMulNBits and GatherBlockQuantized (com.microsoft, docs/ops.md 2 and 5) ---------------------
 def matmul_nbits_supports(node) -> bool:
     """bits 2/4/8, block_size a power of two >= 16, no prepacked weight, no g_idx (input 4)."""
     attrs = node.attrs

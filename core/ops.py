@@ -18,7 +18,7 @@ executor checks this, :class:`core.executor.KernelOutputError`), and optionally:
   staging slot), and must still run on unprepared inputs (direct calls, fed weights).
 
 Modules whose name starts with "_" are helpers. The table is built by
-introspecting the package (STYLE.md: the registry comes from the modules, not a hand-kept
+introspecting the package (the registry comes from the modules, not a hand-kept
 list), so adding an op is adding a file.
 """
 

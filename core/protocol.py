@@ -1,7 +1,7 @@
 """The execution-provider protocol: what a provider must offer the core.
 
 A provider owns memory and kernels; the core owns the model, the decode loop, the KV-cache
-geometry, the capture policy and the counters (DESIGN.md, "The provider protocol").
+geometry, the capture policy and the counters (docs/design.md "The provider protocol").
 Providers are registered through the pluggy entry-point group ``lockstep.providers``
 (see :mod:`core.hookspecs`) and proven with the parity kit (:mod:`core.testing`).
 
@@ -101,7 +101,7 @@ class KernelContext:
 
     The executor makes one context per node when it plans the graph. Kernels take persistent
     output buffers from :meth:`output` so that a captured decode step allocates nothing
-    (CASES 10): the first call with a given shape allocates, later calls reuse the buffer,
+    (docs/cases.md 10): the first call with a given shape allocates, later calls reuse the buffer,
     and while ``frozen`` is set (during capture) a new allocation raises ``RuntimeError``.
 
     Attributes:
@@ -151,7 +151,7 @@ class KernelContext:
                 raise RuntimeError(
                     f"node {self.node.name!r} ({self.node.op_type}) needs a new {dtype} buffer of "
                     f"shape {shape} for {slot!r} inside a captured region; capture requires every "
-                    "buffer to exist before capture (CASES 10)")
+                    "buffer to exist before capture (docs/cases.md 10)")
             buf = self.provider.allocate(shape, dtype)
             self.allocations += 1
             same_slot = [k for k in self._buffers if k[0] == slot and k not in self._pinned]
@@ -234,7 +234,7 @@ class ExecutionProvider(Protocol):
             result: int32 device tensor ``[B, 2]`` written in place: ``[token_id,
                 capture_error]``. token_id is the index of the maximum, lowest index on ties
                 (numpy.argmax semantics); capture_error is 1 when the row holds a NaN or an
-                infinity (the token is then -1, never a silent 0), else 0 (CASES 11, 12).
+                infinity (the token is then -1, never a silent 0), else 0 (docs/cases.md 11, 12).
         """
 
     def decode_advance(self, result: Any, input_ids: Any, attention_mask: Any,

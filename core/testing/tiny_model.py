@@ -54,7 +54,7 @@ def quantize_int4(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarra
 
     Returns:
         (B uint8 [N, n_blocks, block_size/2], scales fp32 [N, n_blocks]); element 2i of a
-        block is the low nibble of byte i (OPS.md 2). K is zero-padded to whole blocks.
+        block is the low nibble of byte i (docs/ops.md 2). K is zero-padded to whole blocks.
     """
     k, n = w.shape
     n_blocks = -(-k // block_size)

@@ -6,8 +6,8 @@ import numpy as np
 def argmax_rows(rows: np.ndarray) -> np.ndarray:
     """Per-row ``[token_id, capture_error]`` (int32 ``[B, 2]``) for logits ``rows`` ``[B, V]``.
 
-    token_id is the lowest index of the row maximum (numpy.argmax; CASES 11). A row holding a
-    NaN or an infinity gets ``[-1, 1]``: flagged, never a silent token 0 (CASES 12).
+    token_id is the lowest index of the row maximum (numpy.argmax; docs/cases.md 11). A row holding a
+    NaN or an infinity gets ``[-1, 1]``: flagged, never a silent token 0 (docs/cases.md 12).
     """
     rows = np.asarray(rows, dtype=np.float32)
     out = np.empty((rows.shape[0], 2), np.int32)

@@ -52,7 +52,7 @@ class CudaProvider(ProviderBase):
     run on the capture stream).
     Graph capture: ``begin_capture()``; run the step; ``graph = end_capture()``;
     ``replay(graph)``. Arrays the captured step touches must be allocated before capture and
-    kept alive by the caller (the graph holds no references; CUDA_NOTES "Stream capture").
+    kept alive by the caller (the graph holds no references; docs/cuda.md "Stream capture").
 
     Raises:
         RuntimeError: CuPy is missing, no GPU is visible, or the CUDA headers are missing.

@@ -4,7 +4,7 @@ Through the CUDA driver's virtual memory management API (cuda-bindings):
 cuMemAddressReserve reserves the range once; cuMemCreate + cuMemMap + cuMemSetAccess back
 pages of it as sequences grow (:meth:`VmmArena.commit`). The address never changes, so a
 captured decode step that baked the pointer keeps working across KV growth: no recapture, no
-copy (CUDA_NOTES.md, "Stream capture in CuPy", VMM). Newly mapped pages are zeroed.
+copy (docs/cuda.md "Stream capture", VMM). Newly mapped pages are zeroed.
 
 Never managed memory: these are plain device allocations.
 """

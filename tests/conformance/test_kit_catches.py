@@ -108,7 +108,7 @@ def test_a_batch_dependent_matmul_fails_its_row_case():
 
 
 def test_a_padded_prompt_row_that_depends_on_its_padding_fails_its_row_case():
-    """GQA rows are also run alone without their right padding (CASES 1): a kernel whose real
+    """GQA rows are also run alone without their right padding (docs/cases.md 1): a kernel whose real
     rows depend on the padded length S is caught, though within tolerance of the reference."""
     def gqa(ctx, query, *rest):
         outs = group_query_attention.run(ctx, query, *rest)

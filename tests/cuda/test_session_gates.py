@@ -49,7 +49,7 @@ def _stream(model_dir, provider, batch, steps, **kw):
 
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_replay_equals_eager_bitwise_for_64_steps(model_dir, gpu, batch):
-    """CASES 8, 9: capture on == off for >= 64 steps; one capture, the rest replays."""
+    """docs/cases.md 8, 9: capture on == off for >= 64 steps; one capture, the rest replays."""
     eager = _stream(model_dir, gpu, batch, 64, capacity=128, capture=False)
     graph = _stream(model_dir, gpu, batch, 64, capacity=128, capture=True)
     assert np.array_equal(eager[0], graph[0]) and np.array_equal(eager[1], graph[1])

@@ -1,4 +1,4 @@
-"""Batch invariance on cpu_reference with SmolLM2 (CASES 1, 2, 4): bitwise, not approximately."""
+"""Batch invariance on cpu_reference with SmolLM2 (docs/cases.md 1, 2, 4): bitwise, not approximately."""
 
 import numpy as np
 import pytest
@@ -48,7 +48,7 @@ def test_n_copies_of_one_prompt_are_bitwise_equal(fp32_model, prompt_ids):
 
 
 def test_padding_amount_does_not_change_a_row(fp32_model, prompt_ids):
-    """CASES 1: the same prompt beside partners 0, 1, 7 and len(prompt) tokens longer."""
+    """docs/cases.md 1: the same prompt beside partners 0, 1, 7 and len(prompt) tokens longer."""
     ids = prompt_ids[3]
     base_t, base_l = run_rows(fp32_model, [ids], steps=6, capacity=256)
     for extra in (0, 1, 7, len(ids)):
@@ -66,7 +66,7 @@ def test_seq_major_equals_head_major_bitwise(fp32_model, prompt_ids):
 
 
 def test_growing_cache_equals_fixed_bitwise(fp32_model, prompt_ids):
-    """CASES 6: a head-major growing cache (several growth events) gives the fixed run's bits."""
+    """docs/cases.md 6: a head-major growing cache (several growth events) gives the fixed run's bits."""
     rows = prompt_ids[:3]
     fixed = run_rows(fp32_model, rows, steps=40, capacity=128)
     session = Session(fp32_model, "cpu_reference", batch=3, capacity=8,
@@ -83,7 +83,7 @@ def test_growing_cache_equals_fixed_bitwise(fp32_model, prompt_ids):
 
 
 def test_nan_in_unused_kv_slots_changes_nothing(fp32_model, prompt_ids):
-    """CASES 5, 7: poison every slot past each row's length before prefill and each step."""
+    """docs/cases.md 5, 7: poison every slot past each row's length before prefill and each step."""
     rows = prompt_ids[:2]
     clean = run_rows(fp32_model, rows, steps=6)
     session = Session(fp32_model, "cpu_reference", batch=2, capacity=128)

@@ -1,5 +1,5 @@
 """Bad input: a clear error before any work, and the same session then serves a good request
-(CASES 15)."""
+(docs/cases.md 15)."""
 
 import json
 import shutil
@@ -45,7 +45,7 @@ def test_bad_prompt_is_refused_then_session_serves(session, fp32_model, bad, mat
     (64, 0, True), (64, 1, True), (64, 2, False), (65, 0, False), (65, 1, False),
 ])
 def test_prompt_at_capacity_edge(session, fp32_model, length, new, ok):
-    """CASES 15: C-1, C, C+1 tokens with max_new_tokens 0, 1, 2, 5 against capacity C = 64:
+    """docs/cases.md 15: C-1, C, C+1 tokens with max_new_tokens 0, 1, 2, 5 against capacity C = 64:
     a request needs prompt + max_new_tokens - 1 positions (the last token is never fed back)."""
     ids = [[5] * length]
     if ok:

@@ -123,7 +123,7 @@ def test_asking_for_capture_on_a_provider_without_it_is_a_recorded_fallback(mode
 
 
 def test_a_kernel_that_allocates_inside_capture_is_refused(model_dir):
-    """CASES 10: with every context frozen, a new buffer request raises."""
+    """docs/cases.md 10: with every context frozen, a new buffer request raises."""
     s = Session(model_dir, CpuReferenceProvider(), batch=1, capacity=16)
     ctx = s.plan.contexts[0]
     ctx.output(0, (2, 2), np.float32)

@@ -1,4 +1,4 @@
-"""GroupQueryAttention of cpu_reference against ONNX Runtime CPU (OPS.md 1.3 / 1.4; CASES 1, 2, 5, 7).
+"""GroupQueryAttention of cpu_reference against ONNX Runtime CPU (docs/ops.md 1.3 / 1.4; docs/cases.md 1, 2, 5, 7).
 
 ORT runs with a non-shared past (present is a new buffer); cpu_reference additionally runs in
 share-buffer mode (past holds >= total rows and is written in place). Tolerances: fp32 rtol 1e-5
@@ -41,7 +41,7 @@ class Case:
             self.attrs |= {"do_rotary": 1, "rotary_interleaved": int(rotary == "interleaved")}
             half = (h // 4) if rotary == "partial" else h // 2
             self.cos, self.sin = _caches(rng, 64, half, dtype)
-        # The KV history: rows [0, past_b) valid, NaN elsewhere (CASES 7).
+        # The KV history: rows [0, past_b) valid, NaN elsewhere (docs/cases.md 7).
         self.kv = [rng.standard_normal((b, nkv, cap, h)).astype(dtype) for _ in range(2)]
         for buf in self.kv:
             for i, p in enumerate(self.pasts):
@@ -120,7 +120,7 @@ def test_gqa_head_sink_and_attention_bias_match_ort(one_node, rng):
 
 
 def test_gqa_prompt_right_padding_valid_rows_match_ort_and_batch1(one_node, rng):
-    """CASES 1 at op level: row 1 has 3 real tokens of 6; its valid rows equal its unpadded batch-1 run."""
+    """docs/cases.md 1 at op level: row 1 has 3 real tokens of 6; its valid rows equal its unpadded batch-1 run."""
     case = Case(rng, b=2, s=6, pasts=(0, 0), totals=(6, 3), rotary="half", cap=16)
     case.kv = [np.zeros_like(k) for k in case.kv]
     want = case.run_ort(one_node)
@@ -153,7 +153,7 @@ def test_gqa_decode_row_bitwise_equals_its_batch1_call(one_node, rng, feature):
 
 @pytest.mark.parametrize("filler", [np.nan, 1e4, -1e4])
 def test_gqa_unused_slots_change_nothing(one_node, rng, filler):
-    """CASES 7: values in cache rows >= T_b (any capacity) do not change the output."""
+    """docs/cases.md 7: values in cache rows >= T_b (any capacity) do not change the output."""
     case = Case(rng, b=2, s=1, pasts=(3, 6), rotary="half", cap=12)
     clean, _ = case.run_ref(one_node, past=[np.nan_to_num(k, nan=0.0) for k in case.kv])
     dirty_kv = [np.where(np.isnan(k), filler, k).astype(k.dtype) for k in case.kv]
@@ -165,7 +165,7 @@ def test_gqa_unused_slots_change_nothing(one_node, rng, filler):
 
 
 def test_gqa_append_into_shared_buffer_subsequent_prompt(one_node, rng):
-    """CASES 5 at op level (B = 1): capacity 16, past 3, append 4: rows [3, 7) written, rows < 3
+    """docs/cases.md 5 at op level (B = 1): capacity 16, past 3, append 4: rows [3, 7) written, rows < 3
     unchanged, NaN in rows >= 7 changes nothing; output matches ORT."""
     case = Case(rng, b=1, s=4, pasts=(3,), rotary="half", cap=16)
     before = case.kv[0].copy()

@@ -1,4 +1,4 @@
-"""RMSNorm ops and RotaryEmbedding of cpu_reference against ONNX Runtime CPU (OPS.md 3, 4).
+"""RMSNorm ops and RotaryEmbedding of cpu_reference against ONNX Runtime CPU (docs/ops.md 3, 4).
 
 Tolerances: fp32 rtol 1e-5 atol 1e-5; fp16 rtol 1e-3 atol 2e-3.
 """

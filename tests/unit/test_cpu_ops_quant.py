@@ -1,6 +1,6 @@
 """MatMulNBits and GatherBlockQuantized of cpu_reference against NumPy and ONNX Runtime CPU.
 
-CASES 13, 14; OPS.md 2, 5. Tolerances: fp32 rtol 1e-5 atol 1e-5 (ORT uses another GEMM order),
+docs/cases.md 13, 14; docs/ops.md 2, 5. Tolerances: fp32 rtol 1e-5 atol 1e-5 (ORT uses another GEMM order),
 fp16 rtol 2e-3. The dequantized weight itself is checked exactly against (q - zp) * scale.
 """
 

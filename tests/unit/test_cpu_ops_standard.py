@@ -122,7 +122,7 @@ def test_reduce_sum_axes_keepdims_noop(one_node, rng, axes, keepdims, noop, dtyp
 
 
 def test_seqlens_k_subgraph_gives_3_1_and_total_4(one_node):
-    """CASES 3: the builder's mask -> seqlens_k / total_sequence_length subgraph."""
+    """docs/cases.md 3: the builder's mask -> seqlens_k / total_sequence_length subgraph."""
     nodes = [
         helper.make_node("ReduceSum", ["mask", "one"], ["rs"], keepdims=0),
         helper.make_node("Sub", ["rs", "one"], ["sub"]),

@@ -1,4 +1,4 @@
-"""Unpacking of block-quantized codes shared by MatMulNBits and GatherBlockQuantized (OPS.md 2, 5).
+"""Unpacking of block-quantized codes shared by MatMulNBits and GatherBlockQuantized (docs/ops.md 2, 5).
 
 Codes are packed least-significant bits first: with e = t*bits, element t of a packed row is
 (byte[e div 8] >> (e mod 8)) & (2^bits - 1); for 4 bits element 2i is the low nibble of byte i.

@@ -1,4 +1,4 @@
-"""Rotary position embedding math shared by GroupQueryAttention and RotaryEmbedding (OPS.md 1.3.1, 4).
+"""Rotary position embedding math shared by GroupQueryAttention and RotaryEmbedding (docs/ops.md 1.3.1, 4).
 
 With r = rotary_dim, c = cos[pos, i], n = sin[pos, i] for i < r/2:
 non-interleaved: x[i]' = x[i]c - x[i+r/2]n, x[i+r/2]' = x[i+r/2]c + x[i]n;

@@ -2,7 +2,7 @@
 
 Output shape data.shape[:axis] + indices.shape + data.shape[axis+1:]; negative indices count
 from the end; an out-of-range index raises IndexError. The builder uses it for the embedding
-lookup (OPS.md 0). Source: ONNX Gather-13.
+lookup (docs/ops.md 0). Source: ONNX Gather-13.
 """
 
 import numpy as np

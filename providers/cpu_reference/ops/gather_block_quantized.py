@@ -1,4 +1,4 @@
-"""GatherBlockQuantized (com.microsoft): gather rows of a block-quantized matrix, dequantized (OPS.md 5).
+"""GatherBlockQuantized (com.microsoft): gather rows of a block-quantized matrix, dequantized (docs/ops.md 5).
 
 Inputs: data uint8 [V, D*bits/8] (codes LSB-first along the last axis); indices (int32/int64,
 any shape); scales [V, D/block_size] (fp32/fp16); zero_points optional uint8, packed the same

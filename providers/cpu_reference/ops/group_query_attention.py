@@ -1,4 +1,4 @@
-"""GroupQueryAttention (com.microsoft v1): causal GQA with a KV cache, exactly OPS.md 1.3 / 1.4.
+"""GroupQueryAttention (com.microsoft v1): causal GQA with a KV cache, exactly docs/ops.md 1.3 / 1.4.
 
 Inputs: query [B, S, Nq*H], or packed QKV [B, S, (Nq + 2*Nkv)*H] when key/value are absent;
 key, value [B, S, Nkv*H]; past_key, past_value: the KV buffer, [B, Nkv, P_buf, H] when
@@ -22,11 +22,11 @@ computed alone with a fixed reduction order (ops.rowwise_matmul). A query row wi
 key (a padding row under a window) outputs zeros.
 
 KV buffer sharing: when past is given and holds at least total_sequence_length rows, present
-has the same shape as past (present length = max(total, P_buf), OPS.md 1.1), which is when
+has the same shape as past (present length = max(total, P_buf), docs/ops.md 1.1), which is when
 ORT may run in place: the new rows are written into past itself and the same arrays are
 returned as present (GenAI share-buffer mode). Otherwise present is the node's output buffer
 (ctx.output), zero-filled, of max(total, P_buf) rows with rows [0, P_b) copied from past
-(OPS.md 1.3 step 2). The output is written into the node's output buffer 0.
+(docs/ops.md 1.3 step 2). The output is written into the node's output buffer 0.
 
 dtypes: T = fp32 or fp16. Q and K are rotated in fp32 and rounded to T (the cache holds T);
 scores, softmax and P.V are fp32; the output is rounded to T.

@@ -1,4 +1,4 @@
-"""MatMulNBits (com.microsoft): Y = A @ dequant(B)^T (+ bias), OPS.md 2.
+"""MatMulNBits (com.microsoft): Y = A @ dequant(B)^T (+ bias), docs/ops.md 2.
 
 Inputs: A [..., K] (fp32/fp16); B uint8 [N, n_blocks, blob] (n_blocks = ceil(K/block_size),
 blob = block_size*bits/8); scales [N, n_blocks] or flat [N*n_blocks] (fp32/fp16);

@@ -2,7 +2,7 @@
 
 Sums over ``axes`` (all axes when axes is absent or empty, unless ``noop_with_empty_axes=1``,
 which returns the input unchanged); ``keepdims`` default 1. fp16 is summed in fp32; integers in
-their own dtype. The builder uses it on the attention mask for seqlens_k (OPS.md 0).
+their own dtype. The builder uses it on the attention mask for seqlens_k (docs/ops.md 0).
 An ``axes`` attribute (opset < 13) is honoured when the input is absent. Source: ONNX ReduceSum-13.
 """
 

@@ -1,4 +1,4 @@
-"""RotaryEmbedding (com.microsoft v1): rotary position embedding of one tensor (OPS.md 4).
+"""RotaryEmbedding (com.microsoft v1): rotary position embedding of one tensor (docs/ops.md 4).
 
 Inputs: input 3-D [B, S, hidden] (heads contiguous) or 4-D [B, N, S, H]; position_ids int64
 [B, S] or one element (base: pos = base + s); cos_cache, sin_cache [max_pos, rotary_dim/2].

@@ -1,6 +1,6 @@
 """Sigmoid (ONNX, default domain): Y = 1 / (1 + exp(-X)), float dtypes (fp16 in fp32).
 
-Source: ONNX Sigmoid-13. The builder writes SiLU as Sigmoid followed by Mul (OPS.md 0).
+Source: ONNX Sigmoid-13. The builder writes SiLU as Sigmoid followed by Mul (docs/ops.md 0).
 """
 
 import numpy as np

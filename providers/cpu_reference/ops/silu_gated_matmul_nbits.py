@@ -1,5 +1,5 @@
 """lockstep.SiluGatedMatMulNBits (core.fusion): Y = SiluMul(MatMulNBits(X, gate),
-MatMulNBits(X, up)), with the MatMulNBits attributes (OPS.md 2) shared by both projections.
+MatMulNBits(X, up)), with the MatMulNBits attributes (docs/ops.md 2) shared by both projections.
 
 Inputs: X, B_gate, scales_gate, zero_points_gate (or absent), B_up, scales_up, zero_points_up.
 Exactly the unfused sequence, so a fused graph is bitwise the unfused one.

@@ -1,4 +1,4 @@
-"""SimplifiedLayerNormalization (default domain, registered by ORT): RMSNorm, OPS.md 3.1.
+"""SimplifiedLayerNormalization (default domain, registered by ORT): RMSNorm, docs/ops.md 3.1.
 
 Y = X / sqrt(mean(X^2 over dims axis..end) + epsilon) * scale; computed in fp32 (stash_type 1)
 and rounded to scale's dtype. Optional output 1 inv_std_var (fp32) = 1/sqrt(mean(X^2) + eps)

@@ -1,4 +1,4 @@
-"""SkipSimplifiedLayerNormalization (com.microsoft): residual add + RMSNorm, OPS.md 3.2.
+"""SkipSimplifiedLayerNormalization (com.microsoft): residual add + RMSNorm, docs/ops.md 3.2.
 
 Inputs: input [B, S, D] or [T, D]; skip of the same shape or broadcast by flat modulo
 ([1, S, D] / [S, D]); gamma [D]; bias [D] optional (index 3). Attribute epsilon (1e-12).

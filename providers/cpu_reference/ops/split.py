@@ -2,7 +2,7 @@
 
 Sizes from the optional int64 ``split`` input (or attribute, opset < 13); otherwise equal
 chunks of ceil(dim / n) with a smaller last chunk, n = ``num_outputs`` or the number of
-outputs. The builder uses it for Qwen3 q/k/v (OPS.md 0). Source: ONNX Split-18.
+outputs. The builder uses it for Qwen3 q/k/v (docs/ops.md 0). Source: ONNX Split-18.
 """
 
 import numpy as np

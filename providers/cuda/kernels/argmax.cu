@@ -1,4 +1,4 @@
-// Greedy selection (protocol device_argmax; CASES 11, 12): per row b, over logits[b, pos[b], :],
+// Greedy selection (protocol device_argmax; docs/cases.md 11, 12): per row b, over logits[b, pos[b], :],
 // the maximum with the lowest index on ties; a row holding NaN or +-inf gives [-1, 1].
 // Pass 1 (argmax_partial): grid (B, ceil(V / CHUNK)), CHUNK = 4096 fixed (never depends on B),
 // 256 threads; each block writes (value, index, bad) of its chunk.  Pass 2 (argmax_final): one

@@ -2,7 +2,7 @@
 // batch-invariant.
 // gather_rows: out[i, :] = data[idx[i], :] (row of `row_bytes` bytes, copied in 16-byte units
 //   when row_bytes % 16 == 0, else bytes); negative indices wrap; out-of-range rows are zero.
-// gather_block_quantized: out[i, d] = (q(row, d) - zp) * scale[row, d / bs] in fp32 (OPS.md 5),
+// gather_block_quantized: out[i, d] = (q(row, d) - zp) * scale[row, d / bs] in fp32 (docs/ops.md 5),
 //   codes LSB-first, zp = 2^(bits-1) or packed uint8; out-of-range rows are zero.
 #include <cuda_fp16.h>
 

@@ -1,4 +1,4 @@
-// GroupQueryAttention (com.microsoft), OPS.md 1.3: RoPE on Q and K, KV write into the shared
+// GroupQueryAttention (com.microsoft), docs/ops.md 1.3: RoPE on Q and K, KV write into the shared
 // cache, causal softmax attention.  Packed QKV [B, S, (Nq + 2 Nkv) H] or separate q/k/v.
 //
 // Per row b: T_b = seqlens_k[b] + 1 read from DEVICE memory (never copied to the host);

@@ -1,7 +1,7 @@
 // Linear layers: Y[M, N] = A[M, K] @ W  (MatMul with a dense W [K, N]; MatMulNBits with a
 // block-quantized W stored [N, n_blocks, blob]).  fp32 accumulation, output in A's dtype.
 //
-// Batch invariance (CUDA_NOTES "What breaks batch invariance"): the reduction order of every
+// Batch invariance (docs/cuda.md "Batch-invariant kernels"): the reduction order of every
 // output element is fixed by (K, chunk) alone:
 //   K is cut into chunks of CK consecutive indices (CK = 16 for dense W, CK = block_size for
 //   MatMulNBits).  For chunk c, p_c = fmaf(a[k], w[k], p) for k ascending inside the chunk,

@@ -1,4 +1,4 @@
-// SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization (OPS.md 3.1, 3.2).
+// SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization (docs/ops.md 3.1, 3.2).
 // One block of 256 threads per row, always (never a block size chosen by the number of rows).
 // Reduction order of sum(v^2), fixed by D alone: thread t adds v[d]^2 (fmaf) for
 // d = t, t + 256, ... ascending; a fixed xor-shuffle tree per warp (lane 0's value); the 8

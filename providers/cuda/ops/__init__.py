@@ -7,7 +7,7 @@ once (the fp16 tensor-core packing of ``_mma.pack``, the gate/up interleave of `
 and records the static facts the kernel needs in ``ctx.cache``; the kernel reads prepared
 inputs when that entry is present and still runs on raw inputs (direct calls, fed weights).
 
-Rules every launcher follows (CUDA_NOTES "Stream capture"): outputs and scratch come from
+Rules every launcher follows (docs/cuda.md "Stream capture"): outputs and scratch come from
 ``ctx.output``; no CuPy expression that allocates; no host sync; scalars passed as numpy
 int32/int64/float32; launches on the current (provider) stream. Nodes whose inputs are all
 host values (shape arithmetic on small integer constants) never reach these launchers: the

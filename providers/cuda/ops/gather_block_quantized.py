@@ -1,4 +1,4 @@
-"""GatherBlockQuantized (com.microsoft), OPS.md 5: dequantized rows of a block-quantized
+"""GatherBlockQuantized (com.microsoft), docs/ops.md 5: dequantized rows of a block-quantized
 matrix (tied int4 embeddings). data uint8 [V, D*bits/8]; indices int32/int64 (device);
 scales [V, D/bs] fp16/fp32; zero_points optional packed uint8. gather_axis 0, quantize_axis
 last, bits 4/8. Kernel: kernels/gather.cu ``gather_block_quantized`` (fp32 math)."""

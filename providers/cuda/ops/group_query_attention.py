@@ -1,4 +1,4 @@
-"""GroupQueryAttention (com.microsoft), OPS.md 1.3/1.4, shared KV buffer only.
+"""GroupQueryAttention (com.microsoft), docs/ops.md 1.3/1.4, shared KV buffer only.
 
 Kernels (kernels/group_query_attention.cu): decode (S == 1, not the first prompt): one launch
 ``gqa_decode`` (grid (Nq, B): one block per row and query head; the group's first head

@@ -1,4 +1,4 @@
-"""MatMulNBits (com.microsoft), OPS.md 2: Y = A @ dequant(B)^T (+ bias).
+"""MatMulNBits (com.microsoft), docs/ops.md 2: Y = A @ dequant(B)^T (+ bias).
 
 A [..., K] fp16/fp32; B uint8 [N, n_blocks, blob]; scales fp16/fp32 [N, n_blocks] (or flat);
 zero_points absent (2^(bits-1)), packed uint8 [N, ceil(n_blocks*bits/8)] or float [N, n_blocks];

@@ -1,5 +1,5 @@
 """SiluGatedMatMulNBits (domain "lockstep", core.fusion): Y = SiluMul(MatMulNBits(X, gate),
-MatMulNBits(X, up)) with the MatMulNBits attributes shared by both projections (OPS.md 2).
+MatMulNBits(X, up)) with the MatMulNBits attributes shared by both projections (docs/ops.md 2).
 
 Inputs: X, B_gate, scales_gate, zero_points_gate (or absent), B_up, scales_up, zero_points_up
 (graph constants of equal shapes and dtypes). Where MatMulNBits would use the tensor-core

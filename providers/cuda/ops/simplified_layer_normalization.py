@@ -1,4 +1,4 @@
-"""SimplifiedLayerNormalization (default domain), OPS.md 3.1: RMSNorm over dims axis..end.
+"""SimplifiedLayerNormalization (default domain), docs/ops.md 3.1: RMSNorm over dims axis..end.
 
 fp32 math; output in scale's dtype; optional output 1 inv_std_var (fp32, normalized dims
 kept as 1). Kernel: kernels/rms_norm.cu (one block per row, fixed reduction tree).

@@ -1,4 +1,4 @@
-"""SkipSimplifiedLayerNormalization (com.microsoft), OPS.md 3.2: v = input + skip (+ bias);
+"""SkipSimplifiedLayerNormalization (com.microsoft), docs/ops.md 3.2: v = input + skip (+ bias);
 y = RMSNorm(v) * gamma. Outputs: 0 y, 1 mean (zeros), 2 inv_std_var (fp32 [..., 1]),
 3 v rounded to the input dtype; unused outputs are None. skip may broadcast by flat modulo.
 Kernel: kernels/rms_norm.cu (one block per row, fixed reduction tree).
