@@ -88,7 +88,7 @@ def cmd_run(a) -> int:
         task = bar.add_task("decoding", total=a.max_new_tokens)
         result = run(model, provider=provider, prompts=a.prompt, max_new_tokens=a.max_new_tokens,
                      chat=not a.raw, kv_layout=a.layout, capture=False if a.no_capture else None,
-                     weight_budget=a.weight_budget,
+                     weight_budget=a.weight_budget, device_budget=a.device_budget,
                      progress=lambda done, total: bar.update(task, completed=done))
     if a.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -159,10 +159,13 @@ def cmd_profile(a) -> int:
     return profile_main(a, console, _table_console())
 
 
-def _budget_arg(parser: argparse.ArgumentParser) -> None:
+def _budget_arg(parser: argparse.ArgumentParser, device: bool = True) -> None:
     parser.add_argument("--weight-budget", metavar="BYTES|PCT", help="device bytes for weights, staging "
                         "included (2GiB, 512MB, 40%%, 0.4); the rest stream from pinned host memory "
                         "every step (default: everything resident when it fits)")
+    if device:
+        parser.add_argument("--device-budget", metavar="BYTES", help="device bytes for weights and KV together "
+                            "(4GiB): KV growth takes from the weight budget, so more weights stream")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch sizes of the teacher-forced logits gate, e.g. 1,2,8 (default)")
     t.add_argument("--steps", type=_positive_int, default=64, help="decode steps (default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the report as JSON")
-    _budget_arg(t)
+    _budget_arg(t, device=False)
     t.set_defaults(func=cmd_parity)
 
     f = sub.add_parser("profile", help="decode throughput sweep over batch sizes")

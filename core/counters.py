@@ -33,6 +33,9 @@ class Counters:
         evictions: copies that overwrote another weight in a staging slot.
         hit_rate, byte_hit_rate: fraction of the per-step weight reads (by tensor; by bytes)
             served by resident weights.
+        replans: residency plans changed because KV growth took device memory from the
+            weights (elastic device budget); each also invalidates a captured graph, with
+            its reason in ``invalidation_reasons``.
     """
 
     prefill_tokens: int = 0
@@ -60,6 +63,7 @@ class Counters:
     evictions: int = 0
     hit_rate: float = 1.0
     byte_hit_rate: float = 1.0
+    replans: int = 0
     _decode_htod: int = attrs.field(default=0, repr=False)
     _decode_page_ins: int = attrs.field(default=0, repr=False)
     _decode_tokens: int = attrs.field(default=0, repr=False)

@@ -85,7 +85,8 @@ def profile(model_dir, provider, batches: list[int], args, progress=None) -> lis
                            f"steps need {need} positions")
     rng = np.random.default_rng(0)
     prompt = list(rng.integers(3, model.config.vocab_size, args.prompt_len))
-    runner = Runner(model, provider, args.layout, weight_budget=getattr(args, "weight_budget", None))
+    runner = Runner(model, provider, args.layout, weight_budget=getattr(args, "weight_budget", None),
+                    device_budget=getattr(args, "device_budget", None))
     bandwidth = runner.provider.device_bandwidth()
     h2d = runner.provider.host_to_device_bandwidth() if runner.residency.streams else None
     rows, reference = [], None

@@ -64,6 +64,8 @@ class Session:
             context); with VMM this is the reserved stride.
         weight_budget: device bytes for the weights (see :class:`~core.runtime.runner.Runner`);
             with a Runner, it must be None or the runner's own budget.
+        device_budget: device bytes for weights and KV together (the elastic budget of
+            :class:`~core.runtime.runner.Runner`); with a Runner, None.
 
     Raises:
         RequestError: bad batch/capacity/layout/policy values (seq_major + growing at batch > 1
@@ -76,7 +78,8 @@ class Session:
     def __init__(self, model: str | Path | Model | Runner, provider: Any = "cpu_reference", batch: int = 1,
                  capacity: int | None = None, kv_layout: str = "head_major",
                  kv_policy: str | None = None, capture: bool | None = None,
-                 max_capacity: int | None = None, weight_budget: int | float | str | None = None):
+                 max_capacity: int | None = None, weight_budget: int | float | str | None = None,
+                 device_budget: int | str | None = None):
         batch = _positive_int("batch", batch)
         if kv_layout not in kvgeo.LAYOUTS:
             raise RequestError(f"kv_layout must be one of {kvgeo.LAYOUTS}, got {kv_layout!r}")
@@ -94,13 +97,14 @@ class Session:
         if isinstance(model, Runner):
             if kv_layout != model.kv_layout:
                 raise RequestError(f"this Runner is planned for KV layout {model.kv_layout!r}, not {kv_layout!r}")
-            if weight_budget is not None and weight_budget != model.weight_budget:
-                raise RequestError("a Session on a Runner uses the runner's weight budget; make a Runner "
-                                   f"with weight_budget={weight_budget!r} instead")
+            if (weight_budget is not None and weight_budget != model.weight_budget) or device_budget is not None:
+                raise RequestError("a Session on a Runner uses the runner's budgets; make a Runner with "
+                                   "weight_budget= / device_budget= instead")
             self.runner = model
         else:
             try:
-                self.runner = Runner(model, provider, kv_layout, weight_budget=weight_budget)
+                self.runner = Runner(model, provider, kv_layout, weight_budget=weight_budget,
+                                     device_budget=device_budget)
             except (kvgeo.KVLayoutError, BudgetError) as exc:
                 raise RequestError(str(exc)) from exc
         cfg = self.model.config

@@ -110,7 +110,7 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = "cpu_r
         prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
         max_new_tokens: int = 64, chat: bool = True, kv_layout: str | None = None,
         capacity: int | None = None, capture: bool | None = None, progress=None,
-        weight_budget: int | float | str | None = None) -> Result:
+        weight_budget: int | float | str | None = None, device_budget: int | str | None = None) -> Result:
     """Run several prompts as one batch and decode greedily.
 
     Args:
@@ -129,6 +129,8 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = "cpu_r
         weight_budget: device bytes for the weights, staging included (bytes, a fraction of the
             weight bytes, or "2GiB" / "40%"); the rest stream every step (see
             :mod:`core.runtime.residency`). Default: everything resident when it fits.
+        device_budget: device bytes for weights and KV together: KV growth takes from the
+            weight budget (more weights stream) instead of running out of memory.
 
     Returns:
         :class:`Result` with one :class:`Row` per prompt.
@@ -163,7 +165,8 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = "cpu_r
         capacity = kvgeo.round_capacity(need, model.config.context_length)
     session = Session(runner or model, provider, batch=len(input_ids), capacity=capacity,
                       kv_layout=kv_layout or (runner.kv_layout if runner else "head_major"),
-                      kv_policy="fixed", capture=capture, weight_budget=weight_budget)
+                      kv_policy="fixed", capture=capture, weight_budget=weight_budget,
+                      device_budget=device_budget)
     results = generate(session, input_ids, max_new_tokens, progress)
     tok = model.tokenizer
     rows = [Row(list(p), out, tok.decode(out) if tok else "", reason)

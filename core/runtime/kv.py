@@ -167,6 +167,9 @@ class KVCache:
         policy: "fixed" or "growing".
         counters: a :class:`core.counters.Counters` the cache keeps ``kv_bytes``,
             ``kv_committed_bytes``, ``growth_events`` and ``kv_bytes_moved`` in.
+        reserve_bytes: called with the device bytes about to be allocated or committed (the
+            Runner's elastic budget, :meth:`core.runtime.runner.Runner.reserve_kv`); returns
+            None or the reason the weight plan changed, kept in ``replan_reasons``.
 
     Raises:
         KVLayoutError: an unknown layout or policy, or growing seq_major at batch > 1 (growth
@@ -174,7 +177,7 @@ class KVCache:
     """
 
     def __init__(self, provider, layout: str, batch: int, kv_heads: int, head_size: int, layers: int,
-                 dtype, capacity: int, max_capacity: int, policy: str, counters):
+                 dtype, capacity: int, max_capacity: int, policy: str, counters, reserve_bytes=None):
         if policy not in POLICIES:
             raise KVLayoutError(f"unknown KV policy {policy!r}; use one of {POLICIES}")
         if policy == "growing" and layout == "seq_major" and batch > 1:
@@ -185,6 +188,9 @@ class KVCache:
         self.vmm = bool(policy == "growing" and provider.capabilities().vmm)
         self.page = provider.capabilities().page_bytes
         self.counters = counters
+        self._reserve_bytes = reserve_bytes or (lambda n: None)
+        self.replan_reasons: list[str] = []
+        self.device_bytes = 0  # allocated (plain buffers) or committed (VMM) bytes, all layers
         self._shape = (layout, batch, kv_heads, head_size, np.dtype(dtype).itemsize)
         self._allocate(capacity)
 
@@ -202,6 +208,8 @@ class KVCache:
         self.capacity = capacity
         stride = self.max_capacity if self.vmm else capacity
         self.geometry = KVGeometry(layout, batch, heads, stride, head_size, itemsize)
+        if not self.vmm:
+            self._charge(2 * self.layers_count * self.geometry.nbytes - self.device_bytes)
         p = self.provider
         if self.vmm:
             def new():
@@ -266,6 +274,14 @@ class KVCache:
         reqs = [KVRequest(o, n) for o, n in commit_requests(
             g, [self._committed_len] * g.batch, [new] * g.batch, page=self.page)]
         if reqs:
+            if self.vmm:
+                self._charge(2 * self.layers_count * sum(r.nbytes for r in reqs))
             self.counters.kv_committed_bytes += sum(
                 self.provider.kv_commit(t, reqs) for t in self.buffers())
         self._committed_len = new
+
+    def _charge(self, delta: int) -> None:
+        reason = self._reserve_bytes(delta)
+        self.device_bytes += delta
+        if reason:
+            self.replan_reasons.append(reason)

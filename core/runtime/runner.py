@@ -38,7 +38,11 @@ class Runner:
             of the weight bytes, or a string ("2GiB", "40%"). Weights past it stream from
             host memory every step (core.runtime.residency). Default: everything resident when
             the weights fit the provider's free memory, else 80% of the free memory (logged).
-        staging_slots: staging ring slots (default: one layer's streamed tensors plus one).
+        staging_slots: staging ring slots (default: one layer's streamed pages plus one).
+        device_budget: device bytes for weights, staging and KV together (elastic budget): as
+            decode states allocate or commit KV, the weight budget shrinks and the residency
+            plan changes (more weights stream); graphs captured under the old plan are
+            invalidated with the reason, and the request goes on.
 
     Attributes:
         model, provider, kv_layout, plan: what the runner was made of.
@@ -60,7 +64,7 @@ class Runner:
 
     def __init__(self, model: str | Path | Model, provider: Any = "cpu_reference",
                  kv_layout: str = "head_major", weight_budget: int | float | str | None = None,
-                 staging_slots: int | None = None):
+                 staging_slots: int | None = None, device_budget: int | str | None = None):
         if kv_layout not in kvgeo.LAYOUTS:
             raise kvgeo.KVLayoutError(f"kv_layout must be one of {kvgeo.LAYOUTS}, got {kv_layout!r}")
         self.provider = get_provider(provider)
@@ -74,31 +78,75 @@ class Runner:
         self._free: list = []
         self.weight_budget = weight_budget
         self.stream = None
-        self.residency = self._plan_residency(weight_budget, staging_slots)
-        # the slot views of streamed weights stand in the plan's constants: not resident bytes
-        self.weight_bytes = self.plan.weight_bytes() - self.residency.weight_bytes_streamed_per_step
-
-    def _plan_residency(self, weight_budget, staging_slots) -> residency.ResidencyPlan:
-        """The residency plan for ``weight_budget`` (module core.runtime.residency), applied to
-        the plan: streamed weights move to staged host memory and read a staging slot."""
-        weights = residency.weights_of(self.plan)
-        total = sum(w.nbytes for w in weights)
+        self._slots = staging_slots
+        self._weights = residency.weights_of(self.plan)
+        total = sum(w.nbytes for w in self._weights)
+        self._other_bytes = self.plan.weight_bytes() - total  # constants no step reads (folded inputs)
+        self.device_budget = residency.parse_budget(device_budget, total)
+        self.kv_device_bytes = 0  # KV bytes held by this runner's decode states
         budget = residency.parse_budget(weight_budget, total)
-        if budget is None:
+        if self.device_budget is not None:
+            budget = min(budget or self.device_budget, self.device_budget)
+        self.replans = 0
+        self.residency = self._plan_residency(budget, auto=weight_budget is None and device_budget is None)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Device bytes of resident constants (the staging ring not included)."""
+        # the slot views of streamed weights stand in the plan's constants: not resident bytes
+        return self.plan.weight_bytes() - self.residency.weight_bytes_streamed_per_step
+
+    def _plan_residency(self, budget: int | None, auto: bool = False) -> residency.ResidencyPlan:
+        """The residency plan for ``budget`` bytes (module core.runtime.residency), applied to
+        the plan: streamed weights move to staged host memory and read a staging slot."""
+        total = sum(w.nbytes for w in self._weights)
+        if budget is None and auto:
             free = self.provider.free_device_bytes()
             if free is not None and total > free:
                 budget = int(free * 0.8)
                 log.warning("the model's %.2f GB of weights exceed the %.2f GB free on %s: streaming "
                             "with a weight budget of %.2f GB", total / 1e9, free / 1e9, self.provider.name,
                             budget / 1e9)
-        plan = residency.plan_residency(weights, budget, staging_slots)
-        if plan.streams:
-            if not self.provider.capabilities().weight_streaming:
-                raise residency.BudgetError(f"provider {self.provider.name!r} cannot stream weights "
-                                            "(capabilities().weight_streaming is False)")
-            self.stream = self.provider.weight_stream(plan.slots, plan.slot_bytes)
+        plan = residency.plan_residency(self._weights, budget, self._slots)
+        if plan.streams and not self.provider.capabilities().weight_streaming:
+            raise residency.BudgetError(f"provider {self.provider.name!r} cannot stream weights "
+                                        "(capabilities().weight_streaming is False)")
+        if plan.streams or self.stream is not None:
+            ring = (plan.slots, plan.slot_bytes)
+            if self.stream is None or ring != (len(self.stream.slots), self.stream.slots[0].nbytes):
+                self.stream = None
+                self.stream = self.provider.weight_stream(*ring) if plan.streams else None
             streaming.apply(self.plan, plan, self.stream)
         return plan
+
+    def reserve_kv(self, extra: int) -> str | None:
+        """Account ``extra`` more KV bytes (a decode state allocating or committing); under a
+        device budget, shrink the weight budget first when they would not fit (elastic budget).
+
+        Returns:
+            None, or the reason the weight plan changed (its graphs are then invalid).
+
+        Raises:
+            core.runtime.residency.BudgetError: weights and KV cannot share the device budget
+                even with the most weights streamed.
+        """
+        self.kv_device_bytes += extra
+        if self.device_budget is None or extra <= 0:
+            return None
+        r = self.residency
+        used = self.weight_bytes + r.staging_bytes + self.kv_device_bytes
+        if used <= self.device_budget:
+            return None
+        budget = self.device_budget - self.kv_device_bytes - self._other_bytes
+        try:
+            self.residency = self._plan_residency(budget)
+        except residency.BudgetError:
+            self.kv_device_bytes -= extra
+            raise
+        self.replans += 1
+        return (f"weight plan changed: KV growth to {self.kv_device_bytes:,} bytes left {budget:,} bytes of the "
+                f"{self.device_budget:,} byte device budget for weights; "
+                f"{self.residency.weight_bytes_streamed_per_step:,} bytes now stream per step")
 
     def stream_meter(self) -> tuple:
         """(weight bytes copied, copies) so far on the staging ring; () when nothing streams."""
@@ -126,4 +174,6 @@ class Runner:
         """Return a decode state to the pool (the oldest free one is dropped past POOL_SIZE)."""
         if state not in self._free:
             self._free.append(state)
+            for dropped in self._free[:-self.POOL_SIZE]:
+                self.kv_device_bytes -= dropped.kv.device_bytes
             del self._free[:-self.POOL_SIZE]

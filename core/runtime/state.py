@@ -44,7 +44,8 @@ class DecodeState:
         self.runner, self.batch, self.pool_key = runner, batch, pool_key
         self.counters = counters
         self.kv = KVCache(p, runner.kv_layout, batch, cfg.num_kv_heads, cfg.head_size, cfg.num_layers,
-                          runner.model.io_dtype, capacity, max_capacity, policy, counters)
+                          runner.model.io_dtype, capacity, max_capacity, policy, counters,
+                          reserve_bytes=runner.reserve_kv)
         self.input_ids = p.allocate((batch, 1), np.int64, zero=True)
         self.result = p.allocate((batch, 2), np.int32, zero=True)
         self.positions = p.allocate((batch,), np.int32, zero=True)
@@ -92,7 +93,13 @@ class DecodeState:
         Raises:
             core.runtime.kv.KVFullError: beyond the cache's limit.
         """
-        if self.kv.reserve_positions(needed, [int(x) for x in self.lengths]):
+        moved = self.kv.reserve_positions(needed, [int(x) for x in self.lengths])
+        for reason in self.kv.replan_reasons:
+            self.counters.replans += 1
+            self.counters.set_residency(self.runner.residency.summary(), self.runner.weight_bytes)
+            self.capture.invalidate(reason, self.counters)
+        self.kv.replan_reasons.clear()
+        if moved:
             self._bind_kv()
             self.write_mask()
             self.capture.invalidate("KV buffers reallocated by growth", self.counters)

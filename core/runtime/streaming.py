@@ -48,19 +48,20 @@ class StreamedKernel:
 
 
 def apply(plan, residency: ResidencyPlan, stream) -> None:
-    """Stream ``residency.pages`` through ``stream`` on every run of ``plan``.
+    """Stream ``residency.pages`` through ``stream`` on every run of ``plan`` (again after a
+    re-plan: weights that stream no longer are uploaded back, newly streamed ones staged).
 
     Args:
-        plan: a :class:`core.executor.Plan` that has not run yet.
+        plan: a :class:`core.executor.Plan`.
         residency: what streams (:func:`core.runtime.residency.plan_residency`).
-        stream: the provider's :class:`core.provider.WeightStream` (``slots`` slots).
+        stream: the provider's :class:`core.provider.WeightStream` (``slots`` slots), or None
+            when nothing streams.
 
     Raises:
         BudgetError: a page is read again after the page ``slots`` later needs its slot
             (a larger ring, or those weights resident, is needed).
     """
     provider, slots = plan.provider, residency.slots
-    place = residency.placement()
     page_of = {name: j for j, page in enumerate(residency.pages) for name in page}
     readers = defaultdict(list)  # page -> positions (in plan.steps) of the nodes reading it
     first_device = None
@@ -75,15 +76,41 @@ def apply(plan, residency: ResidencyPlan, stream) -> None:
         if max(readers[j]) >= min(readers[j + slots]):
             raise BudgetError(f"page {residency.pages[j]} is still read after page {residency.pages[j + slots]} "
                               f"needs its staging slot; use more staging slots than {slots}")
+    _unwrap(plan)
+    staged: dict = getattr(plan, "staged_weights", {})
+    plan.staged_weights = staged  # name -> staged host copy, kept for the plan's life
+    for name in getattr(plan, "streamed_names", set()) - set(page_of):
+        plan.constants[name] = provider.upload(staged[name])  # resident again
+    place = residency.placement()
     items: list[list] = [[] for _ in range(pages)]
     for name, j in page_of.items():
         value = plan.constants[name]
+        if name not in staged:
+            staged[name] = stream.stage(provider.download(value))
         slot, offset = place[name]
         view = stream.view(slot, offset, tuple(value.shape), value.dtype)
-        items[j].append((stream.stage(provider.download(value)), view))
+        items[j].append((staged[name], view))
         plan.constants[name] = view
-    del value
-    plan.streamed_weights = items  # the staged host copies, kept alive with the plan
+    plan.streamed_names = set(page_of)
+    if pages:
+        _wrap(plan, stream, items, readers, slots, first_device)
+    provider.reset_peak()  # give the device copies of the streamed weights back to the device
+
+
+def streamed(plan, name: str) -> bool:
+    """True when constant ``name`` of ``plan`` streams (reads a staging slot)."""
+    return name in getattr(plan, "streamed_names", ())
+
+
+def _unwrap(plan) -> None:
+    for i, kernel in enumerate(plan.kernels):
+        if isinstance(kernel, StreamedKernel):
+            plan.kernels[i] = kernel.run
+    plan.reset_dispatch()
+
+
+def _wrap(plan, stream, items, readers, slots: int, first_device) -> None:
+    pages = len(items)
 
     def copier(j: int) -> Callable[[], None]:
         return lambda: stream.copy(j % slots, items[j])
@@ -103,4 +130,3 @@ def apply(plan, residency: ResidencyPlan, stream) -> None:
         i = plan.steps[pos]
         plan.kernels[i] = StreamedKernel(plan.kernels[i], before[pos], after[pos])
         plan.host_kernels[i] = None  # it reads a device weight: never a host node
-    provider.reset_peak()  # give the device copies of the streamed weights back to the device

@@ -122,7 +122,7 @@ def support_message(provider: ExecutionProvider, node: NodeInfo) -> str | None:
     attributes = ", ".join(f"{k}={v!r}" for k, v in sorted(node.attrs.items()))
     return (f"provider {provider.name!r} does not support {node.domain or 'ai.onnx'}.{node.op_type} "
             f"(input dtypes [{dtypes}]; attributes {{{attributes}}}): "
-            f"{reason or 'its supports() gives no reason (it has no support_reason)'}")
+            f"{reason or 'supports() returned False and gave no reason'}")
 
 
 def _require_support(provider: ExecutionProvider, model: onnx.ModelProto) -> None:

@@ -162,7 +162,7 @@ def test_without_support_reason_the_skip_names_the_op_dtypes_and_attributes():
                     Declining("GroupQueryAttention"), CpuReferenceProvider(), np.random.default_rng(0))
     text = str(info.value)
     assert all(s in text for s in ("com.microsoft.GroupQueryAttention", "float32", "num_heads=4",
-                                   "kv_num_heads=2", "gives no reason"))
+                                   "kv_num_heads=2", "gave no reason"))
 
 
 def test_a_kernel_that_raises_fails_its_case_instead_of_skipping_it():

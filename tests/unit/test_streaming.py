@@ -150,3 +150,36 @@ def test_budgets_are_read_as_bytes_or_fractions(text, expected):
 def test_bad_budgets_are_refused(bad):
     with pytest.raises(BudgetError):
         parse_budget(bad, 1000)
+
+
+def test_kv_growth_under_a_device_budget_streams_more_weights_and_loses_nothing(model_dir):
+    """Elastic budget: a growing session whose KV growth needs device memory re-plans the
+    residency (more weights stream), counts one invalidation per re-plan with its reason, and
+    gives the tokens of the fully resident run."""
+    from test_capture_policy import RecordingCapture
+
+    from core.protocol import Capabilities
+
+    class StreamingCapture(RecordingCapture):
+        def capabilities(self):
+            return Capabilities(dtypes=("float32",), graph_capture=True, weight_streaming=True)
+
+    resident = Runner(model_dir, CpuReferenceProvider())
+    rows = ROWS[:3]
+    want = decode(Session(resident, batch=3, capacity=200), rows, 120).tokens
+    prov = StreamingCapture()
+    weights = sum(w.nbytes for w in residency.weights_of(resident.plan))
+    kv_per_position = 2 * 6 * 3 * 2 * 16 * 4  # K and V, layers, rows, kv heads, head size, fp32
+    # room for every weight beside a small cache, not beside the grown one
+    # (the cache grows 16 -> 32 -> 64 -> 128 positions for 5 + 120 tokens)
+    runner = Runner(model_dir, prov, device_budget=int(0.6 * weights) + 128 * kv_per_position)
+    assert not runner.residency.streams
+    s = Session(runner, batch=3, capacity=16, kv_policy="growing", max_capacity=200, capture=True)
+    prov.session = s
+    got = decode(s, rows, 120).tokens
+    c = s.counters
+    assert np.array_equal(want, got)
+    assert c.replans >= 1 and runner.residency.streams and c.htod_bytes > 0
+    replan_reasons = [r for r in c.invalidation_reasons if r.startswith("weight plan changed")]
+    assert len(replan_reasons) == c.replans
+    assert runner.weight_bytes + runner.residency.staging_bytes + runner.kv_device_bytes <= runner.device_budget
