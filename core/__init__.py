@@ -11,11 +11,11 @@ protocol (:mod:`core.protocol`) and the plugin hooks (:mod:`core.hookspecs`, :da
 from core.executor import UnsupportedOpError
 from core.generation.generate import Result, Row, generate, run
 from core.hookspecs import ProviderSpec, hookimpl
-from core.runtime.kv import KVLayoutError
 from core.models.model import ModelError, load_model
-from core.plugins import ProviderError, get_provider, registry
 from core.models.prepare import PrepareError, Variant, prepare
+from core.plugins import ProviderError, get_provider, registry
 from core.protocol import PROTOCOL_VERSION, Capabilities, ExecutionProvider, KernelContext, NodeInfo
+from core.runtime.kv import KVLayoutError
 from core.session import RequestError, Session
 
 __all__ = [

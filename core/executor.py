@@ -10,8 +10,8 @@ topologically sorted).
 
 Host nodes. Small signed-integer initializers (at most :data:`HOST_CONSTANT_MAX` elements:
 axes, shapes, gather indices; :func:`is_host_constant`) stay host numpy arrays on every
-provider, as do Constant node values and the shape arithmetic computed from them. On a device provider (one whose ``allocate``
-does not return a host array), a node whose inputs are all host values
+provider, as do Constant node values and the shape arithmetic computed from them. On a device
+provider (one whose ``allocate`` does not return a host array), a node whose inputs are all host values
 (:func:`core.opdefs.is_host`) runs on the cpu_reference kernel of its op, chosen here: the
 core imports ``providers.cpu_reference.ops`` lazily for that, so no device provider imports
 another provider. The provider still answers ``supports`` for every node (it declares its
@@ -235,15 +235,15 @@ class Plan:
         for value in self.constants.values():
             if isinstance(value, np.ndarray):
                 value.flags.writeable = False  # constants are shared by every step: never written
-        self._programs: dict[tuple, list[_Step]] = {}
+        self._programs: dict[tuple | None, list[_Step]] = {}  # None: no host dispatch
         self._program: list[_Step] = []
 
     def _step(self, i: int, args: list) -> _Step:
         """Node ``i``'s step for these argument values: its host kernel when it has one and
         every argument is a host value, else the provider's kernel."""
-        host = self.host_kernels[i] is not None and all(map(is_host, args))
-        if host:
-            return _Step(i, self.host_kernels[i], self._host_contexts[i], self.nodes[i], True)
+        kernel, ctx = self.host_kernels[i], self._host_contexts[i]
+        if kernel is not None and ctx is not None and all(map(is_host, args)):
+            return _Step(i, kernel, ctx, self.nodes[i], True)
         return _Step(i, self.kernels[i], self.contexts[i], self.nodes[i], False)
 
     def _fold_constants(self) -> list[int]:
@@ -439,19 +439,18 @@ class Plan:
 class PlanBinding:
     """A :class:`~core.protocol.DeviceIoBinding` over a :class:`Plan`: bound tensors are fed on
     every :meth:`run` (the same objects each step, so a captured step sees stable pointers).
-    Outputs bound with :meth:`bind_output` are the buffers the kernels write in place (the
-    shared KV cache); the plan returns them as the graph outputs."""
+    :meth:`bind_output` is accepted and ignored: the outputs bound are the KV buffers the
+    kernels write in place (the shared KV cache), and the plan returns them as graph outputs."""
 
     def __init__(self, plan: Plan):
         self.plan = plan
         self.inputs: dict[str, Any] = {}
-        self.outputs: dict[str, Any] = {}
 
     def bind_input(self, name: str, tensor: Any) -> None:
         self.inputs[name] = tensor
 
     def bind_output(self, name: str, tensor: Any) -> None:
-        self.outputs[name] = tensor
+        """Nothing to do (class docstring): the protocol's method, kept for it."""
 
     def run(self) -> dict[str, Any]:
         return self.plan.run(self.inputs)

@@ -18,6 +18,7 @@ values have no other consumer and are not graph outputs.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Set
 
 from core.protocol import NodeInfo
 
@@ -31,6 +32,11 @@ def _consumers(nodes: list[NodeInfo]) -> dict[str, list[int]]:
             if x:
                 out[x].append(i)
     return out
+
+
+def _rewrite(nodes: list[NodeInfo], replaced: dict[int, NodeInfo | None]) -> list[NodeInfo]:
+    """``nodes`` with ``replaced[i]`` in place of node i (None: dropped), order kept."""
+    return [m for i, n in enumerate(nodes) if (m := replaced.get(i, n)) is not None]
 
 
 def fuse_silu_mul(nodes: list[NodeInfo], graph_outputs: set[str], supports) -> list[NodeInfo]:
@@ -62,14 +68,14 @@ def fuse_silu_mul(nodes: list[NodeInfo], graph_outputs: set[str], supports) -> l
         if not supports(fused):
             continue
         replaced[i], replaced[j], replaced[k] = None, None, fused
-    return [replaced.get(i, n) for i, n in enumerate(nodes) if replaced.get(i, n) is not None]
+    return _rewrite(nodes, replaced)
 
 
 def _dtype(node: NodeInfo, index: int):
     return node.input_dtypes[index] if index < len(node.input_dtypes) else None
 
 
-def _gated(gate: NodeInfo, up: NodeInfo, constants: set[str]):
+def _gated(gate: NodeInfo, up: NodeInfo, constants: Set[str]):
     """(op_type, inputs, attrs, input dtypes) of the fused projection pair, or None."""
     if gate.inputs[0] != up.inputs[0] or (gate.op_type, gate.domain) != (up.op_type, up.domain):
         return None
@@ -93,7 +99,7 @@ def _gated(gate: NodeInfo, up: NodeInfo, constants: set[str]):
 
 
 def fuse_gated_matmul(nodes: list[NodeInfo], graph_outputs: set[str], supports,
-                      constants: set[str]) -> list[NodeInfo]:
+                      constants: Set[str]) -> list[NodeInfo]:
     """Replace gate/up projections feeding a ``lockstep.SiluMul`` by one
     ``lockstep.SiluGatedMatMul`` or ``lockstep.SiluGatedMatMulNBits`` node (module docstring)."""
     users = _consumers(nodes)
@@ -120,11 +126,11 @@ def fuse_gated_matmul(nodes: list[NodeInfo], graph_outputs: set[str], supports,
         if not supports(fused):
             continue
         replaced[i], replaced[j], replaced[k] = None, None, fused
-    return [replaced.get(i, n) for i, n in enumerate(nodes) if replaced.get(i, n) is not None]
+    return _rewrite(nodes, replaced)
 
 
 def apply(nodes: list[NodeInfo], graph_outputs: set[str], supports,
-          constants: set[str] = frozenset()) -> list[NodeInfo]:
+          constants: Set[str] = frozenset()) -> list[NodeInfo]:
     """Run the passes in order: :func:`fuse_silu_mul`, then :func:`fuse_gated_matmul` (which
     fuses only projections whose weights are in ``constants``)."""
     nodes = fuse_silu_mul(nodes, graph_outputs, supports)

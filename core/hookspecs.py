@@ -8,6 +8,8 @@ same group in Lockstep's own ``pyproject.toml``.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import attrs
 import pluggy
 
@@ -31,12 +33,12 @@ class ProviderSpec:
     """
 
     name: str
-    factory: object
+    factory: Callable[[], Any]
     description: str = ""
 
 
 @hookspec
-def lockstep_providers() -> list[ProviderSpec]:
+def lockstep_providers() -> list[ProviderSpec]:  # type: ignore[empty-body]  # a hookspec: never run
     """Declare the providers this plugin offers.
 
     When: once, when the plugin manager loads the plugin (at the first provider lookup).

@@ -116,7 +116,7 @@ class KernelContext:
             (never one a captured graph uses).
     """
 
-    def __init__(self, node: NodeInfo, provider: "ExecutionProvider", kv_layout: str):
+    def __init__(self, node: NodeInfo, provider: ExecutionProvider, kv_layout: str):
         self.node = node
         self.provider = provider
         self.kv_layout = kv_layout

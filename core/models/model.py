@@ -28,9 +28,7 @@ class ModelConfig:
         context_length: the model's maximum sequence length (tokens).
         eos_token_ids: tokens that end a row.
         pad_token_id: token used for right padding.
-        bos_token_id: beginning-of-sequence token.
         past_key, past_value, present_key, present_value: name patterns with ``%d``.
-        share_buffer: search.past_present_share_buffer (GQA models: true).
     """
 
     num_layers: int
@@ -42,15 +40,13 @@ class ModelConfig:
     context_length: int
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
-    bos_token_id: int
     past_key: str = "past_key_values.%d.key"
     past_value: str = "past_key_values.%d.value"
     present_key: str = "present.%d.key"
     present_value: str = "present.%d.value"
-    share_buffer: bool = True
 
     @classmethod
-    def from_json(cls, data: dict) -> "ModelConfig":
+    def from_json(cls, data: dict) -> ModelConfig:
         """Parse a genai_config.json dict (docs/ops.md 6.1); raises KeyError/ValueError if malformed."""
         m = data["model"]
         d = m["decoder"]
@@ -68,10 +64,9 @@ class ModelConfig:
             num_kv_heads=int(d["num_key_value_heads"]), head_size=int(d["head_size"]),
             hidden_size=int(d["hidden_size"]), vocab_size=int(m["vocab_size"]),
             context_length=int(m["context_length"]), eos_token_ids=eos,
-            pad_token_id=int(m.get("pad_token_id", eos[0])), bos_token_id=int(m.get("bos_token_id", 1)),
+            pad_token_id=int(m.get("pad_token_id", eos[0])),
             past_key=names["past_key_names"], past_value=names["past_value_names"],
             present_key=names["present_key_names"], present_value=names["present_value_names"],
-            share_buffer=bool(data.get("search", {}).get("past_present_share_buffer", True)),
         )
 
 
@@ -126,7 +121,7 @@ class Tokenizer:
         Raises:
             ModelError: the model has no chat template (use raw mode).
         """
-        if not self.chat_template:
+        if not self.chat_template or self._template is None:
             raise ModelError("this model has no chat template; pass chat=False (CLI: --raw)")
         return self._template.render(
             messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -171,11 +166,6 @@ class Model:
     io_dtype: np.dtype
     tokenizer: Tokenizer | None
 
-    @property
-    def input_names(self) -> list[str]:
-        """Graph input names in declaration order."""
-        return [i.name for i in self.graph.input]
-
     def weight_bytes(self) -> int:
         """Bytes of all initializers (the weights one decode step reads)."""
         return sum(int(a.nbytes) for a in self.initializers.values())
@@ -211,7 +201,7 @@ def load_model(folder: str | Path) -> Model:
         raise ModelError(f"cannot read {onnx_path} (or its external data): {exc}") from exc
     graph = proto.graph
     initializers = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-    io_dtype = np.float32
+    io_dtype = np.dtype(np.float32)
     for vi in graph.output:
         if vi.name == "logits":
             io_dtype = onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)

@@ -16,10 +16,12 @@ Admission policy (what stays resident, and why):
    its size, more than their bytes are worth.
 3. Every other per-step weight is read exactly once per step, in full: all have the same reuse
    (one read per step), so the streamed bytes per step are the weight bytes minus the resident
-   ones whatever is chosen. Weights are admitted in execution order (first read first) while
-   they fit the budget left after (1), (2) and the staging ring. The head of the step is then
-   resident, so the copy stream prefetches the first streamed weights while the resident
-   layers compute, and the tail streams.
+   ones, and what matters is how much room the staging ring leaves. Pages are admitted in
+   execution order (first read first) while they fit the budget left after (1), (2) and the
+   ring; the head of the step is then resident, so the copy stream prefetches the first
+   streamed pages while the resident layers compute. The largest page sets the slot size, so
+   the planner also tries admitting the largest page first (the lm_head: a slot of its size
+   would be several MLP pages) and keeps whichever of the two streams fewer bytes.
 
 Weights stream in pages: a page is the streamed weights one node reads (a fused MLP node reads
 four int4 tensors: gate and up codes and scales), copied together into one staging slot. The
@@ -240,13 +242,36 @@ def plan_residency(weights: Sequence[Weight], budget: int | None, slots: int | N
         raise BudgetError(f"a budget of {budget:,} bytes is below the {fixed:,} bytes of weights that "
                           "must stay resident (gathered tables and small tensors)")
     candidates = list(pages.values())
+    best = None
+    # two admission orders: execution order, and the largest page first (it sets the slot size:
+    # keeping the lm_head resident shrinks every slot); the one streaming fewer bytes wins
+    largest = max(candidates, key=lambda page: sum(w.nbytes for w in page))
+    error = None
+    for order, keep in ((candidates, None), ([largest] + [p for p in candidates if p is not largest], largest)):
+        try:
+            plan = _admit(weights, order, candidates, budget, fixed, slots, keep)
+        except BudgetError as exc:
+            error = error or exc
+            continue
+        if best is None or plan.weight_bytes_streamed_per_step < best.weight_bytes_streamed_per_step:
+            best = plan
+    if best is None:
+        raise error
+    return best
 
+
+def _admit(weights, order, candidates, budget: int, fixed: int, slots: int | None, keep=None) -> ResidencyPlan:
+    """Admit pages in ``order`` while they fit; the rest stream (in execution order). ``keep``:
+    a page assumed resident when sizing the first ring (it must then fit)."""
     def page_bytes(page):
         return sum(w.nbytes for w in page)
 
-    slot_bytes = max(sum(_aligned(w.nbytes) for w in page) for page in candidates)
-    streamed: list[list[Weight]] = []
-    for _ in range(2):  # the ring size depends on what streams; the second pass uses the real one
+    def slot_size(pages):
+        return max((sum(_aligned(w.nbytes) for w in page) for page in pages), default=0)
+
+    slot_bytes = slot_size([p for p in candidates if p is not keep])
+    streamed: list = []
+    for _ in range(3):  # the ring size depends on what streams; later passes use the real one
         n_slots = slots or _default_slots(streamed or candidates, slot_bytes, budget)
         room = budget - fixed - n_slots * slot_bytes
         if room < 0:
@@ -254,16 +279,15 @@ def plan_residency(weights: Sequence[Weight], budget: int | None, slots: int | N
                 f"a weight budget of {budget:,} bytes cannot hold the {fixed:,} bytes that stay resident "
                 f"plus a staging ring of {n_slots} x {slot_bytes:,} bytes; the smallest working budget "
                 f"is {fixed + 2 * slot_bytes:,} bytes")
-        streamed = []
-        for page in candidates:
+        resident = set()
+        for page in order:
             if page_bytes(page) <= room:
                 room -= page_bytes(page)
-            else:
-                streamed.append(page)
-        new_slot = max((sum(_aligned(w.nbytes) for w in page) for page in streamed), default=0)
-        if new_slot == slot_bytes or not streamed:
+                resident.add(id(page))
+        streamed = [page for page in candidates if id(page) not in resident]
+        if not streamed or slot_size(streamed) == slot_bytes:
             break
-        slot_bytes = new_slot
+        slot_bytes = slot_size(streamed)
     if not streamed:
         return ResidencyPlan(budget, weights)
     n_slots = min(slots or _default_slots(streamed, slot_bytes, budget), len(streamed))

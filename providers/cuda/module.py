@@ -16,7 +16,7 @@ from providers.cuda import replay
 KERNELS = Path(__file__).parent / "kernels"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module(name: str, expressions: tuple[str, ...]):
     import cupy
 

@@ -90,7 +90,8 @@ class CudaProvider(ProviderBase):
     def _check_headers(self) -> None:
         from providers.cuda.module import function
         try:
-            function("argmax", "decode_advance", ("argmax_partial<__half>", "argmax_partial<float>", "argmax_final", "decode_advance"))
+            function("argmax", "decode_advance",
+                     ("argmax_partial<__half>", "argmax_partial<float>", "argmax_final", "decode_advance"))
         except Exception as exc:  # noqa: BLE001 - NVRTC errors come in several types
             if "cuda_fp16" in str(exc) or "CUDA headers" in str(exc):
                 raise RuntimeError("the 'cuda' provider needs the CUDA toolkit headers: install "

@@ -52,11 +52,6 @@ def not_replayable() -> None:
     _spoiled = True
 
 
-def recording() -> bool:
-    """True while a node's launches are being recorded."""
-    return _recording is not None
-
-
 class Launch:
     """One prepared launch: kernel arguments packed once into host memory; :meth:`fire` is one
     ``cuLaunchKernel`` call (CuPy's thin driver wrapper).

@@ -127,7 +127,8 @@ class VmmArena:
         self.ptr = None
 
     def __del__(self):
-        try:
+        # not contextlib.suppress: at interpreter shutdown the contextlib global may be gone already
+        try:  # noqa: SIM105
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass

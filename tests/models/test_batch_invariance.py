@@ -50,12 +50,12 @@ def test_n_copies_of_one_prompt_are_bitwise_equal(fp32_model, prompt_ids):
 def test_padding_amount_does_not_change_a_row(fp32_model, prompt_ids):
     """docs/cases.md 1: the same prompt beside partners 0, 1, 7 and len(prompt) tokens longer."""
     ids = prompt_ids[3]
-    base_t, base_l = run_rows(fp32_model, [ids], steps=6, capacity=256)
+    base_t, base_lg = run_rows(fp32_model, [ids], steps=6, capacity=256)
     for extra in (0, 1, 7, len(ids)):
         partner = prompt_ids[4][: len(ids)] + [42] * extra if extra else list(ids)
         partner = partner + [7] * max(0, len(ids) + extra - len(partner))
-        t, l = run_rows(fp32_model, [ids, partner], steps=6, capacity=256)
-        assert np.array_equal(t[0], base_t[0]) and np.array_equal(l[0], base_l[0]), extra
+        t, lg = run_rows(fp32_model, [ids, partner], steps=6, capacity=256)
+        assert np.array_equal(t[0], base_t[0]) and np.array_equal(lg[0], base_lg[0]), extra
 
 
 def test_seq_major_equals_head_major_bitwise(fp32_model, prompt_ids):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from core.protocol import KernelContext, NodeInfo
-from providers.cpu_reference.ops import gather_block_quantized, matmul_nbits
+from providers.cpu_reference.ops import matmul_nbits
 from providers.cpu_reference.provider import CpuReferenceProvider
 
 

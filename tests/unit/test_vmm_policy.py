@@ -10,8 +10,8 @@ the tokens and logits of a fixed full-capacity run, bitwise.
 import numpy as np
 import pytest
 
-from core.runtime import kv as kvgeo
 from core.protocol import Capabilities
+from core.runtime import kv as kvgeo
 from core.session import Session
 from core.testing.tiny_model import make_tiny_model
 from providers.cpu_reference.provider import CpuReferenceProvider

@@ -21,6 +21,7 @@ row), so a row's result does not depend on the batch: the kit's batch-invariance
 from __future__ import annotations
 
 import numpy as np
+
 from core.ops import OpTable
 from core.protocol import Capabilities, KernelContext, NodeInfo
 from core.provider import ProviderBase

@@ -13,18 +13,14 @@ gather_block_quantized.cc; BASE make_embedding.
 
 import numpy as np
 
+from core.opdefs import gather_block_quantized_supports
 from providers.cpu_reference.ops._out import write
 from providers.cpu_reference.ops._quant import unpack
 
 OP_TYPE = "GatherBlockQuantized"
 DOMAIN = "com.microsoft"
 
-
-def supports(node) -> bool:
-    attrs = node.attrs
-    bs = int(attrs.get("block_size", 128))
-    return (int(attrs.get("gather_axis", 0)) == 0 and int(attrs.get("quantize_axis", 1)) in (1, -1)
-            and int(attrs.get("bits", 4)) in (4, 8) and bs >= 16 and bs & (bs - 1) == 0)
+supports = gather_block_quantized_supports  # the configurations above (core.opdefs)
 
 
 def run(ctx, data, indices, scales, zero_points=None):

@@ -15,10 +15,7 @@ DOMAIN = ""
 
 def run(ctx, data, axes=None):
     data = np.asarray(data)
-    if axes is not None:
-        axis_list = int_list(axes)
-    else:
-        axis_list = list(ctx.node.attrs.get("axes", []))
+    axis_list = int_list(axes) if axes is not None else list(ctx.node.attrs.get("axes", []))
     if not axis_list:
         return (write(ctx, 0, np.squeeze(data)),)
     norm = tuple(normalize_axis(a, data.ndim) for a in axis_list)

@@ -1,6 +1,7 @@
 """Unsqueeze (ONNX, default domain): insert size-1 dims at ``axes`` (input, opset 13+; or attr).
 
-Negative axes count from the end of the output rank. The values are copied into the output buffer. Source: ONNX Unsqueeze-21.
+Negative axes count from the end of the output rank. The values are copied into the output
+buffer. Source: ONNX Unsqueeze-21.
 """
 
 import numpy as np

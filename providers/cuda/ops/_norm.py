@@ -14,7 +14,9 @@ def launch(x, skip, bias, gamma, y, sum_out, mean_out, inv_out, d: int, eps: flo
     if rows == 0:
         return
     kern = function("rms_norm", f"rms_norm<{ctype(x.dtype)}, {ctype(gamma.dtype)}>", EXPRS)
-    opt = lambda v: NULL if v is None else v
+    def opt(v):
+        return NULL if v is None else v
+
     kern((rows,), (256,), (x, opt(skip), np.int64(0 if skip is None else skip.size), opt(bias), gamma,
                            y, opt(sum_out), opt(mean_out), opt(inv_out), np.int32(d), np.float32(eps)),
          shared_mem=(32 + d) * 4)

@@ -2,9 +2,10 @@
 
 Kernels (kernels/group_query_attention.cu): decode (S == 1, not the first prompt): one launch
 ``gqa_decode`` (grid (Nq, B): one block per row and query head; the group's first head
-writes the rotated K/V row P_b = seqlens_k[b], every head uses the new row from registers); a prompt: ``gqa_kv_write`` (grid (S, Nkv, B)) then ``gqa_attn``
-(grid (S, Nq, B)). seqlens_k is read on the device, never copied to the host;
-total_sequence_length must be a host value (it only selects the phase).
+writes the rotated K/V row P_b = seqlens_k[b], every head uses the new row from registers); a
+prompt: ``gqa_kv_write`` (grid (S, Nkv, B)) then ``gqa_attn`` (grid (S, Nq, B)). seqlens_k is
+read on the device, never copied to the host; total_sequence_length must be a host value (it
+only selects the phase).
 
 Supported: packed QKV or separate q/k/v, do_rotary with cos/sin caches (non-interleaved),
 softcap, local_window_size, smooth_softmax, head_sink; KV layout head_major or seq_major

@@ -18,6 +18,7 @@ def run(ctx, x, scale):
     d = int(np.prod(x.shape[axis:]))
     y = ctx.output(0, x.shape, scale.dtype)
     names = ctx.node.outputs
-    inv = ctx.output(1, (*x.shape[:axis], *([1] * (x.ndim - axis))), np.float32) if len(names) > 1 and names[1] else None
+    inv_shape = (*x.shape[:axis], *([1] * (x.ndim - axis)))
+    inv = ctx.output(1, inv_shape, np.float32) if len(names) > 1 and names[1] else None
     _norm.launch(x, None, None, scale, y, None, None, inv, d, float(attrs.get("epsilon", 1e-5)))
     return (y, inv)[:len(names)]
