@@ -31,7 +31,11 @@ def lockstep_rows(model_dir: str, fractions, batches, tokens: int) -> list[dict]
     total = None
     for f in fractions:
         budget = None if f == 0 else (1 - f)
-        runner = Runner(model_dir, "cuda", weight_budget=budget)
+        try:
+            runner = Runner(model_dir, "cuda", weight_budget=budget)
+        except residency.BudgetError as exc:
+            print(json.dumps({"offload": f, "skipped": str(exc)}), flush=True)
+            continue
         r = runner.residency
         total = total or sum(w.nbytes for w in residency.weights_of(runner.plan))
         h2d = runner.provider.host_to_device_bandwidth()

@@ -225,8 +225,6 @@ class Plan:
         self._types = _declared_types(graph)
         self.input_names = [i.name for i in graph.input]
         self.output_names = [o.name for o in graph.output]
-        self.output_dtypes = {o.name: np.dtype(helper.tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type))
-                              for o in graph.output}
         self.constants: dict[str, Any] = {}
         for name, array in initializers.items():
             self.constants[name] = array if is_host_constant(array) else provider.upload(array)

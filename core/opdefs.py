@@ -49,6 +49,23 @@ def normalize_axis(axis: int, rank: int) -> int:
     return axis % rank
 
 
+# -- ReduceSum (ONNX ReduceSum-13) ----------------------------------------------------------
+def reduce_axes(node, axes, rank: int) -> tuple[int, ...] | None:
+    """The axes a ReduceSum node sums over, non-negative and sorted: the ``axes`` input (a host
+    integer tensor) or, when it is absent, the ``axes`` attribute (opset < 13); every axis when
+    those are empty, unless ``noop_with_empty_axes=1``: then None (the output is the input).
+
+    Raises:
+        ValueError: an axis out of range.
+    """
+    axis_list = int_list(axes) if axes is not None else list(node.attrs.get("axes", []))
+    if not axis_list:
+        if node.attrs.get("noop_with_empty_axes", 0):
+            return None
+        axis_list = list(range(rank))
+    return tuple(sorted({normalize_axis(a, rank) for a in axis_list}))
+
+
 # -- Constant (ONNX Constant-21) ------------------------------------------------------------
 #: Attribute of a Constant node -> numpy dtype of its value (None: the tensor's own dtype).
 CONSTANT_KINDS = {"value": None, "value_float": np.float32, "value_floats": np.float32,

@@ -295,6 +295,33 @@ def _admit(weights, order, candidates, budget: int, fixed: int, slots: int | Non
                          max(n_slots, 1), slot_bytes)
 
 
+def budget_for(weights: Sequence[Weight], fraction: float, slots: int | None = None) -> int:
+    """The largest budget whose plan streams at least ``fraction`` of the streamable bytes (the
+    weights the admission policy does not pin), found by bisection over :func:`plan_residency`.
+
+    Raises:
+        BudgetError: no budget streams that much (the staging ring alone would not fit).
+    """
+    streamable = sum(w.nbytes for w in weights if not _pinned(w))
+    want = fraction * streamable
+    lo, hi = 0, sum(w.nbytes for w in weights)
+    found = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        try:
+            ok = plan_residency(weights, mid, slots).weight_bytes_streamed_per_step >= want
+        except BudgetError:
+            lo = mid + 1
+            continue
+        if ok:
+            found, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    if found is None:
+        raise BudgetError(f"no weight budget streams {fraction:.0%} of the {streamable:,} streamable bytes")
+    return found
+
+
 def _pinned(w: Weight) -> bool:
     return w.gathered or w.nbytes < SMALL_BYTES or w.readers > 1
 

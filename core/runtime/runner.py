@@ -17,6 +17,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from core.counters import Counters
 from core.executor import Plan
 from core.models.model import Model, load_model
@@ -107,7 +109,10 @@ class Runner:
                 log.warning("the model's %.2f GB of weights exceed the %.2f GB free on %s: streaming "
                             "with a weight budget of %.2f GB", total / 1e9, free / 1e9, self.provider.name,
                             budget / 1e9)
-        plan = residency.plan_residency(self._weights, budget, self._slots)
+        # constants no step reads (folded inputs, host integers) are resident whatever the plan
+        weights_budget = None if budget is None else budget - self._other_bytes
+        plan = residency.plan_residency(self._weights, weights_budget, self._slots)
+        plan = plan if budget is None else attrs.evolve(plan, budget=budget)
         if plan.streams and not self.provider.capabilities().weight_streaming:
             raise residency.BudgetError(f"provider {self.provider.name!r} cannot stream weights "
                                         "(capabilities().weight_streaming is False)")
@@ -137,7 +142,7 @@ class Runner:
         used = self.weight_bytes + r.staging_bytes + self.kv_device_bytes
         if used <= self.device_budget:
             return None
-        budget = self.device_budget - self.kv_device_bytes - self._other_bytes
+        budget = self.device_budget - self.kv_device_bytes
         try:
             self.residency = self._plan_residency(budget)
         except residency.BudgetError:

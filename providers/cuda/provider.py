@@ -175,17 +175,27 @@ class CudaProvider(ProviderBase):
             cp = self.cupy
             a = cp.ones(1 << 28, cp.float32)
             b = cp.empty_like(a)
-            times = []
-            for _ in range(6):
-                start, stop = cp.cuda.Event(), cp.cuda.Event()
-                start.record(self.stream)
+
+            def copy():
                 b[...] = a
-                stop.record(self.stream)
-                stop.synchronize()
-                times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
-            self._bandwidth = 2 * a.nbytes / float(np.median(times[1:]))
+
+            self._bandwidth = 2 * a.nbytes / self._median_seconds(copy)
             del a, b
         return self._bandwidth
+
+    def _median_seconds(self, work) -> float:
+        """Seconds ``work()`` takes on the stream: CUDA events, 6 runs, the median of the last 5
+        (the first one warms up)."""
+        cp = self.cupy
+        times = []
+        for _ in range(6):
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record(self.stream)
+            work()
+            stop.record(self.stream)
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+        return float(np.median(times[1:]))
 
     def weight_stream(self, slots: int, slot_bytes: int):
         """A staging ring with a copy stream and per-slot events (providers/cuda/streaming.py)."""
@@ -202,15 +212,11 @@ class CudaProvider(ProviderBase):
             mem = cp.cuda.alloc_pinned_memory(n)
             dev = cp.empty(n, cp.uint8)
             rt = cp.cuda.runtime
-            times = []
-            for _ in range(6):
-                start, stop = cp.cuda.Event(), cp.cuda.Event()
-                start.record(self.stream)
+
+            def copy():
                 rt.memcpyAsync(dev.data.ptr, mem.ptr, n, rt.memcpyHostToDevice, self.stream.ptr)
-                stop.record(self.stream)
-                stop.synchronize()
-                times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
-            self._h2d = n / float(np.median(times[1:]))
+
+            self._h2d = n / self._median_seconds(copy)
             del dev, mem
         return self._h2d
 

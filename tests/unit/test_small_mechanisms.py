@@ -1,9 +1,11 @@
 """Small mechanisms checked without a GPU: the GLU row layout of the cuda kernels, the
-cpu_reference fp16 weight cache, frozen plan constants, and the parity kit's decisive top-1."""
+cpu_reference fp16 weight cache, frozen plan constants, the parity kit's decisive top-1, and
+the ReduceSum axes rule both providers share (core.opdefs)."""
 
 import numpy as np
 import pytest
 
+from core import opdefs
 from core.executor import Plan
 from core.models.model import load_model
 from core.testing import parity
@@ -63,3 +65,23 @@ def test_decisive_top1_leaves_out_steps_where_the_reference_is_a_near_tie():
     metrics = report.gate("logits").metrics
     assert metrics["top1_agreement"] == 0.5
     assert metrics["top1_decisive"] == 1.0 and metrics["decisive_steps"] == 1
+
+
+@pytest.mark.parametrize("attrs,axes,want", [
+    ({}, np.array([1], np.int64), (1,)),
+    ({}, np.array([-1, 0, 2], np.int64), (0, 2)),          # negative, repeated: sorted set
+    ({"axes": [-2]}, None, (1,)),                           # the attribute (opset < 13)
+    ({}, None, (0, 1, 2)),                                  # absent: every axis
+    ({}, np.array([], np.int64), (0, 1, 2)),                # empty: every axis
+    ({"noop_with_empty_axes": 1}, None, None),              # empty and noop: the input itself
+    ({"noop_with_empty_axes": 1}, np.array([0], np.int64), (0,)),
+])
+def test_reduce_axes(attrs, axes, want):
+    node = type("Node", (), {"attrs": attrs})()
+    assert opdefs.reduce_axes(node, axes, 3) == want
+
+
+def test_reduce_axes_out_of_range():
+    node = type("Node", (), {"attrs": {}})()
+    with pytest.raises(ValueError, match="out of range"):
+        opdefs.reduce_axes(node, np.array([3], np.int64), 3)

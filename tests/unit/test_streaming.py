@@ -48,19 +48,12 @@ def streamable_bytes(runner):
 def test_streamed_runs_are_bitwise_the_resident_run(model_dir, fraction, batch):
     resident = Runner(model_dir, CpuReferenceProvider())
     weights = residency.weights_of(resident.plan)
-    small = [w for w in weights if w.gathered or w.nbytes < residency.SMALL_BYTES or w.readers > 1]
-    streamable = sum(w.nbytes for w in weights) - sum(w.nbytes for w in small)
-    pages = {}
-    for w in weights:
-        if w not in small:
-            pages[w.page] = pages.get(w.page, 0) + -(-w.nbytes // residency.ALIGN) * residency.ALIGN
-    staging = 2 * max(pages.values())
-    # a budget that streams `fraction` of the streamable bytes through a 2-slot ring
-    budget = sum(w.nbytes for w in small) + staging + int(streamable * (1 - fraction))
+    streamable = sum(w.nbytes for w in weights if not residency._pinned(w))
+    budget = residency.budget_for(weights, fraction, slots=2)
     streamed = Runner(model_dir, CpuReferenceProvider(), weight_budget=budget, staging_slots=2)
     r = streamed.residency
-    assert r.weight_bytes_resident + r.staging_bytes <= budget
-    assert r.weight_bytes_streamed_per_step >= fraction * streamable - staging  # pages are coarse
+    assert streamed.weight_bytes + r.staging_bytes <= budget
+    assert r.weight_bytes_streamed_per_step >= fraction * streamable
     want = trace(resident, ROWS[:batch])
     got = trace(streamed, ROWS[:batch])
     assert np.array_equal(want[0], got[0]) and np.array_equal(want[1], got[1])

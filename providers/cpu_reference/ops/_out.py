@@ -38,13 +38,6 @@ def write(ctx, slot, value, dtype=None) -> np.ndarray:
     return out
 
 
-def write_all(ctx, *values) -> tuple:
-    """One entry per declared output of the node: ``values[i]`` written into slot i (its own
-    dtype), None where output i is unused ("")."""
-    names = ctx.node.outputs
-    return tuple(write(ctx, i, v) if i < len(names) and names[i] else None for i, v in enumerate(values))
-
-
 def write_elementwise(ctx, fn: Callable[..., np.ndarray], *xs) -> np.ndarray:
     """``fn(*xs)`` computed in :func:`compute_dtype` of the first input and rounded into
     output buffer 0 in the first input's dtype (the rounding of ``_util.elementwise``). A

@@ -8,8 +8,9 @@ An ``axes`` attribute (opset < 13) is honoured when the input is absent. Source:
 
 import numpy as np
 
+from core.opdefs import reduce_axes
 from providers.cpu_reference.ops._out import write
-from providers.cpu_reference.ops._util import compute_dtype, int_list, normalize_axis
+from providers.cpu_reference.ops._util import compute_dtype
 
 OP_TYPE = "ReduceSum"
 DOMAIN = ""
@@ -17,13 +18,9 @@ DOMAIN = ""
 
 def run(ctx, data, axes=None):
     data = np.asarray(data)
-    attrs = ctx.node.attrs
-    keepdims = bool(attrs.get("keepdims", 1))
-    axis_list = int_list(axes) if axes is not None else list(attrs.get("axes", []))
-    if not axis_list:
-        if attrs.get("noop_with_empty_axes", 0):
-            return (write(ctx, 0, data),)
-        axis_list = list(range(data.ndim))
-    reduce_axes = tuple(sorted({normalize_axis(a, data.ndim) for a in axis_list}))
-    total = np.sum(data, axis=reduce_axes, keepdims=keepdims, dtype=compute_dtype(data.dtype))
+    keepdims = bool(ctx.node.attrs.get("keepdims", 1))
+    red = reduce_axes(ctx.node, axes, data.ndim)
+    if red is None:
+        return (write(ctx, 0, data),)
+    total = np.sum(data, axis=red, keepdims=keepdims, dtype=compute_dtype(data.dtype))
     return (write(ctx, 0, total, data.dtype),)

@@ -3,7 +3,7 @@ cupy.sum(..., out=) (integer sums are exact; the builder only sums the int64 att
 Float sums are not batch-invariant by design here and only run outside the decode path.
 Source: ONNX ReduceSum-13."""
 
-from core.opdefs import int_list, is_host, normalize_axis
+from core.opdefs import is_host, reduce_axes
 
 OP_TYPE = "ReduceSum"
 DOMAIN = ""
@@ -15,16 +15,12 @@ def run(ctx, data, axes=None):
 
     if not is_host(axes):
         raise ValueError("ReduceSum (cuda): axes must be a host value")
-    attrs = ctx.node.attrs
-    keepdims = bool(attrs.get("keepdims", 1))
-    axis_list = int_list(axes) if axes is not None else list(attrs.get("axes", []))
-    if not axis_list:
-        if attrs.get("noop_with_empty_axes", 0):
-            out = ctx.output(0, data.shape, data.dtype)
-            cupy.copyto(out, data)
-            return (out,)
-        axis_list = list(range(data.ndim))
-    red = tuple(sorted({normalize_axis(a, data.ndim) for a in axis_list}))
+    keepdims = bool(ctx.node.attrs.get("keepdims", 1))
+    red = reduce_axes(ctx.node, axes, data.ndim)
+    if red is None:
+        out = ctx.output(0, data.shape, data.dtype)
+        cupy.copyto(out, data)
+        return (out,)
     shape = [1 if i in red else d for i, d in enumerate(data.shape) if keepdims or i not in red]
     out = ctx.output(0, shape, data.dtype)
     cupy.sum(data, axis=red, keepdims=keepdims, out=out)
