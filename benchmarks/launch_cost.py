@@ -52,18 +52,19 @@ def main():
     }
     for name, a in args.items():
         kern = mod.get_function(name)
-        us = per_launch(lambda: kern((1,), (32,), a))
+        us = per_launch(lambda kern=kern, a=a: kern((1,), (32,), a))
         print(f"cupy RawKernel {name}: {us:6.2f} us/launch")
     from providers.cuda import replay
 
     stream = cupy.cuda.get_current_stream().ptr
     for name, a in args.items():
         launch = replay.Launch(mod.get_function(name).kernel.ptr, (1,), (32,), a, 0)
-        us = per_launch(lambda: launch.fire(stream))
+        us = per_launch(lambda launch=launch: launch.fire(stream))
         print(f"prepared cuLaunchKernel (replay.Launch, default wrapper) {name}: {us:6.2f} us/launch")
         d = launch.dims
         try:
-            us = per_launch(lambda: replay._bindings_launch(launch.fn, *d, launch.shared, stream, launch.params))
+            us = per_launch(lambda launch=launch, d=d: replay._bindings_launch(launch.fn, *d, launch.shared, stream,
+                                                                             launch.params))
             print(f"prepared cuLaunchKernel (cuda-bindings) {name}: {us:6.2f} us/launch")
         except Exception as exc:  # noqa: BLE001 - report and go on
             print(f"cuda-bindings launch failed: {exc!r}")

@@ -173,7 +173,7 @@ class ProviderBase:
         """
         raise NotImplementedError(f"provider {self.name!r} has no VMM (capabilities().vmm is False)")
 
-    def weight_stream(self, slots: int, slot_bytes: int) -> "WeightStream":
+    def weight_stream(self, slots: int, slot_bytes: int) -> WeightStream:
         """A staging ring of ``slots`` device buffers of ``slot_bytes`` for weight streaming
         (:mod:`core.runtime.residency`). The default copies synchronously with :meth:`write`;
         a device provider overrides it with asynchronous copies on a copy stream."""

@@ -8,10 +8,10 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
-from core.runtime import kv as kvgeo
-from core.models.model import Model, load_model
-from core.runtime.runner import Runner
 from core.generation.loop import decode
+from core.models.model import Model, load_model
+from core.runtime import kv as kvgeo
+from core.runtime.runner import Runner
 from core.session import RequestError, Session
 
 
@@ -151,9 +151,13 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = "cpu_r
 
         model = resolve_model(None)
     runner = model if isinstance(model, Runner) else None
-    model = runner.model if runner is not None else model if isinstance(model, Model) else load_model(model)
+    if isinstance(model, Runner):
+        model = model.model
+    elif not isinstance(model, Model):
+        model = load_model(model)
     if prompts is not None:
         input_ids = encode_prompts(model, prompts, chat)
+    assert input_ids is not None  # exactly one of prompts / input_ids (checked above)
     input_ids = [_token_row(i, r) for i, r in enumerate(input_ids)]
     if not input_ids:
         raise RequestError("no prompts given")

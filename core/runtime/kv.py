@@ -56,7 +56,7 @@ class KVGeometry:
         """Bytes of one buffer (B * Nkv * C * H * itemsize)."""
         return self.batch * self.kv_heads * self.capacity * self.head_size * self.itemsize
 
-    def with_capacity(self, capacity: int) -> "KVGeometry":
+    def with_capacity(self, capacity: int) -> KVGeometry:
         """The same geometry with capacity ``capacity``."""
         return attrs.evolve(self, capacity=capacity)
 
@@ -92,7 +92,7 @@ def commit_requests(geo: KVGeometry, old_lengths: list[int], new_lengths: list[i
     byte of the new live prefix not covered by the old one (already committed pages are skipped).
     """
     def pages(lengths):
-        covered = set()
+        covered: set[int] = set()
         for off, size in live_ranges(geo, lengths):
             covered.update(range(off // page, (off + size + page - 1) // page))
         return covered

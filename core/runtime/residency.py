@@ -246,7 +246,7 @@ def plan_residency(weights: Sequence[Weight], budget: int | None, slots: int | N
     # two admission orders: execution order, and the largest page first (it sets the slot size:
     # keeping the lm_head resident shrinks every slot); the one streaming fewer bytes wins
     largest = max(candidates, key=lambda page: sum(w.nbytes for w in page))
-    error = None
+    error: BudgetError | None = None
     for order, keep in ((candidates, None), ([largest] + [p for p in candidates if p is not largest], largest)):
         try:
             plan = _admit(weights, order, candidates, budget, fixed, slots, keep)
@@ -256,6 +256,7 @@ def plan_residency(weights: Sequence[Weight], budget: int | None, slots: int | N
         if best is None or plan.weight_bytes_streamed_per_step < best.weight_bytes_streamed_per_step:
             best = plan
     if best is None:
+        assert error is not None  # both orders failed, so each raised
         raise error
     return best
 

@@ -21,6 +21,7 @@ comes before the first reader of page ``j + slots``.
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -115,14 +116,15 @@ def _wrap(plan, stream, items, readers, slots: int, first_device) -> None:
     def copier(j: int) -> Callable[[], None]:
         return lambda: stream.copy(j % slots, items[j])
 
-    before, after = defaultdict(list), defaultdict(list)
+    before: defaultdict[int, list[Callable[[], None]]] = defaultdict(list)
+    after: defaultdict[int, list[Callable[[], None]]] = defaultdict(list)
     start = min(first_device if first_device is not None else 0, min(readers[0]))
     before[start].append(stream.begin)
     before[start].extend(copier(j) for j in range(min(slots, pages)))
     for j in range(pages):
         slot = j % slots
-        before[min(readers[j])].append(lambda slot=slot: stream.ready(slot))
-        after[max(readers[j])].append(lambda slot=slot: stream.release(slot))
+        before[min(readers[j])].append(partial(stream.ready, slot))
+        after[max(readers[j])].append(partial(stream.release, slot))
         if j + slots < pages:
             after[max(readers[j])].append(copier(j + slots))
     after[max(readers[pages - 1])].append(stream.end)

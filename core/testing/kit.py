@@ -107,6 +107,7 @@ def single_node_model(case: OpCase, inputs: dict, dtype: str) -> onnx.ModelProto
 
 def unfused_model(case: OpCase, inputs: dict, dtype: str) -> onnx.ModelProto:
     """The model of ``case.unfused()``: the chain of standard ops the case's fused node stands for."""
+    assert case.unfused is not None
     return _model(case, case.unfused(), inputs, dtype)
 
 
@@ -375,7 +376,7 @@ def run_decode_advance(provider: ExecutionProvider, reference: ExecutionProvider
         outs.append([p.download(t) for t in (ids, mask, lens)])
     want_mask = np.zeros((3, 8), np.int64)
     want_mask[[0, 1, 2], lengths] = 1
-    want = [np.array([[7], [0], [3]], np.int64), want_mask, lengths + 1]
+    want: list[np.ndarray] = [np.array([[7], [0], [3]], np.int64), want_mask, lengths + 1]
     for name, got, exp in zip(("input_ids", "attention_mask", "lengths"), outs[1], want):
         if not np.array_equal(got, exp):
             result.fail(f"{name}: got {got.tolist()}, expected {exp.tolist()}")

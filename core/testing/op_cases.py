@@ -20,7 +20,7 @@ Input generators take ``(rng, dtype)`` and return an ordered dict ``input name -
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 import numpy as np
@@ -246,7 +246,7 @@ def _gqa(layout, seq, pasts, lengths, total, heads, nan_padding):
     return make
 
 
-def _gqa_spans(inputs: Inputs) -> list[tuple[int, int]]:
+def _gqa_spans(inputs: dict[str, Any]) -> list[tuple[int, int]]:
     """(past, new tokens) of every row, read from the inputs (the op's own rule: a first
     prompt when S == total_sequence_length, else past = seqlens_k + 1 - S)."""
     seq, total = inputs["query"].shape[1], int(inputs["total_sequence_length"])
@@ -273,7 +273,7 @@ def _gqa_select(layout):
     return select
 
 
-def _gqa_alone(inputs: Inputs) -> Inputs:
+def _gqa_alone(inputs: dict[str, Any]) -> Inputs:
     """One row of a first prompt without its right padding (S = total = its length)."""
     (past, new), = _gqa_spans(inputs)
     if past or new == inputs["query"].shape[1]:
@@ -408,7 +408,7 @@ def _reduce_sum(rng, dtype):
     return {"x": rng.integers(0, 2, (3, 12)).astype(np.int64), "axes": np.array([1], np.int64)}
 
 
-SKIP_NORM = {"op": "SkipSimplifiedLayerNormalization", "domain": "com.microsoft",
+SKIP_NORM: dict[str, Any] = {"op": "SkipSimplifiedLayerNormalization", "domain": "com.microsoft",
              "attributes": {"epsilon": 1e-5}, "constants": ("gamma",), "rows": ("x", "skip")}
 
 OP_CASES: list[OpCase] = [

@@ -35,9 +35,9 @@ import numpy as np
 
 from core.generation.generate import generate
 from core.generation.loop import decode
-from core.runtime.kv import round_capacity
 from core.models.model import Model, load_model
 from core.plugins import get_provider
+from core.runtime.kv import round_capacity
 from core.runtime.runner import Runner
 from core.session import RequestError, Session
 
@@ -182,6 +182,15 @@ def _bitwise(name: str, a: _Run, b: _Run, rows_a=None, rows_b=None, what: str = 
                             f"({len(diff)} (step, row) pairs differ)", {"first_divergence": [int(step), int(row)]})
 
 
+def _prompt_ids(model: Model, prompt: Sequence[int] | str) -> list[int]:
+    """A prompt's token ids (a string is encoded without chat template)."""
+    if not isinstance(prompt, str):
+        return list(map(int, prompt))
+    if model.tokenizer is None:
+        raise RequestError(f"text prompts need a tokenizer; {model.folder} has no tokenizer.json")
+    return model.tokenizer.encode(prompt)
+
+
 def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] = (1, 2, 8),
                steps: int = 64, prompts: Sequence[Sequence[int] | str] | None = None,
                reference: Any = "cpu_reference", weight_budget: int | float | str | None = None) -> ParityReport:
@@ -212,11 +221,11 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
     n_max = batches[-1]
     if prompts is None:
         prompts = default_prompts(model, n_max)
-    prompts = [model.tokenizer.encode(p) if isinstance(p, str) else list(map(int, p)) for p in prompts]
-    prompts = [prompts[i % len(prompts)] for i in range(n_max)]
-    need = max(len(p) for p in prompts) + steps
+    encoded = [_prompt_ids(model, p) for p in prompts]
+    rows = [encoded[i % len(encoded)] for i in range(n_max)]
+    need = max(len(p) for p in rows) + steps
     if need > model.config.context_length:
-        raise RequestError(f"prompts of up to {need - steps} tokens plus {steps} steps need {need} positions; "
+        raise RequestError(f"rows of up to {need - steps} tokens plus {steps} steps need {need} positions; "
                          f"the model context is {model.config.context_length}")
     dtype = np.dtype(model.io_dtype).name
     rtol = LOGIT_RTOL.get(dtype, LOGIT_RTOL["float16"])
@@ -225,38 +234,38 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
 
     # reference: free-running greedy, batch 1 per prompt (cpu_reference is batch-invariant)
     ref_runner, runner = Runner(model, reference), Runner(model, provider, weight_budget=weight_budget)
-    refs = [_decode(_session(ref_runner, 1, need), [p], steps, None, True) for p in prompts]
+    refs = [_decode(_session(ref_runner, 1, need), [p], steps, None, True) for p in rows]
     ref_tokens = [r.tokens[:, 0] for r in refs]
     forced_all = [t[:steps].tolist() for t in ref_tokens]
 
     # provider: teacher-forced batch-1 runs (the invariance baseline) and batch-N runs
     singles = [_decode(_session(runner, 1, need), [p], steps, [f], True)
-               for p, f in zip(prompts, forced_all)]
+               for p, f in zip(rows, forced_all)]
     batch_runs = {1: singles[0]}
     for n in batches:
         if n > 1:
-            batch_runs[n] = _decode(_session(runner, n, need), prompts[:n], steps, forced_all[:n], True)
+            batch_runs[n] = _decode(_session(runner, n, need), rows[:n], steps, forced_all[:n], True)
     _logits_gate(report, batch_runs, singles, refs, rtol)
-    _greedy_gate(report, model, runner, prompts, refs, steps, need, rtol)
+    _greedy_gate(report, model, runner, rows, refs, steps, need, rtol)
 
     big = batch_runs[n_max]
     fails = [g for n in batches if n > 1
-             for g in [_bitwise("batch_invariance", batch_runs[n], singles[i], [i], [0], f"batch {n} row {i} vs batch 1")
-                       for i in range(n)] if g]
+             for g in [_bitwise("batch_invariance", batch_runs[n], singles[i], [i], [0],
+                                f"batch {n} row {i} vs batch 1") for i in range(n)] if g]
     report.gates.append(fails[0] if fails else Gate(
         "batch_invariance", PASS if n_max > 1 else SKIP,
         f"every row of batches {[n for n in batches if n > 1]} is bitwise its batch-1 run" if n_max > 1
         else "needs a batch > 1"))
 
-    same = _decode(_session(runner, n_max, need), [prompts[0]] * n_max, steps, [forced_all[0]] * n_max, False)
+    same = _decode(_session(runner, n_max, need), [rows[0]] * n_max, steps, [forced_all[0]] * n_max, False)
     diff = [i for i in range(1, n_max) if not (np.array_equal(same.digests[:, i], same.digests[:, 0])
                                                 and np.array_equal(same.tokens[:, i], same.tokens[:, 0]))]
     report.gates.append(Gate("row_identity", FAIL, f"rows {diff} differ from row 0") if diff else Gate(
         "row_identity", PASS if n_max > 1 else SKIP, f"{n_max} copies of prompt 0 are bitwise equal"))
 
     s = _session(runner, n_max, need)
-    first = _decode(s, prompts, steps, forced_all, False)
-    second = _decode(s, prompts, steps, forced_all, False)
+    first = _decode(s, rows, steps, forced_all, False)
+    second = _decode(s, rows, steps, forced_all, False)
     report.gates.append(_bitwise("reuse", first, second, what="second request on one session") or Gate(
         "reuse", PASS, "a second request on the same session is bitwise the first"))
 
@@ -264,7 +273,7 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
     if hasattr(provider, "fill"):
         for t in s.state.kv.buffers():
             provider.fill(t, np.nan)
-        run = _decode(s, prompts, steps, forced_all, False)
+        run = _decode(s, rows, steps, forced_all, False)
         report.gates.append(_bitwise("poison", run, big, what="NaN-filled KV vs clean") or Gate(
             "poison", PASS, "NaN in every KV slot before the request changes no logit"))
     else:
@@ -272,23 +281,23 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
 
     if "seq_major" in caps.kv_layouts and "head_major" in caps.kv_layouts:
         seq_major = Runner(model, provider, "seq_major", weight_budget=weight_budget)
-        run = _decode(_session(seq_major, n_max, need), prompts, steps, forced_all, False)
+        run = _decode(_session(seq_major, n_max, need), rows, steps, forced_all, False)
         report.gates.append(_bitwise("layout", run, big, what="seq_major vs head_major") or Gate(
             "layout", PASS, "seq_major == head_major, bitwise"))
     else:
         report.gates.append(Gate("layout", SKIP, f"provider has KV layouts {caps.kv_layouts} only"))
 
-    start = max(len(p) for p in prompts)
+    start = max(len(p) for p in rows)
     grow = _decode(_session(runner, n_max, need, capacity=start, kv_policy="growing"),
-                   prompts, steps, forced_all, False)
+                   rows, steps, forced_all, False)
     report.gates.append(_bitwise("growth", grow, big, what=f"growing ({grow.growth_events} growth events) vs fixed")
                         or Gate("growth", PASS, f"growing == fixed, bitwise, across {grow.growth_events} growth "
                                                 f"event(s)", {"growth_events": grow.growth_events}))
 
     if caps.graph_capture:
-        on = _decode(_session(runner, n_max, need, capture=True), prompts, steps, forced_all, False)
+        on = _decode(_session(runner, n_max, need, capture=True), rows, steps, forced_all, False)
         on_grow = _decode(_session(runner, n_max, need, capture=True, capacity=start, kv_policy="growing"),
-                          prompts, steps, forced_all, False)
+                          rows, steps, forced_all, False)
         gate = (_bitwise("capture", on, big, what="capture on vs off (fixed)")
                 or _bitwise("capture", on_grow, big, what="capture on vs off (growing)"))
         c = on.counters
@@ -314,6 +323,7 @@ def _streaming_gate(runner: Runner, run: _Run, weight_budget) -> Gate:
     if not r.streams or c.get("htod_bytes", 0) <= 0:
         return Gate("streaming", FAIL, f"a budget of {r.budget:,} bytes streamed nothing "
                                        f"(htod bytes {c.get('htod_bytes')})")
+    assert r.budget is not None  # a weight budget was given
     if resident > r.budget:
         return Gate("streaming", FAIL, f"{resident:,} device weight bytes exceed the budget {r.budget:,}")
     return Gate("streaming", PASS, f"{r.weight_bytes_streamed_per_step:,} bytes streamed per step through "
@@ -358,7 +368,8 @@ def _logits_gate(report: ParityReport, batch_runs: dict, singles: list, refs: li
     detail = (f"max abs {metrics['max_abs']:.3g}, max rel {worst_rel:.3g} (tolerance {rtol:g}), "
               f"top-1 agreement {100 * top1:.2f}% ({100 * top1_decisive:.2f}% of the {len(decisive)} "
               f"(step, row) pairs whose reference top-2 margin exceeds the tolerance), first divergence "
-              + (f"batch {first_div['batch']} step {first_div['step']} row {first_div['row']}" if first_div else "none"))
+              + (f"batch {first_div['batch']} step {first_div['step']} row {first_div['row']}" if first_div
+                 else "none"))
     report.gates.append(Gate("logits", PASS if worst_rel <= rtol else FAIL, detail, metrics))
 
 
@@ -367,8 +378,9 @@ def _greedy_gate(report: ParityReport, model: Model, runner: Runner, prompts, re
     session = _session(runner, len(prompts), need)
     results = generate(session, prompts, steps + 1)
     eos = set(model.config.eos_token_ids)
-    near_ties, hard = [], []
-    for row, ((out, reason), ref) in enumerate(zip(results, refs)):
+    near_ties: list[tuple[int, int, float]] = []
+    hard: list[tuple[int, int, float]] = []
+    for row, ((out, _reason), ref) in enumerate(zip(results, refs)):
         want = []
         for tok in ref.tokens[:, 0].tolist():
             if tok < 0:

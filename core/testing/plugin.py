@@ -100,7 +100,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     patterns = config.getoption("lockstep_include")
     if not patterns:
         return
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         kit_id = _kit_id(item)
         matched = kit_id is None or any(fnmatch.fnmatchcase(kit_id, p) for p in patterns)

@@ -31,7 +31,7 @@ class Rule:
     source: str = "command line"
 
     @classmethod
-    def parse(cls, kind: str, text: str, source: str = "command line") -> "Rule":
+    def parse(cls, kind: str, text: str, source: str = "command line") -> Rule:
         """``PATTERN=REASON`` -> Rule.
 
         Raises:

@@ -155,7 +155,7 @@ def build_graph(cfg: TinyConfig, dtype: str = "float32", quant: str | None = Non
     g.init("cos_cache", cos.astype(np_dtype))
     g.init("sin_cache", sin.astype(np_dtype))
 
-    residual = None
+    residual: str | None = None
     for i in range(cfg.layers):
         p, w = f"/model/layers.{i}", f"model.layers.{i}"
         ln_w = g.init(f"{w}.input_layernorm.weight", norm_weight())
@@ -195,8 +195,10 @@ def build_graph(cfg: TinyConfig, dtype: str = "float32", quant: str | None = Non
 
     p = f"/model/layers.{cfg.layers}"
     final_w = g.init(f"model.layers.{cfg.layers}.final_norm_layernorm.weight", norm_weight())
-    final = g.node("SkipSimplifiedLayerNormalization", [residual, x, final_w], f"{p}/final_norm_layernorm/SkipLayerNorm",
-                   outputs=[f"{p}/final_norm_layernorm/output_0"], domain="com.microsoft", epsilon=EPS)[0]
+    assert residual is not None  # cfg.layers >= 1
+    final = g.node("SkipSimplifiedLayerNormalization", [residual, x, final_w],
+                   f"{p}/final_norm_layernorm/SkipLayerNorm", outputs=[f"{p}/final_norm_layernorm/output_0"],
+                   domain="com.microsoft", epsilon=EPS)[0]
     if quant is None:
         g.node("MatMul", [final, "lm_head.MatMul.weight"], "/lm_head/MatMul", outputs=["logits"])
     else:
@@ -204,7 +206,7 @@ def build_graph(cfg: TinyConfig, dtype: str = "float32", quant: str | None = Non
                "/lm_head/MatMul_Q4", outputs=["logits"], domain="com.microsoft", K=h, N=cfg.vocab,
                bits=4, block_size=cfg.block_size, accuracy_level=4)
 
-    kv_shape = ["batch_size", nkv, "past_sequence_length", hd]
+    kv_shape: list[str | int] = ["batch_size", nkv, "past_sequence_length", hd]
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
               helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
                                             ["batch_size", "total_sequence_length"])]
