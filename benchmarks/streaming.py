@@ -100,7 +100,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for f in sorted({r["offload"] for r in rows}):
         pts = [r for r in rows if r["offload"] == f]
-        ax.plot([r["batch"] for r in pts], [r["tok_s"] for r in pts], marker="o", label="all resident" if not f else f"budget {1 - f:.0%} of the weights")
+        label = "all resident" if not f else f"budget {1 - f:.0%} of the weights"
+        ax.plot([r["batch"] for r in pts], [r["tok_s"] for r in pts], marker="o", label=label)
         if f:
             ax.plot([r["batch"] for r in pts], [r["batch"] / r["copy_floor_ms"] * 1e3 for r in pts], ls=":",
                     color=ax.lines[-1].get_color(), label=f"copy floor, budget {1 - f:.0%}")

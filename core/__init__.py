@@ -4,7 +4,7 @@
     >>> result = core.run("path/to/model", provider="cpu_reference", prompts=["Hi"], max_new_tokens=8)
     >>> result.rows[0].text
 
-Public API: :func:`run`, :class:`Session`, :func:`load_model`, :func:`prepare`, the provider
+Public API: :func:`run`, :class:`Session`, :class:`Runner`, :func:`load_model`, :func:`prepare`, the provider
 protocol (:mod:`core.protocol`) and the plugin hooks (:mod:`core.hookspecs`, :data:`hookimpl`).
 """
 
@@ -16,10 +16,12 @@ from core.models.prepare import PrepareError, Variant, prepare
 from core.plugins import ProviderError, get_provider, registry
 from core.protocol import PROTOCOL_VERSION, Capabilities, ExecutionProvider, KernelContext, NodeInfo
 from core.runtime.kv import KVLayoutError
+from core.runtime.residency import BudgetError
+from core.runtime.runner import Runner
 from core.session import RequestError, Session
 
 __all__ = [
-    "run", "generate", "Result", "Row", "Session", "load_model", "prepare", "Variant",
+    "run", "generate", "Result", "Row", "Session", "Runner", "BudgetError", "load_model", "prepare", "Variant",
     "get_provider", "registry", "hookimpl", "ProviderSpec", "Capabilities", "ExecutionProvider",
     "KernelContext", "NodeInfo", "PROTOCOL_VERSION", "RequestError", "ProviderError",
     "ModelError", "PrepareError", "UnsupportedOpError", "KVLayoutError",
