@@ -14,11 +14,13 @@ provider, as do Constant node values and the shape arithmetic computed from them
 provider (one whose ``allocate`` does not return a host array), a node whose inputs are all host values
 (:func:`core.opdefs.is_host`) runs on the cpu_reference kernel of its op, chosen here: the
 core imports ``providers.cpu_reference.ops`` lazily for that, so no device provider imports
-another provider. The provider still answers ``supports`` for every node (it declares its
-host-only ops such as Shape or Constant) and its own kernel runs whenever an input is on the
-device. The choice is made on the first run for each combination of graph-input types and
-kept for later runs with the same combination (a kernel's output types depend only on its
-input types).
+another provider. The host kernels run on host contexts of their own, whose buffers come from
+a cpu_reference provider (:func:`host_memory`, imported lazily too): ``ctx.output`` gives a
+host kernel persistent numpy buffers, never device tensors. The provider still answers
+``supports`` for every node (it declares its host-only ops such as Shape or Constant) and its
+own kernel runs whenever an input is on the device. The choice is made on the first run for
+each combination of graph-input types and kept for later runs with the same combination (a
+kernel's output types depend only on its input types).
 
 Output checks. Every kernel result must be a tuple (or list) with one entry per declared node
 output (entries past the declared count are tolerated only when None: some kernels return
@@ -62,6 +64,8 @@ HOST_CONSTANT_MAX = 64
 GATHER_OPS = ("Gather", "GatherBlockQuantized")
 #: The op package whose kernels run the host nodes of a device provider.
 REFERENCE_OPS = "providers.cpu_reference.ops"
+#: The module of the provider whose host buffers those kernels write into.
+REFERENCE_PROVIDER = "providers.cpu_reference.provider"
 
 
 class UnsupportedOpError(ValueError):
@@ -155,6 +159,14 @@ def reference_ops() -> OpTable:
     return OpTable(importlib.import_module(REFERENCE_OPS))
 
 
+@functools.lru_cache(maxsize=1)
+def host_memory() -> ExecutionProvider:
+    """The allocator of the host contexts (module docstring, "Host nodes"): a
+    ``CpuReferenceProvider`` of :data:`REFERENCE_PROVIDER` (imported on first use), whose
+    ``allocate`` returns numpy arrays. Shared by every plan: allocation keeps no state."""
+    return importlib.import_module(REFERENCE_PROVIDER).CpuReferenceProvider()
+
+
 def kernel_name(kernel: Any) -> str:
     """``module.qualname`` of a kernel; for a wrapper object (the cuda provider's ReplayKernel)
     the function it wraps (its ``run``) and the wrapper's class."""
@@ -220,7 +232,8 @@ class Plan:
         table = reference_ops() if self.host_dispatch else None
         self.host_kernels = [table.kernel(n) if table is not None and table.supports(n) else None
                              for n in self.nodes]
-        self._host_contexts = [None if k is None else KernelContext(n, provider, kv_layout)
+        host = host_memory() if self.host_dispatch else provider
+        self._host_contexts = [None if k is None else KernelContext(n, host, kv_layout)
                                for n, k in zip(self.nodes, self.host_kernels)]
         self._types = _declared_types(graph)
         self.input_names = [i.name for i in graph.input]
@@ -346,7 +359,8 @@ class Plan:
             ctx.frozen = frozen
 
     def activation_bytes(self) -> int:
-        """Bytes held in the per-node persistent buffers (activations and scratch)."""
+        """Bytes held in the per-node persistent buffers (activations and scratch; the host
+        contexts' numpy buffers included)."""
         return sum(ctx.buffer_bytes() for ctx in self._every_context())
 
     def weight_reads(self) -> list[WeightRead]:

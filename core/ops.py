@@ -5,6 +5,9 @@ returning a tuple with one entry per node output (None for an unused optional ou
 executor checks this, :class:`core.executor.KernelOutputError`), and optionally:
 
 - ``supports(node) -> bool``: attribute and dtype checks (default: True);
+- ``support_reason(node) -> str | None``: why ``supports`` rejects the node, in the module's
+  own words (None: no particular reason; :meth:`OpTable.support_reason` then names the
+  dtypes and attributes);
 - ``prepare(ctx, *inputs) -> dict[int, tensor | None] | None``: the plan-time weight hook.
   The executor calls it once per per-step node, after constant folding and before the first
   run, with the node's context and, for each node input, its value when it is a plan constant
@@ -29,14 +32,18 @@ import pkgutil
 from collections.abc import Callable
 from types import ModuleType
 
+import numpy as np
+
 from core.protocol import Kernel, NodeInfo
 
 
 class OpTable:
     """(domain, op_type) -> op module, for every op module of ``package``.
 
-    ``supports``, ``kernel`` and ``prepare`` are what a provider's members of the same names
-    usually delegate to (``prepare`` is the optional provider member the executor looks up).
+    ``supports``, ``support_reason``, ``kernel`` and ``prepare`` are what a provider's members
+    of the same names usually delegate to (``prepare`` is the optional provider member the
+    executor looks up; ``support_reason`` the optional one the parity kit reads when it skips
+    an unsupported case).
     """
 
     def __init__(self, package: ModuleType):
@@ -56,6 +63,25 @@ class OpTable:
             return False
         check = getattr(module, "supports", None)
         return True if check is None else bool(check(node))
+
+    def support_reason(self, node: NodeInfo) -> str | None:
+        """None when :meth:`supports` accepts the node; else why not: "no op module for
+        DOMAIN.OP" (DOMAIN "ai.onnx" for the default domain), the op module's own
+        ``support_reason(node)`` answer when it has one and gives one, else
+        "<module>.supports() returned False for dtypes [...] attrs {...}"."""
+        module = self.modules.get((node.domain, node.op_type))
+        if module is None:
+            return f"no op module for {node.domain or 'ai.onnx'}.{node.op_type}"
+        check = getattr(module, "supports", None)
+        if check is None or check(node):
+            return None
+        explain = getattr(module, "support_reason", None)
+        reason = explain(node) if explain is not None else None
+        if reason:
+            return str(reason)
+        dtypes = ", ".join("-" if d is None else np.dtype(d).name for d in node.input_dtypes)
+        attributes = ", ".join(f"{k}={v!r}" for k, v in sorted(node.attrs.items()))
+        return f"{module.__name__}.supports() returned False for dtypes [{dtypes}] attrs {{{attributes}}}"
 
     def kernel(self, node: NodeInfo) -> Kernel:
         """The op module's ``run``.

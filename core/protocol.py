@@ -13,7 +13,11 @@ few private primitives: inheriting it is the short way to write a provider.
 
 Optional members (``reserve`` for VMM providers, ``peak_bytes``, ``reset_peak``,
 ``device_bandwidth``, the capture trio) are declared through :class:`Capabilities` and have
-defaults in the base class, so the core never probes for them with ``hasattr``.
+defaults in the base class, so the core never probes for them with ``hasattr``. Two more
+optional members are looked up by name where a provider need not inherit the base class:
+``prepare(node)`` (plan-time weight hooks, :mod:`core.executor`) and
+``support_reason(node) -> str | None`` (why ``supports`` rejects a node; the parity kit puts it
+in a skipped case's message).
 
 Version 2 (this one) added ``write``, ``fill`` and ``copy_bytes`` to the required members.
 """

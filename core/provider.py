@@ -129,6 +129,12 @@ class ProviderBase:
         self._copy_bytes(dst, src, copies)
         return sum(n for _, _, n in copies)
 
+    def support_reason(self, node: NodeInfo) -> str | None:
+        """Why :meth:`supports` rejects ``node`` (an optional member: the parity kit adds it to
+        the message of a skipped case), or None: supported, or no reason to give (default).
+        A provider over a :class:`core.ops.OpTable` delegates to its ``support_reason``."""
+        return None
+
     def prepare(self, node: NodeInfo):
         """The plan-time weight hook of ``node``'s op, or None (see :mod:`core.ops`: a hook turns
         constant inputs into the kernel's own form once, e.g. packed for the tensor cores)."""

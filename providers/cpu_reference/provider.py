@@ -33,6 +33,10 @@ class CpuReferenceProvider(ProviderBase):
     def supports(self, node: NodeInfo) -> bool:
         return self._ops.supports(node)
 
+    def support_reason(self, node: NodeInfo) -> str | None:
+        """Why :meth:`supports` rejects ``node``, or None (:meth:`core.ops.OpTable.support_reason`)."""
+        return self._ops.support_reason(node)
+
     def kernel(self, node: NodeInfo):
         return self._ops.kernel(node)
 

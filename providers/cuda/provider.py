@@ -106,6 +106,10 @@ class CudaProvider(ProviderBase):
     def supports(self, node: NodeInfo) -> bool:
         return self._ops.supports(node)
 
+    def support_reason(self, node: NodeInfo) -> str | None:
+        """Why :meth:`supports` rejects ``node``, or None (:meth:`core.ops.OpTable.support_reason`)."""
+        return self._ops.support_reason(node)
+
     def prepare(self, node: NodeInfo):
         """The op module's plan-time ``prepare`` hook (packed / interleaved weights), or None."""
         return self._ops.prepare(node)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from core.protocol import KernelContext, NodeInfo
-from providers.cpu_reference.ops import matmul_nbits
+from providers.cpu_reference.ops import matmul_nbits, rowwise_matmul
 from providers.cpu_reference.provider import CpuReferenceProvider
 
 
@@ -145,3 +145,61 @@ def test_gather_block_quantized_nibble_order_and_default_zp(one_node, rng, bits,
     assert got.dtype == dtype and got.shape == (2, 3, d)
     np.testing.assert_allclose(got.astype(np.float64), expected, **tol)
     np.testing.assert_array_equal(got, want)
+
+
+def _old_matmul_nbits(a, w, bias):
+    """The kernel's formula before it wrote into ctx.output (a fresh array): the bits to keep."""
+    y = rowwise_matmul(a.astype(np.float32), w)
+    if bias is not None:
+        y = y + np.asarray(bias, dtype=np.float32)
+    return y.astype(a.dtype)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_matmul_nbits_writes_into_its_output_buffer_with_the_same_bits(rng, dtype, with_bias):
+    k, n, bs = 80, 24, 32
+    b, scales, zp_arr, _ = _quantized(rng, n, k, 4, bs, "uint8", dtype)
+    bias = rng.standard_normal(n).astype(dtype) if with_bias else None
+    ctx = _ctx("MatMulNBits", {"K": k, "N": n, "bits": 4, "block_size": bs},
+               ("a", "b", "s", "z", "", "bias" if with_bias else ""))
+    a = rng.standard_normal((2, 3, k)).astype(dtype)
+    (y,) = matmul_nbits.run(ctx, a, b, scales, zp_arr, None, bias)
+    assert y is ctx.output(0, (2, 3, n), dtype)  # the node's persistent buffer, not a fresh array
+    w = matmul_nbits.dequantize(b, scales, zp_arr, k, n, 4, bs)
+    want = _old_matmul_nbits(a, w, bias)
+    assert y.dtype == want.dtype and y.tobytes() == want.tobytes()
+    y.fill(np.nan)  # poison: a second call writes every element again, into the same buffer
+    (again,) = matmul_nbits.run(ctx, a, b, scales, zp_arr, None, bias)
+    assert again is y and again.tobytes() == want.tobytes() and ctx.allocations == 1
+    strided = rng.standard_normal((2, 6, k)).astype(dtype)[:, ::2]  # a non-contiguous A, same shape
+    (y,) = matmul_nbits.run(ctx, strided, b, scales, zp_arr, None, bias)
+    assert y is again and y.tobytes() == _old_matmul_nbits(strided, w, bias).tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_gated_nbits_projections_write_into_scratch_slots_of_the_fused_node(rng, dtype):
+    """SiluGatedMatMulNBits runs MatMulNBits on projection contexts whose outputs are scratch
+    slots ("gate", 0) and ("up", 0) of the fused node's context: the fused result is the bits of
+    the unfused chain, and a second step allocates nothing."""
+    from providers.cpu_reference.ops import silu_gated_matmul_nbits, silu_mul
+
+    k, n, bs = 64, 40, 32
+    attrs = {"K": k, "N": n, "bits": 4, "block_size": bs}
+    gate, up = (_quantized(rng, n, k, 4, bs, "uint8", dtype)[:3] for _ in range(2))
+    node = NodeInfo(name="g", op_type="SiluGatedMatMulNBits", domain="lockstep", attrs=attrs,
+                    inputs=("x", "bg", "sg", "zg", "bu", "su", "zu"), outputs=("y",))
+    ctx = KernelContext(node, CpuReferenceProvider(), "head_major")
+    x = rng.standard_normal((3, k)).astype(dtype)
+    (y,) = silu_gated_matmul_nbits.run(ctx, x, *gate, *up)
+    assert y is ctx.output(0, (3, n), dtype)
+    scratch = [ctx.output((name, 0), (3, n), dtype) for name in ("gate", "up")]
+    assert ctx.allocations == 3  # output 0 and the two scratch slots, all made by the run
+    ws = [matmul_nbits.dequantize(*p, k, n, 4, bs) for p in (gate, up)]
+    plain = KernelContext(node, CpuReferenceProvider(), "head_major")
+    (want,) = silu_mul.run(plain, *(_old_matmul_nbits(x, w, None) for w in ws))
+    assert y.tobytes() == want.tobytes()
+    for buf in (y, *scratch):
+        buf.fill(np.nan)  # poison: the next step writes every element of all three again
+    (again,) = silu_gated_matmul_nbits.run(ctx, x, *gate, *up)
+    assert again is y and again.tobytes() == want.tobytes() and ctx.allocations == 3

@@ -26,8 +26,11 @@ class FakeDevice(CpuReferenceProvider):
     def __init__(self):
         super().__init__()
         self.calls = []
+        self.allocated = []  # shapes of the device buffers asked for
+        self.host_args = []  # the host inputs the Mul kernel got
 
     def allocate(self, shape, dtype, zero=False):
+        self.allocated.append(tuple(shape))
         return Dev(np.zeros(shape, dtype))
 
     def upload(self, array):
@@ -42,6 +45,7 @@ class FakeDevice(CpuReferenceProvider):
             if node.op_type == "Shape":
                 return (np.array(xs[0].shape, np.int64),)  # a host result, as on cuda
             if node.op_type == "Mul":
+                self.host_args.append(xs[1])
                 return (Dev(xs[0].a * np.asarray(xs[1]).astype(xs[0].dtype)),)
             raise AssertionError(f"{node.op_type} got host inputs: the core should have run it")
         return run
@@ -80,6 +84,25 @@ def test_the_choice_is_kept_for_later_runs_and_remade_for_other_feed_types():
     y = plan.run({"x": X})["y"]  # a host feed: every node is a host node now
     assert np.array_equal(y, X * 4) and provider.calls == ["Shape", "Mul"] * 2
     assert plan.host_nodes() == ["shape", "gather", "cast", "mul"]
+
+
+def test_host_kernels_write_into_persistent_host_buffers_of_their_contexts():
+    """The host contexts of a device provider allocate numpy buffers (core.executor.host_memory),
+    never device tensors: each host node's output is its context's buffer, the same every step."""
+    provider = FakeDevice()
+    plan = Plan(_graph(), INITS, provider)
+    for rows in (2, 2, 1):
+        plan.run({"x": Dev(X[:rows])})
+    assert provider.allocated == [(1,)]  # only the plan's host-dispatch probe: no host buffer on the device
+    assert len(provider.host_args) == 3 and all(type(f) is np.ndarray for f in provider.host_args)
+    assert provider.host_args[0] is provider.host_args[1] is provider.host_args[2]  # persistent
+    index = {n.name: i for i, n in enumerate(plan.nodes)}
+    for name, dtype in (("gather", np.int64), ("cast", np.float32)):
+        ctx = plan._host_contexts[index[name]]
+        assert ctx is not None and ctx.provider.name == "cpu_reference" and ctx.allocations == 1
+        assert type(ctx.output(0, (), dtype)) is np.ndarray
+    assert plan._host_contexts[index["cast"]].output(0, (), np.float32) is provider.host_args[0]
+    assert float(provider.host_args[0]) == 4.0
 
 
 def test_a_host_provider_runs_every_node_itself():

@@ -6,7 +6,10 @@ What it shows (docs/providers.md walks through it):
   provider then has no ``begin_capture``/``end_capture``/``replay`` and the core never asks);
 - ``supports()`` / ``kernel()``: its own kernels for MatMul, MatMulNBits,
   SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization, and the cpu_reference
-  kernels for every other op (their public ``run`` functions);
+  kernels for every other op (their public ``run`` functions); it declines the fused gated
+  projections (``lockstep.SiluGatedMatMul``, ``lockstep.SiluGatedMatMulNBits``: cpu_reference
+  runs them with fp32 products, not this provider's float64 ones), so the core keeps those
+  chains unfused for it, and says why in ``support_reason()``;
 - kernels that write into persistent buffers from ``ctx.output`` (what graph capture needs);
 - ``device_argmax`` with the shared policy (lowest index on ties, a non-finite row flagged as
   ``[-1, 1]``);
@@ -104,6 +107,18 @@ KERNELS = {
 }
 
 
+#: Fused ops (core.fusion) this provider declines, with the reason: cpu_reference's kernels
+#: for them compute its own fp32 products, so a fused graph would not be bitwise this
+#: provider's unfused MatMul / MatMulNBits chain (the fusion contract). Declined, the core
+#: leaves the chain unfused and every projection runs on the float64 kernels above.
+DECLINED = {
+    ("lockstep", "SiluGatedMatMul"): "numpy64 declines lockstep.SiluGatedMatMul: cpu_reference's kernel "
+                                     "computes fp32 products, not numpy64's float64 MatMul",
+    ("lockstep", "SiluGatedMatMulNBits"): "numpy64 declines lockstep.SiluGatedMatMulNBits: cpu_reference's "
+                                          "kernel computes fp32 products, not numpy64's float64 MatMulNBits",
+}
+
+
 class Numpy64Provider(ProviderBase):
     """NumPy tensors on the host, float64 accumulation; no graph capture, no VMM.
 
@@ -126,9 +141,21 @@ class Numpy64Provider(ProviderBase):
                             kv_layouts=("head_major", "seq_major"))
 
     def supports(self, node: NodeInfo) -> bool:
+        if (node.domain, node.op_type) in DECLINED:
+            return False
         if (node.domain, node.op_type) in KERNELS:
             return node.op_type != "MatMulNBits" or self._reference.supports(node)
         return self._reference.supports(node)
+
+    def support_reason(self, node: NodeInfo) -> str | None:
+        """Why :meth:`supports` rejects ``node`` (None when it accepts it): a declined fused
+        op's reason, else what the cpu_reference op table says (``core.ops.OpTable``)."""
+        declined = DECLINED.get((node.domain, node.op_type))
+        if declined is not None:
+            return declined
+        if self.supports(node):
+            return None
+        return self._reference.support_reason(node)
 
     def kernel(self, node: NodeInfo):
         own = KERNELS.get((node.domain, node.op_type))

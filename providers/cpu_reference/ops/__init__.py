@@ -4,7 +4,8 @@ Each module defines:
     OP_TYPE: the ONNX op type; DOMAIN: "" or "com.microsoft" (default "");
     run(ctx, *inputs) -> tuple of outputs (one per declared node output), each written into
         the node's persistent buffer ``ctx.output(slot, shape, dtype)`` and returned (ops._out);
-    optionally supports(node) -> bool for attribute/dtype checks (default: True).
+    optionally supports(node) -> bool for attribute/dtype checks (default: True), and
+        support_reason(node) -> str | None saying why not (core.ops.OpTable.support_reason).
 
 Kernels compute every batch row independently of the others with a fixed reduction order per
 row, so a row's result never depends on what else is in the batch. Matrix products therefore

@@ -20,9 +20,10 @@ from providers.cpu_reference.ops._util import compute_dtype
 def buffer(ctx, slot, shape, dtype) -> np.ndarray:
     """The host buffer of output ``slot``: ``ctx.output(slot, shape, dtype)``.
 
-    When the context belongs to a device provider (core.executor runs this kernel on host
-    values for it: host dispatch), its buffers are device tensors; the result is then a new
-    host array.
+    The executor's host dispatch (a device provider's host nodes run on these kernels) gives
+    the kernel a host context (core.executor.host_memory): its buffers are numpy arrays too.
+    A context whose buffers are not host arrays (a device provider's context, in a direct
+    call) gets a new host array instead.
     """
     out = ctx.output(slot, shape, dtype)
     return out if isinstance(out, np.ndarray) else np.empty(shape, dtype)

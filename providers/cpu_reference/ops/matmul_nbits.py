@@ -10,7 +10,8 @@ weight_prepacked (must be 0).
 Dequantization, for k in block b = k div block_size: W[n, k] = (q - zp) * scales[n, b], with
 the LSB-first codes of ops._quant, zp = 2^(bits-1) when absent, codes k >= K ignored.
 The dequantized fp32 weight [K, N] is cached per node for read-only (constant) B/scales/zp.
-Y is fp32-accumulated row by row (ops.rowwise_matmul) and rounded to A's dtype.
+Y is fp32-accumulated row by row (ops.rowwise_matmul) and rounded to A's dtype, written into
+the node's output buffer ``ctx.output(0, ...)`` (ops._out).
 An unsupported configuration raises ValueError (never zeros). Source: ORT
 contrib_ops/cpu/quantization/matmul_nbits.cc, matmul_nbits_impl.cc.
 """
@@ -19,6 +20,7 @@ import numpy as np
 
 from core.opdefs import matmul_nbits_supports
 from providers.cpu_reference.ops import rowwise_matmul
+from providers.cpu_reference.ops._out import buffer, write
 from providers.cpu_reference.ops._quant import unpack
 
 OP_TYPE = "MatMulNBits"
@@ -80,7 +82,14 @@ def run(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
     a = np.asarray(a)
     if a.shape[-1] != k:
         raise ValueError(f"MatMulNBits: A last dim {a.shape[-1]} != K {k}")
-    y = rowwise_matmul(a.astype(np.float32), _weight(ctx, b, scales, zero_points, k, n))
+    w = _weight(ctx, b, scales, zero_points, k, n)
+    if a.dtype == np.float32:  # the fp32 product (and bias) land in the output buffer directly
+        # contiguous as a.astype(np.float32) was: numpy's matmul loop depends on the strides
+        y = rowwise_matmul(np.ascontiguousarray(a), w, out=buffer(ctx, 0, (*a.shape[:-1], n), a.dtype))
+        if bias is not None:
+            np.add(y, np.asarray(bias, dtype=np.float32), out=y)
+        return (y,)
+    y = rowwise_matmul(a.astype(np.float32), w)
     if bias is not None:
-        y = y + np.asarray(bias, dtype=np.float32)
-    return (y.astype(a.dtype),)
+        y += np.asarray(bias, dtype=np.float32)
+    return (write(ctx, 0, y, a.dtype),)
