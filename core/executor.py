@@ -45,6 +45,7 @@ a fed weight); a prepared node never runs on a host kernel.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import operator
@@ -248,6 +249,30 @@ class Plan:
                 value.flags.writeable = False  # constants are shared by every step: never written
         self._programs: dict[tuple | None, list[_Step]] = {}  # None: no host dispatch
         self._program: list[_Step] = []
+
+    def with_layout(self, kv_layout: str) -> Plan:
+        """This plan for another KV layout, sharing its nodes, kernels and constants (uploaded,
+        folded and prepared once): new kernel contexts that read ``kv_layout``, keeping each
+        context's static plan-time metadata (what ``prepare`` hooks stored) and none of its
+        buffers. The two plans share their constants, so they must not run concurrently on
+        different streams (they do not: a provider runs on one stream).
+        """
+        other = copy.copy(self)
+        other.kv_layout = kv_layout
+
+        def fresh(ctx: KernelContext | None) -> KernelContext | None:
+            if ctx is None:
+                return None
+            new = KernelContext(ctx.node, ctx.provider, kv_layout)
+            new.cache = {k: v for k, v in ctx.cache.items() if not str(k).startswith("_")}
+            return new
+
+        other.contexts = [fresh(c) for c in self.contexts]
+        other._host_contexts = [fresh(c) for c in self._host_contexts]
+        other.kernels = list(self.kernels)
+        other.host_kernels = list(self.host_kernels)
+        other._programs, other._program = {}, []
+        return other
 
     def _step(self, i: int, args: list) -> _Step:
         """Node ``i``'s step for these argument values: its host kernel when it has one and

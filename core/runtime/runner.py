@@ -13,6 +13,7 @@ one. A second session on the same Runner uploads no weight.
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,23 @@ class Runner:
         return (f"weight plan changed: KV growth to {self.kv_device_bytes:,} bytes left {budget:,} bytes of the "
                 f"{self.device_budget:,} byte device budget for weights; "
                 f"{self.residency.weight_bytes_streamed_per_step:,} bytes now stream per step")
+
+    def with_layout(self, kv_layout: str) -> Runner:
+        """A Runner for another KV layout over the same weights: nothing is planned or uploaded
+        again (:meth:`core.executor.Plan.with_layout`); the residency plan and the staging
+        ring are shared too.
+
+        Raises:
+            kv.KVLayoutError: an unknown layout, or one the provider's kernels do not read.
+        """
+        if kv_layout not in self.provider.capabilities().kv_layouts or kv_layout not in kvgeo.LAYOUTS:
+            raise kvgeo.KVLayoutError(f"provider {self.provider.name!r} does not support KV layout {kv_layout!r}")
+        other = copy.copy(self)
+        other.kv_layout = kv_layout
+        other.plan = self.plan.with_layout(kv_layout)
+        other.weight_upload_bytes = 0
+        other._free = []
+        return other
 
     def stream_meter(self) -> tuple:
         """(weight bytes copied, copies) so far on the staging ring; () when nothing streams."""

@@ -280,7 +280,7 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
         report.gates.append(Gate("poison", SKIP, "the provider has no fill() (core.provider.ProviderBase)"))
 
     if "seq_major" in caps.kv_layouts and "head_major" in caps.kv_layouts:
-        seq_major = Runner(model, provider, "seq_major", weight_budget=weight_budget)
+        seq_major = runner.with_layout("seq_major")  # the same weights: nothing uploaded again
         run = _decode(_session(seq_major, n_max, need), rows, steps, forced_all, False)
         report.gates.append(_bitwise("layout", run, big, what="seq_major vs head_major") or Gate(
             "layout", PASS, "seq_major == head_major, bitwise"))

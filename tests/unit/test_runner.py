@@ -87,3 +87,29 @@ def test_a_runner_refuses_a_layout_it_was_not_planned_for(model_dir):
     runner = Runner(model_dir, CpuReferenceProvider())
     with pytest.raises(RequestError, match="planned for KV layout"):
         Session(runner, batch=1, kv_layout="seq_major")
+
+
+def test_a_parity_run_makes_one_runner_per_provider_and_uploads_the_weights_once(model_dir, monkeypatch):
+    """The parity kit plans the model once per provider (the seq_major gate reuses the same
+    weights through Runner.with_layout), so each provider uploads the weights once."""
+    from core.runtime import runner as runner_module
+    from core.testing.parity import run_parity
+
+    made = []
+    real_init = runner_module.Runner.__init__
+
+    def counting_init(self, *args, **kw):
+        real_init(self, *args, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(runner_module.Runner, "__init__", counting_init)
+    prov, ref = CpuReferenceProvider(), CpuReferenceProvider()
+    weights = Runner(model_dir, CpuReferenceProvider()).weight_upload_bytes
+    made.clear()
+    report = run_parity(model_dir, prov, batches=(1, 2), steps=3, reference=ref)
+    assert report.passed, report.render()
+    assert [r.provider for r in made].count(prov) == 1 and [r.provider for r in made].count(ref) == 1
+    assert report.gate("layout").status == "pass"
+    # every byte uploaded beyond the weights is request data (ids, masks): a small fraction
+    assert weights <= prov.uploaded_bytes < weights * 1.05
+    assert weights <= ref.uploaded_bytes < weights * 1.05
