@@ -260,15 +260,13 @@ class Plan:
         other = copy.copy(self)
         other.kv_layout = kv_layout
 
-        def fresh(ctx: KernelContext | None) -> KernelContext | None:
-            if ctx is None:
-                return None
+        def fresh(ctx: KernelContext) -> KernelContext:
             new = KernelContext(ctx.node, ctx.provider, kv_layout)
             new.cache = {k: v for k, v in ctx.cache.items() if not str(k).startswith("_")}
             return new
 
         other.contexts = [fresh(c) for c in self.contexts]
-        other._host_contexts = [fresh(c) for c in self._host_contexts]
+        other._host_contexts = [None if c is None else fresh(c) for c in self._host_contexts]
         other.kernels = list(self.kernels)
         other.host_kernels = list(self.host_kernels)
         other._programs, other._program = {}, []
