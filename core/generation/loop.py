@@ -27,11 +27,13 @@ class Trace:
         tokens: int64 ``[T + 1, B]``: the prefill's tokens, then each decode step's.
         errors: bool ``[T + 1, B]``: rows whose logits were non-finite at that step.
         seconds: wall seconds of the prefill (entry 0) and of each decode step.
+        logits: fp32 ``[T + 1, B, V]``, the logits each step chose from (``keep_logits``), or None.
     """
 
     tokens: np.ndarray
     errors: np.ndarray
     seconds: list[float]
+    logits: np.ndarray | None = None
 
     @property
     def steps(self) -> int:
@@ -40,7 +42,8 @@ class Trace:
 
 
 def decode(session, input_ids: Sequence[Sequence[int]], steps: int,
-           force: Sequence[Sequence[int]] | None = None, observer: Observer | None = None) -> Trace:
+           force: Sequence[Sequence[int]] | None = None, observer: Observer | None = None,
+           keep_logits: bool = False) -> Trace:
     """Prefill ``input_ids`` on ``session``, then run up to ``steps`` decode steps.
 
     Args:
@@ -50,6 +53,7 @@ def decode(session, input_ids: Sequence[Sequence[int]], steps: int,
         force: teacher forcing: ``force[b][t]`` is fed to row b at decode step t + 1 instead of
             the row's own previous token (each row needs ``steps`` entries).
         observer: called after the prefill and after every step; returning True stops the loop.
+        keep_logits: download every step's logits into ``Trace.logits`` (outside the timing).
 
     Raises:
         core.session.RequestError: the request is refused (before any kernel runs), or
@@ -59,12 +63,14 @@ def decode(session, input_ids: Sequence[Sequence[int]], steps: int,
 
     if force is not None and any(len(row) < steps for row in force):
         raise RequestError(f"force needs {steps} tokens per row")
-    tokens, errors, seconds = [], [], []
+    tokens, errors, seconds, logits = [], [], [], []
 
     def record(t: int, out: StepOutput, t0: float) -> bool:
         seconds.append(time.perf_counter() - t0)
         tokens.append(out.tokens)
         errors.append(out.errors)
+        if keep_logits:
+            logits.append(session.last_logits())
         return bool(observer(t, out, seconds[-1])) if observer is not None else False
 
     t0 = time.perf_counter()
@@ -75,4 +81,5 @@ def decode(session, input_ids: Sequence[Sequence[int]], steps: int,
         forced = None if force is None else [row[t] for row in force]
         t0 = time.perf_counter()
         stop = record(t + 1, session.step(force_tokens=forced), t0)
-    return Trace(np.array(tokens, np.int64), np.array(errors, bool), seconds)
+    return Trace(np.array(tokens, np.int64), np.array(errors, bool), seconds,
+                 np.stack(logits) if keep_logits else None)

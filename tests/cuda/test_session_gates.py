@@ -13,6 +13,7 @@ from _gpu import require_gpu
 
 require_gpu()
 
+from core.generation.loop import decode  # noqa: E402
 from core.session import Session  # noqa: E402
 from core.testing.parity import run_parity  # noqa: E402
 
@@ -39,12 +40,8 @@ def _stream(model_dir, provider, batch, steps, **kw):
     rng = np.random.default_rng(7)
     rows = [list(rng.integers(3, 200, 5 + (3 * b) % 13)) for b in range(batch)]
     s = Session(model_dir, provider, batch=batch, **kw)
-    out = [s.prefill(rows).tokens]
-    logits = [s.last_logits()]
-    for _ in range(steps):
-        out.append(s.step().tokens)
-        logits.append(s.last_logits())
-    return np.stack(out, 1), np.stack(logits, 1), s
+    t = decode(s, rows, steps, keep_logits=True)
+    return t.tokens.T, t.logits.transpose(1, 0, 2), s
 
 
 @pytest.mark.parametrize("batch", [1, 8, 64])

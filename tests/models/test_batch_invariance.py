@@ -71,12 +71,8 @@ def test_growing_cache_equals_fixed_bitwise(fp32_model, prompt_ids):
     fixed = run_rows(fp32_model, rows, steps=40, capacity=128)
     session = Session(fp32_model, "cpu_reference", batch=3, capacity=8,
                       kv_policy="growing")
-    out = session.prefill(rows)
-    tokens, logits = [out.tokens], [session.last_logits()]
-    for _ in range(40):
-        out = session.step()
-        tokens.append(out.tokens)
-        logits.append(session.last_logits())
+    t = decode(session, rows, 40, keep_logits=True)
+    tokens, logits = list(t.tokens), list(t.logits)
     assert session.counters.growth_events >= 2
     assert session.counters.kv_bytes_moved > 0
     assert np.array_equal(np.stack(tokens, 1), fixed[0]) and np.array_equal(np.stack(logits, 1), fixed[1])
@@ -96,11 +92,6 @@ def test_nan_in_unused_kv_slots_changes_nothing(fp32_model, prompt_ids):
                 v[b, :, n:] = np.nan
 
     poison()
-    out = session.prefill(rows)
-    tokens, logits = [out.tokens], [session.last_logits()]
-    for _ in range(6):
-        poison()
-        out = session.step()
-        tokens.append(out.tokens)
-        logits.append(session.last_logits())
+    t = decode(session, rows, 6, keep_logits=True, observer=lambda *_: poison())  # before each step
+    tokens, logits = list(t.tokens), list(t.logits)
     assert np.array_equal(np.stack(tokens, 1), clean[0]) and np.array_equal(np.stack(logits, 1), clean[1])

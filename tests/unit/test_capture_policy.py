@@ -10,6 +10,7 @@ fallback with a reason when capture fails, contexts frozen only while capturing.
 import numpy as np
 import pytest
 
+from core.generation.loop import decode
 from core.protocol import Capabilities
 from core.runtime.step import decode_step
 from core.session import Session
@@ -69,12 +70,8 @@ def stream(model_dir, provider, steps=8, **kw):
     if isinstance(provider, RecordingCapture):
         provider.session = s
     rows = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
-    toks = [s.prefill(rows).tokens]
-    logits = [s.last_logits()]
-    for _ in range(steps):
-        toks.append(s.step().tokens)
-        logits.append(s.last_logits())
-    return np.stack(toks, 1), np.stack(logits, 1), s
+    t = decode(s, rows, steps, keep_logits=True)
+    return t.tokens.T, t.logits.transpose(1, 0, 2), s
 
 
 def test_warm_up_then_one_capture_then_replays_equal_eager(model_dir):

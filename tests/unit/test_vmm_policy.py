@@ -10,6 +10,7 @@ the tokens and logits of a fixed full-capacity run, bitwise.
 import numpy as np
 import pytest
 
+from core.generation.loop import decode
 from core.protocol import Capabilities
 from core.runtime import kv as kvgeo
 from core.session import Session
@@ -55,12 +56,10 @@ def model_dir(tmp_path_factory):
 def run(model_dir, provider, steps, **kw):
     s = Session(model_dir, provider, batch=3, **kw)
     rows = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
-    toks, logits = [s.prefill(rows).tokens], [s.last_logits()]
-    first_kv = [id(t) for t in s.state.kv.buffers()]
-    for _ in range(steps):
-        toks.append(s.step().tokens)
-        logits.append(s.last_logits())
-    return np.stack(toks, 1), np.stack(logits, 1), s, first_kv
+    first_kv = []
+    t = decode(s, rows, steps, keep_logits=True,
+               observer=lambda i, *_: first_kv.extend(id(b) for b in s.state.kv.buffers()) if i == 0 else None)
+    return t.tokens.T, t.logits.transpose(1, 0, 2), s, first_kv
 
 
 def test_growth_commits_pages_instead_of_moving(model_dir):
