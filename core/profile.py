@@ -118,8 +118,9 @@ def render(rows: list[ProfileRow], title: str):
                       "-" if r.floor_ms is None else f"{r.floor_ms:.3f}", str(r.captures), str(r.replays),
                       str(r.fallbacks), str(r.invalidations), str(r.kv_bytes_moved), mib(r.peak_device_bytes),
                       mib(r.kv_bytes), "yes" if r.row0_matches_batch1 else "[red]NO[/red]",
-                      *([f"{r.copy_floor_ms or 0:.3f}", f"{r.htod_bytes_per_token / 2**20:,.2f}",
-                         f"{r.page_ins_per_token:.1f}", f"{r.byte_hit_rate:.2f}"] if streams else []))
+                      *(["-" if r.copy_floor_ms is None else f"{r.copy_floor_ms:.3f}",
+                         f"{r.htod_bytes_per_token / 2**20:,.2f}", f"{r.page_ins_per_token:.1f}",
+                         f"{r.byte_hit_rate:.2f}"] if streams else []))
     return table
 
 

@@ -49,14 +49,21 @@ def encode_prompts(model: Model, prompts: Sequence[str], chat: bool) -> list[lis
     """Token ids of each prompt, through the chat template unless ``chat`` is False.
 
     Raises:
-        RequestError: an empty prompt string, or the model has no tokenizer.
+        RequestError: a prompt that is not a str, is empty or is not valid Unicode (a lone
+            surrogate, e.g. non-UTF-8 bytes on the command line), or the model has no tokenizer.
     """
     if model.tokenizer is None:
         raise RequestError(f"model {model.folder} has no tokenizer.json; pass input_ids instead")
     out = []
     for i, text in enumerate(prompts):
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):
+            raise RequestError(f"prompt {i} must be a str, got {type(text).__name__}")
+        if not text.strip():
             raise RequestError(f"prompt {i} is empty")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(f"prompt {i} is not valid UTF-8 text") from None
         out.append(model.tokenizer.encode(model.tokenizer.apply_chat_template(text) if chat else text))
     return out
 
@@ -106,7 +113,7 @@ def _token_row(index: int, row) -> list[int]:
     return [int(t) for t in arr]
 
 
-def run(model: str | Path | Model | Runner | None = None, provider: Any = "cpu_reference",
+def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
         prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
         max_new_tokens: int = 64, chat: bool = True, kv_layout: str | None = None,
         capacity: int | None = None, capture: bool | None = None, progress=None,
@@ -117,7 +124,8 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = "cpu_r
         model: a builder model folder, a loaded Model, a Runner (weights already on the
             provider; ``provider`` is then ignored), or None for the default model
             (SmolLM2-135M-Instruct, prepared on first use; see :mod:`core.models.prepare`).
-        provider: provider name or object.
+        provider: provider name or object (default "cpu_reference"; with a Runner, None or
+            the runner's own provider).
         prompts: texts (one row each); or ``input_ids``: token-id lists. Exactly one is given.
         max_new_tokens: tokens to generate per row (>= 0).
         chat: apply the model's chat template to ``prompts`` (ignored for input_ids).
@@ -151,6 +159,9 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = "cpu_r
 
         model = resolve_model(None)
     runner = model if isinstance(model, Runner) else None
+    if runner is not None and provider is not None and provider not in (runner.provider, runner.provider.name):
+        raise RequestError(f"this Runner runs on provider {runner.provider.name!r}, not {provider!r}")
+    provider = "cpu_reference" if provider is None else provider
     if isinstance(model, Runner):
         model = model.model
     elif not isinstance(model, Model):

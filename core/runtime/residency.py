@@ -219,6 +219,27 @@ def plan_residency(weights: Sequence[Weight], budget: int | None, slots: int | N
     """The residency plan for ``budget`` bytes of device weight memory (staging included).
 
     Args:
+        weights: per-step weights in execution order (:func:`weights_of`), plus any constant
+            that is resident whatever the plan (``gathered=True``).
+        budget: bytes, or None for everything resident.
+        slots: staging slots (>= 2), or None for the default (module docstring).
+
+    Raises:
+        BudgetError: the budget cannot hold the always-resident weights plus a staging ring
+            (the message gives the smallest budget that works), or ``slots`` < 2.
+    """
+    try:
+        return _plan(tuple(weights), budget, slots)
+    except BudgetError as exc:
+        if budget is None or "at least 2 slots" in str(exc):
+            raise
+        raise BudgetError(f"{exc}; the smallest working budget is {_bytes(_smallest(tuple(weights), slots))}") from None
+
+
+def _plan(weights: Sequence[Weight], budget: int | None, slots: int | None = None) -> ResidencyPlan:
+    """The residency plan for ``budget`` bytes of device weight memory (staging included).
+
+    Args:
         weights: per-step weights in execution order (:func:`weights_of`).
         budget: bytes, or None for everything resident.
         slots: staging slots (>= 2), or None for the default (module docstring).
@@ -239,7 +260,7 @@ def plan_residency(weights: Sequence[Weight], budget: int | None, slots: int | N
         if not _pinned(w):
             pages.setdefault(w.page or w.name, []).append(w)
     if not pages:
-        raise BudgetError(f"a budget of {budget:,} bytes is below the {fixed:,} bytes of weights that "
+        raise BudgetError(f"a budget of {_bytes(budget)} is below the {_bytes(fixed)} of weights that "
                           "must stay resident (gathered tables and small tensors)")
     candidates = list(pages.values())
     best = None
@@ -277,9 +298,8 @@ def _admit(weights, order, candidates, budget: int, fixed: int, slots: int | Non
         room = budget - fixed - n_slots * slot_bytes
         if room < 0:
             raise BudgetError(
-                f"a weight budget of {budget:,} bytes cannot hold the {fixed:,} bytes that stay resident "
-                f"plus a staging ring of {n_slots} x {slot_bytes:,} bytes; the smallest working budget "
-                f"is {fixed + 2 * slot_bytes:,} bytes")
+                f"a weight budget of {_bytes(budget)} cannot hold the {_bytes(fixed)} that stay resident "
+                f"plus a staging ring of {n_slots} x {_bytes(slot_bytes)}")
         resident = set()
         for page in order:
             if page_bytes(page) <= room:
@@ -321,6 +341,23 @@ def budget_for(weights: Sequence[Weight], fraction: float, slots: int | None = N
     if found is None:
         raise BudgetError(f"no weight budget streams {fraction:.0%} of the {streamable:,} streamable bytes")
     return found
+
+
+def _bytes(n: int) -> str:
+    return "1 byte" if n == 1 else f"{n:,} bytes"
+
+
+def _smallest(weights: Sequence[Weight], slots: int | None) -> int:
+    """The smallest budget :func:`plan_residency` finds a plan for (bisection; plans are cheap)."""
+    lo, hi = 0, sum(w.nbytes for w in weights)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            _plan(weights, mid, slots)
+            hi = mid
+        except BudgetError:
+            lo = mid + 1
+    return lo
 
 
 def _pinned(w: Weight) -> bool:

@@ -18,8 +18,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from core.counters import Counters
 from core.executor import Plan
 from core.models.model import Model, load_model
@@ -85,13 +83,23 @@ class Runner:
         self._weights = residency.weights_of(self.plan)
         total = sum(w.nbytes for w in self._weights)
         self._other_bytes = self.plan.weight_bytes() - total  # constants no step reads (folded inputs)
+        if isinstance(device_budget, float) or (isinstance(device_budget, str) and (
+                device_budget.strip().endswith("%") or "." in device_budget and device_budget.strip()[-1].isdigit())):
+            raise residency.BudgetError(f"device_budget takes bytes (4294967296) or a size (4GiB), not a "
+                                        f"fraction: got {device_budget!r}")
         self.device_budget = residency.parse_budget(device_budget, total)
         self.kv_device_bytes = 0  # KV bytes held by this runner's decode states
         budget = residency.parse_budget(weight_budget, total)
         if self.device_budget is not None:
             budget = min(budget or self.device_budget, self.device_budget)
         self.replans = 0
-        self.residency = self._plan_residency(budget, auto=weight_budget is None and device_budget is None)
+        try:
+            self.residency = self._plan_residency(budget, auto=weight_budget is None and device_budget is None)
+        except residency.BudgetError as exc:
+            if self.device_budget is None or weight_budget is not None:
+                raise
+            raise residency.BudgetError(f"a device budget of {residency._bytes(self.device_budget)} leaves too little "
+                                        f"for the weights: {exc}") from None
 
     @property
     def weight_bytes(self) -> int:
@@ -111,9 +119,9 @@ class Runner:
                             "with a weight budget of %.2f GB", total / 1e9, free / 1e9, self.provider.name,
                             budget / 1e9)
         # constants no step reads (folded inputs, host integers) are resident whatever the plan
-        weights_budget = None if budget is None else budget - self._other_bytes
-        plan = residency.plan_residency(self._weights, weights_budget, self._slots)
-        plan = plan if budget is None else attrs.evolve(plan, budget=budget)
+        other = residency.Weight("(constants no step reads)", self._other_bytes, True, -1)
+        plan = residency.plan_residency((*self._weights, other) if self._other_bytes else self._weights,
+                                        budget, self._slots)
         if plan.streams and not self.provider.capabilities().weight_streaming:
             raise residency.BudgetError(f"provider {self.provider.name!r} cannot stream weights "
                                         "(capabilities().weight_streaming is False)")

@@ -118,3 +118,32 @@ def test_run_refuses_input_ids_that_are_not_integer_rows(model_dir, rows):
 def test_max_capacity_must_be_a_positive_integer(model_dir, value):
     with pytest.raises(RequestError, match="max_capacity"):
         Session(model_dir, batch=1, kv_policy="growing", max_capacity=value)
+
+
+@pytest.mark.parametrize("prompt, message", [("\udcff x", "not valid UTF-8"), (b"Hi", "must be a str"),
+                                             (None, "must be a str")])
+def test_prompts_that_are_not_text_are_refused_in_one_line(prompt, message):
+    from core.generation.generate import encode_prompts
+    from core.models.model import Model
+
+    class Tok:
+        def apply_chat_template(self, text):
+            return text
+
+        def encode(self, text):
+            return [1]
+
+    model = Model.__new__(Model)
+    model.tokenizer, model.folder = Tok(), "m"
+    with pytest.raises(RequestError, match=message):
+        encode_prompts(model, [prompt], chat=False)
+
+
+def test_a_runner_refuses_another_provider_in_core_run(model_dir):
+    import core
+    from core.runtime.runner import Runner
+
+    runner = Runner(model_dir, "cpu_reference")
+    with pytest.raises(RequestError, match="runs on provider 'cpu_reference'"):
+        core.run(runner, provider="numpy64", input_ids=[[1, 2]], max_new_tokens=1)
+    assert core.run(runner, provider="cpu_reference", input_ids=[[1, 2]], max_new_tokens=1).rows

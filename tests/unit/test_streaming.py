@@ -181,3 +181,21 @@ def test_kv_growth_under_a_device_budget_streams_more_weights_and_loses_nothing(
     replan_reasons = [r for r in c.invalidation_reasons if r.startswith("weight plan changed")]
     assert len(replan_reasons) == c.replans
     assert runner.weight_bytes + runner.residency.staging_bytes + runner.kv_device_bytes <= runner.device_budget
+
+
+def test_the_smallest_working_budget_in_the_error_is_exact(model_dir):
+    prov = CpuReferenceProvider()
+    with pytest.raises(BudgetError) as info:
+        Runner(model_dir, prov, weight_budget=1)
+    smallest = int(str(info.value).rsplit("is ", 1)[1].split()[0].replace(",", ""))
+    runner = Runner(model_dir, prov, weight_budget=smallest)
+    assert runner.residency.streams and runner.weight_bytes + runner.residency.staging_bytes <= smallest
+    with pytest.raises(BudgetError):
+        Runner(model_dir, prov, weight_budget=smallest - 1)
+
+
+def test_a_device_budget_is_bytes_not_a_fraction(model_dir):
+    with pytest.raises(BudgetError, match="not a fraction"):
+        Runner(model_dir, CpuReferenceProvider(), device_budget="50%")
+    with pytest.raises(BudgetError, match="device budget of 1 byte leaves too little"):
+        Runner(model_dir, CpuReferenceProvider(), device_budget=1)
