@@ -3,7 +3,7 @@ with the resident run, and counters that prove streaming happened (docs/cases.md
 
 cpu_reference streams through the default host WeightStream (synchronous host copies into
 staging slots), so these tests check the plan, the schedule, the slot views the kernels read
-and the counters; the GPU suite checks the copy stream and events (tests/cuda/test_streaming.py).
+and the counters; the GPU suite checks the copy stream and events (tests/cuda/test_cuda_streaming.py).
 """
 
 import numpy as np
