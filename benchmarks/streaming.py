@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from core.generation.loop import decode
+from core.profile import batch_axes
 from core.runtime import residency
 from core.runtime.runner import Runner
 from core.session import Session
@@ -105,12 +106,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         if f:
             ax.plot([r["batch"] for r in pts], [r["batch"] / r["copy_floor_ms"] * 1e3 for r in pts], ls=":",
                     color=ax.lines[-1].get_color(), label=f"copy floor, budget {1 - f:.0%}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch")
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
+    batch_axes(ax, title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -133,14 +133,19 @@ def plot(rows: list[ProfileRow], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r.batch for r in rows], [r.tokens_per_s for r in rows], marker="o")
+    batch_axes(ax, title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def batch_axes(ax, title: str) -> None:
+    """Tokens/s against batch on log-log axes (base-2 batch), titled, with a grid."""
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch")
     ax.set_ylabel("decode tokens/s")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def profile_main(args, console, table_console) -> int:

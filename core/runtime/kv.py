@@ -13,6 +13,8 @@ capacity: the live prefix is copied, the suffix zeroed).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import numpy as np
 
@@ -222,7 +224,7 @@ class KVCache:
         self.counters.kv_committed_bytes = 0  # a gauge of the current buffers
         self.counters.kv_bytes = 2 * self.layers_count * self.geometry.nbytes
 
-    def reserve_positions(self, needed: int, lengths: list[int]) -> bool:
+    def reserve_positions(self, needed: int, lengths: Sequence[int] | np.ndarray) -> bool:
         """Make room for ``needed`` positions in every row and back them before a kernel writes.
 
         Args:
@@ -244,14 +246,14 @@ class KVCache:
         self._commit(needed)
         return moved
 
-    def _grow(self, needed: int, lengths: list[int]) -> bool:
+    def _grow(self, needed: int, lengths: Sequence[int] | np.ndarray) -> bool:
         new_cap = round_capacity(max(needed, 2 * self.capacity), self.max_capacity, multiple=16)
         self.counters.growth_events += 1
         if self.vmm:
             self.capacity = new_cap
             return False
         old, old_geo = self.layers, self.geometry
-        copies = growth_copies(old_geo, new_cap, lengths)
+        copies = growth_copies(old_geo, new_cap, [int(x) for x in lengths])
         self._allocate(new_cap)
         moved = 0
         for old_pair, new_pair in zip(old, self.layers):

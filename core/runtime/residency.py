@@ -32,8 +32,8 @@ layer ahead, capped so staging takes at most a quarter of the budget. Admission 
 too: a node's weights are resident together or stream together.
 
 Counters per step (:class:`ResidencyPlan` properties): ``weight_bytes_streamed_per_step``,
-``page_ins_per_step`` (pages copied), ``evictions_per_step`` (pages copied into a slot that
-held another page: every copy once the ring is warm), ``hit_rate`` (resident reads / weight reads per
+``page_ins_per_step`` (pages copied; once the ring is warm each copy also evicts the page the
+slot held, counted in ``Counters.evictions``), ``hit_rate`` (resident reads / weight reads per
 step, by tensor) and ``byte_hit_rate`` (by bytes).
 """
 
@@ -122,12 +122,6 @@ class ResidencyPlan:
     @property
     def page_ins_per_step(self) -> int:
         """Pages copied into staging slots per step."""
-        return len(self.pages)
-
-    @property
-    def evictions_per_step(self) -> int:
-        """Pages per step copied over another page in a slot: every copy once the ring has
-        been filled (from the second step on), the steady state this reports."""
         return len(self.pages)
 
     @property

@@ -93,7 +93,7 @@ class DecodeState:
         Raises:
             core.runtime.kv.KVFullError: beyond the cache's limit.
         """
-        moved = self.kv.reserve_positions(needed, [int(x) for x in self.lengths])
+        moved = self.kv.reserve_positions(needed, self.lengths)  # lengths are read only on growth
         for reason in self.kv.replan_reasons:
             self.counters.replans += 1
             self.counters.set_residency(self.runner.residency.summary(), self.runner.weight_bytes)
