@@ -41,6 +41,20 @@ constants named ``f"{node.name}:prepared:{i}"`` that the node reads instead, an 
 drops becomes absent, and a replaced constant that no per-step node still reads is dropped
 (:meth:`Plan.weight_bytes` counts what stays). Kernels also run unprepared (a direct call or
 a fed weight); a prepared node never runs on a host kernel.
+
+Last-position program. When the ``logits`` output comes from a projection (MatMul or
+MatMulNBits, possibly through a Cast; :func:`core.fusion.logits_projection`) whose K is known,
+the plan also holds :attr:`Plan.last_position_steps`: the per-step program with
+``Reshape -> Gather(LAST_INDEX) -> Reshape`` before that projection
+(:func:`core.fusion.last_position_nodes`), so logits are ``[B, 1, V]`` at the positions named by
+the optional feed :data:`core.fusion.LAST_INDEX` (int64 ``[B]``, flat indices into the
+``[B * S]`` positions). :meth:`Plan.run` runs it when that feed is given and not None, and the
+plain program otherwise (decode steps). The three nodes are appended to ``nodes`` with their
+own contexts; the projection keeps its kernel and context. A provider that refuses one of them
+gets no such program (prefill then computes every position).
+
+Observer. :attr:`Plan.observer`, when set, is told about every node of a run (``begin(node)``,
+``end(node, args, results)``; :class:`core.kernel_profile.NodeObserver` counts and times them).
 """
 
 from __future__ import annotations
@@ -468,7 +482,8 @@ class Plan:
         return [self.nodes[s.index].name for s in self._program if s.host]
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
-        """Run the graph. ``feeds`` maps every graph input to a tensor; returns graph outputs.
+        """Run the graph. ``feeds`` maps every graph input to a tensor (and optionally
+        :data:`core.fusion.LAST_INDEX`: the last-position program); returns graph outputs.
 
         Raises:
             KeyError: a graph input is not fed.
