@@ -222,10 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: %(default)s)")
     f.add_argument("--warmup", type=_non_negative_int, default=8, help="decode steps before measuring, including "
                    "capture warm-up and capture (default: %(default)s)")
-    f.add_argument("--context", type=_positive_int, default=512, help="KV capacity in tokens "
-                   "(default: %(default)s)")
-    f.add_argument("--prompt-len", type=_positive_int, default=16, help="prompt tokens per row "
-                   "(default: %(default)s)")
+    f.add_argument("--context", type=_positive_int, default=512, help="KV capacity in tokens, raised "
+                   "to fit a longer prompt and its steps (default: %(default)s)")
+    f.add_argument("--prompt-len", type=_int_list, default=[16], help="prompt tokens per row, "
+                   "comma-separated for a context sweep, e.g. 32,512,1024,4096 (default: 16)")
     f.add_argument("--layout", default="head_major", choices=["head_major", "seq_major"],
                    help="KV cache layout (default: %(default)s)")
     f.add_argument("--no-capture", action="store_true", help="run every step eagerly")

@@ -64,3 +64,19 @@ def test_profile_sweep_on_cpu_reference_writes_json(tmp_path, capsys):
     data = json.loads(out_json.read_text())
     assert code == 0 and [r["batch"] for r in data["rows"]] == [1, 3]
     assert all(r["row0_matches_batch1"] and r["tokens_per_s"] > 0 for r in data["rows"])
+
+
+def test_profile_sweeps_prompt_lengths_with_a_capacity_per_length(tmp_path, capsys):
+    import json
+
+    folder = make_tiny_model(tmp_path / "m")  # context 128
+    out_json = tmp_path / "p.json"
+    code, out = run(capsys, "profile", str(folder), "--batch-sweep", "1,2", "--tokens", "2", "--warmup", "1",
+                    "--context", "32", "--prompt-len", "4,40", "--json", str(out_json))
+    rows = json.loads(out_json.read_text())["rows"]
+    assert code == 0
+    assert [(r["prompt_len"], r["batch"]) for r in rows] == [(4, 1), (4, 2), (40, 1), (40, 2)]
+    assert [r["capacity"] for r in rows] == [32, 32, 64, 64]  # 40 + 1 + 2 + 1 rounded up to 64
+    assert all(r["row0_matches_batch1"] and r["prefill_ms"] > 0 for r in rows)
+    code, out = run(capsys, "profile", str(folder), "--prompt-len", "200", "--tokens", "2")
+    assert code == 2 and "model context is 128" in out.err
