@@ -229,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--layout", default="head_major", choices=["head_major", "seq_major"],
                    help="KV cache layout (default: %(default)s)")
     f.add_argument("--no-capture", action="store_true", help="run every step eagerly")
+    f.add_argument("--kernels", action="store_true", help="time every node of eager decode steps and print "
+                   "where a step's time goes (op, kernel, calls, GPU us, bytes, floor); needs a provider "
+                   "that can time its nodes")
+    f.add_argument("--tensor-tflops", type=float, default=None, metavar="TFLOPS", help="with --kernels: "
+                   "the tensor rate the FLOPs floor uses (default: bytes floor only)")
     _budget_arg(f)
     f.add_argument("--json", dest="json_out", help="write the rows as JSON to this file")
     f.add_argument("--plot", dest="plot_out", help="write tokens/s against batch as a PNG "

@@ -88,8 +88,8 @@ def _short_kernel(kernel: Any) -> str:
     inner = getattr(kernel, "run", None)
     while inner is not None and not hasattr(kernel, "__qualname__"):
         kernel, inner = inner, getattr(inner, "run", None)
-    name = kernel_name(kernel)
-    return name.split(" (wrapped", 1)[0]
+    name = kernel_name(kernel).split(" (wrapped", 1)[0]
+    return name.removeprefix("providers.")
 
 
 class NodeObserver:
@@ -140,6 +140,8 @@ class NodeObserver:
                 continue
             if id(value) in self.kv:
                 st.bytes_read += _nbytes(value) * self.kv_read_fraction
+            elif name in constants and node.op_type == "GroupQueryAttention" and getattr(value, "ndim", 0) == 2:
+                st.bytes_read += _nbytes(value) * min(1.0, rows / max(1, value.shape[0]))  # cos/sin rows read
             elif name in constants and node.op_type in GATHER_OPS and name == node.inputs[0]:
                 st.bytes_read += out_bytes  # the rows gathered, not the table
             else:
@@ -218,3 +220,172 @@ def totals(rows: list[KernelRow], bandwidth: float | None, tensor_flops: float |
     floor = _floor(nbytes, flops, bandwidth, tensor_flops)
     return KernelRow("total", "", "", sum(r.calls for r in rows), us, nbytes, flops, floor,
                      None if floor is None or us <= 0 else 100.0 * floor / us)
+
+
+def _timer(provider) -> Any:
+    make = getattr(provider, "node_timer", None)
+    return make() if make is not None else None
+
+
+def profile_kernels(model_dir, provider, batches: list[int], args, progress=None) -> list[dict]:
+    """Time every node of ``args.tokens`` eager decode steps per prompt length and batch size.
+
+    Args:
+        model_dir: a builder model folder.
+        provider: a provider name or object (it must offer ``node_timer()``).
+        batches: batch sizes.
+        args: the ``lockstep profile`` options (prompt_len, context, warmup, tokens, layout,
+            tensor_tflops, weight_budget, device_budget).
+        progress: ``progress(done, total)`` after each batch size.
+
+    Returns:
+        One dict per (prompt length, batch): ``prompt_len``, ``batch``, ``capacity``,
+        ``steps``, ``step_ms`` (eager wall time per step, median), ``bandwidth`` (bytes/s or
+        None), ``tensor_flops`` (FLOP/s or None), ``kernels`` (:class:`KernelRow` dicts, per
+        step, the longest first) and ``total`` (their totals).
+
+    Raises:
+        core.session.RequestError: the provider cannot time its nodes, or a prompt length with
+            its steps exceeds the model context.
+    """
+    from core.generation.loop import decode
+    from core.models.model import load_model
+    from core.profile import capacity_for, prompt_lengths
+    from core.runtime.runner import Runner
+    from core.session import RequestError, Session
+
+    model = load_model(model_dir)
+    lengths = prompt_lengths(args)
+    capacities = [capacity_for(n, args, model.config.context_length) for n in lengths]
+    runner = Runner(model, provider, args.layout, weight_budget=getattr(args, "weight_budget", None),
+                    device_budget=getattr(args, "device_budget", None))
+    p = runner.provider
+    timer = _timer(p)
+    if timer is None:
+        raise RequestError(f"provider {p.name!r} cannot time its nodes (it has no node_timer(); "
+                           "docs/providers.md \"Optional: node timing\"), so --kernels cannot run on it")
+    bandwidth = p.device_bandwidth()
+    tflops = getattr(args, "tensor_tflops", None)
+    rate = tflops * 1e12 if tflops else None
+    rng = np.random.default_rng(0)
+    out = []
+    for length, capacity in zip(lengths, capacities):
+        for batch in batches:
+            rows = [list(rng.integers(3, model.config.vocab_size, length)) for _ in range(batch)]
+            session = Session(runner, batch=batch, capacity=capacity, kv_layout=args.layout, kv_policy="fixed",
+                              capture=False)
+            state, plan = session.state, runner.plan
+            decode(session, rows, args.warmup)
+            obs = NodeObserver(plan, timer, state.kv.buffers())
+            walls = []
+            plan.observer = obs
+            try:
+                for _ in range(args.tokens):
+                    obs.kv_read_fraction = float(state.lengths.mean() + 1) / state.kv.geometry.capacity
+                    obs.kv_write_fraction = 1.0 / state.kv.geometry.capacity
+                    t0 = time.perf_counter()
+                    session.step()
+                    walls.append(time.perf_counter() - t0)
+                    obs.collect()
+            finally:
+                plan.observer = None
+            stats = list(obs.stats.values()) + _loop_stats(p, timer, state, args.tokens)
+            kernels = table_rows(stats, args.tokens, bandwidth, rate)
+            out.append({"prompt_len": length, "batch": batch, "capacity": capacity, "steps": args.tokens,
+                        "step_ms": float(np.median(walls)) * 1e3, "bandwidth": bandwidth, "tensor_flops": rate,
+                        "kernels": [attrs.asdict(r) for r in kernels],
+                        "total": attrs.asdict(totals(kernels, bandwidth, rate))})
+            session.close()
+            if progress is not None:
+                progress(len(out), len(lengths) * len(batches))
+    return out
+
+
+def _loop_stats(p, timer, state, steps: int) -> list[NodeStats]:
+    """The two launches around the plan in a decode step, timed once each after the measured
+    steps and counted as ``steps`` calls: ``device_argmax`` (it rewrites ``result`` from the
+    same logits) and then ``decode_advance`` (it moves the state on; the session is closed
+    after it, and the next prefill rewrites lengths and mask)."""
+    marks = [timer.mark()]
+    p.device_argmax(state.logits, state.positions, state.result)
+    marks.append(timer.mark())
+    p.decode_advance(state.result, state.input_ids, state.attention_mask, state.lengths_dev)
+    marks.append(timer.mark())
+    p.synchronize()
+    logits = _nbytes(state.logits)
+    small = _nbytes(state.result) + _nbytes(state.input_ids) + 2 * _nbytes(state.lengths_dev)
+    names = [("device_argmax", logits + _nbytes(state.positions), _nbytes(state.result)),
+             ("decode_advance", small, _nbytes(state.input_ids) + _nbytes(state.lengths_dev))]
+    out = []
+    for (name, read, written), a, b in zip(names, marks, marks[1:]):
+        out.append(NodeStats(f"({name})", name, type(p).__name__ + "." + name, steps, 0, timer.seconds(a, b) * steps,
+                             read * steps, written * steps))
+    return out
+
+
+def render(result: dict, title: str):
+    """A rich Table of one :func:`profile_kernels` entry (the totals row last)."""
+    from rich.table import Table
+
+    table = Table(title=f"{title}: prompt {result['prompt_len']}, batch {result['batch']}, "
+                        f"eager step {result['step_ms']:.3f} ms wall")
+    for col in ("node", "op", "kernel"):
+        table.add_column(col, overflow="fold")
+    for col in ("calls", "us/step", "MB/step", "floor us", "% of floor"):
+        table.add_column(col, justify="right")
+
+    def line(r: dict, style: str = "") -> None:
+        cells = [r["node"], r["op"], r["kernel"], f"{r['calls']:g}", f"{r['us']:,.1f}", f"{r['bytes'] / 1e6:,.3f}",
+                 "-" if r["floor_us"] is None else f"{r['floor_us']:,.1f}",
+                 "-" if r["pct_of_floor"] is None else f"{r['pct_of_floor']:.0f}%"]
+        table.add_row(*cells, style=style)
+
+    for r in result["kernels"]:
+        line(r)
+    line(result["total"], "bold")
+    return table
+
+
+def kernels_main(args, console, table_console) -> int:
+    """``lockstep profile MODEL --kernels``: print one kernel table per prompt length and
+    batch size (and ``--json``: every table as data).
+
+    Raises:
+        core.session.RequestError: see :func:`profile_kernels`; an output folder that does not
+            exist (checked first).
+    """
+    import json
+    from pathlib import Path
+
+    from rich.progress import Progress
+
+    from core.session import RequestError
+
+    if args.json_out and not Path(args.json_out).expanduser().resolve().parent.is_dir():
+        raise RequestError(f"cannot write {args.json_out}: its folder does not exist")
+    if getattr(args, "plot_out", None):
+        raise RequestError("--plot draws the throughput sweep; it does not combine with --kernels")
+    if args.tensor_tflops is not None and not args.tensor_tflops > 0:
+        raise RequestError(f"--tensor-tflops must be a positive number, got {args.tensor_tflops}")
+    batches = list(args.batch_sweep)
+    title = f"{args.model} on {args.provider}, {args.layout}, eager, per decode step"
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("timing nodes", total=len(batches))
+        results = profile_kernels(args.model, args.provider, batches, args,
+                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
+    for result in results:
+        table_console.print(render(result, title))
+    bw = results[0]["bandwidth"] if results else None
+    rate = results[0]["tensor_flops"] if results else None
+    clock = "CUDA events (GPU time)" if args.provider == "cuda" else "the provider's node timer"
+    if bw is None and rate is None:
+        floor = "no floor: the provider measures no bandwidth and no --tensor-tflops was given"
+    else:
+        parts = ([] if bw is None else [f"bytes over {bw / 1e9:,.0f} GB/s measured"]) + (
+            [] if rate is None else [f"FLOPs over {rate / 1e12:,.0f} TFLOP/s stated"])
+        floor = f"floor: {' or '.join(parts)} (the larger); % of floor = floor / time"
+    table_console.print(f"us/step: {clock}, per node per decode step; {floor}")
+    if args.json_out:
+        with open(Path(args.json_out).expanduser(), "w") as f:
+            json.dump({"title": title, "results": results}, f, indent=2)
+    return 0

@@ -200,6 +200,10 @@ def profile_main(args, console, table_console) -> int:
 
     from core.session import RequestError
 
+    if getattr(args, "kernels", False):
+        from core.kernel_profile import kernels_main
+
+        return kernels_main(args, console, table_console)
     if args.plot_out:
         try:
             import matplotlib  # noqa: F401
