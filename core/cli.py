@@ -236,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the tensor rate the FLOPs floor uses (default: bytes floor only)")
     _budget_arg(f)
     f.add_argument("--json", dest="json_out", help="write the rows as JSON to this file")
+    f.add_argument("--anchor", metavar="FILE", help="put another runtime's tokens/s beside each row: the "
+                   "--json file of benchmarks/ort_genai_decode.py (same prompt lengths and batches)")
     f.add_argument("--plot", dest="plot_out", help="write tokens/s against batch as a PNG "
                    "(needs the plot extra: pip install -e \".[plot]\")")
     f.set_defaults(func=cmd_profile)

@@ -57,6 +57,8 @@ class ProfileRow:
     prompt_len: int = 0
     capacity: int = 0
     prefill_ms: float = 0.0
+    anchor_tokens_per_s: float | None = None
+    anchor_note: str = ""
 
 
 def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capacity=None):
@@ -132,6 +134,38 @@ def profile(model_dir, provider, batches: list[int], args, progress=None) -> lis
     return rows
 
 
+def load_anchor(path: str) -> dict[tuple[int, int], dict]:
+    """The rows of an anchor file (``benchmarks/ort_genai_decode.py --json``) by
+    (prompt length, batch).
+
+    Raises:
+        core.session.RequestError: the file is missing, not JSON, or has no such rows.
+    """
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).expanduser().read_text())
+        return {(int(r["prompt_len"]), int(r["batch"])): r for r in data["rows"]}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RequestError(f"cannot read the anchor file {path}: {exc} (expected the --json output of "
+                           "benchmarks/ort_genai_decode.py)") from None
+
+
+def with_anchor(rows: list[ProfileRow], anchor: dict[tuple[int, int], dict]) -> list[ProfileRow]:
+    """``rows`` with the anchor's tokens/s (or why it has none) at the same prompt length and batch."""
+    out = []
+    for r in rows:
+        a = anchor.get((r.prompt_len, r.batch))
+        if a is None:
+            out.append(attrs.evolve(r, anchor_note="not run"))
+        elif a.get("tokens_per_s") is None:
+            out.append(attrs.evolve(r, anchor_note=f"refused: {a.get('refused') or '?'}"))
+        else:
+            out.append(attrs.evolve(r, anchor_tokens_per_s=float(a["tokens_per_s"]),
+                                    anchor_note="graph" if a.get("graph") else ""))
+    return out
+
+
 def render(rows: list[ProfileRow], title: str):
     """A rich Table of the sweep, one row per batch size."""
     from rich.table import Table
@@ -142,6 +176,9 @@ def render(rows: list[ProfileRow], title: str):
             "fallbacks", "invalid.", "kv moved", "peak dev MiB", "KV MiB", "row0==b1"]
     if streams:
         cols += ["copy floor ms", "htod MiB/tok", "page-ins/tok", "byte hit"]
+    anchored = any(r.anchor_note or r.anchor_tokens_per_s is not None for r in rows)
+    if anchored:
+        cols += ["anchor tok/s", "x anchor"]
     for col in cols:
         table.add_column(col, justify="right")
     mib = lambda x: "-" if x is None else f"{x / 2**20:,.1f}"  # noqa: E731
@@ -153,8 +190,16 @@ def render(rows: list[ProfileRow], title: str):
                       mib(r.kv_bytes), "yes" if r.row0_matches_batch1 else "[red]NO[/red]",
                       *(["-" if r.copy_floor_ms is None else f"{r.copy_floor_ms:.3f}",
                          f"{r.htod_bytes_per_token / 2**20:,.2f}", f"{r.page_ins_per_token:.1f}",
-                         f"{r.byte_hit_rate:.2f}"] if streams else []))
+                         f"{r.byte_hit_rate:.2f}"] if streams else []),
+                      *([_anchor_cell(r), "-" if not r.anchor_tokens_per_s else
+                         f"{r.tokens_per_s / r.anchor_tokens_per_s:.2f}"] if anchored else []))
     return table
+
+
+def _anchor_cell(r: ProfileRow) -> str:
+    if r.anchor_tokens_per_s is None:
+        return r.anchor_note or "-"
+    return f"{r.anchor_tokens_per_s:,.0f}" + (f" ({r.anchor_note})" if r.anchor_note else "")
 
 
 def plot(rows: list[ProfileRow], path: str, title: str) -> None:
@@ -169,9 +214,14 @@ def plot(rows: list[ProfileRow], path: str, title: str) -> None:
     lengths = sorted({r.prompt_len for r in rows})
     for length in lengths:
         mine = [r for r in rows if r.prompt_len == length]
-        ax.plot([r.batch for r in mine], [r.tokens_per_s for r in mine], marker="o", label=f"prompt {length}")
+        line = ax.plot([r.batch for r in mine], [r.tokens_per_s for r in mine], marker="o",
+                       label=f"prompt {length}")[0]
+        anchored = [r for r in mine if r.anchor_tokens_per_s]
+        if anchored:
+            ax.plot([r.batch for r in anchored], [r.anchor_tokens_per_s for r in anchored], marker="x",
+                    linestyle="--", color=line.get_color(), label=f"anchor, prompt {length}")
     batch_axes(ax, title)
-    if len(lengths) > 1:
+    if len(lengths) > 1 or any(r.anchor_tokens_per_s for r in rows):
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -212,13 +262,16 @@ def profile_main(args, console, table_console) -> int:
     for out in (args.json_out, args.plot_out):
         if out and not Path(out).expanduser().resolve().parent.is_dir():
             raise RequestError(f"cannot write {out}: its folder does not exist")
+    anchor = load_anchor(args.anchor) if getattr(args, "anchor", None) else None
     batches = list(args.batch_sweep)
     title = (f"{args.model} on {args.provider}, {args.layout}, "
              f"{'eager' if args.no_capture else 'capture when supported'}, capacity >= {args.context}")
     with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("profiling", total=len(batches))
         rows = profile(args.model, args.provider, batches, args,
-                       progress=lambda done, total, row: bar.update(task, completed=done))
+                       progress=lambda done, total, row: bar.update(task, completed=done, total=total))
+    if anchor is not None:
+        rows = with_anchor(rows, anchor)
     table_console.print(render(rows, title))
     if args.json_out:
         with open(Path(args.json_out).expanduser(), "w") as f:
