@@ -19,8 +19,9 @@
 //   score z_j: lane l of the warp owning key j sums q[d] k[d] for d = l, l + 32, ... (fmaf,
 //     ascending), then a fixed xor-shuffle tree; lane 0's value; times scale; softcap.
 //   chunk c: m_c = max z_j (exact); e_j = expf(z_j - m_c); l_c: lane l sums e_j for
-//     j = j0 + l, j0 + l + 32 (ascending), then a fixed xor tree; o_c[d] = fmaf chain over the
-//     chunk's keys ascending from 0.
+//     j = j0 + l, j0 + l + 32 (ascending), then a fixed xor tree; o_c[d] = ((w_0 + w_1) + w_2) + w_3
+//     where w_r is the fmaf chain of e_j v_j[d] over the chunk's keys j = j0 + r, j0 + r + 4, ...
+//     ascending from 0 (warp r of the block).
 //   fold over chunks ascending from (m, l, o) = (-inf, 0, 0): m' = max(m, m_c),
 //     a = expf(m - m'), b = expf(m_c - m'), l' = l a + l_c b, o' = o a + o_c b (rounded mul, add).
 //   finish: with a sink s (head_sink, or 0 for smooth_softmax): m'' = max(m, s),
@@ -51,18 +52,21 @@ struct Geo {
 };
 
 // Rotate head vector x (H elements of T at src) at position pos, rounded to T, into dst (T or float).
+// nh > 1: nh adjacent head vectors (src and dst advance by H per head).
 template <typename T, typename D>
-__device__ void rope(const T* src, D* dst, const T* cosc, const T* sinc, int pos, int H, int half_rot, int tid, int nt) {
+__device__ void rope(const T* src, D* dst, const T* cosc, const T* sinc, int pos, int H, int half_rot, int tid, int nt,
+                     int nh = 1) {
     const int r = 2 * half_rot;
-    for (int d = tid; d < H; d += nt) {
-        float v = to_f(src[d]);
+    for (int e = tid; e < nh * H; e += nt) {
+        const int hh = e / H, d = e - hh * H;
+        float v = to_f(src[hh * H + d]);
         if (d < r) {
             const int i = d < half_rot ? d : d - half_rot;
             const float c = to_f(cosc[(long long)pos * half_rot + i]), s = to_f(sinc[(long long)pos * half_rot + i]);
-            if (d < half_rot) v = __fsub_rn(__fmul_rn(v, c), __fmul_rn(to_f(src[d + half_rot]), s));
-            else v = __fadd_rn(__fmul_rn(v, c), __fmul_rn(to_f(src[d - half_rot]), s));
+            if (d < half_rot) v = __fsub_rn(__fmul_rn(v, c), __fmul_rn(to_f(src[hh * H + d + half_rot]), s));
+            else v = __fadd_rn(__fmul_rn(v, c), __fmul_rn(to_f(src[hh * H + d - half_rot]), s));
         }
-        dst[d] = (D)to_f(from_f<T>(v));
+        dst[hh * H + d] = (D)to_f(from_f<T>(v));
     }
 }
 template <typename T>
@@ -135,21 +139,42 @@ __device__ __forceinline__ void chunk_stats(float* z, int n, float& mc, float& l
     lc = __shfl_sync(0xffffffffu, l, 0);
 }
 
-// o_c[d]: the fmaf chain of e_j v_j[d] over the chunk's keys, ascending.
+// o_c[h, d] for nh heads (e: nh x CH exps) into oc[h * H + d] (shared); red: 4 nh H floats.
+// Warp r owns keys j0 + r + 4 t; lane l owns dims d = l + 32 i (as in chunk_scores).
 template <typename T>
-__device__ __forceinline__ float chunk_value(const float* e, const T* vc, long long cj, int j0, int n, int d,
-                                             int jnew, const float* vnew) {
-    float acc = 0.f;
-    int jj = 0;
-    for (; jj + 8 <= n; jj += 8) {  // loads first, the same fmaf order
-        float v[8];
+__device__ void chunk_values(const float* e, int nh, const T* vc, long long cj, int j0, int n, const Geo& g,
+                             int jnew, const float* vnew, float* red, float* oc) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, H = g.H;
+    for (int hh = 0; hh < nh; ++hh) {
+        float acc[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = j0 + jj + i == jnew ? vnew[d] : to_f(vc[(long long)(j0 + jj + i) * cj + d]);
+        for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+        for (int jj0 = warp; jj0 < n; jj0 += 16) {  // 4 keys of this warp: loads first
+            float v[4][8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc = fmaf(e[jj + i], v[i], acc);
+            for (int u = 0; u < 4; ++u)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const int d = lane + 32 * i, jj = jj0 + 4 * u;
+                    v[u][i] = (jj < n && d < H) ? (j0 + jj == jnew ? vnew[d] : to_f(vc[(long long)(j0 + jj) * cj + d])) : 0.f;
+                }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int jj = jj0 + 4 * u;
+                if (jj < n) {
+                    const float w = e[hh * CH + jj];
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, v[u][i], acc[i]);
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) if (lane + 32 * i < H) red[(warp * nh + hh) * H + lane + 32 * i] = acc[i];
     }
-    for (; jj < n; ++jj) acc = fmaf(e[jj], j0 + jj == jnew ? vnew[d] : to_f(vc[(long long)(j0 + jj) * cj + d]), acc);
-    return acc;
+    __syncthreads();
+    for (int i = threadIdx.x; i < nh * H; i += NT)
+        oc[i] = __fadd_rn(__fadd_rn(__fadd_rn(red[i], red[nh * H + i]), red[2 * nh * H + i]), red[3 * nh * H + i]);
+    __syncthreads();
 }
 
 // Fold weights of chunk (mc) into the running max m: a for the running state, b for the chunk.
@@ -190,7 +215,7 @@ __global__ void gqa_kv_write(const T* __restrict__ kin, const T* __restrict__ vi
     for (int d = threadIdx.x; d < g.H; d += NT) vd[d] = vsrc[d];
 }
 
-// Prefill attention: grid (S, Nq, B), block NT, dynamic smem (H + CH + 2) floats.  One block per
+// Prefill attention: grid (S, Nq, B), block NT, dynamic smem (6 H + CH + 2) floats.  One block per
 // query walks its chunks in ascending order (the fold of the header), whatever the capacity.
 template <typename T>
 __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, const int* __restrict__ seqlens,
@@ -198,7 +223,7 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
     extern __shared__ float sm[];
-    float* qs = sm; float* sc = qs + g.H; float* st = sc + CH;
+    float* qs = sm; float* sc = qs + g.H; float* red = sc + CH; float* oc = red + 4 * g.H; float* st = oc + g.H;
     const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (g.nq / g.nkv), tid = threadIdx.x;
     const int tb = seqlens[b] + 1, past = g.first ? 0 : tb - g.S, p = past + s;
     const int hi = min(p, tb - 1), lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
@@ -224,12 +249,12 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
             if (tid == 0) { st[0] = mc; st[1] = lc; }
         }
         __syncthreads();
+        chunk_values<T>(sc, 1, vb, g.cj, j0, n, g, -1, nullptr, red, oc);  // ends with a barrier
         float a, bw;
         fold_weights(m, st[0], a, bw);
         l = folded(l, a, st[1], bw);
-        if (tid < g.H) acc0 = folded(acc0, a, chunk_value<T>(sc, vb, g.cj, j0, n, tid, -1, nullptr), bw);
-        if (tid + NT < g.H) acc1 = folded(acc1, a, chunk_value<T>(sc, vb, g.cj, j0, n, tid + NT, -1, nullptr), bw);
-        __syncthreads();
+        if (tid < g.H) acc0 = folded(acc0, a, oc[tid], bw);
+        if (tid + NT < g.H) acc1 = folded(acc1, a, oc[tid + NT], bw);
     }
     const bool use_sink = sinks != nullptr || g.smooth;
     const float sink = sinks ? to_f(sinks[h]) : 0.f;
@@ -238,7 +263,7 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
 }
 
 // Decode (S == 1, not the first prompt): grid (ceil(cap / CH), Nkv, B), block NT, dynamic smem
-// (G + 2) H + G CH + 2 floats (G = Nq / Nkv).  Block (c, kv head, b) computes chunk c of row b for
+// (5 G + 2) H + G CH + 2 G + 1 floats (G = Nq / Nkv).  Block (c, kv head, b) computes chunk c of row b for
 // the G query heads of its group (blocks whose chunk the row does not have exit).  Every block
 // rotates the new key of its kv head itself (into shared memory, rounded to T exactly as the
 // cache stores it) and uses it and the new value for key P_b = seqlens_k[b]; the block of the
@@ -256,7 +281,8 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
     const int c = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, G = g.nq / g.nkv, tid = threadIdx.x;
     const int nch = gridDim.x, stride = g.H + 2;
     float* qs = sm; float* kn = qs + G * g.H; float* vn = kn + g.H; float* sc = vn + g.H;
-    int* flag = (int*)(sc + G * CH);
+    float* red = sc + G * CH; float* stats = red + 4 * G * g.H;
+    int* flag = (int*)(stats + 2 * G);
     const int p = seqlens[b];
     const int lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
     T* ob = out + ((long long)b * g.nq + kvh * G) * g.H;  // the group's G heads are adjacent
@@ -274,11 +300,9 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
     if (do_rotary) rope<T, float>(ksrc, kn, cosc, sinc, p, g.H, g.half_rot, tid, NT);
     else for (int d = tid; d < g.H; d += NT) kn[d] = to_f(ksrc[d]);
     for (int d = tid; d < g.H; d += NT) vn[d] = to_f(vsrc[d]);
-    for (int hh = 0; hh < G; ++hh) {
-        const T* qsrc = qin + (long long)b * g.q_row + (kvh * G + hh) * g.H;
-        if (do_rotary) rope<T, float>(qsrc, qs + hh * g.H, cosc, sinc, p, g.H, g.half_rot, tid, NT);
-        else for (int d = tid; d < g.H; d += NT) qs[hh * g.H + d] = to_f(qsrc[d]);
-    }
+    const T* qsrc = qin + (long long)b * g.q_row + kvh * G * g.H;  // the group's heads are adjacent
+    if (do_rotary) rope<T, float>(qsrc, qs, cosc, sinc, p, g.H, g.half_rot, tid, NT, G);
+    else for (int i = tid; i < G * g.H; i += NT) qs[i] = to_f(qsrc[i]);
     __syncthreads();
     if (c == c1) {
         for (int d = tid; d < g.H; d += NT) {
@@ -288,8 +312,6 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
     }
     chunk_scores<T>(qs, G, kb, g.cj, j0, n, g, sc, p, kn);
     __syncthreads();
-    float* stats = qs;  // q is no longer needed: (m_c, l_c) per head
-    __syncthreads();
     const int warp = tid >> 5;
     for (int hh = warp; hh < G; hh += NT / 32) {
         float mc, lc;
@@ -297,20 +319,21 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
         if ((tid & 31) == 0) { stats[2 * hh] = mc; stats[2 * hh + 1] = lc; }
     }
     __syncthreads();
+    float* oc = qs;  // q is no longer needed
+    chunk_values<T>(sc, G, vb, g.cj, j0, n, g, p, vn, red, oc);
     const bool use_sink = sinks != nullptr || g.smooth;
     if (c0 == c1) {  // one chunk: the fold of a single chunk is (m_c, l_c, o_c) itself
         for (int i = tid; i < G * g.H; i += NT) {
-            const int hh = i / g.H, d = i - hh * g.H;
+            const int hh = i / g.H;
             const float sink = sinks ? to_f(sinks[kvh * G + hh]) : 0.f;
-            const float oc = chunk_value<T>(sc + hh * CH, vb, g.cj, j0, n, d, p, vn);
-            ob[i] = from_f<T>(finish(stats[2 * hh], stats[2 * hh + 1], oc, use_sink, sink));
+            ob[i] = from_f<T>(finish(stats[2 * hh], stats[2 * hh + 1], oc[i], use_sink, sink));
         }
         return;
     }
     float* pb = part + ((long long)b * g.nq + kvh * G) * nch * stride;  // [G, nch, H + 2]
     for (int i = tid; i < G * g.H; i += NT) {
         const int hh = i / g.H, d = i - hh * g.H;
-        pb[((long long)hh * nch + c) * stride + 2 + d] = chunk_value<T>(sc + hh * CH, vb, g.cj, j0, n, d, p, vn);
+        pb[((long long)hh * nch + c) * stride + 2 + d] = oc[i];
     }
     if (tid < G) {
         pb[((long long)tid * nch + c) * stride] = stats[2 * tid];

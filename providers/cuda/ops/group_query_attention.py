@@ -130,7 +130,7 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         chunks = -(-cap // CH)
         part, tickets = _workspace(ctx, bsz, nq, nkv, chunks, h)
         kern = function("group_query_attention", f"gqa_decode<{t}>", _exprs(t))
-        shared = ((group + 2) * h + group * CH + 1) * 4
+        shared = ((5 * group + 2) * h + group * CH + 2 * group + 1) * 4
         _shared_limit(kern, shared)
         kern((chunks, nkv, bsz), (NT,), (query, kin, vin, past_key, past_value, seqlens, cos, sin,
                                           i32(rotary), sinks, out, part, tickets) + geo,
@@ -140,8 +140,9 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         write((s_len, nkv, bsz), (NT,), (kin, vin, past_key, past_value, seqlens, cos, sin,
                                           i32(rotary)) + geo)
         attn = function("group_query_attention", f"gqa_attn<{t}>", _exprs(t))
+        _shared_limit(attn, (6 * h + CH + 2) * 4)
         attn((s_len, nq, bsz), (NT,), (query, past_key, past_value, seqlens, cos, sin, i32(rotary),
-                                        sinks, out) + geo, shared_mem=(h + CH + 2) * 4)
+                                        sinks, out) + geo, shared_mem=(6 * h + CH + 2) * 4)
     names = ctx.node.outputs
     outs = (out, past_key, past_value)
     return tuple(o if i < len(names) and names[i] else None for i, o in enumerate(outs))
