@@ -24,7 +24,9 @@ the longest row not yet placed, of length L, and takes every remaining row longe
 padded run would compute at least :data:`GROUP_GAIN` times the positions the groups compute,
 ``B * S >= GROUP_GAIN * sum_g(rows_g * S_g)``, so equal or similar lengths keep the single
 padded run (one plan run, one weight read) and a batch of a long prompt and short ones is not
-padded to the long one.
+padded to the long one. The scratch KV buffers of a group are extra device memory while it
+runs (at most the group's rows x its length); under a Runner's ``device_budget`` (which counts
+every KV byte) prefill does not group.
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ def run_prompts(state, input_ids: Sequence[Sequence[int]], all_logits: bool = Fa
     p = state.runner.provider
     lens = np.array([len(r) for r in input_ids], np.int64)
     last = not all_logits and state.runner.plan.last_position_steps is not None
-    groups = plan_groups(lens.tolist(), grouping) if last else None
+    # scratch KV is outside the elastic device budget's accounting: no groups under one
+    groups = plan_groups(lens.tolist(), grouping) if last and state.runner.device_budget is None else None
     counters = state.counters
     if groups is None:
         ids, mask = _ids_and_mask(state, input_ids, lens)

@@ -18,6 +18,11 @@
 - ``layout``: seq_major == head_major, bitwise (when the provider has both layouts);
 - ``growth``: a growing KV cache (at least two growth events when the request is long enough)
   == a fixed one, bitwise;
+- ``prompt``: the logits at every prompt position (``Session(all_logits=True)``) against
+  cpu_reference, within the logits tolerance: prefill attention at every position, not only
+  the last;
+- ``prefill_groups``: a prefill in length groups (``prefill_groups="always"``: scratch KV
+  buffers per group, their rows copied into the cache) == the padded prefill, bitwise;
 - ``capture``: graph capture on == off, bitwise, with a fixed and with a growing cache (only
   when the provider declares ``graph_capture``).
 
@@ -152,6 +157,39 @@ def _decode(session: Session, prompts: list[list[int]], steps: int, forced: list
     trace = decode(session, prompts, steps, force=forced, observer=record)
     return _Run(trace.tokens, np.array(digests, dtype=object), logits if keep_logits else None,
                 session.counters.growth_events, session.counters.to_dict())
+
+
+def _prefill_gates(report: ParityReport, runner: Runner, ref_runner: Runner, rows: list[list[int]], steps: int,
+                   need: int, forced_all: list[list[int]], big: _Run, rtol: float) -> None:
+    """The ``prompt`` and ``prefill_groups`` gates (module docstring)."""
+    s = _session(runner, len(rows), need, all_logits=True)
+    s.prefill(rows)
+    got = s.prompt_logits()
+    r = _session(ref_runner, len(rows), need, all_logits=True)
+    r.prefill(rows)
+    want = r.prompt_logits()
+    worst, where = 0.0, (0, 0)
+    for b, row in enumerate(rows):
+        g, w = got[b, :len(row)].astype(np.float64), want[b, :len(row)].astype(np.float64)
+        rel = np.abs(g - w) / np.maximum(np.abs(w).max(axis=-1, keepdims=True), 1e-30)
+        rel = np.where(np.isfinite(rel), rel, np.inf).max(axis=-1)
+        if rel.max() > worst:
+            worst, where = float(rel.max()), (b, int(rel.argmax()))
+    positions = sum(map(len, rows))
+    detail = (f"logits at all {positions} prompt positions (all_logits=True) within {rtol:g} of "
+              f"{ref_runner.provider.name}; worst {worst:.3g} at row {where[0]} position {where[1]}")
+    report.gates.append(Gate("prompt", PASS if worst <= rtol else FAIL, detail,
+                             {"max_rel": worst, "row": where[0], "position": where[1]}))
+    if runner.plan.last_position_steps is None:
+        report.gates.append(Gate("prefill_groups", SKIP, "the plan has no last-position program (the provider "
+                                                         "refused its Reshape or Gather), so prefill never groups"))
+        return
+    s = _session(runner, len(rows), need, prefill_groups="always")
+    grouped = _decode(s, rows, steps, forced_all, False)
+    runs = grouped.counters["prefill_runs"]
+    report.gates.append(_bitwise("prefill_groups", grouped, big, what=f"length groups ({runs} runs) vs padded")
+                        or Gate("prefill_groups", PASS, f"a prefill in {runs} length groups (scratch KV copied "
+                                "into the cache) == the padded prefill, bitwise", {"prefill_runs": runs}))
 
 
 def _session(runner: Runner, batch: int, need: int, **kw) -> Session:
@@ -293,6 +331,8 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
     report.gates.append(_bitwise("growth", grow, big, what=f"growing ({grow.growth_events} growth events) vs fixed")
                         or Gate("growth", PASS, f"growing == fixed, bitwise, across {grow.growth_events} growth "
                                                 f"event(s)", {"growth_events": grow.growth_events}))
+
+    _prefill_gates(report, runner, ref_runner, rows, steps, need, forced_all, big, rtol)
 
     if caps.graph_capture:
         on = _decode(_session(runner, n_max, need, capture=True), rows, steps, forced_all, False)
