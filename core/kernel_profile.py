@@ -12,8 +12,8 @@ object with ``mark() -> token`` (a point in the provider's stream of work) and
 ``seconds(start, end) -> float`` (the time between two marks, valid after
 ``provider.synchronize()``), or None when the provider cannot time its nodes.
 
-Bytes: a constant input is a weight (its full size, except a gather table: the rows gathered,
-the size of the node's output); a KV cache buffer counts its live positions only (the
+Bytes: a constant input is a weight (its full size, except a gather table and its scales: the
+rows gathered; and a rotary cache of attention: the rows of the positions run); a KV cache buffer counts its live positions only (the
 profile's live fraction: positions held / capacity) and, as an output written in place, the
 new positions; every other input and output counts its size. The floor of a row is
 ``max(bytes / bandwidth, flops / tensor rate)`` with the provider's measured
@@ -142,8 +142,10 @@ class NodeObserver:
                 st.bytes_read += _nbytes(value) * self.kv_read_fraction
             elif name in constants and node.op_type == "GroupQueryAttention" and getattr(value, "ndim", 0) == 2:
                 st.bytes_read += _nbytes(value) * min(1.0, rows / max(1, value.shape[0]))  # cos/sin rows read
-            elif name in constants and node.op_type in GATHER_OPS and name == node.inputs[0]:
-                st.bytes_read += out_bytes  # the rows gathered, not the table
+            elif name in constants and node.op_type in GATHER_OPS and name != node.inputs[1]:
+                # a table (or its scales): the rows gathered, not the whole tensor
+                picked = int(getattr(args[1], "size", 1))
+                st.bytes_read += _nbytes(value) / max(1, value.shape[0]) * picked
             else:
                 st.bytes_read += _nbytes(value)
         st.bytes_written += out_bytes + sum(_nbytes(r) * self.kv_write_fraction for r in results
