@@ -13,9 +13,10 @@ object with ``mark() -> token`` (a point in the provider's stream of work) and
 ``provider.synchronize()``), or None when the provider cannot time its nodes.
 
 Bytes: a constant input is a weight (its full size, except a gather table and its scales: the
-rows gathered; and a rotary cache of attention: the rows of the positions run); a KV cache buffer counts its live positions only (the
-profile's live fraction: positions held / capacity) and, as an output written in place, the
-new positions; every other input and output counts its size. The floor of a row is
+rows gathered; and a rotary cache of attention: the rows of the positions run); a KV cache
+buffer counts its live positions only (the profile's live fraction: positions held /
+capacity) and, as an output written in place, the new positions; every other input and
+output counts its size. The floor of a row is
 ``max(bytes / bandwidth, flops / tensor rate)`` with the provider's measured
 ``device_bandwidth()`` and a tensor rate the user states (``--tensor-tflops``); "% of floor"
 is floor / measured time.
