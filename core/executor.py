@@ -260,13 +260,16 @@ class Plan:
         self.constants: dict[str, Any] = {}
         for name, array in initializers.items():
             self.constants[name] = array if is_host_constant(array) else provider.upload(array)
+        #: host shape constants only the last-position program reads (not weights: kept
+        #: out of ``constants``, so weight and residency accounting do not see them)
+        self.last_position_constants: dict[str, np.ndarray] = {}
         lm = fusion.logits_projection(self.nodes, logits, set(initializers)) if logits in self.output_names else None
         hidden = None if lm is None else fusion.projection_k(
             self.nodes[lm], {k: tuple(v.shape) for k, v in initializers.items()})
         self.steps = self._fold_constants()
         self.prepared = self._prepare()
         self.last_position_steps = self._last_position_program(lm, hidden)
-        for value in self.constants.values():
+        for value in [*self.constants.values(), *self.last_position_constants.values()]:
             if isinstance(value, np.ndarray):
                 value.flags.writeable = False  # constants are shared by every step: never written
         self._programs: dict[tuple, list[_Step]] = {}  # (last-position?, feed types or None)
@@ -329,7 +332,7 @@ class Plan:
             self.host_kernels.append(ref)
             self._host_contexts.append(None if ref is None else KernelContext(n, host, self.kv_layout))
             added.append((len(self.nodes) - 1, n))
-        self.constants.update(consts)
+        self.last_position_constants.update(consts)
         pos = self.steps.index(lm)
         before = [(i, self.nodes[i]) for i in self.steps[:pos]]
         return before + added + [(lm, rewired)] + [(i, self.nodes[i]) for i in self.steps[pos + 1:]]
@@ -495,6 +498,8 @@ class Plan:
         values: dict[str, Any] = dict(self.constants)
         values.update(feeds)
         gathered = self.last_position_steps if feeds.get(fusion.LAST_INDEX) is not None else None
+        if gathered is not None:
+            values.update(self.last_position_constants)
         key = (gathered is not None, tuple(type(feeds[n]) for n in self.input_names) if self.host_dispatch else None)
         program = self._programs.get(key)
         if program is None:

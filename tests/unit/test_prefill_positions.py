@@ -177,3 +177,28 @@ def attrs_evolve(geo, **kw):
     import attrs
 
     return attrs.evolve(geo, **kw)
+
+
+def test_grouped_prefill_with_streamed_weights_is_bitwise_the_resident_run(tmp_path, monkeypatch):
+    """Every group's plan run streams the weights through the staging ring (the static schedule
+    runs per plan run, the last-position program included), and the bits do not change."""
+    from core.runtime import residency
+
+    monkeypatch.setattr(residency, "SMALL_BYTES", 512)  # the tiny matrices are a few KiB: let them stream
+    model_dir = make_tiny_model(tmp_path / "m")
+    resident_runner = Runner(model_dir, CpuReferenceProvider())
+    resident, _ = _run(resident_runner, LONG_SHORT, steps=6)
+    budget = residency.budget_for(residency.weights_of(resident_runner.plan), 0.5, slots=2)
+    streamed_runner = Runner(model_dir, CpuReferenceProvider(), weight_budget=budget, staging_slots=2)
+    per_run = streamed_runner.residency.weight_bytes_streamed_per_step
+    assert per_run > 0
+    streamed, s = _run(streamed_runner, LONG_SHORT, steps=6)
+    assert s.counters.prefill_runs == 2 and s.counters.htod_bytes == (2 + 6) * per_run
+    assert np.array_equal(resident.tokens, streamed.tokens) and np.array_equal(resident.logits, streamed.logits)
+
+
+def test_no_grouping_under_a_device_budget(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "m")
+    runner = Runner(model_dir, CpuReferenceProvider(), device_budget="1GiB")
+    _, s = _run(runner, LONG_SHORT, steps=1)
+    assert s.counters.prefill_runs == 1 and s.counters.prefill_positions == 3 * 60
