@@ -2,7 +2,8 @@
 
     lockstep run [--model DIR|NAME] [--provider P] --prompt A [--prompt B ...] [--max-new-tokens N]
                  [--raw] [--json] [--layout head_major|seq_major] [--no-capture]
-    lockstep prepare smollm2-135m [--precision fp32|int4|fp16] [--target cpu|cuda] [--output DIR]
+    lockstep prepare [NAME|HF_DIR|FILE.gguf] [--precision fp32|int4|fp16] [--target cpu|cuda] [--output DIR]
+    lockstep prepare --list
     lockstep providers
     lockstep parity --provider P --model DIR [--batch 1,2,8] [--steps 64] [--json]
     lockstep profile MODEL --provider P --batch-sweep 1,2,4 --tokens T --context L [...]
@@ -18,7 +19,19 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-from core.models.prepare import DEFAULT_MODEL, MODELS, PRECISIONS, TARGETS, Variant, prepare, resolve_model
+from core.models.prepare import (
+    DEFAULT_MODEL,
+    MODELS,
+    PRECISIONS,
+    REFUSED_VARIANTS,
+    TARGETS,
+    VARIANTS,
+    Variant,
+    default_variant,
+    prepare,
+    resolve_model,
+    source_kind,
+)
 
 console = Console(stderr=True, soft_wrap=True)  # an error stays one line in logs
 
@@ -64,15 +77,14 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _default_target(provider: str) -> tuple[str, str]:
-    return ("fp16", "cuda") if provider == "cuda" else ("fp32", "cpu")
-
-
 def _resolve_model(model: str | None, provider: str):
-    if model is not None and model not in MODELS:
+    """The builder folder of ``--model``: a builder folder as is; a name, a Hugging Face folder
+    or a .gguf file prepared (once, then cached) for the provider's default variant."""
+    if model is not None and source_kind(model) == "builder":
         return model
-    precision, target = _default_target(provider)
-    with _status("loading the default model (built once, then cached)") as update:
+    precision, target = default_variant(provider)
+    what = "the default model" if model is None else model
+    with _status(f"preparing {what} ({precision}/{target}; built once, then cached)") as update:
         return resolve_model(model, precision, target, progress=update)
 
 
@@ -105,7 +117,30 @@ def cmd_run(a) -> int:
     return 0
 
 
+def _print_known_models() -> None:
+    from rich.table import Table
+
+    table = Table("model", "source")
+    for name, info in MODELS.items():
+        table.add_row(name + (" (default)" if name == DEFAULT_MODEL else ""), escape(info["description"]))
+    table.add_row("HF_DIR", "a local Hugging Face folder (config.json, *.safetensors, tokenizer files)")
+    table.add_row("FILE.gguf", "a local GGUF file (read by transformers)")
+    variants = Table("precision/target", "what the folder holds")
+    for (precision, target), text in VARIANTS.items():
+        variants.add_row(f"{precision}/{target}", text)
+    for (precision, target), text in REFUSED_VARIANTS.items():
+        variants.add_row(f"{precision}/{target}", f"not offered: {escape(text)}")
+    out = _table_console()
+    out.print(table)
+    out.print(variants)
+
+
 def cmd_prepare(a) -> int:
+    if a.list:
+        _print_known_models()
+        return 0
+    if a.precision is None:
+        a.precision = default_variant(a.target)[0]
     with _status(f"preparing {a.model} {a.precision} for {a.target}") as update:
         path = prepare(Variant(a.model, a.precision, a.target), output=a.output,
                        progress=update, force=a.force)
@@ -175,8 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="decode prompts as one batch (greedy)")
-    r.add_argument("--model", help="builder model folder, or a model name (default: smollm2-135m, "
-                   "prepared on first use)")
+    r.add_argument("--model", help="builder folder, Hugging Face folder, .gguf file or model name "
+                   "(default: smollm2-135m; prepared on first use, then cached)")
     r.add_argument("--provider", default="cpu_reference", help="execution provider (see `lockstep "
                    "providers`; default: %(default)s)")
     r.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
@@ -190,10 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
     _budget_arg(r)
     r.set_defaults(func=cmd_run)
 
-    q = sub.add_parser("prepare", help="build a model variant with the ONNX Runtime GenAI builder")
-    q.add_argument("model", nargs="?", default=DEFAULT_MODEL, choices=sorted(MODELS))
-    q.add_argument("--precision", default="fp32", choices=PRECISIONS, help="weights and "
-                   "activations (default: %(default)s)")
+    q = sub.add_parser("prepare", help="build a model variant with the ONNX Runtime GenAI builder",
+                       epilog="known models: " + ", ".join(MODELS) + " (lockstep prepare --list shows "
+                       "them and the offered precision/target pairs)")
+    q.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="a known model name, a Hugging "
+                   "Face folder or a .gguf file (default: %(default)s)")
+    q.add_argument("--list", action="store_true", help="list the known models and variants, build nothing")
+    q.add_argument("--precision", choices=PRECISIONS, help="weights and activations (default: "
+                   "fp32 for cpu, fp16 for cuda; offered: " + ", ".join(f"{p}/{t}" for p, t in VARIANTS) + ")")
     q.add_argument("--target", default="cpu", choices=TARGETS, help="the builder's execution "
                    "provider: cpu writes fp32 I/O, cuda fp16 I/O (default: %(default)s)")
     q.add_argument("--output", help="folder to write (default: the cache)")

@@ -122,8 +122,10 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
 
     Args:
         model: a builder model folder, a loaded Model, a Runner (weights already on the
-            provider; ``provider`` is then ignored), or None for the default model
-            (SmolLM2-135M-Instruct, prepared on first use; see :mod:`core.models.prepare`).
+            provider; ``provider`` is then ignored), a model name, a Hugging Face folder or a
+            .gguf file (prepared on first use for the provider: fp16/cuda for "cuda", else
+            fp32/cpu; see :mod:`core.models.prepare`), or None for the default model
+            (SmolLM2-135M-Instruct).
         provider: provider name or object (default "cpu_reference"; with a Runner, None or
             the runner's own provider).
         prompts: texts (one row each); or ``input_ids``: token-id lists. Exactly one is given.
@@ -146,7 +148,8 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
     Raises:
         RequestError: bad request (no/both prompt kinds, empty prompt, negative
             max_new_tokens, prompt beyond the capacity); checked before any kernel runs.
-        core.plugins.ProviderError, core.models.model.ModelError, core.executor.UnsupportedOpError.
+        core.plugins.ProviderError, core.models.model.ModelError, core.executor.UnsupportedOpError,
+        core.models.prepare.PrepareError (an unknown model name or path, a failed build).
     """
     if (prompts is None) == (input_ids is None):
         raise RequestError("pass exactly one of prompts= or input_ids=")
@@ -154,10 +157,11 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
         prompts = [prompts]
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise RequestError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
-    if model is None:
-        from core.models.prepare import resolve_model
+    if model is None or isinstance(model, (str, Path)):
+        from core.models.prepare import default_variant, resolve_model
 
-        model = resolve_model(None)
+        name = provider if isinstance(provider, str) else getattr(provider, "name", None)
+        model = resolve_model(model, *default_variant(name))
     runner = model if isinstance(model, Runner) else None
     if runner is not None and provider is not None and provider not in (runner.provider, runner.provider.name):
         raise RequestError(f"this Runner runs on provider {runner.provider.name!r}, not {provider!r}")

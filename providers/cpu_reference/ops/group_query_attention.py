@@ -38,6 +38,7 @@ import math
 
 import numpy as np
 
+from core.opdefs import gqa_unsupported
 from providers.cpu_reference.ops import rowwise_matmul
 from providers.cpu_reference.ops._out import buffer, write
 from providers.cpu_reference.ops._rotary import cache_rows, rotate
@@ -48,16 +49,11 @@ DOMAIN = "com.microsoft"
 
 
 def supports(node) -> bool:
-    attrs = node.attrs
-    extra_inputs = [name for name in node.inputs[12:] if name]
-    extra_outputs = [name for name in node.outputs[3:] if name]
-    quant = any(str(attrs.get(a, "NONE")).upper() not in ("NONE", "") for a in ("k_quant_type", "v_quant_type"))
-    dtype = node.input_dtypes[0] if node.input_dtypes else None
-    return (not extra_inputs and not extra_outputs and not quant
-            and int(attrs.get("qk_output", 0)) == 0 and int(attrs.get("causal", 1)) == 1
-            and int(attrs.get("sliding_window_cache", 0)) == 0
-            and int(attrs.get("kv_cache_bit_width", 0)) in (0, 16, 32)
-            and (dtype is None or dtype in (np.float32, np.float16)))
+    return not gqa_unsupported(node)
+
+
+def support_reason(node) -> str | None:
+    return "; ".join(gqa_unsupported(node)) or None
 
 
 def _rows(buf, layout: str, b: int, g: int) -> np.ndarray:

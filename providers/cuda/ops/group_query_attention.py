@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from core.opdefs import gqa_unsupported
 from providers.cuda import replay
 from providers.cuda.module import ctype, function
 from providers.cuda.ops import NULL, device_array
@@ -29,15 +30,11 @@ NT = 128
 
 
 def supports(node) -> bool:
-    attrs = node.attrs
-    ins = list(node.inputs) + [""] * 12
-    dtype = node.input_dtypes[0] if node.input_dtypes else None
-    quant = any(str(attrs.get(a, "NONE")).upper() not in ("NONE", "") for a in ("k_quant_type", "v_quant_type"))
-    return (not any(ins[9:11]) and not any(ins[12:]) and not any(node.outputs[3:]) and not quant
-            and int(attrs.get("qk_output", 0)) == 0 and int(attrs.get("causal", 1)) == 1
-            and int(attrs.get("rotary_interleaved", 0)) == 0
-            and int(attrs.get("sliding_window_cache", 0)) == 0
-            and (dtype is None or dtype in (np.float32, np.float16)))
+    return not gqa_unsupported(node, interleaved=False, bias=False)
+
+
+def support_reason(node) -> str | None:
+    return "; ".join(gqa_unsupported(node, interleaved=False, bias=False)) or None
 
 
 def replay_key(ctx, *inputs) -> tuple:
