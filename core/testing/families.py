@@ -35,7 +35,8 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "llama3": ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                              rope_theta=500000.0)),
-    "mistral": ("mistral", dict(sliding_window=24)),
+    # the 0.18 builder windows only the layers layer_types marks "sliding_attention"
+    "mistral": ("mistral", dict(sliding_window=24, layer_types=["sliding_attention"] * 2)),
     "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("qwen3", {}),
     "phi3": ("phi3", dict(original_max_position_embeddings=256)),
