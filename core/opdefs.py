@@ -124,13 +124,14 @@ def gate_view(node) -> SimpleNamespace:
 
 
 # -- GroupQueryAttention (com.microsoft, docs/ops.md 1) -------------------------------------
-def gqa_unsupported(node, interleaved: bool = True, bias: bool = True) -> list[str]:
+def gqa_unsupported(node, interleaved: bool = True, bias: bool = True, qk_norm: bool = False) -> list[str]:
     """The attributes, inputs and dtypes of a GroupQueryAttention node outside what the
     built-in kernels run (empty: supported), each as ``what=value (meaning)``.
 
     Args:
         interleaved: the kernel runs ``rotary_interleaved=1``.
         bias: the kernel reads ``position_ids`` and ``attention_bias`` (inputs 9, 10).
+        qk_norm: the kernel applies the fused q/k RMSNorm (inputs 14, 15, ``qk_norm_epsilon``).
     """
     attrs = node.attrs
     ins = list(node.inputs) + [""] * 17
@@ -151,8 +152,9 @@ def gqa_unsupported(node, interleaved: bool = True, bias: bool = True) -> list[s
         out.append("rotary_interleaved=1")
     if not bias and any(ins[9:11]):
         out.append("position_ids / attention_bias inputs")
-    names = ["k_scale", "v_scale", "q_norm_weight", "k_norm_weight", "query_seqlens"]
-    out += [f"input {names[j - 12]}" for j in range(12, 17) if ins[j]]
+    names = ["k_scale", "v_scale", "q_norm_weight (fused q/k RMSNorm)", "k_norm_weight (fused q/k RMSNorm)",
+             "query_seqlens"]
+    out += [f"input {names[j - 12]}" for j in range(12, 17) if ins[j] and not (qk_norm and j in (14, 15))]
     if any(node.outputs[3:]):
         out.append("output qk")
     dtype = node.input_dtypes[0] if node.input_dtypes else None
