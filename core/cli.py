@@ -141,8 +141,9 @@ def cmd_prepare(a) -> int:
         return 0
     if a.precision is None:
         a.precision = default_variant(a.target)[0]
+    variant = Variant(a.model, a.precision, a.target)  # a bad name or pair is refused before any status line
     with _status(f"preparing {a.model} {a.precision} for {a.target}") as update:
-        path = prepare(Variant(a.model, a.precision, a.target), output=a.output,
+        path = prepare(variant, output=a.output,
                        progress=update, force=a.force)
     print(path)
     return 0

