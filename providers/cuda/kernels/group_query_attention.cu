@@ -92,20 +92,31 @@ __device__ __forceinline__ float scaled(float s, const Geo& g) {
     return z;
 }
 
-// Scores of keys [j0, j0 + n) (n <= CH) for nh query heads (qs: nh x H floats, shared) into
-// sc[hh * CH + jj].  Key jnew >= 0 is read from knew (shared) instead of the cache.
+// One chunk's K or V rows [j0, j0 + n) (n <= CH) from the cache into a shared tile [n, H] of T:
+// every thread issues its 16-byte loads at once (one memory round trip for the whole chunk).
 template <typename T>
-__device__ void chunk_scores(const float* qs, int nh, const T* kc, long long cj, int j0, int n,
-                             const Geo& g, float* sc, int jnew, const float* knew) {
+__device__ __forceinline__ void load_tile(T* tile, const T* rows, long long cj, int n, int H) {
+    const int upr = H * (int)sizeof(T) / 16;  // H % 8 == 0: whole 16-byte units per row
+    for (int u = threadIdx.x; u < n * upr; u += NT) {
+        const int jj = u / upr, x = u - jj * upr;
+        reinterpret_cast<uint4*>(tile + jj * H)[x] = reinterpret_cast<const uint4*>(rows + (long long)jj * cj)[x];
+    }
+}
+
+// Scores of the chunk's n keys (K tile [n, H] in shared memory) for nh query heads (qs: nh x H
+// floats, shared) into sc[hh * CH + jj].  Key jj == jnew (>= 0) is taken from knew instead.
+template <typename T>
+__device__ void chunk_scores(const float* qs, int nh, const T* kt, int n, const Geo& g, float* sc,
+                             int jnew, const float* knew) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, H = g.H;
-    for (int jj0 = warp * 4; jj0 < n; jj0 += NT / 32 * 4) {  // 4 keys per warp: loads first
+    for (int jj0 = warp * 4; jj0 < n; jj0 += NT / 32 * 4) {  // 4 keys per warp
         float kv[4][8];
 #pragma unroll
         for (int u = 0; u < 4; ++u)
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const int d = lane + 32 * i, j = j0 + jj0 + u;
-                kv[u][i] = (jj0 + u < n && d < H) ? (j == jnew ? knew[d] : to_f(kc[(long long)j * cj + d])) : 0.f;
+                const int d = lane + 32 * i, jj = jj0 + u;
+                kv[u][i] = (jj < n && d < H) ? (jj == jnew ? knew[d] : to_f(kt[jj * H + d])) : 0.f;
             }
         for (int hh = 0; hh < nh; ++hh) {
             const float* q = qs + hh * H;
@@ -139,10 +150,11 @@ __device__ __forceinline__ void chunk_stats(float* z, int n, float& mc, float& l
     lc = __shfl_sync(0xffffffffu, l, 0);
 }
 
-// o_c[h, d] for nh heads (e: nh x CH exps) into oc[h * H + d] (shared); red: 4 nh H floats.
+// o_c[h, d] for nh heads (e: nh x CH exps, V tile [n, H] shared) into oc[h * H + d] (shared);
+// red: 4 nh H floats.
 // Warp r owns keys j0 + r + 4 t; lane l owns dims d = l + 32 i (as in chunk_scores).
 template <typename T>
-__device__ void chunk_values(const float* e, int nh, const T* vc, long long cj, int j0, int n, const Geo& g,
+__device__ void chunk_values(const float* e, int nh, const T* vt, int n, const Geo& g,
                              int jnew, const float* vnew, float* red, float* oc) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, H = g.H;
     for (int hh = 0; hh < nh; ++hh) {
@@ -156,7 +168,7 @@ __device__ void chunk_values(const float* e, int nh, const T* vc, long long cj, 
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
                     const int d = lane + 32 * i, jj = jj0 + 4 * u;
-                    v[u][i] = (jj < n && d < H) ? (j0 + jj == jnew ? vnew[d] : to_f(vc[(long long)(j0 + jj) * cj + d])) : 0.f;
+                    v[u][i] = (jj < n && d < H) ? (jj == jnew ? vnew[d] : to_f(vt[jj * H + d])) : 0.f;
                 }
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
@@ -215,7 +227,7 @@ __global__ void gqa_kv_write(const T* __restrict__ kin, const T* __restrict__ vi
     for (int d = threadIdx.x; d < g.H; d += NT) vd[d] = vsrc[d];
 }
 
-// Prefill attention: grid (S, Nq, B), block NT, dynamic smem (6 H + CH + 2) floats.  One block per
+// Prefill attention: grid (S, Nq, B), block NT, dynamic smem (6 H + CH + 2) floats + 2 CH H T.  One block per
 // query walks its chunks in ascending order (the fold of the header), whatever the capacity.
 template <typename T>
 __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, const int* __restrict__ seqlens,
@@ -224,6 +236,8 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
     extern __shared__ float sm[];
     float* qs = sm; float* sc = qs + g.H; float* red = sc + CH; float* oc = red + 4 * g.H; float* st = oc + g.H;
+    T* kt = (T*)(st + 2 + (((6 * g.H + CH + 2) & 3) ? 4 - ((6 * g.H + CH + 2) & 3) : 0));  // 16-byte aligned
+    T* vt = kt + CH * g.H;
     const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (g.nq / g.nkv), tid = threadIdx.x;
     const int tb = seqlens[b] + 1, past = g.first ? 0 : tb - g.S, p = past + s;
     const int hi = min(p, tb - 1), lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
@@ -241,7 +255,10 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
     __syncthreads();
     for (int c = lo / CH; c <= hi / CH; ++c) {
         const int j0 = max(lo, c * CH), n = min(hi, c * CH + CH - 1) - j0 + 1;
-        chunk_scores<T>(qs, 1, kb, g.cj, j0, n, g, sc, -1, nullptr);
+        load_tile<T>(kt, kb + (long long)j0 * g.cj, g.cj, n, g.H);
+        load_tile<T>(vt, vb + (long long)j0 * g.cj, g.cj, n, g.H);
+        __syncthreads();
+        chunk_scores<T>(qs, 1, kt, n, g, sc, -1, nullptr);
         __syncthreads();
         if (tid < 32) {
             float mc, lc;
@@ -249,7 +266,7 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
             if (tid == 0) { st[0] = mc; st[1] = lc; }
         }
         __syncthreads();
-        chunk_values<T>(sc, 1, vb, g.cj, j0, n, g, -1, nullptr, red, oc);  // ends with a barrier
+        chunk_values<T>(sc, 1, vt, n, g, -1, nullptr, red, oc);  // ends with a barrier
         float a, bw;
         fold_weights(m, st[0], a, bw);
         l = folded(l, a, st[1], bw);
@@ -263,7 +280,7 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
 }
 
 // Decode (S == 1, not the first prompt): grid (ceil(cap / CH), Nkv, B), block NT, dynamic smem
-// (5 G + 2) H + G CH + 2 G + 1 floats (G = Nq / Nkv).  Block (c, kv head, b) computes chunk c of row b for
+// (5 G + 2) H + G CH + 2 G + 4 floats + 2 CH H T (G = Nq / Nkv).  Block (c, kv head, b) computes chunk c of row b for
 // the G query heads of its group (blocks whose chunk the row does not have exit).  Every block
 // rotates the new key of its kv head itself (into shared memory, rounded to T exactly as the
 // cache stores it) and uses it and the new value for key P_b = seqlens_k[b]; the block of the
@@ -283,6 +300,9 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
     float* qs = sm; float* kn = qs + G * g.H; float* vn = kn + g.H; float* sc = vn + g.H;
     float* red = sc + G * CH; float* stats = red + 4 * G * g.H;
     int* flag = (int*)(stats + 2 * G);
+    const int used = (5 * G + 2) * g.H + G * CH + 2 * G + 1;
+    T* kt = (T*)(sm + used + ((used & 3) ? 4 - (used & 3) : 0));  // 16-byte aligned
+    T* vt = kt + CH * g.H;
     const int p = seqlens[b];
     const int lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
     T* ob = out + ((long long)b * g.nq + kvh * G) * g.H;  // the group's G heads are adjacent
@@ -297,6 +317,9 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
     T* vb = vc + b * g.cb + kvh * g.cg;
     const T* ksrc = kin + (long long)b * g.k_row + g.k_off + kvh * g.H;
     const T* vsrc = vin + (long long)b * g.k_row + g.v_off + kvh * g.H;
+    const int nc = p >= j0 + n ? n : n - 1;  // cache rows of the chunk (row P_b is the new key)
+    load_tile<T>(kt, kb + (long long)j0 * g.cj, g.cj, nc, g.H);
+    load_tile<T>(vt, vb + (long long)j0 * g.cj, g.cj, nc, g.H);
     if (do_rotary) rope<T, float>(ksrc, kn, cosc, sinc, p, g.H, g.half_rot, tid, NT);
     else for (int d = tid; d < g.H; d += NT) kn[d] = to_f(ksrc[d]);
     for (int d = tid; d < g.H; d += NT) vn[d] = to_f(vsrc[d]);
@@ -310,7 +333,7 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
             vb[(long long)p * g.cj + d] = vsrc[d];
         }
     }
-    chunk_scores<T>(qs, G, kb, g.cj, j0, n, g, sc, p, kn);
+    chunk_scores<T>(qs, G, kt, n, g, sc, p - j0, kn);
     __syncthreads();
     const int warp = tid >> 5;
     for (int hh = warp; hh < G; hh += NT / 32) {
@@ -320,7 +343,7 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
     }
     __syncthreads();
     float* oc = qs;  // q is no longer needed
-    chunk_values<T>(sc, G, vb, g.cj, j0, n, g, p, vn, red, oc);
+    chunk_values<T>(sc, G, vt, n, g, p - j0, vn, red, oc);
     const bool use_sink = sinks != nullptr || g.smooth;
     if (c0 == c1) {  // one chunk: the fold of a single chunk is (m_c, l_c, o_c) itself
         for (int i = tid; i < G * g.H; i += NT) {
@@ -353,11 +376,24 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
         const int hh = i / g.H, d = i - hh * g.H;
         const float* ph = pb + (long long)hh * nch * stride;
         float m = NEG_INF, l = 0.f, acc = 0.f;
-        for (int cc = c0; cc <= c1; ++cc) {
-            float a, bw;
-            fold_weights(m, __ldcg(ph + cc * stride), a, bw);
-            l = folded(l, a, __ldcg(ph + cc * stride + 1), bw);
-            acc = folded(acc, a, __ldcg(ph + cc * stride + 2 + d), bw);
+        for (int cc0 = c0; cc0 <= c1; cc0 += 8) {  // 8 chunks' loads in flight, folded in order
+            float pm[8], pl[8], po[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const bool ok = cc0 + u <= c1;
+                const float* q = ph + (long long)(cc0 + u) * stride;
+                pm[u] = ok ? __ldcg(q) : 0.f;
+                pl[u] = ok ? __ldcg(q + 1) : 0.f;
+                po[u] = ok ? __ldcg(q + 2 + d) : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                if (cc0 + u > c1) break;
+                float a, bw;
+                fold_weights(m, pm[u], a, bw);
+                l = folded(l, a, pl[u], bw);
+                acc = folded(acc, a, po[u], bw);
+            }
         }
         const float sink = sinks ? to_f(sinks[kvh * G + hh]) : 0.f;
         ob[i] = from_f<T>(finish(m, l, acc, use_sink, sink));
