@@ -132,7 +132,7 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         group = nq // nkv
         part, tickets = _workspace(ctx, bsz, nq, nkv, chunks, h)
         kern = function("group_query_attention", f"gqa_decode<{t}>", _exprs(t))
-        shared = ((5 * group + 2) * h + group * CH + 2 * group + 4) * 4 + 2 * CH * h * dtype.itemsize
+        shared = ((group + 2) * h + group * CH + 2 * group + 1) * 4 + 2 * CH * _tile_stride(h, dtype) * dtype.itemsize
         _shared_limit(kern, shared)
         kern((chunks, nkv, bsz), (NT,), (query, kin, vin, past_key, past_value, seqlens, cos, sin,
                                           i32(rotary), sinks, out, part, tickets) + geo,
@@ -142,13 +142,18 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         write((s_len, nkv, bsz), (NT,), (kin, vin, past_key, past_value, seqlens, cos, sin,
                                           i32(rotary)) + geo)
         attn = function("group_query_attention", f"gqa_attn<{t}>", _exprs(t))
-        shared = (6 * h + CH + 6) * 4 + 2 * CH * h * dtype.itemsize
+        shared = (2 * h + CH + 2) * 4 + 2 * CH * _tile_stride(h, dtype) * dtype.itemsize
         _shared_limit(attn, shared)
         attn((s_len, nq, bsz), (NT,), (query, past_key, past_value, seqlens, cos, sin, i32(rotary),
                                         sinks, out) + geo, shared_mem=shared)
     names = ctx.node.outputs
     outs = (out, past_key, past_value)
     return tuple(o if i < len(names) and names[i] else None for i, o in enumerate(outs))
+
+
+def _tile_stride(h: int, dtype) -> int:
+    """Row stride of the kernel's shared K/V tiles (tile_stride in the .cu): odd 32-bit words."""
+    return h + 2 if np.dtype(dtype).itemsize == 2 else h + 1
 
 
 def _workspace(ctx, bsz: int, nq: int, nkv: int, chunks: int, h: int):
