@@ -228,32 +228,40 @@ def pack(params: Sequence[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
 
 
 # -- Philox-4x32-10 ---------------------------------------------------------------------------
-def philox4x32(counter: np.ndarray, key: tuple[int, int], rounds: int = 10) -> np.ndarray:
-    """Philox-4x32 of ``counter`` uint32 ``[..., 4]`` under ``key`` (two uint32 words).
+def philox4x32(counter: np.ndarray, key: tuple[Any, Any], rounds: int = 10) -> np.ndarray:
+    """Philox-4x32 of ``counter`` uint32 ``[..., 4]`` under ``key`` (two uint32 words, ints or
+    arrays broadcastable to ``counter[..., 0]``).
 
     Returns:
         uint32 ``[..., 4]``; matches the Random123 known-answer vectors (tests/unit).
     """
     c = [np.asarray(counter[..., j], np.uint64) for j in range(4)]
-    k0, k1 = int(key[0]) & 0xFFFFFFFF, int(key[1]) & 0xFFFFFFFF
+    k0 = np.asarray(key[0], np.uint64) & _MASK32
+    k1 = np.asarray(key[1], np.uint64) & _MASK32
+    w0, w1 = np.uint64(_PHILOX_W[0]), np.uint64(_PHILOX_W[1])
     for _ in range(rounds):
         p0 = _PHILOX_M[0] * c[0]
         p1 = _PHILOX_M[1] * c[2]
         hi0, lo0 = p0 >> np.uint64(32), p0 & _MASK32
         hi1, lo1 = p1 >> np.uint64(32), p1 & _MASK32
-        c = [hi1 ^ c[1] ^ np.uint64(k0), lo1, hi0 ^ c[3] ^ np.uint64(k1), lo0]
-        k0, k1 = (k0 + _PHILOX_W[0]) & 0xFFFFFFFF, (k1 + _PHILOX_W[1]) & 0xFFFFFFFF
+        c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
+        k0, k1 = (k0 + w0) & _MASK32, (k1 + w1) & _MASK32
     return np.stack(c, axis=-1).astype(np.uint32)
 
 
-def uniform_words(seed: int, position: int, vocab: int) -> np.ndarray:
-    """uint32 ``[vocab]``: the random word of every vocabulary entry for the token chosen at
-    sequence index ``position`` of a row seeded ``seed`` (counter ``(v // 4, position, 0, 0)``)."""
+def uniform_words(seed: Any, position: Any, vocab: int) -> np.ndarray:
+    """uint32 ``[..., vocab]``: the random word of every vocabulary entry for the token chosen
+    at sequence index ``position`` of a row seeded ``seed`` (counter ``(v // 4, position, 0,
+    0)``). ``seed`` and ``position`` are ints or equal-shaped arrays (one entry per row)."""
+    seed = np.asarray(seed, np.uint64)
+    position = np.asarray(position, np.uint64)
     blocks = -(-vocab // 4)
-    ctr = np.zeros((blocks, 4), np.uint32)
-    ctr[:, 0] = np.arange(blocks, dtype=np.uint32)
-    ctr[:, 1] = np.uint32(position & 0xFFFFFFFF)
-    return philox4x32(ctr, (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF)).reshape(-1)[:vocab]
+    ctr = np.zeros(position.shape + (blocks, 4), np.uint64)
+    ctr[..., 0] = np.arange(blocks, dtype=np.uint64)
+    ctr[..., 1] = (position & _MASK32)[..., None]
+    key = ((seed & _MASK32)[..., None], (seed >> np.uint64(32))[..., None])
+    words = philox4x32(ctr, key)
+    return words.reshape(position.shape + (blocks * 4,))[..., :vocab]
 
 
 def gumbel(words: np.ndarray) -> np.ndarray:
@@ -295,7 +303,8 @@ def kept_mask(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[np
     return keep, e
 
 
-def sample_row(row: np.ndarray, history: np.ndarray | None, params: SamplingParams, position: int) -> tuple[int, int]:
+def sample_row(row: np.ndarray, history: np.ndarray | None, params: SamplingParams, position: int,
+               words: np.ndarray | None = None) -> tuple[int, int]:
     """``(token, error)`` for one row of fp32 logits ``row`` [V] (the module's algorithm).
 
     Args:
@@ -303,6 +312,7 @@ def sample_row(row: np.ndarray, history: np.ndarray | None, params: SamplingPara
         history: bool/uint8 [V], the tokens of the row's history (only read with a penalty).
         params: the row's options (a sampled row needs a seed: :meth:`SamplingParams.with_seed`).
         position: the sequence index of the token being chosen (the row's KV length).
+        words: ``uniform_words(seed, position, V)`` when already computed.
     """
     row = np.asarray(row, np.float32)
     if not np.isfinite(row).all():
@@ -313,7 +323,9 @@ def sample_row(row: np.ndarray, history: np.ndarray | None, params: SamplingPara
         return int(np.argmax(row)), 0
     z = (row / np.float32(params.temperature)).astype(np.float32)
     keep, _ = kept_mask(z, params.top_k, params.top_p, params.min_p)
-    score = z.astype(np.float64) + gumbel(uniform_words(params.seed or 0, position, z.shape[0]))
+    if words is None:
+        words = uniform_words(params.seed or 0, position, z.shape[0])
+    score = z.astype(np.float64) + gumbel(words)
     return int(np.argmax(np.where(keep, score, -np.inf))), 0
 
 
@@ -340,6 +352,10 @@ def sample_rows(rows: np.ndarray, params: np.ndarray, options: np.ndarray, count
         history: uint8 ``[B, V]`` token history (read for rows with the penalty flag), or None.
     """
     out = np.empty((rows.shape[0], 2), np.int32)
-    for b, sp in enumerate(unpack(params, options)):
-        out[b] = sample_row(rows[b], None if history is None else history[b], sp, int(counter[b]))
+    rows_params = unpack(params, options)
+    seeds = np.array([sp.seed or 0 for sp in rows_params], np.uint64)
+    counter = np.asarray(counter).astype(np.int64)
+    words = uniform_words(seeds, counter, rows.shape[1])  # every row's words in one Philox call
+    for b, sp in enumerate(rows_params):
+        out[b] = sample_row(rows[b], None if history is None else history[b], sp, int(counter[b]), words[b])
     return out
