@@ -29,7 +29,8 @@ The filter, per row (transformers' order: penalty, temperature, top-k, top-p, mi
    as transformers does);
 6. top-p (``p < 1``): keep ``v`` when the mass of the kept entries with ``z`` strictly greater
    than ``z_v`` is ``< p`` times the kept mass (the most probable entry always stays; ties at
-   the boundary stay or go together);
+   the boundary stay or go together); masses are ``floor(e * 2**40)`` summed in int64
+   (:data:`MASS_SCALE`), so every provider adds them exactly;
 7. min-p (``> 0``): keep ``e_v >= min_p``;
 8. the Gumbel-max draw over what is kept.
 """
@@ -278,10 +279,16 @@ def penalize(row: np.ndarray, history: np.ndarray, penalty: float) -> np.ndarray
     return np.where(hit, np.where(row < 0, row * r, row / r), row).astype(np.float32)
 
 
+#: Top-p masses are sums of ``floor(e_v * 2**40)`` in 64-bit integers: exact, so the order a
+#: device adds them in cannot change the kept set (an entry below 2**-40 of the best weighs 0).
+MASS_SCALE = float(1 << 40)
+
+
 def kept_mask(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:
     """The filter of steps 4 to 7 (module docstring) on fp32 ``z`` [V]: (kept bool [V],
     float64 ``e`` [V] relative probabilities, 1 at the maximum)."""
     v = z.shape[0]
+    z = z + np.float32(0.0)  # -0.0 -> +0.0: keys and comparisons agree on zeros
     zd = z.astype(np.float64)
     e = np.exp(zd - zd.max())
     keep = np.ones(v, bool)
@@ -291,13 +298,13 @@ def kept_mask(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[np
         idx = np.flatnonzero(keep)
         vals = z[idx]
         order = np.argsort(-vals, kind="stable")
-        sv, se = vals[order], e[idx][order]
-        before = np.concatenate([[0.0], np.cumsum(se)])  # before[j]: mass of sorted entries < j
-        first = np.searchsorted(-sv, -sv, side="left")   # first sorted index of each tie group
-        greater = before[first]
-        total = before[-1]
-        keep_sorted = greater < np.float64(np.float32(top_p)) * total
-        keep[idx[order[~keep_sorted]]] = False
+        sv = vals[order]
+        mass = np.floor(e[idx][order] * MASS_SCALE).astype(np.int64)
+        before = np.concatenate([[0], np.cumsum(mass)])   # before[j]: mass of sorted entries < j
+        first = np.searchsorted(-sv, -sv, side="left")    # first sorted index of each tie group
+        greater = before[first].astype(np.float64)        # mass strictly more probable
+        limit = np.float64(np.float32(top_p)) * np.float64(before[-1])
+        keep[idx[order[~(greater < limit)]]] = False
     if min_p > 0.0:
         keep &= e >= np.float64(np.float32(min_p))
     return keep, e
