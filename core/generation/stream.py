@@ -78,11 +78,18 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(self.ids) if self.tokenizer is not None else ""
 
     def push(self, token: int) -> str:
-        """Add one token; returns the text that became final."""
+        """Add one token; returns the text that became final (:meth:`add` then :meth:`release`)."""
+        self.add(token)
+        return self.release()
+
+    def add(self, token: int) -> None:
+        """Add one token without releasing text (a stop-string check comes first)."""
         self.ids.append(int(token))
         self.text = self._decode()
-        end = len(self.text.rstrip("\ufffd")) - self.holdback
-        return self._release(end)
+
+    def release(self) -> str:
+        """The text that became final: all but a trailing incomplete character and the holdback."""
+        return self._release(len(self.text.rstrip("\ufffd")) - self.holdback)
 
     def finish(self, cut: int | None = None) -> str:
         """The row ended: release the rest (up to ``cut`` characters of the text, if given)."""
@@ -291,7 +298,7 @@ class Generation:
                 continue
             tok = int(out.tokens[b])
             r.output_ids.append(tok)
-            text = r.detok.push(tok)
+            r.detok.add(tok)
             reason, cut = None, None
             if tok in self.eos:
                 reason = "eos"
@@ -304,10 +311,11 @@ class Generation:
                 elif len(r.output_ids) >= r.max_new_tokens:
                     reason = "length"
             if reason is None:
+                text = r.detok.release()
                 r.text = r.detok.text[:r.detok.emitted]
                 yield Delta(b, [tok], text)
             else:
-                yield self._end(b, r, reason, [tok], text, cut)
+                yield self._end(b, r, reason, [tok], cut)
 
     def _stop_at(self, r: RowState) -> int | None:
         if not r.stop_strings:
@@ -321,11 +329,11 @@ class Generation:
         r.stop = s
         return i
 
-    def _end(self, b: int, r: RowState, reason: str, ids: list[int] | None = None, text: str = "",
+    def _end(self, b: int, r: RowState, reason: str, ids: list[int] | None = None,
              cut: int | None = None) -> Delta:
         if cut is not None and cut < r.detok.emitted:  # cannot happen: held back (kept as a guard)
             raise AssertionError("a stop string began inside text already released")
-        text += r.detok.finish(cut)
+        text = r.detok.finish(cut)
         r.text, r.finish_reason = r.detok.text, reason
         return Delta(b, list(ids or []), text, reason)
 
