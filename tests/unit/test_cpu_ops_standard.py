@@ -178,8 +178,9 @@ def test_where_equal_expand_concat(one_node, rng):
     b = rng.integers(0, 3, (3,)).astype(np.int64)
     (want,), (got,) = one_node.both("Equal", {"a": a, "b": b}, {"y": np.bool_})
     np.testing.assert_array_equal(got, want)
+    c, d = np.array([[0, 1, 2], [2, 1, 0]], np.int64), np.array([1, 1, 1], np.int64)
     for op in ("Greater", "Less"):
-        (want,), (got,) = one_node.both(op, {"a": a, "b": b}, {"y": np.bool_})
+        (want,), (got,) = one_node.both(op, {"a": c, "b": d}, {"y": np.bool_})
         np.testing.assert_array_equal(got, want)
         assert want.any() and not want.all()
     x, y = rng.standard_normal((2, 3)).astype(np.float32), rng.standard_normal((1, 3)).astype(np.float32)
