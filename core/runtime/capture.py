@@ -17,6 +17,7 @@ runs the step.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 from core.counters import Counters
@@ -90,8 +91,11 @@ class CapturedStep:
             self.provider.begin_capture()
             try:
                 self.recorded = self._measured(self.step)
-            finally:
-                graph = self.provider.end_capture()
+            except Exception as exc:  # the step's own error is the reason, not end_capture's
+                with contextlib.suppress(Exception):  # the capture is void either way
+                    self.provider.end_capture()
+                raise exc
+            graph = self.provider.end_capture()
         except Exception as exc:  # noqa: BLE001 - any failure means: run eagerly, say why
             counters.fallbacks.append(f"capture failed: {exc}")
             self.enabled = False

@@ -1,9 +1,9 @@
 """Prefill and the decode step, as functions of a decode state (and through it, its Runner).
 
 :func:`decode_step` is the function a capture records: decode_advance, the graph with S = 1,
-device_argmax, touching only persistent buffers. :func:`prefill` runs the prompts right-padded
-(GroupQueryAttention "first prompt", docs/ops.md 1.4; one run, or pad-free length groups, and
-only each row's last position's logits: :mod:`core.runtime.prompts`). Neither validates a
+device_argmax (or device_sample), touching only persistent buffers. :func:`prefill` runs the prompts
+right-padded (GroupQueryAttention "first prompt", docs/ops.md 1.4; one run, or pad-free length
+groups, and only each row's last position's logits: :mod:`core.runtime.prompts`). Neither validates a
 request: :class:`core.session.Session` does that before calling them.
 """
 
@@ -51,7 +51,7 @@ def prefill(state, input_ids, all_logits: bool = False, grouping: str = "auto") 
     state.begin_request()
     state.reserve(int(lens.max()))  # room for the longest prompt in every row
     state.logits, positions = prompts.run_prompts(state, input_ids, all_logits, grouping)
-    p.device_argmax(state.logits, positions, state.result)
+    select(state, positions, p.upload(lens.astype(np.int32)), None)
     state.set_lengths(lens)
     state.bind_persistent()
     state.started = True
@@ -67,7 +67,18 @@ def decode_step(state) -> None:
     p.decode_advance(state.result, state.input_ids, state.attention_mask, state.lengths_dev)
     outs = state.binding.run()
     state.logits = outs["logits"]
-    p.device_argmax(state.logits, state.positions, state.result)
+    select(state, state.positions, state.lengths_dev, state.input_ids)
+
+
+def select(state, positions, counter, fed) -> None:
+    """Choose each row's next token from ``state.logits`` into ``state.result``:
+    ``device_argmax``, or ``device_sample`` while the request samples (``state.sampling``;
+    ``counter`` and ``fed`` as :meth:`core.protocol.ExecutionProvider.device_sample` takes them)."""
+    p = state.runner.provider
+    if state.sampling is None:
+        p.device_argmax(state.logits, positions, state.result)
+    else:
+        p.device_sample(state.logits, positions, counter, fed, state.sampling, state.result)
 
 
 def read_result(state) -> StepOutput:
