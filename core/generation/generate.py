@@ -12,7 +12,7 @@ from core.generation.loop import decode
 from core.models.model import Model, load_model
 from core.runtime import kv as kvgeo
 from core.runtime.runner import Runner
-from core.session import RequestError, Session
+from core.session import RequestError, Session, token_row
 
 
 @attrs.frozen
@@ -45,6 +45,29 @@ class Result:
         return attrs.asdict(self)
 
 
+def check_prompt_texts(prompts: Sequence[str]) -> None:
+    """Refuse prompts that are not non-empty, valid Unicode strings (before any model work).
+
+    Raises:
+        RequestError: ``prompts`` is not a list, or prompt i is not a str (e.g. an int: pass
+            token ids as ``input_ids``), is blank, or holds a lone surrogate (non-UTF-8 bytes
+            on the command line, or a bad string from the caller).
+    """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise RequestError(f"prompts must be a list of str, got {type(prompts).__name__}")
+    for i, text in enumerate(prompts):
+        if not isinstance(text, str):
+            hint = "; token ids go in input_ids=" if isinstance(text, (int, list, tuple)) else ""
+            raise RequestError(f"prompt {i} must be a str, got {type(text).__name__}{hint}")
+        if not text.strip():
+            raise RequestError(f"prompt {i} is empty")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestError(f"prompt {i} is not valid UTF-8 text (character {exc.start} is "
+                               f"{text[exc.start]!r})") from None
+
+
 def encode_prompts(model: Model, prompts: Sequence[str], chat: bool) -> list[list[int]]:
     """Token ids of each prompt, through the chat template unless ``chat`` is False.
 
@@ -52,18 +75,11 @@ def encode_prompts(model: Model, prompts: Sequence[str], chat: bool) -> list[lis
         RequestError: a prompt that is not a str, is empty or is not valid Unicode (a lone
             surrogate, e.g. non-UTF-8 bytes on the command line), or the model has no tokenizer.
     """
+    check_prompt_texts(prompts)
     if model.tokenizer is None:
         raise RequestError(f"model {model.folder} has no tokenizer.json; pass input_ids instead")
     out = []
-    for i, text in enumerate(prompts):
-        if not isinstance(text, str):
-            raise RequestError(f"prompt {i} must be a str, got {type(text).__name__}")
-        if not text.strip():
-            raise RequestError(f"prompt {i} is empty")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError(f"prompt {i} is not valid UTF-8 text") from None
+    for text in prompts:
         out.append(model.tokenizer.encode(model.tokenizer.apply_chat_template(text) if chat else text))
     return out
 
@@ -105,14 +121,6 @@ def generate(session: Session, input_ids: Sequence[Sequence[int]], max_new_token
     return [(o, r or "length") for o, r in zip(outputs, reasons)]
 
 
-def _token_row(index: int, row) -> list[int]:
-    """A prompt row as a list of ints; RequestError unless it is a 1-D sequence of integers."""
-    arr = np.asarray(row) if not isinstance(row, (str, bytes)) else np.asarray([row])
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise RequestError(f"input_ids row {index} must be a list of integer token ids, got {row!r:.80}")
-    return [int(t) for t in arr]
-
-
 def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
         prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
         max_new_tokens: int = 64, chat: bool = True, kv_layout: str | None = None,
@@ -152,6 +160,10 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
         raise RequestError("pass exactly one of prompts= or input_ids=")
     if isinstance(prompts, str):
         prompts = [prompts]
+    if prompts is not None:
+        check_prompt_texts(prompts)
+    elif isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence | np.ndarray):
+        raise RequestError(f"input_ids must be a list of token-id lists, got {type(input_ids).__name__}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise RequestError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
     if model is None:
@@ -169,7 +181,7 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
     if prompts is not None:
         input_ids = encode_prompts(model, prompts, chat)
     assert input_ids is not None  # exactly one of prompts / input_ids (checked above)
-    input_ids = [_token_row(i, r) for i, r in enumerate(input_ids)]
+    input_ids = [token_row(i, r).tolist() for i, r in enumerate(input_ids)]
     if not input_ids:
         raise RequestError("no prompts given")
     if capacity is None:
