@@ -8,6 +8,8 @@ Public API: :func:`run`, :class:`Session`, :class:`Runner`, :func:`load_model`, 
 protocol (:mod:`core.protocol`) and the plugin hooks (:mod:`core.hookspecs`, :data:`hookimpl`).
 """
 
+from importlib import metadata as _metadata
+
 from core.executor import UnsupportedOpError
 from core.generation.generate import Result, Row, generate, run
 from core.hookspecs import ProviderSpec, hookimpl
@@ -19,6 +21,11 @@ from core.runtime.kv import KVLayoutError
 from core.runtime.residency import BudgetError
 from core.runtime.runner import Runner
 from core.session import RequestError, Session
+
+try:
+    __version__ = _metadata.version("lockstep")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0.1.0+source"
 
 __all__ = [
     "run", "generate", "Result", "Row", "Session", "Runner", "BudgetError", "load_model", "prepare", "Variant",

@@ -40,9 +40,24 @@ class Result:
     provider: str
     counters: dict
 
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Prompt tokens (padding excluded) per second of prefill; None when nothing ran."""
+        c = self.counters
+        return c["prefill_tokens"] / c["prefill_s"] if c.get("prefill_s") else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens the decode steps generated (every row's output after the first token, which
+        the prefill chooses) per second of decode; None without decode steps."""
+        c = self.counters
+        made = sum(max(len(r.output_ids) - 1, 0) for r in self.rows)
+        return made / c["decode_s"] if c.get("decode_s") else None
+
     def to_dict(self) -> dict:
-        """Rows, provider and counters as plain data (the CLI's ``--json``)."""
-        return attrs.asdict(self)
+        """Rows, provider, counters and the two token rates as plain data (the CLI's ``--json``)."""
+        return {**attrs.asdict(self), "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "decode_tokens_per_s": self.decode_tokens_per_s}
 
 
 def check_prompt_texts(prompts: Sequence[str]) -> None:
@@ -117,6 +132,8 @@ def generate(session: Session, input_ids: Sequence[Sequence[int]], max_new_token
             progress(t + 1, max_new_tokens)
         return all(r is not None for r in reasons)
 
+    if progress is not None:
+        progress(0, max_new_tokens)  # the prefill starts
     decode(session, input_ids, max_new_tokens - 1, observer=observe)
     return [(o, r or "length") for o, r in zip(outputs, reasons)]
 
@@ -141,7 +158,8 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
         capacity: KV positions per row; default what the request needs, rounded up to 64,
             at most the model context.
         capture: graph capture for decode steps (None = when the provider supports it).
-        progress: optional callable(step, total).
+        progress: optional callable(done, total): (0, total) as the prefill starts, then
+            (tokens per row so far, total) after the prefill and after each decode step.
         weight_budget: device bytes for the weights, staging included (bytes, a fraction of the
             weight bytes, or "2GiB" / "40%"); the rest stream every step (see
             :mod:`core.runtime.residency`). Default: everything resident when it fits.
