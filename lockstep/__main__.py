@@ -2,6 +2,7 @@
 
 import sys
 
-import lockstep.cli
+import lockstep  # noqa: F401 - first: it loads Lockstep's own core, whatever folder this runs from
+from core.cli import main
 
-sys.exit(lockstep.cli.main())
+sys.exit(main())
