@@ -71,8 +71,27 @@ class Variant:
 
 
 def _status(progress, text: str):
-    if progress is not None:
-        progress(text)
+    (progress or _stderr)(text)
+
+
+def _stderr(text: str) -> None:
+    """The Python API's default progress: a build (minutes) says what it does on stderr."""
+    print(f"lockstep prepare: {text}", file=sys.stderr, flush=True)
+
+
+def run_reporting(cmd: list[str], env: dict, progress, label: str) -> tuple[int, str]:
+    """Run ``cmd``, passing each line it prints (stdout and stderr; ``\\r`` progress bars split
+    too) to ``progress`` as ``"<label>: <line>"``; returns (exit status, the output)."""
+    lines: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                          errors="replace", bufsize=1) as proc:
+        assert proc.stdout is not None
+        for chunk in proc.stdout:
+            for line in chunk.replace("\r", "\n").splitlines():
+                if line.strip():
+                    lines.append(line)
+                    _status(progress, f"{label}: {line.strip()[:160]}")
+    return proc.returncode, "\n".join(lines)
 
 
 def _check_tools() -> None:
@@ -148,7 +167,9 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
     Args:
         variant: model/precision/target; default SmolLM2-135M fp32 for CPU.
         output: folder to write; default ``cache_dir()/models/<model>-<precision>-<target>``.
-        progress: optional callable taking a status line (the CLI shows a spinner with it).
+        progress: optional callable taking a status line (the CLI shows a spinner with it; the
+            builder's own output comes through it line by line). Default: lines on stderr,
+            only while something is built.
         force: rebuild even if the folder is complete.
 
     Raises:
@@ -175,10 +196,10 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
            "-p", variant.precision, "-e", variant.target, "-c", str(root / "builder-cache")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0 or not (tmp / "model.onnx").exists():
+    code, log = run_reporting(cmd, env, progress, "model builder")
+    if code != 0 or not (tmp / "model.onnx").exists():
         shutil.rmtree(tmp, ignore_errors=True)
-        raise PrepareError(f"model builder failed ({' '.join(cmd)}):\n{(proc.stdout + proc.stderr)[-2000:]}")
+        raise PrepareError(f"model builder failed ({' '.join(cmd)}):\n{log[-2000:]}")
     shutil.rmtree(out, ignore_errors=True)  # an empty folder, or a model we were told to rebuild
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out)
