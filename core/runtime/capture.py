@@ -90,8 +90,13 @@ class CapturedStep:
             self.provider.begin_capture()
             try:
                 self.recorded = self._measured(self.step)
-            finally:
-                graph = self.provider.end_capture()
+            except Exception as exc:  # the step's own error is the reason, not end_capture's
+                try:
+                    self.provider.end_capture()
+                except Exception:  # noqa: BLE001 - the capture is void either way
+                    pass
+                raise exc
+            graph = self.provider.end_capture()
         except Exception as exc:  # noqa: BLE001 - any failure means: run eagerly, say why
             counters.fallbacks.append(f"capture failed: {exc}")
             self.enabled = False

@@ -216,30 +216,30 @@ def _gbq_case(tag, shape, v, d, block, bits=4, zp=False) -> OpCase:
 CAP = 16
 
 
-def _kv_buffer(rng, dtype, layout, nkv, head, lengths):
-    """A KV buffer of capacity CAP with rows [0, length_b) random and NaN beyond (poison)."""
-    buf = np.full((len(lengths), nkv, CAP, head), np.nan, np.float32)
+def _kv_buffer(rng, dtype, layout, nkv, head, lengths, cap=CAP):
+    """A KV buffer of capacity ``cap`` with rows [0, length_b) random and NaN beyond (poison)."""
+    buf = np.full((len(lengths), nkv, cap, head), np.nan, np.float32)
     for b, n in enumerate(lengths):
         buf[b, :, :n] = rng.standard_normal((nkv, n, head))
     buf = buf.astype(dtype)
     return np.ascontiguousarray(buf if layout == "head_major" else buf.transpose(0, 2, 1, 3))
 
 
-def _gqa(layout, seq, pasts, lengths, total, heads, nan_padding):
+def _gqa(layout, seq, pasts, lengths, total, heads, nan_padding, cap=CAP):
     """Packed-QKV GQA inputs: ``pasts`` rows already cached, ``lengths`` new tokens per row
     (right padding up to ``seq``, NaN with ``nan_padding``); seqlens_k = past + length - 1."""
     nq, nkv, head = heads
 
     def make(rng, dtype):
-        angles = np.arange(64)[:, None] / (10000.0 ** (np.arange(0, head, 2) / head))[None, :]
+        angles = np.arange(max(64, cap))[:, None] / (10000.0 ** (np.arange(0, head, 2) / head))[None, :]
         query = _normal(rng, (len(pasts), seq, (nq + 2 * nkv) * head), dtype)
         if nan_padding:
             for b, n in enumerate(lengths):
                 query[b, n:] = np.nan
         return {
             "query": query, "key": None, "value": None,
-            "past_key": _kv_buffer(rng, dtype, layout, nkv, head, pasts),
-            "past_value": _kv_buffer(rng, dtype, layout, nkv, head, pasts),
+            "past_key": _kv_buffer(rng, dtype, layout, nkv, head, pasts, cap),
+            "past_value": _kv_buffer(rng, dtype, layout, nkv, head, pasts, cap),
             "seqlens_k": np.array([p + n - 1 for p, n in zip(pasts, lengths)], np.int32),
             "total_sequence_length": np.array(total, np.int32),
             "cos_cache": np.cos(angles).astype(dtype), "sin_cache": np.sin(angles).astype(dtype)}
@@ -282,13 +282,13 @@ def _gqa_alone(inputs: dict[str, Any]) -> Inputs:
 
 
 def _gqa_case(name, layout, seq, pasts, lengths, total, heads=(4, 2, 16), scale=None,
-              nan_padding=False) -> OpCase:
+              nan_padding=False, cap=CAP, window=-1) -> OpCase:
     nq, nkv, head = heads
     return OpCase(
         f"GroupQueryAttention/{name}-{layout}", "GroupQueryAttention",
-        _gqa(layout, seq, pasts, lengths, total, heads, nan_padding), domain="com.microsoft",
+        _gqa(layout, seq, pasts, lengths, total, heads, nan_padding, cap), domain="com.microsoft",
         attributes={"num_heads": nq, "kv_num_heads": nkv, "scale": head ** -0.5 if scale is None else scale,
-                    "local_window_size": -1, "softcap": 0.0, "do_rotary": 1, "rotary_interleaved": 0},
+                    "local_window_size": window, "softcap": 0.0, "do_rotary": 1, "rotary_interleaved": 0},
         outputs=("y", "present_key", "present_value"), constants=("cos_cache", "sin_cache"),
         kv_layout=layout, select=_gqa_select(layout),
         rows=("query", "past_key", "past_value", "seqlens_k") if len(pasts) > 1 else (), alone=_gqa_alone,
@@ -308,6 +308,17 @@ def _gqa_cases() -> list[OpCase]:
         cases.append(_gqa_case("g3-h32-decode", layout, 1, [3, 7, 1], [1, 1, 1], CAP, **g3))
         # append 4 tokens after 3 into a shared buffer of capacity 16 (docs/cases.md 5, B = 1)
         cases.append(_gqa_case("append-shared-buffer", layout, 4, [3], [4], 7))
+        # long contexts, across the split-KV chunk boundaries of 64 positions (docs/cuda.md):
+        # contexts 1, 2, 63, 64, 65 and 1,000 in one decode batch; 8,192 alone; a local window
+        # that starts inside a chunk; prompts of 1..1,000 tokens; an append ending at 8,192
+        cases.append(_gqa_case("decode-split-contexts", layout, 1, [0, 1, 62, 63, 64, 999], [1] * 6,
+                               1024, cap=1024))
+        cases.append(_gqa_case("decode-context-8192", layout, 1, [8191], [1], 8192, cap=8192))
+        cases.append(_gqa_case("decode-window-split", layout, 1, [150, 999], [1, 1], 1024, cap=1024,
+                               window=70))
+        cases.append(_gqa_case("prompt-split-lengths", layout, 65, [0] * 5, [65, 64, 63, 2, 1], 65, cap=128))
+        cases.append(_gqa_case("prompt-1000", layout, 1000, [0, 0], [1000, 300], 1000, cap=1024, **g3))
+        cases.append(_gqa_case("append-to-8192", layout, 4, [8188], [4], 8192, cap=8192))
     return cases
 
 

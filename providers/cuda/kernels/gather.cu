@@ -1,5 +1,5 @@
 // Embedding lookups.  Pure copies / per-element dequantisation: no reductions, so any grid is
-// batch-invariant.
+// batch-invariant.  Grid y walks the indices with a stride (grid y <= 65,535 for any count).
 // gather_rows: out[i, :] = data[idx[i], :] (row of `row_bytes` bytes, copied in 16-byte units
 //   when row_bytes % 16 == 0, else bytes); negative indices wrap; out-of-range rows are zero.
 // gather_block_quantized: out[i, d] = (q(row, d) - zp) * scale[row, d / bs] in fp32 (docs/ops.md 5),
@@ -13,7 +13,7 @@ __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn
 
 __global__ void gather_rows(const unsigned char* data, const long long* idx, unsigned char* out,
                             long long nidx, long long rows, long long row_bytes) {
-    const long long i = blockIdx.y;
+  for (long long i = blockIdx.y; i < nidx; i += gridDim.y) {
     long long r = idx[i];
     if (r < 0) r += rows;
     const bool ok = r >= 0 && r < rows;
@@ -28,13 +28,14 @@ __global__ void gather_rows(const unsigned char* data, const long long* idx, uns
         for (long long u = blockIdx.x * (long long)blockDim.x + threadIdx.x; u < row_bytes; u += (long long)gridDim.x * blockDim.x)
             out[i * row_bytes + u] = ok ? data[r * row_bytes + u] : 0;
     }
+  }
 }
 
 template <typename S>
 __global__ void gather_block_quantized(const unsigned char* data, const long long* idx, const S* scales,
                                        const unsigned char* zp, S* out, long long rows, int D, int bits, int bs,
-                                       int row_bytes, int zp_bytes) {
-    const long long i = blockIdx.y;
+                                       int row_bytes, int zp_bytes, long long nidx) {
+  for (long long i = blockIdx.y; i < nidx; i += gridDim.y) {
     long long r = idx[i];
     if (r < 0) r += rows;
     const bool ok = r >= 0 && r < rows;
@@ -51,4 +52,5 @@ __global__ void gather_block_quantized(const unsigned char* data, const long lon
         }
         store(out + i * D + d, v);
     }
+  }
 }

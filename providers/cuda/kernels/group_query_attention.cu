@@ -6,15 +6,26 @@
 // Query row s sits at p = P_b + s and attends to keys j in [lo, min(p, T_b - 1)]
 // (lo = p - W + 1 with a local window W, else 0).
 //
-// Batch invariance: the grid is (S, heads, B) or (Nkv, B); blocks whose row has nothing to do
-// exit; nothing depends on B, on the capacity or on total_sequence_length except the grid
-// size.  For one (b, head, p) the arithmetic is fixed by H and by the key index alone:
-//   score z_j: lane l of the warp owning key j (4 consecutive keys per warp) sums q[d] k[d] for d = l, l + 32, ... (fmaf,
-//     ascending), then a fixed xor-shuffle tree; lane 0's value is used.
-//   max: exact.  e_j = expf(z_j - m).  denominator: thread t sums e_j for j = lo + t + 128 i
-//     ascending, then a fixed xor tree per warp and the 4 warp sums added in order.
-//   output dim d: slot u (of 128 / H slots) sums e_j v_j[d] over j = lo + u + slots i
-//     ascending (fmaf); slots added in ascending order; divided by the denominator.
+// Split-KV.  The keys of one query are cut into chunks of CH = 64 ABSOLUTE positions
+// (chunk c holds keys [c CH, c CH + CH) intersected with [lo, hi]); how many chunks a query has
+// depends only on its own position, never on B, on the capacity or on other rows.  Decode
+// (S == 1) runs one block per (chunk, kv head, row): the query heads of a GQA group share every
+// K/V read; partials (m_c, l_c, o_c[H]) go to a workspace and the last block of a (row, kv head)
+// to finish (an atomic ticket) folds them.  Prefill runs one block per (query, head, row) that
+// walks the same chunks in order.  Both call the same device functions below, so a query gives
+// the same bits in decode and in prefill (continuing a row == prefilling its whole history).
+//
+// Arithmetic for one (row, query head, query position), fixed by H and the key indices alone:
+//   score z_j: lane l of the warp owning key j sums q[d] k[d] for d = l, l + 32, ... (fmaf,
+//     ascending), then a fixed xor-shuffle tree; lane 0's value; times scale; softcap.
+//   chunk c: m_c = max z_j (exact); e_j = expf(z_j - m_c); l_c: lane l sums e_j for
+//     j = j0 + l, j0 + l + 32 (ascending), then a fixed xor tree; o_c[d] = ((w_0 + w_1) + w_2) + w_3
+//     where w_r is the fmaf chain of e_j v_j[d] over the chunk's keys j = j0 + r, j0 + r + 4, ...
+//     ascending from 0 (warp r of the block).
+//   fold over chunks ascending from (m, l, o) = (-inf, 0, 0): m' = max(m, m_c),
+//     a = expf(m - m'), b = expf(m_c - m'), l' = l a + l_c b, o' = o a + o_c b (rounded mul, add).
+//   finish: with a sink s (head_sink, or 0 for smooth_softmax): m'' = max(m, s),
+//     a = expf(m - m''), l = l a + expf(s - m''), o = o a; out = o / l (0 when l == 0).
 // Geometry scalars are passed one by one (GEO_ARGS order) and gathered in a Geo struct.
 // Block size is always 128 threads.  Q and K are rotated in fp32 and rounded to T before use
 // (the cache holds T), as cpu_reference does.
@@ -41,18 +52,21 @@ struct Geo {
 };
 
 // Rotate head vector x (H elements of T at src) at position pos, rounded to T, into dst (T or float).
+// nh > 1: nh adjacent head vectors (src and dst advance by H per head).
 template <typename T, typename D>
-__device__ void rope(const T* src, D* dst, const T* cosc, const T* sinc, int pos, int H, int half_rot, int tid, int nt) {
+__device__ void rope(const T* src, D* dst, const T* cosc, const T* sinc, int pos, int H, int half_rot, int tid, int nt,
+                     int nh = 1) {
     const int r = 2 * half_rot;
-    for (int d = tid; d < H; d += nt) {
-        float v = to_f(src[d]);
+    for (int e = tid; e < nh * H; e += nt) {
+        const int hh = e / H, d = e - hh * H;
+        float v = to_f(src[hh * H + d]);
         if (d < r) {
             const int i = d < half_rot ? d : d - half_rot;
             const float c = to_f(cosc[(long long)pos * half_rot + i]), s = to_f(sinc[(long long)pos * half_rot + i]);
-            if (d < half_rot) v = __fsub_rn(__fmul_rn(v, c), __fmul_rn(to_f(src[d + half_rot]), s));
-            else v = __fadd_rn(__fmul_rn(v, c), __fmul_rn(to_f(src[d - half_rot]), s));
+            if (d < half_rot) v = __fsub_rn(__fmul_rn(v, c), __fmul_rn(to_f(src[hh * H + d + half_rot]), s));
+            else v = __fadd_rn(__fmul_rn(v, c), __fmul_rn(to_f(src[hh * H + d - half_rot]), s));
         }
-        dst[d] = (D)to_f(from_f<T>(v));
+        dst[hh * H + d] = (D)to_f(from_f<T>(v));
     }
 }
 template <typename T>
@@ -70,88 +84,129 @@ __device__ void rope_t(const T* src, T* dst, const T* cosc, const T* sinc, int p
     }
 }
 
-// Attention of one query (qs: H floats in shared memory) over keys [lo, hi] of one kv head.
-// sc: shared scratch of (hi - lo + 1) floats; red: shared scratch of 2 * NT floats.
+#define CH 64
+
+__device__ __forceinline__ float scaled(float s, const Geo& g) {
+    float z = __fmul_rn(s, g.scale);
+    if (g.softcap > 0.f) z = __fmul_rn(g.softcap, tanhf(__fdiv_rn(z, g.softcap)));
+    return z;
+}
+
+// One chunk's K or V rows [j0, j0 + n) (n <= CH) from the cache into a shared tile [n, H] of T:
+// every thread issues its 16-byte loads at once (one memory round trip for the whole chunk).
 template <typename T>
-__device__ void attend(const float* qs, const T* kc, const T* vc, long long cj, int lo, int hi, int H,
-                       const Geo& g, float sink, bool use_sink, float* sc, float* red, T* out,
-                       int jnew = -1, const float* knew = nullptr, const float* vnew = nullptr) {
-    // jnew >= 0: key/value row jnew is taken from knew/vnew (shared, the same T-rounded values
-    // the cache holds) instead of the cache, so decode blocks need not wait for the KV write.
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int n = hi - lo + 1;
-    // 4 keys per warp iteration: all loads issued first (the arithmetic per key is unchanged)
-    for (int j0 = warp * 4; j0 < n; j0 += NT / 32 * 4) {
+__device__ __forceinline__ void load_tile(T* tile, const T* rows, long long cj, int n, int H) {
+    const int upr = H * (int)sizeof(T) / 16;  // H % 8 == 0: whole 16-byte units per row
+    for (int u = threadIdx.x; u < n * upr; u += NT) {
+        const int jj = u / upr, x = u - jj * upr;
+        reinterpret_cast<uint4*>(tile + jj * H)[x] = reinterpret_cast<const uint4*>(rows + (long long)jj * cj)[x];
+    }
+}
+
+// Scores of the chunk's n keys (K tile [n, H] in shared memory) for nh query heads (qs: nh x H
+// floats, shared) into sc[hh * CH + jj].  Key jj == jnew (>= 0) is taken from knew instead.
+template <typename T>
+__device__ void chunk_scores(const float* qs, int nh, const T* kt, int n, const Geo& g, float* sc,
+                             int jnew, const float* knew) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, H = g.H;
+    for (int jj0 = warp * 4; jj0 < n; jj0 += NT / 32 * 4) {  // 4 keys per warp
         float kv[4][8];
 #pragma unroll
         for (int u = 0; u < 4; ++u)
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const int d = lane + 32 * i;
-                kv[u][i] = (j0 + u < n && d < H)
-                    ? (lo + j0 + u == jnew ? knew[d] : to_f(kc[(long long)(lo + j0 + u) * cj + d])) : 0.f;
+                const int d = lane + 32 * i, jj = jj0 + u;
+                kv[u][i] = (jj < n && d < H) ? (jj == jnew ? knew[d] : to_f(kt[jj * H + d])) : 0.f;
             }
+        for (int hh = 0; hh < nh; ++hh) {
+            const float* q = qs + hh * H;
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            float s = 0.f;
+            for (int u = 0; u < 4; ++u) {
+                float s = 0.f;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) if (lane + 32 * i < H) s = fmaf(qs[lane + 32 * i], kv[u][i], s);
+                for (int i = 0; i < 8; ++i) if (lane + 32 * i < H) s = fmaf(q[lane + 32 * i], kv[u][i], s);
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-            s = __shfl_sync(0xffffffffu, s, 0);
-            if (lane == 0 && j0 + u < n) {
-                float z = __fmul_rn(s, g.scale);
-                if (g.softcap > 0.f) z = __fmul_rn(g.softcap, tanhf(__fdiv_rn(z, g.softcap)));
-                sc[j0 + u] = z;
+                for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+                s = __shfl_sync(0xffffffffu, s, 0);
+                if (lane == 0 && jj0 + u < n) sc[hh * CH + jj0 + u] = scaled(s, g);
             }
         }
     }
-    __syncthreads();
+}
+
+// One warp: chunk max m_c and sum l_c of the n scores at z (exp written back into z).
+__device__ __forceinline__ void chunk_stats(float* z, int n, float& mc, float& lc) {
+    const int lane = threadIdx.x & 31;
     float m = NEG_INF;
-    for (int jj = tid; jj < n; jj += NT) m = fmaxf(m, sc[jj]);
+    for (int jj = lane; jj < n; jj += 32) m = fmaxf(m, z[jj]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    m = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
-    if (use_sink) m = fmaxf(m, sink);
     if (!finite_f(m)) m = 0.f;
-    __syncthreads();
     float l = 0.f;
-    for (int jj = tid; jj < n; jj += NT) { const float e = expf(__fsub_rn(sc[jj], m)); sc[jj] = e; l = __fadd_rn(l, e); }
+    for (int jj = lane; jj < n; jj += 32) { const float e = expf(__fsub_rn(z[jj], m)); z[jj] = e; l = __fadd_rn(l, e); }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, o));
-    l = __shfl_sync(0xffffffffu, l, 0);
-    if (lane == 0) red[NT + warp] = l;
-    __syncthreads();
-    float denom = __fadd_rn(__fadd_rn(__fadd_rn(red[NT], red[NT + 1]), red[NT + 2]), red[NT + 3]);
-    if (use_sink) denom = __fadd_rn(denom, expf(__fsub_rn(sink, m)));
-    const int slots = H <= NT ? NT / H : 1;
-    for (int d0 = 0; d0 < H; d0 += NT) {
-        const int d = d0 + (H <= NT ? tid % H : tid), u = H <= NT ? tid / H : 0;
-        float acc = 0.f;
-        if (u < slots && d < H)
-        {
-            int jj = u;
-            for (; jj + 7 * slots < n; jj += 8 * slots) {  // loads first, same fmaf order
-                float v[8];
+    mc = m;
+    lc = __shfl_sync(0xffffffffu, l, 0);
+}
+
+// o_c[h, d] for nh heads (e: nh x CH exps, V tile [n, H] shared) into oc[h * H + d] (shared);
+// red: 4 nh H floats.
+// Warp r owns keys j0 + r + 4 t; lane l owns dims d = l + 32 i (as in chunk_scores).
+template <typename T>
+__device__ void chunk_values(const float* e, int nh, const T* vt, int n, const Geo& g,
+                             int jnew, const float* vnew, float* red, float* oc) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, H = g.H;
+    for (int hh = 0; hh < nh; ++hh) {
+        float acc[8];
 #pragma unroll
-                for (int i = 0; i < 8; ++i) v[i] = lo + jj + i * slots == jnew ? vnew[d] : to_f(vc[(long long)(lo + jj + i * slots) * cj + d]);
+        for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+        for (int jj0 = warp; jj0 < n; jj0 += 16) {  // 4 keys of this warp: loads first
+            float v[4][8];
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc = fmaf(sc[jj + i * slots], v[i], acc);
+            for (int u = 0; u < 4; ++u)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const int d = lane + 32 * i, jj = jj0 + 4 * u;
+                    v[u][i] = (jj < n && d < H) ? (jj == jnew ? vnew[d] : to_f(vt[jj * H + d])) : 0.f;
+                }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int jj = jj0 + 4 * u;
+                if (jj < n) {
+                    const float w = e[hh * CH + jj];
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, v[u][i], acc[i]);
+                }
             }
-            for (; jj < n; jj += slots) acc = fmaf(sc[jj], lo + jj == jnew ? vnew[d] : to_f(vc[(long long)(lo + jj) * cj + d]), acc);
         }
-        __syncthreads();
-        if (u < slots && d < H) red[u * (H <= NT ? H : NT) + (d - d0)] = acc;
-        __syncthreads();
-        if (tid < H - d0 && tid < NT) {
-            float o = 0.f;
-            for (int v = 0; v < slots; ++v) o = __fadd_rn(o, red[v * (H <= NT ? H : NT) + tid]);
-            out[d0 + tid] = from_f<T>(denom > 0.f ? __fdiv_rn(o, denom) : 0.f);
-        }
-        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 8; ++i) if (lane + 32 * i < H) red[(warp * nh + hh) * H + lane + 32 * i] = acc[i];
     }
+    __syncthreads();
+    for (int i = threadIdx.x; i < nh * H; i += NT)
+        oc[i] = __fadd_rn(__fadd_rn(__fadd_rn(red[i], red[nh * H + i]), red[2 * nh * H + i]), red[3 * nh * H + i]);
+    __syncthreads();
+}
+
+// Fold weights of chunk (mc) into the running max m: a for the running state, b for the chunk.
+__device__ __forceinline__ void fold_weights(float& m, float mc, float& a, float& b) {
+    const float mn = fmaxf(m, mc);
+    a = expf(__fsub_rn(m, mn));
+    b = expf(__fsub_rn(mc, mn));
+    m = mn;
+}
+__device__ __forceinline__ float folded(float x, float a, float xc, float b) {
+    return __fadd_rn(__fmul_rn(x, a), __fmul_rn(xc, b));
+}
+// Final value of one output dim from the folded (m, l, o) and the optional sink.
+__device__ __forceinline__ float finish(float m, float l, float o, bool use_sink, float sink) {
+    if (use_sink) {
+        const float ms = fmaxf(m, sink), a = expf(__fsub_rn(m, ms));
+        l = __fadd_rn(__fmul_rn(l, a), expf(__fsub_rn(sink, ms)));
+        o = __fmul_rn(o, a);
+    }
+    return l > 0.f ? __fdiv_rn(o, l) : 0.f;
 }
 
 // Prefill KV write: grid (S, Nkv, B), block NT.  Rotated K and V of token (b, s) -> cache row P_b + s.
@@ -172,70 +227,175 @@ __global__ void gqa_kv_write(const T* __restrict__ kin, const T* __restrict__ vi
     for (int d = threadIdx.x; d < g.H; d += NT) vd[d] = vsrc[d];
 }
 
-// Prefill attention: grid (S, Nq, B), block NT, dynamic smem (H + 2 NT + cap) floats.
+// Prefill attention: grid (S, Nq, B), block NT, dynamic smem (6 H + CH + 2) floats + 2 CH H T.  One block per
+// query walks its chunks in ascending order (the fold of the header), whatever the capacity.
 template <typename T>
 __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, const int* __restrict__ seqlens,
                          const T* cosc, const T* sinc, int do_rotary, const T* sinks, T* out,
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
     extern __shared__ float sm[];
-    float* qs = sm; float* red = sm + g.H; float* sc = red + 2 * NT;
-    const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (g.nq / g.nkv);
+    float* qs = sm; float* sc = qs + g.H; float* red = sc + CH; float* oc = red + 4 * g.H; float* st = oc + g.H;
+    T* kt = (T*)(st + 2 + (((6 * g.H + CH + 2) & 3) ? 4 - ((6 * g.H + CH + 2) & 3) : 0));  // 16-byte aligned
+    T* vt = kt + CH * g.H;
+    const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (g.nq / g.nkv), tid = threadIdx.x;
     const int tb = seqlens[b] + 1, past = g.first ? 0 : tb - g.S, p = past + s;
     const int hi = min(p, tb - 1), lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
     T* o = out + ((long long)(b * g.S + s) * g.nq + h) * g.H;
     if (hi < lo || hi >= g.cap) {
-        for (int d = threadIdx.x; d < g.H; d += NT) o[d] = from_f<T>(0.f);
+        for (int d = tid; d < g.H; d += NT) o[d] = from_f<T>(0.f);
         return;
     }
     const T* qsrc = qin + (long long)(b * g.S + s) * g.q_row + h * g.H;
-    if (do_rotary) rope<T, float>(qsrc, qs, cosc, sinc, p, g.H, g.half_rot, threadIdx.x, NT);
-    else for (int d = threadIdx.x; d < g.H; d += NT) qs[d] = to_f(qsrc[d]);
+    if (do_rotary) rope<T, float>(qsrc, qs, cosc, sinc, p, g.H, g.half_rot, tid, NT);
+    else for (int d = tid; d < g.H; d += NT) qs[d] = to_f(qsrc[d]);
+    const T* kb = kc + b * g.cb + kvh * g.cg;
+    const T* vb = vc + b * g.cb + kvh * g.cg;
+    float m = NEG_INF, l = 0.f, acc0 = 0.f, acc1 = 0.f;  // dims tid and tid + NT (H <= 256)
     __syncthreads();
+    for (int c = lo / CH; c <= hi / CH; ++c) {
+        const int j0 = max(lo, c * CH), n = min(hi, c * CH + CH - 1) - j0 + 1;
+        load_tile<T>(kt, kb + (long long)j0 * g.cj, g.cj, n, g.H);
+        load_tile<T>(vt, vb + (long long)j0 * g.cj, g.cj, n, g.H);
+        __syncthreads();
+        chunk_scores<T>(qs, 1, kt, n, g, sc, -1, nullptr);
+        __syncthreads();
+        if (tid < 32) {
+            float mc, lc;
+            chunk_stats(sc, n, mc, lc);
+            if (tid == 0) { st[0] = mc; st[1] = lc; }
+        }
+        __syncthreads();
+        chunk_values<T>(sc, 1, vt, n, g, -1, nullptr, red, oc);  // ends with a barrier
+        float a, bw;
+        fold_weights(m, st[0], a, bw);
+        l = folded(l, a, st[1], bw);
+        if (tid < g.H) acc0 = folded(acc0, a, oc[tid], bw);
+        if (tid + NT < g.H) acc1 = folded(acc1, a, oc[tid + NT], bw);
+    }
     const bool use_sink = sinks != nullptr || g.smooth;
     const float sink = sinks ? to_f(sinks[h]) : 0.f;
-    attend<T>(qs, kc + b * g.cb + kvh * g.cg, vc + b * g.cb + kvh * g.cg, g.cj, lo, hi, g.H, g, sink, use_sink, sc, red, o);
+    if (tid < g.H) o[tid] = from_f<T>(finish(m, l, acc0, use_sink, sink));
+    if (tid + NT < g.H) o[tid + NT] = from_f<T>(finish(m, l, acc1, use_sink, sink));
 }
 
-// Decode (S == 1, not the first prompt): grid (Nq, B), block NT, dynamic smem
-// (3 H + 2 NT + cap) floats.  One block per (row b, query head h).  Every block rotates the new
-// key of its kv head itself (into shared memory, rounded to T exactly as the cache stores it) and
-// uses it and the new value for key P_b = seqlens_k[b]; the first query head of each group also
-// writes them into the cache row P_b.  No block reads cache row P_b, so no grid-wide ordering is
-// needed, and the arithmetic is that of the prefill path (write, then attend) bit for bit.
+// Decode (S == 1, not the first prompt): grid (ceil(cap / CH), Nkv, B), block NT, dynamic smem
+// (5 G + 2) H + G CH + 2 G + 4 floats + 2 CH H T (G = Nq / Nkv).  Block (c, kv head, b) computes chunk c of row b for
+// the G query heads of its group (blocks whose chunk the row does not have exit).  Every block
+// rotates the new key of its kv head itself (into shared memory, rounded to T exactly as the
+// cache stores it) and uses it and the new value for key P_b = seqlens_k[b]; the block of the
+// last chunk also writes them into the cache row P_b.  No block reads cache row P_b, so no
+// grid-wide ordering is needed for the KV write.  A row with one chunk finishes in its block;
+// otherwise partials go to part[b, h, c, H + 2] (m_c, l_c, o_c) and the block that takes the
+// last ticket of tickets[b, kv head] folds them in chunk order and resets the ticket to 0.
 template <typename T>
 __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin, const T* __restrict__ vin,
                            T* kc, T* vc, const int* __restrict__ seqlens, const T* cosc, const T* sinc,
-                           int do_rotary, const T* sinks, T* out,
+                           int do_rotary, const T* sinks, T* out, float* part, int* tickets,
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
     extern __shared__ float sm[];
-    float* qs = sm; float* kn = sm + g.H; float* vn = kn + g.H; float* red = vn + g.H; float* sc = red + 2 * NT;
-    const int h = blockIdx.x, b = blockIdx.y, group = g.nq / g.nkv, kvh = h / group;
+    const int c = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, G = g.nq / g.nkv, tid = threadIdx.x;
+    const int nch = gridDim.x, stride = g.H + 2;
+    float* qs = sm; float* kn = qs + G * g.H; float* vn = kn + g.H; float* sc = vn + g.H;
+    float* red = sc + G * CH; float* stats = red + 4 * G * g.H;
+    int* flag = (int*)(stats + 2 * G);
+    const int used = (5 * G + 2) * g.H + G * CH + 2 * G + 1;
+    T* kt = (T*)(sm + used + ((used & 3) ? 4 - (used & 3) : 0));  // 16-byte aligned
+    T* vt = kt + CH * g.H;
     const int p = seqlens[b];
     const int lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
-    T* o = out + ((long long)b * g.nq + h) * g.H;
+    T* ob = out + ((long long)b * g.nq + kvh * G) * g.H;  // the group's G heads are adjacent
     if (p < 0 || p >= g.cap) {
-        for (int d = threadIdx.x; d < g.H; d += NT) o[d] = from_f<T>(0.f);
+        if (c == 0) for (int i = tid; i < G * g.H; i += NT) ob[i] = from_f<T>(0.f);
         return;
     }
+    const int c0 = lo / CH, c1 = p / CH;
+    if (c < c0 || c > c1) return;
+    const int j0 = max(lo, c * CH), n = min(p, c * CH + CH - 1) - j0 + 1;
     T* kb = kc + b * g.cb + kvh * g.cg;
     T* vb = vc + b * g.cb + kvh * g.cg;
     const T* ksrc = kin + (long long)b * g.k_row + g.k_off + kvh * g.H;
     const T* vsrc = vin + (long long)b * g.k_row + g.v_off + kvh * g.H;
-    if (do_rotary) rope<T, float>(ksrc, kn, cosc, sinc, p, g.H, g.half_rot, threadIdx.x, NT);
-    else for (int d = threadIdx.x; d < g.H; d += NT) kn[d] = to_f(ksrc[d]);
-    for (int d = threadIdx.x; d < g.H; d += NT) vn[d] = to_f(vsrc[d]);
-    const T* qsrc = qin + (long long)b * g.q_row + h * g.H;
-    if (do_rotary) rope<T, float>(qsrc, qs, cosc, sinc, p, g.H, g.half_rot, threadIdx.x, NT);
-    else for (int d = threadIdx.x; d < g.H; d += NT) qs[d] = to_f(qsrc[d]);
+    const int nc = p >= j0 + n ? n : n - 1;  // cache rows of the chunk (row P_b is the new key)
+    load_tile<T>(kt, kb + (long long)j0 * g.cj, g.cj, nc, g.H);
+    load_tile<T>(vt, vb + (long long)j0 * g.cj, g.cj, nc, g.H);
+    if (do_rotary) rope<T, float>(ksrc, kn, cosc, sinc, p, g.H, g.half_rot, tid, NT);
+    else for (int d = tid; d < g.H; d += NT) kn[d] = to_f(ksrc[d]);
+    for (int d = tid; d < g.H; d += NT) vn[d] = to_f(vsrc[d]);
+    const T* qsrc = qin + (long long)b * g.q_row + kvh * G * g.H;  // the group's heads are adjacent
+    if (do_rotary) rope<T, float>(qsrc, qs, cosc, sinc, p, g.H, g.half_rot, tid, NT, G);
+    else for (int i = tid; i < G * g.H; i += NT) qs[i] = to_f(qsrc[i]);
     __syncthreads();
-    if (h % group == 0) {
-        for (int d = threadIdx.x; d < g.H; d += NT) {
+    if (c == c1) {
+        for (int d = tid; d < g.H; d += NT) {
             kb[(long long)p * g.cj + d] = from_f<T>(kn[d]);
             vb[(long long)p * g.cj + d] = vsrc[d];
         }
     }
+    chunk_scores<T>(qs, G, kt, n, g, sc, p - j0, kn);
+    __syncthreads();
+    const int warp = tid >> 5;
+    for (int hh = warp; hh < G; hh += NT / 32) {
+        float mc, lc;
+        chunk_stats(sc + hh * CH, n, mc, lc);
+        if ((tid & 31) == 0) { stats[2 * hh] = mc; stats[2 * hh + 1] = lc; }
+    }
+    __syncthreads();
+    float* oc = qs;  // q is no longer needed
+    chunk_values<T>(sc, G, vt, n, g, p - j0, vn, red, oc);
     const bool use_sink = sinks != nullptr || g.smooth;
-    attend<T>(qs, kb, vb, g.cj, lo, p, g.H, g, sinks ? to_f(sinks[h]) : 0.f, use_sink, sc, red, o, p, kn, vn);
+    if (c0 == c1) {  // one chunk: the fold of a single chunk is (m_c, l_c, o_c) itself
+        for (int i = tid; i < G * g.H; i += NT) {
+            const int hh = i / g.H;
+            const float sink = sinks ? to_f(sinks[kvh * G + hh]) : 0.f;
+            ob[i] = from_f<T>(finish(stats[2 * hh], stats[2 * hh + 1], oc[i], use_sink, sink));
+        }
+        return;
+    }
+    float* pb = part + ((long long)b * g.nq + kvh * G) * nch * stride;  // [G, nch, H + 2]
+    for (int i = tid; i < G * g.H; i += NT) {
+        const int hh = i / g.H, d = i - hh * g.H;
+        pb[((long long)hh * nch + c) * stride + 2 + d] = oc[i];
+    }
+    if (tid < G) {
+        pb[((long long)tid * nch + c) * stride] = stats[2 * tid];
+        pb[((long long)tid * nch + c) * stride + 1] = stats[2 * tid + 1];
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        const int t = atomicAdd(tickets + b * g.nkv + kvh, 1);
+        *flag = t == c1 - c0;
+        if (*flag) tickets[b * g.nkv + kvh] = 0;  // every block of this launch has taken its ticket
+    }
+    __syncthreads();
+    if (!*flag) return;
+    __threadfence();
+    for (int i = tid; i < G * g.H; i += NT) {
+        const int hh = i / g.H, d = i - hh * g.H;
+        const float* ph = pb + (long long)hh * nch * stride;
+        float m = NEG_INF, l = 0.f, acc = 0.f;
+        for (int cc0 = c0; cc0 <= c1; cc0 += 8) {  // 8 chunks' loads in flight, folded in order
+            float pm[8], pl[8], po[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const bool ok = cc0 + u <= c1;
+                const float* q = ph + (long long)(cc0 + u) * stride;
+                pm[u] = ok ? __ldcg(q) : 0.f;
+                pl[u] = ok ? __ldcg(q + 1) : 0.f;
+                po[u] = ok ? __ldcg(q + 2 + d) : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                if (cc0 + u > c1) break;
+                float a, bw;
+                fold_weights(m, pm[u], a, bw);
+                l = folded(l, a, pl[u], bw);
+                acc = folded(acc, a, po[u], bw);
+            }
+        }
+        const float sink = sinks ? to_f(sinks[kvh * G + hh]) : 0.f;
+        ob[i] = from_f<T>(finish(m, l, acc, use_sink, sink));
+    }
 }

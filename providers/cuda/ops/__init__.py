@@ -64,5 +64,26 @@ def _converted(ctx, x, key, dtype):
     return buf
 
 
+#: The largest grid y and z (CUDA's limit on every current device); grid x allows 2^31 - 1.
+MAX_GRID_Y = 65535
+
+
+def row_slices(m: int, rows_per_block: int):
+    """``(r0, r1)`` ranges of at most MAX_GRID_Y row blocks (multiples of 64 rows) covering m rows.
+
+    The row-blocked GEMM launchers run one launch per range on row views of A and Y: rows are
+    independent (each row's K order is fixed), so the bits do not depend on the split.
+    """
+    step = (MAX_GRID_Y // 64 * 64) * rows_per_block
+    return [(r0, min(m, r0 + step)) for r0 in range(0, m, step)]
+
+
+def rows_of(x, r0: int, r1: int, k: int):
+    """Rows [r0, r1) of a C-contiguous ``x`` viewed as [m, k] (no copy; ``x`` itself when whole)."""
+    if r0 == 0 and r1 * k == x.size:
+        return x
+    return x.reshape(-1, k)[r0:r1]
+
+
 def grid_threads(n: int, threads: int = 256, cap: int = 65535) -> tuple[int]:
     return (max(1, min(cap, -(-n // threads))),)

@@ -15,7 +15,7 @@ import functools
 import numpy as np
 
 from providers.cuda.module import function
-from providers.cuda.ops import array_module
+from providers.cuda.ops import array_module, row_slices, rows_of
 
 SEG_K = 256
 MAX_K = 8 * SEG_K  # one warp per K segment, at most 8 warps per block
@@ -128,19 +128,22 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False):
     """y = a @ w (+ bias) for the packed weight ``wp`` (:func:`pack`); with ``glu``: wp packs a
     gate/up pair and y = silu_mul(a @ w_gate, a @ w_up) (GLU, n = y's width)."""
     rows = glu_width(n) if glu else n
-    nj, grid, block, shared = config(m, rows, k)
-    function("linear_mma", f"mma_dense<{nj}, {_BOOL[glu]}>", EXPRS)(
-        grid, block, (a, wp, null if bias is None else bias, y, np.int32(m), np.int32(rows), np.int32(k),
-                      np.int32(n)),
-        shared_mem=shared)
+    for r0, r1 in row_slices(m, 32):
+        nj, grid, block, shared = config(r1 - r0, rows, k)
+        function("linear_mma", f"mma_dense<{nj}, {_BOOL[glu]}>", EXPRS)(
+            grid, block, (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
+                          np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n)),
+            shared_mem=shared)
 
 
 def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0):
     """y = a @ dequant(b)^T (+ bias), n weight rows. ``glu_out`` > 0: b, scales and zp hold
     gate/up rows in :func:`glu_rows` order and y [m, glu_out] = silu_mul(gate, up)."""
-    nj, grid, block, shared = config(m, n, k)
-    function("linear_mma", f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}>", EXPRS)(
-        grid, block, (a, b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
-                      null if bias is None else bias, y, np.int32(m), np.int32(n), np.int32(k), np.int32(bs),
-                      np.int32(glu_out)),
-        shared_mem=shared)
+    width = glu_out if glu_out > 0 else n
+    for r0, r1 in row_slices(m, 32):
+        nj, grid, block, shared = config(r1 - r0, n, k)
+        function("linear_mma", f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}>", EXPRS)(
+            grid, block, (rows_of(a, r0, r1, k), b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
+                          null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
+                          np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out)),
+            shared_mem=shared)

@@ -8,7 +8,7 @@ import numpy as np
 from core.opdefs import normalize_axis
 from providers.cuda import replay
 from providers.cuda.module import function
-from providers.cuda.ops import device_array
+from providers.cuda.ops import MAX_GRID_Y, device_array
 
 OP_TYPE = "Gather"
 DOMAIN = ""
@@ -25,7 +25,7 @@ def run(ctx, data, indices):
         row_bytes = data.nbytes // max(1, data.shape[0])
         kern = function("gather", "gather_rows", ("gather_rows",))
         units = row_bytes // 16 if row_bytes % 16 == 0 else row_bytes
-        kern((max(1, min(64, -(-units // 128))), idx.size), (128,),
+        kern((max(1, min(64, -(-units // 128))), min(idx.size, MAX_GRID_Y)), (128,),
              (data, idx, out, np.int64(idx.size), np.int64(data.shape[0]), np.int64(row_bytes)))
     elif idx.size:
         replay.not_replayable()  # a CuPy launch, not a recorded Kernel launch

@@ -7,7 +7,7 @@ import numpy as np
 
 from core.opdefs import gather_block_quantized_supports as supports  # noqa: F401
 from providers.cuda.module import ctype, function
-from providers.cuda.ops import NULL, device_array
+from providers.cuda.ops import MAX_GRID_Y, NULL, device_array
 
 OP_TYPE = "GatherBlockQuantized"
 DOMAIN = "com.microsoft"
@@ -28,7 +28,8 @@ def run(ctx, data, indices, scales, zero_points=None):
     if idx.size:
         kern = function("gather", f"gather_block_quantized<{ctype(scales.dtype)}>", _EXPRS)
         zp_bytes = 0 if zero_points is None else zero_points.size // v
-        kern((max(1, -(-d // 256)), idx.size), (256,),
+        kern((max(1, -(-d // 256)), min(idx.size, MAX_GRID_Y)), (256,),
              (data, idx, scales, NULL if zero_points is None else zero_points, out, np.int64(v),
-              np.int32(d), np.int32(bits), np.int32(bs), np.int32(data.shape[1]), np.int32(zp_bytes)))
+              np.int32(d), np.int32(bits), np.int32(bs), np.int32(data.shape[1]), np.int32(zp_bytes),
+              np.int64(idx.size)))
     return (out,)

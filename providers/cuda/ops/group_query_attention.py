@@ -1,11 +1,15 @@
 """GroupQueryAttention (com.microsoft), docs/ops.md 1.3/1.4, shared KV buffer only.
 
-Kernels (kernels/group_query_attention.cu): decode (S == 1, not the first prompt): one launch
-``gqa_decode`` (grid (Nq, B): one block per row and query head; the group's first head
-writes the rotated K/V row P_b = seqlens_k[b], every head uses the new row from registers); a
-prompt: ``gqa_kv_write`` (grid (S, Nkv, B)) then ``gqa_attn`` (grid (S, Nq, B)). seqlens_k is
-read on the device, never copied to the host; total_sequence_length must be a host value (it
-only selects the phase).
+Kernels (kernels/group_query_attention.cu), split-KV over chunks of CH = 64 absolute positions:
+decode (S == 1, not the first prompt): one launch ``gqa_decode`` (grid (ceil(cap / CH), Nkv, B):
+one block per chunk, kv head and row, the group's query heads together; the last chunk's block
+writes the rotated K/V row P_b = seqlens_k[b]; partials fold in chunk order in the block that
+takes the last ticket); a prompt: ``gqa_kv_write`` (grid (S, Nkv, B)) then ``gqa_attn`` (grid
+(S, Nq, B), each block walking its query's chunks in the same order). seqlens_k is read on the
+device, never copied to the host; total_sequence_length must be a host value (it only selects
+the phase). The decode workspace (partials [B, Nq, chunks, H + 2] float32, tickets [B, Nkv]
+int32, zero between launches) is one per shape for all layers of a provider (layers run one
+after the other on one stream).
 
 Supported: packed QKV or separate q/k/v, do_rotary with cos/sin caches (non-interleaved),
 softcap, local_window_size, smooth_softmax, head_sink; KV layout head_major or seq_major
@@ -20,12 +24,13 @@ import numpy as np
 
 from providers.cuda import replay
 from providers.cuda.module import ctype, function
-from providers.cuda.ops import NULL, device_array
+from providers.cuda.ops import MAX_GRID_Y, NULL, device_array
 from providers.cuda.ops._linear import i32
 
 OP_TYPE = "GroupQueryAttention"
 DOMAIN = "com.microsoft"
 NT = 128
+CH = 64  # positions per KV chunk (the kernel's CH)
 
 
 def supports(node) -> bool:
@@ -118,18 +123,26 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
            np.int64(cj), i32(first), i32(window), i32(smooth), np.float32(scale),
            np.float32(attrs.get("softcap", 0.0)))
     t = ctype(dtype)
-    shared = (h + 2 * NT + cap) * 4
+    if bsz > MAX_GRID_Y:
+        raise ValueError(f"GroupQueryAttention (cuda): batch {bsz} exceeds the grid limit {MAX_GRID_Y}")
+    chunks = -(-cap // CH)
+    if not ctx.frozen:  # a prompt makes the workspace of the decode steps that follow it
+        _workspace(ctx, bsz, nq, nkv, chunks, h)
     if not first and s_len == 1:
+        group = nq // nkv
+        part, tickets = _workspace(ctx, bsz, nq, nkv, chunks, h)
         kern = function("group_query_attention", f"gqa_decode<{t}>", _exprs(t))
-        shared += 2 * h * 4
+        shared = ((5 * group + 2) * h + group * CH + 2 * group + 4) * 4 + 2 * CH * h * dtype.itemsize
         _shared_limit(kern, shared)
-        kern((nq, bsz), (NT,), (query, kin, vin, past_key, past_value, seqlens, cos, sin,
-                                  i32(rotary), sinks, out) + geo, shared_mem=shared)
+        kern((chunks, nkv, bsz), (NT,), (query, kin, vin, past_key, past_value, seqlens, cos, sin,
+                                          i32(rotary), sinks, out, part, tickets) + geo,
+             shared_mem=shared)
     else:
         write = function("group_query_attention", f"gqa_kv_write<{t}>", _exprs(t))
         write((s_len, nkv, bsz), (NT,), (kin, vin, past_key, past_value, seqlens, cos, sin,
                                           i32(rotary)) + geo)
         attn = function("group_query_attention", f"gqa_attn<{t}>", _exprs(t))
+        shared = (6 * h + CH + 6) * 4 + 2 * CH * h * dtype.itemsize
         _shared_limit(attn, shared)
         attn((s_len, nq, bsz), (NT,), (query, past_key, past_value, seqlens, cos, sin, i32(rotary),
                                         sinks, out) + geo, shared_mem=shared)
@@ -138,6 +151,39 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
     return tuple(o if i < len(names) and names[i] else None for i, o in enumerate(outs))
 
 
+def _workspace(ctx, bsz: int, nq: int, nkv: int, chunks: int, h: int):
+    """The decode split-KV workspace for this shape, shared by every GQA node of the provider.
+
+    Kept per shape for the provider's life (a captured graph holds the pointers); the tickets
+    are zeroed once at allocation and every launch leaves them at zero. Raises RuntimeError when
+    a new shape is needed inside a capture (docs/cases.md 10).
+    """
+    store = ctx.provider.__dict__.setdefault("_gqa_workspace", {})
+    key = (bsz, nq, nkv, chunks, h)
+    ws = store.get(key)
+    if ws is None:
+        if ctx.frozen:
+            raise RuntimeError(f"GroupQueryAttention (cuda): new split-KV workspace {key} inside a capture")
+        ws = (ctx.provider.allocate((bsz, nq, chunks, h + 2), np.float32),
+              ctx.provider.allocate((bsz, nkv), np.int32, zero=True))
+        store[key] = ws
+    return ws
+
+
 def _shared_limit(kern, nbytes: int) -> None:
-    if nbytes > 48 * 1024 and kern.max_dynamic_shared_size_bytes < nbytes:
-        kern.max_dynamic_shared_size_bytes = nbytes
+    """Opt the kernel in to ``nbytes`` of dynamic shared memory (above the default 48 KiB).
+
+    Raises:
+        ValueError: more than the device's opt-in limit per block (the head size and GQA group
+            decide it: about 227 KiB on an H200).
+    """
+    if nbytes <= 48 * 1024 or kern.max_dynamic_shared_size_bytes >= nbytes:
+        return
+    import cupy
+
+    limit = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+    if nbytes > limit:
+        raise ValueError(f"GroupQueryAttention (cuda): needs {nbytes} bytes of shared memory per block, "
+                         f"over this device's opt-in limit of {limit} (head size and query heads per KV "
+                         "head too large)")
+    kern.max_dynamic_shared_size_bytes = nbytes

@@ -10,7 +10,7 @@ builder's weights are 2-D).
 import numpy as np
 
 from providers.cuda.module import ctype, function
-from providers.cuda.ops import NULL, _mma
+from providers.cuda.ops import NULL, _mma, row_slices, rows_of
 from providers.cuda.ops._linear import config, i32
 
 OP_TYPE = "MatMul"
@@ -66,6 +66,8 @@ def uses_mma(a, k: int) -> bool:
 def fma(a, w, y, m: int, n: int, k: int) -> None:
     """y = a @ w on kernels/linear.cu ``dense`` (the non-tensor-core path)."""
     t = ctype(a.dtype)
-    rt, grid, block, shared = config(m, n, -(-k // 16))
-    kern = function("linear", f"dense<{rt}, {t}, {t}>", _exprs(t))
-    kern(grid, block, (a, w, NULL, y, i32(m), i32(n), i32(k)), shared_mem=shared)
+    for r0, r1 in row_slices(m, 8):
+        rt, grid, block, shared = config(r1 - r0, n, -(-k // 16))
+        kern = function("linear", f"dense<{rt}, {t}, {t}>", _exprs(t))
+        kern(grid, block, (rows_of(a, r0, r1, k), w, NULL, rows_of(y, r0, r1, n), i32(r1 - r0), i32(n), i32(k)),
+             shared_mem=shared)

@@ -11,7 +11,7 @@ import numpy as np
 
 from core.opdefs import matmul_nbits_supports
 from providers.cuda.module import ctype, function
-from providers.cuda.ops import NULL, _mma
+from providers.cuda.ops import NULL, _mma, row_slices, rows_of
 from providers.cuda.ops._linear import config, i32
 
 OP_TYPE = "MatMulNBits"
@@ -101,8 +101,10 @@ def launch(attrs: dict, a, b, scales, zero_points, bias, y) -> None:
     if uses_mma(a, bits, k, zp_mode, zero_points):
         _mma.nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s, NULL)
         return
-    rt, grid, block, shared = config(m, n, nb)
-    kern = function("linear", f"nbits<{rt}, {t}, {s}>", _exprs(t, s))
-    kern(grid, block, (a, b, scales, zp, i32(zp_mode), i32(zp_stride),
-                       NULL if bias is None else bias, y, i32(m), i32(n), i32(k), i32(bits), i32(bs)),
-         shared_mem=shared)
+    for r0, r1 in row_slices(m, 8):
+        rt, grid, block, shared = config(r1 - r0, n, nb)
+        kern = function("linear", f"nbits<{rt}, {t}, {s}>", _exprs(t, s))
+        kern(grid, block, (rows_of(a, r0, r1, k), b, scales, zp, i32(zp_mode), i32(zp_stride),
+                           NULL if bias is None else bias, rows_of(y, r0, r1, n), i32(r1 - r0), i32(n), i32(k),
+                           i32(bits), i32(bs)),
+             shared_mem=shared)
