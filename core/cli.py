@@ -1,7 +1,8 @@
 """The ``lockstep`` command (also ``python -m core``).
 
-    lockstep run [--model DIR|NAME] [--provider P] --prompt A [--prompt B ...] [--max-new-tokens N]
-                 [--raw] [--json] [--layout head_major|seq_major] [--no-capture]
+    lockstep run [--model DIR|NAME] [--provider P] --prompt A [--prompt B ...] [--prompt -]
+                 [--prompt-file FILE] [--max-new-tokens N] [--raw] [--json]
+                 [--layout head_major|seq_major] [--no-capture]
     lockstep prepare smollm2-135m [--precision fp32|int4|fp16] [--target cpu|cuda] [--output DIR]
     lockstep providers
     lockstep parity --provider P [--model DIR] [--full] [--batch 1,2] [--steps 4] [--json]

@@ -195,9 +195,11 @@ class Session:
         """Validate a request without touching device state.
 
         Raises:
-            RequestError: wrong row count, an empty row, a token outside [0, vocab), a negative
-                max_new_tokens, or prompt + max_new_tokens - 1 positions beyond the capacity
-                (fixed policy) or the maximum capacity (growing policy) (docs/cases.md 15).
+            RequestError: ``input_ids`` not a list of rows, wrong row count, a row that is not a
+                flat list of ints (nested, None, float, bool or str ids; the message names the
+                token), an empty row, a token outside [0, vocab), a negative max_new_tokens, or
+                prompt + max_new_tokens - 1 positions beyond the capacity (fixed policy) or the
+                maximum capacity (growing policy) (docs/cases.md 15).
         """
         self._check_open()
         cfg = self.model.config

@@ -196,7 +196,7 @@ def load_model(folder: str | Path) -> Model:
     if not onnx_path.is_file():
         raise ModelError(f"model file missing: {onnx_path}")
     if onnx_path.stat().st_size == 0:
-        raise ModelError(f"{onnx_path} is empty (0 bytes); rebuild the model (lockstep prepare --force)")
+        raise ModelError(f"{onnx_path} is empty (0 bytes: an interrupted build or copy?)")
     try:
         proto = onnx.load(str(onnx_path), load_external_data=True)
     except Exception as exc:  # noqa: BLE001 - onnx raises several kinds

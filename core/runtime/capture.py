@@ -17,6 +17,7 @@ runs the step.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 from core.counters import Counters
@@ -91,10 +92,8 @@ class CapturedStep:
             try:
                 self.recorded = self._measured(self.step)
             except Exception as exc:  # the step's own error is the reason, not end_capture's
-                try:
+                with contextlib.suppress(Exception):  # the capture is void either way
                     self.provider.end_capture()
-                except Exception:  # noqa: BLE001 - the capture is void either way
-                    pass
                 raise exc
             graph = self.provider.end_capture()
         except Exception as exc:  # noqa: BLE001 - any failure means: run eagerly, say why
