@@ -3,7 +3,7 @@
 # .before/before.tar is carried), and the streaming sweep. Logs land in /tmp/gpu_suite and are
 # packed into $OUT/gpu_suite.tgz at the end (the device tool brings back at most 8 files).
 #   carry: [".whl", ".before"]   (the onnxruntime-genai cp312 wheel for the builder; see README)
-#   STAGE=models|tests|profile|stream|all (comma list), TEST_TIMEOUT, SWEEP
+#   STAGE=models|tests|profile|sampling|stream|all (comma list), TEST_TIMEOUT, SWEEP
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 FINAL_OUT=$OUT; LOG=/tmp/gpu_suite; mkdir -p $LOG
@@ -43,6 +43,10 @@ if has profile; then
   fi
   python3 -m core profile $M/fp16 --provider cuda --batch-sweep $SWEEP --tokens 64 --context 128 \
     --json $LOG/profile_after2.json 2>&1 | tail -6
+fi
+if has sampling; then  # issue 13: device_sample's cost in the captured step (target <= 10% at batch 1 and 64)
+  python3 benchmarks/sampling.py $M/fp16 --provider cuda --batches ${SAMPLING_BATCHES:-1,64} --steps 200 \
+    --json $LOG/sampling.json 2>&1 | tee $LOG/sampling.txt | tail -14
 fi
 if has stream; then
   for v in ${STREAM_MODELS:-qwen-fp16 qwen-int4}; do

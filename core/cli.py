@@ -3,7 +3,9 @@
     lockstep run [--model DIR|NAME] [--provider P] --prompt A [--prompt B ...] [--prompt -]
                  [--prompt-file FILE] [--max-new-tokens N] [--raw] [--json]
                  [--layout head_major|seq_major] [--no-capture]
-    lockstep prepare smollm2-135m [--precision fp32|int4|fp16] [--target cpu|cuda] [--output DIR]
+    lockstep prepare [NAME|HF_DIR|FILE.gguf] [--precision fp32|int4|fp16] [--target cpu|cuda] [--output DIR]
+    lockstep prepare --list
+    lockstep chat [--model DIR|NAME] [--provider P] [--system TEXT] [sampling options]
     lockstep providers
     lockstep parity --provider P [--model DIR] [--full] [--batch 1,2] [--steps 4] [--json]
     lockstep profile MODEL --provider P --batch-sweep 1,2,4 --tokens T --context L [...]
@@ -20,7 +22,19 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from core.models.prepare import DEFAULT_MODEL, MODELS, PRECISIONS, TARGETS, Variant, prepare, resolve_model
+from core.models.prepare import (
+    DEFAULT_MODEL,
+    MODELS,
+    PRECISIONS,
+    REFUSED_VARIANTS,
+    TARGETS,
+    VARIANTS,
+    Variant,
+    default_variant,
+    prepare,
+    resolve_model,
+    source_kind,
+)
 
 console = Console(stderr=True, soft_wrap=True)  # an error stays one line in logs
 
@@ -66,15 +80,14 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _default_target(provider: str) -> tuple[str, str]:
-    return ("fp16", "cuda") if provider == "cuda" else ("fp32", "cpu")
-
-
 def _resolve_model(model: str | None, provider: str):
-    if model is not None and model not in MODELS:
+    """The builder folder of ``--model``: a builder folder as is; a name, a Hugging Face folder
+    or a .gguf file prepared (once, then cached) for the provider's default variant."""
+    if model is not None and source_kind(model) == "builder":
         return model
-    precision, target = _default_target(provider)
-    with _status("loading the default model (built once, then cached)") as update:
+    precision, target = default_variant(provider)
+    what = "the default model" if model is None else model
+    with _status(f"preparing {what} ({precision}/{target}; built once, then cached)") as update:
         return resolve_model(model, precision, target, progress=update)
 
 
@@ -149,6 +162,9 @@ def cmd_run(a) -> int:
     check_prompt_texts(prompts)  # before any model build
     provider = get_provider(a.provider)  # a missing provider is reported before any model build
     model = _resolve_model(a.model, a.provider)
+    options = _generation_options(a)
+    if a.stream:
+        return _run_streamed(a, prompts, model, provider, options)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
@@ -161,7 +177,8 @@ def cmd_run(a) -> int:
 
         result = run(model, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens,
                      chat=not a.raw, kv_layout=a.layout, capture=False if a.no_capture else None,
-                     weight_budget=a.weight_budget, device_budget=a.device_budget, progress=progress)
+                     weight_budget=a.weight_budget, device_budget=a.device_budget, progress=progress,
+                     **options)
     if a.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -185,9 +202,120 @@ def cmd_run(a) -> int:
     return 1 if failed and len(failed) == len(result.rows) else 0
 
 
+def _generation_options(a) -> dict:
+    """Sampling, stop and system options of ``run`` / ``chat`` as core.run keyword arguments."""
+    from core.generation.sampling import OPTION_NAMES
+
+    out = {name: getattr(a, name) for name in OPTION_NAMES if getattr(a, name, None) is not None}
+    if getattr(a, "stop", None):
+        out["stop"] = list(a.stop)
+    if getattr(a, "system", None) is not None:
+        out["system"] = a.system
+    return out
+
+
+def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
+    """``run --stream``: one prompt's text as it is decoded; several prompts: each row printed
+    whole as soon as it ends (interleaved rows are unreadable)."""
+    from core.generation.generate import stream
+
+    st = stream(model, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens, chat=not a.raw,
+                kv_layout=a.layout, capture=False if a.no_capture else None, weight_budget=a.weight_budget,
+                device_budget=a.device_budget, **options)
+    texts = [""] * len(prompts)
+    for d in st:
+        if len(prompts) == 1:
+            sys.stdout.write(d.text)
+            sys.stdout.flush()
+        else:
+            texts[d.row] += d.text
+            if d.finish_reason is not None:
+                print(f"### {prompts[d.row]}\n{texts[d.row]}", flush=True)
+    if len(prompts) == 1:
+        print()
+    result = st.result()
+    if a.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    return 0
+
+
+def cmd_chat(a) -> int:
+    from core.generation.chat import Conversation
+    from core.plugins import get_provider
+    from core.session import RequestError, Session
+
+    provider = get_provider(a.provider)
+    model = _resolve_model(a.model, a.provider)
+    options = _generation_options(a)
+    system = options.pop("system", None)
+    options.pop("stop", None)
+    session = Session(model, provider, batch=1, capture=False if a.no_capture else None)
+    talk = Conversation(session, system=system, max_new_tokens=a.max_new_tokens, sampling=options or None)
+    console.print("[dim]chat: an empty line or /exit ends, /reset starts over[/dim]")
+    while True:
+        try:
+            line = input("> " if sys.stdin.isatty() else "")
+        except EOFError:
+            break
+        if line.strip() in ("", "/exit"):
+            break
+        if line.strip() == "/reset":
+            talk = Conversation(session, system=system, max_new_tokens=a.max_new_tokens, sampling=options or None)
+            continue
+        try:
+            for d in talk.say(line):
+                sys.stdout.write(d.text)
+                sys.stdout.flush()
+        except RequestError as exc:  # e.g. the conversation outgrew the cache: say so, keep going
+            console.print(f"[red]error:[/red] {escape(str(exc))}")
+            continue
+        print(flush=True)
+    return 0
+
+
+def _sampling_args(parser: argparse.ArgumentParser, stop: bool = True) -> None:
+    g = parser.add_argument_group("generation (defaults: the model's genai_config.json \"search\")")
+    g.add_argument("--do-sample", dest="do_sample", action=argparse.BooleanOptionalAction, default=None,
+                   help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, help="divides the logits (0: greedy)")
+    g.add_argument("--top-k", dest="top_k", type=int, help="keep the k most probable tokens (0: off)")
+    g.add_argument("--top-p", dest="top_p", type=float, help="nucleus mass in (0, 1] (1: off)")
+    g.add_argument("--min-p", dest="min_p", type=float, help="keep tokens >= min_p x the best one's probability")
+    g.add_argument("--repetition-penalty", dest="repetition_penalty", type=float,
+                   help="penalise tokens already in the row (1: off)")
+    g.add_argument("--seed", type=int, help="random seed of every row (default: drawn per request)")
+    g.add_argument("--system", help="system prompt (instead of the chat template's default)")
+    if stop:
+        g.add_argument("--stop", action="append", help="a stop string; repeat for several")
+
+
+def _print_known_models() -> None:
+    from rich.table import Table
+
+    table = Table("model", "source")
+    for name, info in MODELS.items():
+        table.add_row(name + (" (default)" if name == DEFAULT_MODEL else ""), escape(info["description"]))
+    table.add_row("HF_DIR", "a local Hugging Face folder (config.json, *.safetensors, tokenizer files)")
+    table.add_row("FILE.gguf", "a local GGUF file (read by transformers)")
+    variants = Table("precision/target", "what the folder holds")
+    for (precision, target), text in VARIANTS.items():
+        variants.add_row(f"{precision}/{target}", text)
+    for (precision, target), text in REFUSED_VARIANTS.items():
+        variants.add_row(f"{precision}/{target}", f"not offered: {escape(text)}")
+    out = _table_console()
+    out.print(table)
+    out.print(variants)
+
+
 def cmd_prepare(a) -> int:
+    if a.list:
+        _print_known_models()
+        return 0
+    if a.precision is None:
+        a.precision = default_variant(a.target)[0]
+    variant = Variant(a.model, a.precision, a.target)  # a bad name or pair is refused before any status line
     with _status(f"preparing {a.model} {a.precision} for {a.target}") as update:
-        path = prepare(Variant(a.model, a.precision, a.target), output=a.output,
+        path = prepare(variant, output=a.output,
                        progress=update, force=a.force)
     print(path)
     return 0
@@ -265,8 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="decode prompts as one batch (greedy)")
-    r.add_argument("--model", help="builder model folder, or a model name (default: smollm2-135m, "
-                   "prepared on first use)")
+    r.add_argument("--model", help="builder folder, Hugging Face folder, .gguf file or model name "
+                   "(default: smollm2-135m; prepared on first use, then cached)")
     r.add_argument("--provider", default="cpu_reference", help="execution provider (see `lockstep "
                    "providers`; default: %(default)s)")
     r.add_argument("--prompt", action="append", help="a prompt; repeat for a batch; - reads prompts "
@@ -280,13 +408,28 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--layout", default="head_major", choices=["head_major", "seq_major"],
                    help="KV cache layout (default: %(default)s)")
     r.add_argument("--no-capture", action="store_true", help="never capture decode steps")
+    r.add_argument("--stream", action="store_true", help="print text as it is decoded")
     _budget_arg(r)
+    _sampling_args(r)
     r.set_defaults(func=cmd_run)
 
-    q = sub.add_parser("prepare", help="build a model variant with the ONNX Runtime GenAI builder")
-    q.add_argument("model", nargs="?", default=DEFAULT_MODEL, choices=sorted(MODELS))
-    q.add_argument("--precision", default="fp32", choices=PRECISIONS, help="weights and "
-                   "activations (default: %(default)s)")
+    c = sub.add_parser("chat", help="an interactive chat (one line per turn; the KV cache carries on)")
+    c.add_argument("--model", help="builder model folder, or a model name (default: smollm2-135m)")
+    c.add_argument("--provider", default="cpu_reference", help="execution provider (default: %(default)s)")
+    c.add_argument("--max-new-tokens", type=_positive_int, default=256, help="most tokens per reply "
+                   "(default: %(default)s)")
+    c.add_argument("--no-capture", action="store_true", help="never capture decode steps")
+    _sampling_args(c, stop=False)
+    c.set_defaults(func=cmd_chat)
+
+    q = sub.add_parser("prepare", help="build a model variant with the ONNX Runtime GenAI builder",
+                       epilog="known models: " + ", ".join(MODELS) + " (lockstep prepare --list shows "
+                       "them and the offered precision/target pairs)")
+    q.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="a known model name, a Hugging "
+                   "Face folder or a .gguf file (default: %(default)s)")
+    q.add_argument("--list", action="store_true", help="list the known models and variants, build nothing")
+    q.add_argument("--precision", choices=PRECISIONS, help="weights and activations (default: "
+                   "fp32 for cpu, fp16 for cuda; offered: " + ", ".join(f"{p}/{t}" for p, t in VARIANTS) + ")")
     q.add_argument("--target", default="cpu", choices=TARGETS, help="the builder's execution "
                    "provider: cpu writes fp32 I/O, cuda fp16 I/O (default: %(default)s)")
     q.add_argument("--output", help="folder to write (default: the cache)")

@@ -57,7 +57,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from core import fusion
-from core.opdefs import is_host
+from core.opdefs import constant_supports, constant_value, is_host
 from core.ops import OpTable
 from core.protocol import ExecutionProvider, Kernel, KernelContext, NodeInfo
 
@@ -131,6 +131,80 @@ def node_infos(graph: onnx.GraphProto) -> list[NodeInfo]:
             inputs=tuple(n.input), outputs=tuple(n.output),
             input_dtypes=tuple(dtypes.get(x) for x in n.input)))
     return infos
+
+
+def constant_branches(node: NodeInfo) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+    """The output values of an ONNX ``If`` node's two branches when each branch computes its
+    outputs from Constant nodes and its own initializers alone (the LongRoPE rope caches);
+    None otherwise (a branch that reads outer values or runs other ops).
+
+    Returns:
+        (then values, else values), each in the branch's output order.
+    """
+    out = []
+    for key in ("then_branch", "else_branch"):
+        branch = node.attrs.get(key)
+        if not isinstance(branch, onnx.GraphProto):
+            return None
+        values = {t.name: numpy_helper.to_array(t) for t in branch.initializer}
+        for n in branch.node:
+            info = NodeInfo(name=n.name, op_type=n.op_type, domain=n.domain or "",
+                            attrs={a.name: _attr_value(a) for a in n.attribute}, inputs=tuple(n.input),
+                            outputs=tuple(n.output), input_dtypes=())
+            if n.op_type != "Constant" or n.domain or len(n.output) != 1 or not constant_supports(info):
+                return None
+            values[n.output[0]] = constant_value(info)
+        if any(o.name not in values for o in branch.output):
+            return None
+        out.append([values[o.name] for o in branch.output])
+    if len(out[0]) != len(out[1]) or len(out[0]) != len(node.outputs):
+        return None
+    return out[0], out[1]
+
+
+def _select_branch(ctx: KernelContext, cond: Any) -> tuple:
+    """The kernel of an ``If`` node with constant branches (:func:`constant_branches`): the
+    plan constants of the branch a host boolean scalar ``cond`` selects (no copy, no launch).
+
+    Raises:
+        ValueError: ``cond`` is not a host value of one element.
+    """
+    if not is_host(cond) or np.asarray(cond).size != 1:
+        raise ValueError(f"If node {ctx.node.name!r}: the condition must be a host boolean of one element "
+                         f"(a shape comparison), got {type(cond).__name__}")
+    names = ctx.cache["then" if bool(np.asarray(cond).reshape(-1)[0]) else "else"]
+    constants = ctx.cache["constants"]
+    return tuple(constants[name] for name in names)
+
+
+def unsupported_nodes(provider: ExecutionProvider, nodes: list[NodeInfo]) -> list[str]:
+    """One line per node ``provider`` does not support: its domain, op type, name and why
+    (the provider's ``support_reason`` when it has one, else its input dtypes and
+    attributes); graph-valued attributes are named, not printed."""
+    explain = getattr(provider, "support_reason", None)
+    lines = []
+    for n in nodes:
+        if provider.supports(n):
+            continue
+        reason = explain(n) if explain is not None else None
+        if not reason:
+            dtypes = ", ".join("-" if d is None else np.dtype(d).name for d in n.input_dtypes)
+            attributes = ", ".join(f"{k}=<graph>" if isinstance(v, onnx.GraphProto) else f"{k}={v!r}"
+                                   for k, v in sorted(n.attrs.items()))
+            reason = f"dtypes [{dtypes}] attrs {{{attributes}}}"
+        lines.append(f"{n.domain or 'ai.onnx'}.{n.op_type} at node {n.name!r}: {reason}")
+    return lines
+
+
+def check_supported(provider: ExecutionProvider, nodes: list[NodeInfo]) -> None:
+    """Raise one :class:`UnsupportedOpError` listing every node of ``nodes`` the provider does
+    not support (:func:`unsupported_nodes`; no truncation), before anything is uploaded."""
+    lines = unsupported_nodes(provider, nodes)
+    if lines:
+        kinds = sorted({line.split(" at node ")[0] for line in lines})
+        raise UnsupportedOpError(
+            f"provider {provider.name!r} does not support {len(lines)} node(s) of {len(kinds)} kind(s) "
+            f"({', '.join(kinds)}): " + "; ".join(lines))
 
 
 def is_host_constant(array: np.ndarray) -> bool:
@@ -219,20 +293,18 @@ class Plan:
         self.kv_layout = kv_layout
         self.nodes = fusion.apply(node_infos(graph), {o.name for o in graph.output}, provider.supports,
                                   set(initializers))
-        unsupported = [n for n in self.nodes if not provider.supports(n)]
-        if unsupported:
-            listed = "; ".join(f"{(n.domain + '.') if n.domain else ''}{n.op_type} at node {n.name!r}"
-                               for n in unsupported[:20])
-            raise UnsupportedOpError(
-                f"provider {provider.name!r} does not support {len(unsupported)} node(s): {listed}")
+        branches = {i: constant_branches(n) for i, n in enumerate(self.nodes) if n.op_type == "If" and not n.domain}
+        self.branches = {i: b for i, b in branches.items() if b is not None}
+        check_supported(provider, [n for i, n in enumerate(self.nodes) if i not in self.branches])
         self.contexts = [KernelContext(n, provider, kv_layout) for n in self.nodes]
-        self.kernels = [provider.kernel(n) for n in self.nodes]
+        self.kernels = [_select_branch if i in self.branches else provider.kernel(n)
+                        for i, n in enumerate(self.nodes)]
         if host_dispatch is None:
             host_dispatch = not is_host(provider.allocate((1,), np.float32))
         self.host_dispatch = bool(host_dispatch)
         table = reference_ops() if self.host_dispatch else None
-        self.host_kernels = [table.kernel(n) if table is not None and table.supports(n) else None
-                             for n in self.nodes]
+        self.host_kernels = [table.kernel(n) if table is not None and table.supports(n) and i not in self.branches
+                             else None for i, n in enumerate(self.nodes)]
         host = host_memory() if self.host_dispatch else provider
         self._host_contexts = [None if k is None else KernelContext(n, host, kv_layout)
                                for n, k in zip(self.nodes, self.host_kernels)]
@@ -242,6 +314,14 @@ class Plan:
         self.constants: dict[str, Any] = {}
         for name, array in initializers.items():
             self.constants[name] = array if is_host_constant(array) else provider.upload(array)
+        for i, (then_values, else_values) in self.branches.items():
+            node = self.nodes[i]
+            for kind, values in (("then", then_values), ("else", else_values)):
+                names = [f"{node.name}:{kind}:{k}" for k in range(len(values))]
+                for name, array in zip(names, values):
+                    self.constants[name] = array if is_host_constant(array) else provider.upload(array)
+                self.contexts[i].cache[kind] = tuple(names)
+            self.contexts[i].cache["constants"] = self.constants
         self.steps = self._fold_constants()
         self.prepared = self._prepare()
         for value in self.constants.values():

@@ -121,3 +121,43 @@ def gate_view(node) -> SimpleNamespace:
     node: its name, attributes, inputs 0..3 and their dtypes."""
     return SimpleNamespace(name=node.name, attrs=node.attrs, inputs=tuple(node.inputs[:4]),
                            input_dtypes=tuple(node.input_dtypes[:4]))
+
+
+# -- GroupQueryAttention (com.microsoft, docs/ops.md 1) -------------------------------------
+def gqa_unsupported(node, interleaved: bool = True, bias: bool = True, qk_norm: bool = False) -> list[str]:
+    """The attributes, inputs and dtypes of a GroupQueryAttention node outside what the
+    built-in kernels run (empty: supported), each as ``what=value (meaning)``.
+
+    Args:
+        interleaved: the kernel runs ``rotary_interleaved=1``.
+        bias: the kernel reads ``position_ids`` and ``attention_bias`` (inputs 9, 10).
+        qk_norm: the kernel applies the fused q/k RMSNorm (inputs 14, 15, ``qk_norm_epsilon``).
+    """
+    attrs = node.attrs
+    ins = list(node.inputs) + [""] * 17
+    out = []
+    if int(attrs.get("sliding_window_cache", 0)):
+        out.append("sliding_window_cache=1 (a window-sized KV cache; `lockstep prepare` builds with "
+                   "windowed_kv_cache=false, a full-length cache and a window mask)")
+    for a in ("k_quant_type", "v_quant_type"):
+        if str(attrs.get(a, "NONE")).upper() not in ("NONE", ""):
+            out.append(f"{a}={attrs[a]!r} (quantized KV cache)")
+    if int(attrs.get("kv_cache_bit_width", 0)) not in (0, 16, 32):
+        out.append(f"kv_cache_bit_width={attrs['kv_cache_bit_width']}")
+    if int(attrs.get("qk_output", 0)):
+        out.append(f"qk_output={attrs['qk_output']}")
+    if int(attrs.get("causal", 1)) != 1:
+        out.append("causal=0")
+    if not interleaved and int(attrs.get("rotary_interleaved", 0)):
+        out.append("rotary_interleaved=1")
+    if not bias and any(ins[9:11]):
+        out.append("position_ids / attention_bias inputs")
+    names = ["k_scale", "v_scale", "q_norm_weight (fused q/k RMSNorm)", "k_norm_weight (fused q/k RMSNorm)",
+             "query_seqlens"]
+    out += [f"input {names[j - 12]}" for j in range(12, 17) if ins[j] and not (qk_norm and j in (14, 15))]
+    if any(node.outputs[3:]):
+        out.append("output qk")
+    dtype = node.input_dtypes[0] if node.input_dtypes else None
+    if dtype is not None and np.dtype(dtype) not in (np.float32, np.float16):
+        out.append(f"dtype {np.dtype(dtype).name}")
+    return out

@@ -17,7 +17,9 @@ defaults in the base class, so the core never probes for them with ``hasattr``. 
 optional members are looked up by name where a provider need not inherit the base class:
 ``prepare(node)`` (plan-time weight hooks, :mod:`core.executor`) and
 ``support_reason(node) -> str | None`` (why ``supports`` rejects a node; the parity kit puts it
-in a skipped case's message).
+in a skipped case's message). ``device_sample`` (sampling on the device, :class:`SamplingTensors`)
+is optional too: :class:`core.provider.ProviderBase` gives a host implementation, and a request
+that samples on a provider without the member is refused (docs/providers.md).
 
 Version 2 (this one) added ``write``, ``fill`` and ``copy_bytes`` to the required members.
 """
@@ -58,6 +60,26 @@ class Capabilities:
     kv_layouts: tuple[str, ...] = ("head_major", "seq_major")
     page_bytes: int = 4096
     protocol_version: int = PROTOCOL_VERSION
+
+
+@attrs.frozen
+class SamplingTensors:
+    """The persistent per-row sampling buffers of one batch, handed to ``device_sample``.
+
+    Written by the core when a request starts (never during a step), so a captured step
+    replays unchanged. Layouts are in :mod:`core.generation.sampling` (``P_*``, ``O_*``).
+
+    Attributes:
+        params: float32 ``[B, 4]``: temperature, top_p, min_p, repetition_penalty.
+        options: int32 ``[B, 4]``: flags (1 = sample, 2 = apply the penalty), top_k, seed low
+            and high 32-bit words.
+        history: uint8 ``[B, V]``: 1 where the token is in the row's history (prompt and every
+            fed token); the core writes the prompt's, ``device_sample`` marks each fed token.
+    """
+
+    params: Any
+    options: Any
+    history: Any
 
 
 @attrs.frozen
@@ -239,6 +261,24 @@ class ExecutionProvider(Protocol):
                 capture_error]``. token_id is the index of the maximum, lowest index on ties
                 (numpy.argmax semantics); capture_error is 1 when the row holds a NaN or an
                 infinity (the token is then -1, never a silent 0), else 0 (docs/cases.md 11, 12).
+        """
+
+    def device_sample(self, logits: Any, positions: Any, counter: Any, fed: Any,
+                      sampling: SamplingTensors, result: Any) -> None:
+        """Optional: per-row sampling on the device (the algorithm of
+        :mod:`core.generation.sampling`; :func:`~core.generation.sampling.sample_rows` is the
+        reference).
+
+        Args:
+            logits: ``[B, S, V]`` float tensor, read at ``positions`` as in :meth:`device_argmax`.
+            positions: int32 ``[B]``.
+            counter: int32 ``[B]``: each row's sequence index of the token being chosen (the
+                Philox counter word 1).
+            fed: int64 ``[B, 1]`` tokens fed this step, marked in ``sampling.history`` before
+                the penalty is applied; None after a prefill (the core wrote the history).
+            sampling: the row options and history (:class:`SamplingTensors`).
+            result: int32 ``[B, 2]`` written in place, as :meth:`device_argmax` does; a
+                greedy row with penalty 1 gets exactly ``device_argmax``'s answer.
         """
 
     def decode_advance(self, result: Any, input_ids: Any, attention_mask: Any,

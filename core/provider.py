@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from core.protocol import ARGMAX_ERROR, ARGMAX_TOKEN, Capabilities, KVRequest, NodeInfo
+from core.protocol import ARGMAX_ERROR, ARGMAX_TOKEN, Capabilities, KVRequest, NodeInfo, SamplingTensors
 
 
 class ProviderBase:
@@ -145,6 +145,24 @@ class ProviderBase:
         from core.executor import PlanBinding
 
         return PlanBinding(plan)
+
+    def device_sample(self, logits: Any, positions: Any, counter: Any, fed: Any,
+                      sampling: SamplingTensors, result: Any) -> None:
+        """Sampling through the host (see :class:`core.protocol.ExecutionProvider`): downloads
+        the rows, runs the reference :func:`core.generation.sampling.sample_rows` and writes
+        ``result``. Correct on any provider, but it synchronises, so a captured step that uses
+        it falls back to eager; a device provider overrides it with a kernel."""
+        from core.generation.sampling import sample_rows
+
+        pos = self.download(positions).astype(np.int64)
+        rows = self.download(logits)[np.arange(len(pos)), pos].astype(np.float32)
+        history = self.download(sampling.history)
+        if fed is not None:
+            history[np.arange(len(pos)), self.download(fed)[:, 0]] = 1
+            self.write(sampling.history, history)
+        out = sample_rows(rows, self.download(sampling.params), self.download(sampling.options),
+                          self.download(counter), history)
+        self.write(result, out)
 
     def decode_advance(self, result: Any, input_ids: Any, attention_mask: Any, lengths: Any) -> None:
         """Feed the chosen tokens back (see :class:`core.protocol.ExecutionProvider`)."""

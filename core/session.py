@@ -24,6 +24,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from core.counters import Counters
+from core.generation import sampling as sampling_mod
+from core.generation.sampling import SamplingParams
 from core.models.model import Model
 from core.runtime import kv as kvgeo
 from core.runtime import step as steps
@@ -153,6 +155,8 @@ class Session:
         self.state = self.runner.acquire_state(batch, int(capacity), self.max_capacity, kv_policy, capture,
                                                self.counters)
         self._release = weakref.finalize(self, self.runner.release_state, self.state)
+        #: per-row sampling options of the current request (seeds resolved)
+        self.sampling: list[SamplingParams] = []
 
     # -- what the session is made of -------------------------------------------------------
     @property
@@ -222,17 +226,70 @@ class Session:
                     f"prompt {b} has {len(row)} tokens; with max_new_tokens={max_new_tokens} it needs "
                     f"{need} KV positions but the {what} is {limit}")
 
-    def prefill(self, input_ids: Sequence[Sequence[int]]) -> StepOutput:
+    def check_sampling(self, sampling: Any = None) -> list[SamplingParams]:
+        """Validated, seeded sampling options per row (see :func:`core.generation.sampling.resolve_rows`;
+        defaults from the model's genai_config.json "search").
+
+        Raises:
+            RequestError: an unknown option, a value out of range, a wrong row count, or a
+                sampled row on a provider without ``device_sample``.
+        """
+        try:
+            rows = sampling_mod.resolve_rows(sampling, self.batch,
+                                             sampling_mod.search_defaults(self.model.config.search))
+        except sampling_mod.SamplingError as exc:
+            raise RequestError(str(exc)) from None
+        if not all(r.greedy_plain for r in rows) and not hasattr(self.provider, "device_sample"):
+            raise RequestError(f"provider {self.provider.name!r} has no device_sample; it decodes greedily only "
+                               "(do_sample=False, repetition_penalty=1)")
+        return rows
+
+    def set_sampling(self, rows: Sequence[SamplingParams], history: Sequence[Sequence[int]] | None = None) -> None:
+        """Make ``rows`` (from :meth:`check_sampling`) the sampling of every later step and
+        write the token ``history`` of each row (what the repetition penalty reads)."""
+        self.sampling = list(rows)
+        packed = None if all(r.greedy_plain for r in rows) else sampling_mod.pack(rows)
+        was = self.state.sampling is not None
+        self.state.set_sampling(*(packed or (None, None)))
+        if was != (packed is not None):  # device_sample and device_argmax are different steps
+            self.state.capture.invalidate("sampling switched " + ("on" if packed else "off"), self.counters)
+        if history is not None:
+            self.state.write_history(history)
+
+    def rewind(self, lengths: Sequence[int], history: Sequence[Sequence[int]] | None = None) -> None:
+        """Cut rows back to ``lengths`` live positions (a finished row that kept stepping
+        with the batch drops the tokens past its end) and rewrite the sampling history; the
+        next step then feeds position ``lengths[b]``. Used to continue rows (core.generation.stream).
+
+        Raises:
+            RequestError: no prefill yet, a wrong row count, or a length beyond the row's own.
+        """
+        self._check_open()
+        new = np.asarray(lengths, np.int64)
+        if not self.state.started:
+            raise RequestError("call prefill() before rewind()")
+        if new.shape != (self.batch,) or (new < 1).any() or (new > self.state.lengths).any():
+            raise RequestError(f"rewind needs {self.batch} lengths in [1, the row's length]")
+        self.state.set_lengths(new)
+        if history is not None:
+            self.state.write_history(history)
+
+    def prefill(self, input_ids: Sequence[Sequence[int]], sampling: Any = None) -> StepOutput:
         """Run the prompts (right-padded to the longest) and choose each row's first token.
 
         Args:
             input_ids: ``batch`` lists of token ids (lengths may differ).
+            sampling: per-row sampling options (:meth:`check_sampling`); None: the model's
+                defaults (greedy unless its genai_config.json says do_sample).
 
         Raises:
-            RequestError: see :meth:`check_prompts` (nothing on the device changes then).
+            RequestError: see :meth:`check_prompts` and :meth:`check_sampling` (nothing on the
+                device changes then).
         """
         self.check_prompts(input_ids, max_new_tokens=1)
+        rows = self.check_sampling(sampling)
         state = self.state
+        self.set_sampling(rows, input_ids)
         t0 = time.perf_counter()
         before = self.runner.stream_meter()
         steps.prefill(state, input_ids)
@@ -278,6 +335,18 @@ class Session:
         self.counters.decode_s += time.perf_counter() - t0
         self.counters.decode_steps += 1
         return out
+
+    def stream(self, input_ids: Sequence[Sequence[int]], max_new_tokens: Any = 64, **kwargs):
+        """A :class:`~core.generation.stream.Generation` of ``input_ids`` on this session:
+        iterate it for per-row :class:`~core.generation.stream.Delta` objects; ``extend()`` it to
+        continue rows. Keyword arguments: ``sampling``, ``stop``, ``stop_token_ids``, ``progress``.
+
+        Raises:
+            RequestError: a bad request (validated before any kernel runs).
+        """
+        from core.generation.stream import Generation
+
+        return Generation(self, input_ids, max_new_tokens, **kwargs)
 
     def last_logits(self) -> np.ndarray:
         """fp32 ``[B, V]`` logits the last step chose from (the prompt's last real position

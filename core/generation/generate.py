@@ -1,4 +1,8 @@
-"""The main job: greedy batch-N generation, as ``core.run`` and ``lockstep run``."""
+"""The main job: batch-N generation, as ``core.run``, ``core.stream`` and ``lockstep run``.
+
+Both drain a :class:`~core.generation.stream.Generation` (per-row stop rules, sampling and
+incremental text), so a streamed request and a plain one give the same rows.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
-from core.generation.loop import decode
+from core.generation.stream import Generation, RowState
 from core.models.model import Model, load_model
 from core.runtime import kv as kvgeo
 from core.runtime.runner import Runner
@@ -22,14 +26,20 @@ class Row:
     Attributes:
         prompt_ids: the prompt's token ids.
         output_ids: generated token ids (EOS included when the row ended on it).
-        text: ``output_ids`` decoded (special tokens skipped); "" without a tokenizer.
-        finish_reason: "eos", "length", or "error" (the row's logits held NaN/inf; docs/cases.md 12).
+        text: ``output_ids`` decoded (special tokens skipped), cut before a stop string; ""
+            without a tokenizer.
+        finish_reason: "eos", "stop" (a stop string or stop token id), "length", or "error" (the
+            row's logits held NaN/inf; docs/cases.md 12).
+        stop: the stop string or stop token id that ended the row, else None.
+        sampling: the row's sampling options as used (the seed drawn for it included).
     """
 
     prompt_ids: list[int]
     output_ids: list[int]
     text: str
     finish_reason: str
+    stop: str | int | None = None
+    sampling: dict | None = None
 
 
 @attrs.frozen
@@ -87,8 +97,7 @@ def encode_prompts(model: Model, prompts: Sequence[str], chat: bool) -> list[lis
     """Token ids of each prompt, through the chat template unless ``chat`` is False.
 
     Raises:
-        RequestError: a prompt that is not a str, is empty or is not valid Unicode (a lone
-            surrogate, e.g. non-UTF-8 bytes on the command line), or the model has no tokenizer.
+        RequestError: see :func:`check_prompt_texts`, or the model has no tokenizer.
     """
     check_prompt_texts(prompts)
     if model.tokenizer is None:
@@ -99,95 +108,115 @@ def encode_prompts(model: Model, prompts: Sequence[str], chat: bool) -> list[lis
     return out
 
 
-def generate(session: Session, input_ids: Sequence[Sequence[int]], max_new_tokens: int,
-             progress=None) -> list[tuple[list[int], str]]:
-    """Greedy decoding of ``input_ids`` on ``session``: per row (output_ids, finish_reason).
-
-    A row ends at an EOS token (kept in its output), after ``max_new_tokens`` tokens, or when
-    its logits are non-finite ("error"); finished rows keep stepping in lockstep but their
-    tokens are discarded. Validates the whole request first (RequestError, nothing run).
-    """
-    session.check_prompts(input_ids, max_new_tokens)
-    B = len(input_ids)
-    if max_new_tokens == 0:
-        return [([], "length") for _ in range(B)]
-    outputs: list[list[int]] = [[] for _ in range(B)]
-    reasons: list[str | None] = [None] * B
-    eos = set(session.model.config.eos_token_ids)
-
-    def observe(t: int, out, _seconds: float) -> bool:
-        for b in range(B):
-            if reasons[b] is not None:
-                continue
-            if out.errors[b]:
-                reasons[b] = "error"
-                continue
-            tok = int(out.tokens[b])
-            outputs[b].append(tok)
-            if tok in eos:
-                reasons[b] = "eos"
-            elif len(outputs[b]) >= max_new_tokens:
-                reasons[b] = "length"
-        if progress is not None:
-            progress(t + 1, max_new_tokens)
-        return all(r is not None for r in reasons)
-
-    if progress is not None:
-        progress(0, max_new_tokens)  # the prefill starts
-    decode(session, input_ids, max_new_tokens - 1, observer=observe)
-    return [(o, r or "length") for o, r in zip(outputs, reasons)]
-
-
-def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
-        prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
-        max_new_tokens: int = 64, chat: bool = True, kv_layout: str | None = None,
-        capacity: int | None = None, capture: bool | None = None, progress=None,
-        weight_budget: int | float | str | None = None, device_budget: int | str | None = None) -> Result:
-    """Run several prompts as one batch and decode greedily.
-
-    Args:
-        model: a builder model folder, a loaded Model, a Runner (weights already on the
-            provider; ``provider`` is then ignored), or None for the default model
-            (SmolLM2-135M-Instruct, prepared on first use; see :mod:`core.models.prepare`).
-        provider: provider name or object (default "cpu_reference"; with a Runner, None or
-            the runner's own provider).
-        prompts: texts (one row each); or ``input_ids``: token-id lists. Exactly one is given.
-        max_new_tokens: tokens to generate per row (>= 0).
-        chat: apply the model's chat template to ``prompts`` (ignored for input_ids).
-        kv_layout: "head_major" or "seq_major" (default: the Runner's, else "head_major").
-        capacity: KV positions per row; default what the request needs, rounded up to 64,
-            at most the model context.
-        capture: graph capture for decode steps (None = when the provider supports it).
-        progress: optional callable(done, total): (0, total) as the prefill starts, then
-            (tokens per row so far, total) after the prefill and after each decode step.
-        weight_budget: device bytes for the weights, staging included (bytes, a fraction of the
-            weight bytes, or "2GiB" / "40%"); the rest stream every step (see
-            :mod:`core.runtime.residency`). Default: everything resident when it fits.
-        device_budget: device bytes for weights and KV together: KV growth takes from the
-            weight budget (more weights stream) instead of running out of memory.
-
-    Returns:
-        :class:`Result` with one :class:`Row` per prompt.
+def check_messages(index: int, messages: Any) -> list[dict]:
+    """One row's chat messages, validated: a list of ``{"role", "content"}`` dicts, roles
+    "system" (first only), "user" or "assistant", contents non-empty str.
 
     Raises:
-        RequestError: bad request (no/both prompt kinds, empty prompt, negative
-            max_new_tokens, prompt beyond the capacity); checked before any kernel runs.
-        core.plugins.ProviderError, core.models.model.ModelError, core.executor.UnsupportedOpError.
+        RequestError: anything else (named by row and message).
     """
-    if (prompts is None) == (input_ids is None):
-        raise RequestError("pass exactly one of prompts= or input_ids=")
+    if isinstance(messages, dict) or not isinstance(messages, (list, tuple)) or not messages:
+        raise RequestError(f"messages of row {index} must be a non-empty list of {{'role', 'content'}} dicts")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) - {"role", "content"} or "role" not in m or "content" not in m:
+            raise RequestError(f"row {index} message {j} must be a dict with 'role' and 'content', got {m!r:.80}")
+        if m["role"] not in ("system", "user", "assistant") or (m["role"] == "system" and j > 0):
+            raise RequestError(f"row {index} message {j}: role must be 'user' or 'assistant' ('system' "
+                               f"only first), got {m['role']!r}")
+        if not isinstance(m["content"], str):
+            raise RequestError(f"row {index} message {j}: content must be a str")
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(f"row {index} message {j} is not valid UTF-8 text") from None
+    return [dict(m) for m in messages]
+
+
+def encode_messages(model: Model, messages: Sequence[Any], system: str | None = None) -> list[list[int]]:
+    """Token ids of each row's chat ``messages`` through the model's chat template, with a
+    generation prompt. ``system`` (if given) is the system prompt of rows that have none.
+
+    Raises:
+        RequestError: malformed messages (:func:`check_messages`), or no tokenizer.
+        core.models.model.ModelError: the model has no chat template.
+    """
+    if model.tokenizer is None:
+        raise RequestError(f"model {model.folder} has no tokenizer.json; pass input_ids instead")
+    out = []
+    for i, row in enumerate(messages):
+        msgs = check_messages(i, row)
+        if system is not None and msgs[0]["role"] != "system":
+            msgs = [{"role": "system", "content": system}] + msgs
+        out.append(model.tokenizer.encode(model.tokenizer.render_chat(msgs)))
+    return out
+
+
+def generate(session: Session, input_ids: Sequence[Sequence[int]], max_new_tokens: Any,
+             progress=None, sampling: Any = None, stop: Any = None,
+             stop_token_ids: Any = None) -> list[tuple[list[int], str]]:
+    """Decode ``input_ids`` on ``session``: per row (output_ids, finish_reason).
+
+    A row ends at an EOS token (kept in its output), a stop token id or stop string ("stop"),
+    after its ``max_new_tokens`` tokens, or when its logits are non-finite ("error"); finished
+    rows keep stepping in lockstep but their tokens are discarded. Validates the whole request
+    first (RequestError, nothing run). Options as :class:`~core.generation.stream.Generation`.
+    """
+    rows = Generation(session, input_ids, max_new_tokens, sampling, stop, stop_token_ids, progress).run()
+    return [(r.output_ids, r.finish_reason or "length") for r in rows]
+
+
+def _merge_sampling(sampling: Any, options: dict) -> Any:
+    """Keyword sampling options (every row) under the per-row ``sampling`` entries."""
+    from core.generation.sampling import OPTION_NAMES
+
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise RequestError(f"unknown option {', '.join(map(repr, unknown))}; sampling options are "
+                           f"{', '.join(OPTION_NAMES)}")
+    if not options:
+        return sampling
+    if sampling is None:
+        return dict(options)
+    if isinstance(sampling, dict):
+        return {**options, **sampling}
+    if isinstance(sampling, (list, tuple)):
+        return [{**options, **(row or {})} if isinstance(row, dict) or row is None else row for row in sampling]
+    return sampling
+
+
+def start(model: str | Path | Model | Runner | None = None, provider: Any = None,
+          prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
+          max_new_tokens: Any = 64, chat: bool = True, kv_layout: str | None = None,
+          capacity: int | None = None, capture: bool | None = None, progress=None,
+          weight_budget: int | float | str | None = None, device_budget: int | str | None = None,
+          messages: Sequence[Any] | None = None, system: str | None = None, sampling: Any = None,
+          stop: Any = None, stop_token_ids: Any = None, **options) -> Stream:
+    """Validate a request, make its session and return the (not yet started) :class:`Stream`.
+    Arguments as :func:`run`."""
+    given = [x is not None for x in (prompts, input_ids, messages)]
+    if sum(given) != 1:
+        raise RequestError("pass exactly one of prompts=, messages= or input_ids=")
+    sampling = _merge_sampling(sampling, options)
     if isinstance(prompts, str):
         prompts = [prompts]
     if prompts is not None:
-        check_prompt_texts(prompts)
-    elif isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence | np.ndarray):
+        check_prompt_texts(prompts)  # before any model work
+    elif input_ids is not None and (isinstance(input_ids, (str, bytes))
+                                    or not isinstance(input_ids, Sequence | np.ndarray)):
         raise RequestError(f"input_ids must be a list of token-id lists, got {type(input_ids).__name__}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise RequestError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
-    if model is None:
-        from core.models.prepare import resolve_model
+    if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+        messages = [messages]  # one conversation: one row
+    news = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens]
+    for m in news:
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0:
+            raise RequestError(f"max_new_tokens must be a non-negative integer, got {m!r}")
+    if system is not None and not isinstance(system, str):
+        raise RequestError(f"system must be a str, got {type(system).__name__}")
+    if model is None or isinstance(model, (str, Path)):
+        from core.models.prepare import default_variant, resolve_model
 
-        model = resolve_model(None)
+        name = provider if isinstance(provider, str) else getattr(provider, "name", None)
+        model = resolve_model(model, *default_variant(name))
     runner = model if isinstance(model, Runner) else None
     if runner is not None and provider is not None and provider not in (runner.provider, runner.provider.name):
         raise RequestError(f"this Runner runs on provider {runner.provider.name!r}, not {provider!r}")
@@ -196,14 +225,21 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
         model = model.model
     elif not isinstance(model, Model):
         model = load_model(model)
-    if prompts is not None:
-        input_ids = encode_prompts(model, prompts, chat)
-    assert input_ids is not None  # exactly one of prompts / input_ids (checked above)
+    if messages is not None:
+        input_ids = encode_messages(model, messages, system)
+    elif prompts is not None:
+        if system is not None:
+            if not chat:
+                raise RequestError("system= needs the chat template; it cannot be combined with chat=False")
+            input_ids = encode_messages(model, [[{"role": "user", "content": p}] for p in prompts], system)
+        else:
+            input_ids = encode_prompts(model, prompts, chat)
+    assert input_ids is not None  # exactly one of the three (checked above)
     input_ids = [token_row(i, r).tolist() for i, r in enumerate(input_ids)]
     if not input_ids:
         raise RequestError("no prompts given")
     if capacity is None:
-        need = max(len(r) for r in input_ids) + max(max_new_tokens - 1, 0)
+        need = max(len(r) for r in input_ids) + max(max(news) - 1, 0)
         if need > model.config.context_length:
             raise RequestError(f"the request needs {need} KV positions; the model context is "
                                f"{model.config.context_length}")
@@ -212,8 +248,103 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
                       kv_layout=kv_layout or (runner.kv_layout if runner else "head_major"),
                       kv_policy="fixed", capture=capture, weight_budget=weight_budget,
                       device_budget=device_budget)
-    results = generate(session, input_ids, max_new_tokens, progress)
-    tok = model.tokenizer
-    rows = [Row(list(p), out, tok.decode(out) if tok else "", reason)
-            for p, (out, reason) in zip(input_ids, results)]
-    return Result(rows, session.provider.name, session.counters.to_dict())
+    return Stream(session, Generation(session, input_ids, max_new_tokens, sampling, stop, stop_token_ids,
+                                      progress))
+
+
+class Stream:
+    """A started request: iterate it for :class:`~core.generation.stream.Delta` objects (per
+    row and step: new token ids, new text, the finish reason), then call :meth:`result`.
+
+    Attributes:
+        session: the :class:`~core.session.Session` it runs on.
+        generation: the :class:`~core.generation.stream.Generation` (rows, continuation).
+    """
+
+    def __init__(self, session: Session, generation: Generation):
+        self.session, self.generation = session, generation
+
+    def __iter__(self):
+        return iter(self.generation)
+
+    def result(self) -> Result:
+        """Finish the request (if not iterated to the end) and return its :class:`Result`."""
+        rows = [_row(r, sp) for r, sp in zip(self.generation.run(), self.generation.sampling)]
+        return Result(rows, self.session.provider.name, self.session.counters.to_dict())
+
+
+def _row(r: RowState, sampling=None) -> Row:
+    return Row(list(r.prompt_ids), list(r.output_ids), r.text, r.finish_reason or "length", r.stop,
+               None if sampling is None else sampling.to_dict())
+
+
+def stream(model: str | Path | Model | Runner | None = None, **kwargs) -> Stream:
+    """Like :func:`run`, but returns a :class:`Stream`: iterating it yields
+    :class:`~core.generation.stream.Delta` objects as the rows decode (text released per
+    character once final, multi-byte characters whole), and ``.result()`` gives the Result.
+
+        >>> for d in core.stream(model_dir, prompts=["Hi", "Name a color."], max_new_tokens=32):
+        ...     print(d.row, d.text, end="")
+
+    Raises:
+        as :func:`run`, before any kernel runs.
+    """
+    return start(model, **kwargs)
+
+
+def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
+        prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
+        max_new_tokens: Any = 64, chat: bool = True, kv_layout: str | None = None,
+        capacity: int | None = None, capture: bool | None = None, progress=None,
+        weight_budget: int | float | str | None = None, device_budget: int | str | None = None,
+        messages: Sequence[Any] | None = None, system: str | None = None, sampling: Any = None,
+        stop: Any = None, stop_token_ids: Any = None, **options) -> Result:
+    """Run several prompts as one batch: greedy by default, sampled per row on request.
+
+    Args:
+        model: a builder model folder, a loaded Model, a Runner (weights already on the
+            provider; ``provider`` is then ignored), a model name, a Hugging Face folder or a
+            .gguf file (prepared on first use for the provider: fp16/cuda for "cuda", else
+            fp32/cpu; see :mod:`core.models.prepare`), or None for the default model
+            (SmolLM2-135M-Instruct).
+        provider: provider name or object (default "cpu_reference"; with a Runner, None or
+            the runner's own provider).
+        prompts: texts (one row each); ``messages``: per row a list of chat messages
+            (``{"role": "system"|"user"|"assistant", "content": str}``; one list = one row);
+            or ``input_ids``: token-id lists. Exactly one is given.
+        max_new_tokens: tokens to generate per row (>= 0), one int or a list per row.
+        chat: apply the model's chat template to ``prompts`` (ignored for input_ids).
+        system: the system prompt for ``prompts`` / ``messages`` rows without one (instead of
+            the template's default).
+        kv_layout: "head_major" or "seq_major" (default: the Runner's, else "head_major").
+        capacity: KV positions per row; default what the request needs, rounded up to 64,
+            at most the model context.
+        capture: graph capture for decode steps (None = when the provider supports it).
+        progress: optional callable(done, total): (0, total) as the prefill starts, then (tokens
+            per row so far, total) after the prefill and after each decode step.
+        weight_budget: device bytes for the weights, staging included (bytes, a fraction of the
+            weight bytes, or "2GiB" / "40%"); the rest stream every step (see
+            :mod:`core.runtime.residency`). Default: everything resident when it fits.
+        device_budget: device bytes for weights and KV together: KV growth takes from the
+            weight budget (more weights stream) instead of running out of memory.
+        sampling: per-row sampling options, a dict (every row) or a list of dicts (None
+            entries: the defaults); see :mod:`core.generation.sampling`.
+        stop: stop strings: a str or list (every row), or a list of lists (per row).
+        stop_token_ids: token ids that end a row besides the model's EOS ids.
+        **options: sampling options for every row (``do_sample=True, temperature=0.7,
+            top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, seed=0``); defaults
+            from the model's genai_config.json "search" section.
+
+    Returns:
+        :class:`Result` with one :class:`Row` per prompt.
+
+    Raises:
+        RequestError: bad request (no/several prompt kinds, empty prompt, negative
+            max_new_tokens, prompt beyond the capacity, an unknown option or a value out of
+            range); checked before any kernel runs.
+        core.plugins.ProviderError, core.models.model.ModelError, core.executor.UnsupportedOpError,
+        core.models.prepare.PrepareError (an unknown model name or path, a failed build).
+    """
+    st = start(model, provider, prompts, input_ids, max_new_tokens, chat, kv_layout, capacity, capture,
+               progress, weight_budget, device_budget, messages, system, sampling, stop, stop_token_ids, **options)
+    return st.result()

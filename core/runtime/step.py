@@ -1,7 +1,7 @@
 """Prefill and the decode step, as functions of a decode state (and through it, its Runner).
 
 :func:`decode_step` is the function a capture records: decode_advance, the graph with S = 1,
-device_argmax, touching only persistent buffers. :func:`prefill` runs the prompts right-padded
+device_argmax (or device_sample), touching only persistent buffers. :func:`prefill` runs the prompts right-padded
 to the longest (GroupQueryAttention "first prompt", docs/ops.md 1.4). Neither validates a
 request: :class:`core.session.Session` does that before calling them.
 """
@@ -59,7 +59,7 @@ def prefill(state, input_ids) -> None:
             f"provider {p.name!r} returned a new present KV tensor; it must write the shared "
             "past/present buffer in place (past_present_share_buffer, docs/ops.md 1.3 step 2)")
     state.logits = outs["logits"]
-    p.device_argmax(state.logits, p.upload((lens - 1).astype(np.int32)), state.result)
+    select(state, p.upload((lens - 1).astype(np.int32)), p.upload(lens.astype(np.int32)), None)
     state.set_lengths(lens)
     state.bind_persistent()
     state.started = True
@@ -75,7 +75,18 @@ def decode_step(state) -> None:
     p.decode_advance(state.result, state.input_ids, state.attention_mask, state.lengths_dev)
     outs = state.binding.run()
     state.logits = outs["logits"]
-    p.device_argmax(state.logits, state.positions, state.result)
+    select(state, state.positions, state.lengths_dev, state.input_ids)
+
+
+def select(state, positions, counter, fed) -> None:
+    """Choose each row's next token from ``state.logits`` into ``state.result``:
+    ``device_argmax``, or ``device_sample`` while the request samples (``state.sampling``;
+    ``counter`` and ``fed`` as :meth:`core.protocol.ExecutionProvider.device_sample` takes them)."""
+    p = state.runner.provider
+    if state.sampling is None:
+        p.device_argmax(state.logits, positions, state.result)
+    else:
+        p.device_sample(state.logits, positions, counter, fed, state.sampling, state.result)
 
 
 def read_result(state) -> StepOutput:

@@ -264,3 +264,42 @@ def make_tiny_model(folder: str | Path, dtype: str = "float32", quant: str | Non
     onnx.save(build_graph(cfg, dtype, quant, seed), str(folder / "model.onnx"))
     (folder / "genai_config.json").write_text(json.dumps(genai_config(cfg), indent=2))
     return folder
+
+
+#: The chat template of :func:`write_byte_tokenizer`: plain-text role markers, and a default system
+#: prompt unless the messages start with one (the shape of SmolLM2's ChatML template).
+BYTE_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<system>default\n{% endif %}"
+    "<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what the ByteLevel pre-tokenizer uses)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def write_byte_tokenizer(folder: str | Path) -> Path:
+    """Write a byte-level tokenizer (token id = byte value, 256 tokens: the tiny model's
+    vocabulary) and a tokenizer_config.json with :data:`BYTE_CHAT_TEMPLATE` into ``folder``.
+
+    Decoding follows the ByteLevel decoder: an incomplete UTF-8 sequence decodes to U+FFFD, so
+    random tokens exercise the incremental detokenizer (docs/cases.md).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    folder = Path(folder)
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": BYTE_CHAT_TEMPLATE}))
+    return folder

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from core.generation.sampling import sample_rows
 from core.ops import OpTable
 from core.protocol import Capabilities, NodeInfo
 from core.provider import ProviderBase
@@ -51,6 +52,13 @@ class CpuReferenceProvider(ProviderBase):
 
     def _write(self, tensor, host) -> None:
         tensor[...] = host
+
+    def device_sample(self, logits, positions, counter, fed, sampling, result) -> None:
+        """The reference sampler (:func:`core.generation.sampling.sample_rows`) on the arrays."""
+        rows = logits[np.arange(logits.shape[0]), np.asarray(positions, dtype=np.int64)]
+        if fed is not None:
+            sampling.history[np.arange(logits.shape[0]), np.asarray(fed)[:, 0]] = 1
+        result[...] = sample_rows(rows, sampling.params, sampling.options, counter, sampling.history)
 
     def device_argmax(self, logits: np.ndarray, positions: np.ndarray, result: np.ndarray) -> None:
         rows = logits[np.arange(logits.shape[0]), np.asarray(positions, dtype=np.int64)]

@@ -152,6 +152,11 @@ class CudaProvider(ProviderBase):
         from providers.cuda.ops import _argmax
         _argmax.device_argmax(self, logits, positions, result)
 
+    def device_sample(self, logits: Any, positions: Any, counter: Any, fed: Any, sampling: Any, result: Any) -> None:
+        """Per-row sampling in one kernel (kernels/sample.cu); capturable, allocates nothing."""
+        from providers.cuda.ops import _sample
+        _sample.device_sample(logits, positions, counter, fed, sampling, result)
+
     def decode_advance(self, result, input_ids, attention_mask, lengths) -> None:
         from providers.cuda.ops import _argmax
         _argmax.decode_advance(result, input_ids, attention_mask, lengths)

@@ -178,6 +178,11 @@ def test_where_equal_expand_concat(one_node, rng):
     b = rng.integers(0, 3, (3,)).astype(np.int64)
     (want,), (got,) = one_node.both("Equal", {"a": a, "b": b}, {"y": np.bool_})
     np.testing.assert_array_equal(got, want)
+    c, d = np.array([[0, 1, 2], [2, 1, 0]], np.int64), np.array([1, 1, 1], np.int64)
+    for op in ("Greater", "Less"):
+        (want,), (got,) = one_node.both(op, {"a": c, "b": d}, {"y": np.bool_})
+        np.testing.assert_array_equal(got, want)
+        assert want.any() and not want.all()
     x, y = rng.standard_normal((2, 3)).astype(np.float32), rng.standard_normal((1, 3)).astype(np.float32)
     (want,), (got,) = one_node.both("Where", {"c": a > 1, "x": x, "y": y}, {"z": np.float32})
     np.testing.assert_array_equal(got, want)
@@ -246,7 +251,8 @@ def _every_op() -> dict:
         "Div": ("", {}, (x, y + 3), 1), "Pow": ("", {}, (np.abs(x), np.array(2.0, np.float32)), 1),
         "Neg": ("", {}, (x,), 1), "Sqrt": ("", {}, (np.abs(x),), 1), "Tanh": ("", {}, (x,), 1),
         "Sigmoid": ("", {}, (x,), 1), "Softmax": ("", {}, (x,), 1),
-        "Equal": ("", {}, (i64(1, 2, 3), i64(1, 0, 3)), 1), "Where": ("", {}, (x > 0, x, y), 1),
+        "Equal": ("", {}, (i64(1, 2, 3), i64(1, 0, 3)), 1), "Greater": ("", {}, (i64(1, 2, 3), i64(1, 0, 3)), 1),
+        "Less": ("", {}, (i64(1, 2, 3), i64(1, 0, 3)), 1), "Where": ("", {}, (x > 0, x, y), 1),
         "Cast": ("", {"to": TensorProto.FLOAT16}, (x,), 1), "Concat": ("", {"axis": 1}, (x, x), 1),
         "Constant": ("", {"value": np.arange(3)}, (), 1), "Expand": ("", {}, (x[:, :1], i64(2, 3, 4)), 1),
         "Gather": ("", {"axis": 1}, (x, i64(0, 2, 2)), 1),

@@ -1,8 +1,6 @@
 """Progress a user sees: the prefill phase, the builder's output while it runs (and the Python
 API's default report of a build), plain lines in logs, and a profile plot whose title fits."""
 
-import sys
-
 import pytest
 
 import core
@@ -22,42 +20,31 @@ def test_core_run_reports_the_prefill_before_any_token(model_dir):
     assert calls == [(0, 3), (1, 3), (2, 3), (3, 3)]
 
 
-def test_run_reporting_passes_each_line_of_the_builder_on(tmp_path):
-    script = "import sys; print('reading layer 0'); print('50%\\r100%', flush=True); sys.stderr.write('saved\\n')"
-    lines = []
-    code, log = prep.run_reporting([sys.executable, "-c", script], {}, lines.append, "model builder")
-    assert code == 0 and lines == ["model builder: reading layer 0", "model builder: 50%",
-                                   "model builder: 100%", "model builder: saved"]
-    assert log.splitlines()[-1] == "saved"
-    code, _ = prep.run_reporting([sys.executable, "-c", "raise SystemExit(3)"], {}, lines.append, "x")
-    assert code == 3
-
-
-def test_the_python_api_reports_a_build_on_stderr(capsys):
-    prep._status(None, "building smollm2-135m-fp32-cpu")
-    assert capsys.readouterr().err == "lockstep prepare: building smollm2-135m-fp32-cpu\n"
-
-
-def test_a_failing_builder_is_a_prepare_error_with_its_output(tmp_path, monkeypatch, capsys):
-    """The builder subprocess fails: PrepareError with the tail of what it printed, which the
-    default progress showed on stderr while it ran."""
-    hf = tmp_path / "cache" / "hf" / "smollm2-135m"
-    hf.mkdir(parents=True)
+def _fake_build(monkeypatch, tmp_path):
+    """prepare() with the build steps replaced: the "builder" prints one line and writes a model."""
     monkeypatch.setenv("LOCKSTEP_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(prep, "_check_tools", lambda: None)
-    monkeypatch.setattr(prep, "_hf_folder", lambda *a, **k: hf)
-    real = prep.run_reporting
+    monkeypatch.setattr(prep, "_check_tools", lambda gguf: None)
+    monkeypatch.setattr(prep, "_named_gguf", lambda model, root, progress: tmp_path / "x.gguf")
+    monkeypatch.setattr(prep, "_gguf_to_hf", lambda gguf, out, progress: tmp_path / "hf")
 
-    def fake_builder(cmd, env, progress, label):
-        return real([sys.executable, "-c", "print('Reading decoder layer 0'); raise SystemExit('boom')"],
-                    env, progress, label)
+    def builder(hf, tmp, variant, root, progress):
+        prep._status(progress, "builder: Reading decoder layer 0")
+        make_tiny_model(tmp)
 
-    monkeypatch.setattr(prep, "run_reporting", fake_builder)
-    with pytest.raises(prep.PrepareError, match="(?s)model builder failed.*Reading decoder layer 0.*boom"):
-        prep.prepare(prep.Variant("smollm2-135m", "int4", "cpu"), output=tmp_path / "out")
-    err = capsys.readouterr().err
-    assert "lockstep prepare: model builder: Reading decoder layer 0" in err
-    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(prep, "_run_builder", builder)
+
+
+def test_the_python_api_reports_a_build_on_stderr_and_a_cached_model_quietly(tmp_path, monkeypatch, capsys):
+    _fake_build(monkeypatch, tmp_path)
+    out = prep.prepare(prep.Variant("smollm2-135m", "int4", "cpu"))
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["lockstep prepare: building smollm2-135m-int4-cpu with the ONNX Runtime GenAI model builder",
+                   "lockstep prepare: builder: Reading decoder layer 0"]
+    assert prep.prepare(prep.Variant("smollm2-135m", "int4", "cpu")) == out
+    assert capsys.readouterr().err == ""  # cached: nothing to report
+    lines: list[str] = []
+    prep.prepare(prep.Variant("smollm2-135m", "int4", "cpu"), progress=lines.append, force=True)
+    assert lines[-1] == "builder: Reading decoder layer 0" and capsys.readouterr().err == ""
 
 
 def test_profile_prints_plain_lines_in_a_log(model_dir, capsys):

@@ -38,6 +38,7 @@ import math
 
 import numpy as np
 
+from core.opdefs import gqa_unsupported
 from providers.cpu_reference.ops import rowwise_matmul
 from providers.cpu_reference.ops._out import buffer, write
 from providers.cpu_reference.ops._rotary import cache_rows, rotate
@@ -48,16 +49,11 @@ DOMAIN = "com.microsoft"
 
 
 def supports(node) -> bool:
-    attrs = node.attrs
-    extra_inputs = [name for name in node.inputs[12:] if name]
-    extra_outputs = [name for name in node.outputs[3:] if name]
-    quant = any(str(attrs.get(a, "NONE")).upper() not in ("NONE", "") for a in ("k_quant_type", "v_quant_type"))
-    dtype = node.input_dtypes[0] if node.input_dtypes else None
-    return (not extra_inputs and not extra_outputs and not quant
-            and int(attrs.get("qk_output", 0)) == 0 and int(attrs.get("causal", 1)) == 1
-            and int(attrs.get("sliding_window_cache", 0)) == 0
-            and int(attrs.get("kv_cache_bit_width", 0)) in (0, 16, 32)
-            and (dtype is None or dtype in (np.float32, np.float16)))
+    return not gqa_unsupported(node)
+
+
+def support_reason(node) -> str | None:
+    return "; ".join(gqa_unsupported(node)) or None
 
 
 def _rows(buf, layout: str, b: int, g: int) -> np.ndarray:
@@ -67,6 +63,27 @@ def _rows(buf, layout: str, b: int, g: int) -> np.ndarray:
 
 def _capacity(buf, layout: str) -> int:
     return buf.shape[2] if layout == "head_major" else buf.shape[1]
+
+
+def _attend(qg, keys, vals, allowed, bias, scale: float, softcap: float, sink):
+    """Attention of queries ``qg`` [G, S, H] over ``keys`` / ``vals`` [T, H] with ``allowed``
+    [S, T], ``bias`` [G, S, T] or None, ``sink`` [G, 1, 1] or None; returns fp32 [G, S, H]."""
+    z = rowwise_matmul(qg, np.ascontiguousarray(keys.T)) * np.float32(scale)  # [G, S, T]
+    if softcap > 0:
+        z = np.float32(softcap) * np.tanh(z / np.float32(softcap))
+    if bias is not None:
+        z = z + bias.astype(np.float32)
+    z = np.where(allowed[None], z, -np.inf).astype(np.float32)
+    m = np.max(z, axis=-1, keepdims=True)
+    if sink is not None:
+        m = np.maximum(m, sink)
+    m = np.where(np.isfinite(m), m, np.float32(0.0))
+    e = np.where(allowed[None], np.exp(z - m), np.float32(0.0))
+    denom = np.sum(e, axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + np.exp(sink - m)
+    probs = np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
+    return rowwise_matmul(probs, vals)
 
 
 def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
@@ -158,39 +175,33 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         raise ValueError("GroupQueryAttention: head_sink cannot be combined with smooth_softmax=1")
     group = nq // nkv
     out = np.zeros((bsz, s_len, nq, h), np.float32)
+    sinks = None
+    if smooth or head_sink is not None:
+        sinks = np.zeros(nq, np.float32) if head_sink is None else np.asarray(head_sink, dtype=np.float32)
+    bias = None if attention_bias is None else np.asarray(attention_bias)
     for b in range(bsz):
         t_b, p_b = totals[b], pasts[b]
-        pos_q = p_b + np.arange(s_len)[:, None]
-        j = np.arange(t_b)[None, :]
-        allowed = j <= pos_q
-        if window > 0:
-            allowed &= j > pos_q - window
+        bias_b = None if bias is None else bias[b if bias.shape[0] > 1 else 0]
         for g in range(nkv):
             keys = _rows(present_k, layout, b, g)[:t_b].astype(np.float32)
             vals = _rows(present_v, layout, b, g)[:t_b].astype(np.float32)
-            heads = range(g * group, (g + 1) * group)
+            heads = list(range(g * group, (g + 1) * group))
             qg = q[b, :, g * group:(g + 1) * group].astype(np.float32).transpose(1, 0, 2)  # [G, S, H]
-            z = rowwise_matmul(qg, np.ascontiguousarray(keys.T)) * np.float32(scale)  # [G, S, T_b]
-            if softcap > 0:
-                z = np.float32(softcap) * np.tanh(z / np.float32(softcap))
-            if attention_bias is not None:
-                bias = np.asarray(attention_bias)
-                bias = bias[b if bias.shape[0] > 1 else 0]
-                bias = bias[list(heads)] if bias.shape[0] > 1 else bias[[0] * group]
-                z = z + bias[:, :, :t_b].astype(np.float32)
-            z = np.where(allowed[None], z, -np.inf).astype(np.float32)
-            m = np.max(z, axis=-1, keepdims=True)
-            if smooth or head_sink is not None:
-                sink = (np.zeros(group, np.float32) if head_sink is None
-                        else np.asarray(head_sink, dtype=np.float32)[list(heads)])[:, None, None]
-                m = np.maximum(m, sink)
-            m = np.where(np.isfinite(m), m, np.float32(0.0))
-            e = np.where(allowed[None], np.exp(z - m), np.float32(0.0))
-            denom = np.sum(e, axis=-1, keepdims=True)
-            if smooth or head_sink is not None:
-                denom = denom + np.exp(sink - m)
-            probs = np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
-            out[b, :, g * group:(g + 1) * group] = rowwise_matmul(probs, vals).transpose(1, 0, 2)
+            hb = None if bias_b is None else (bias_b[heads] if bias_b.shape[0] > 1 else bias_b[[0] * group])
+            sink = None if sinks is None else sinks[heads][:, None, None]
+            # Query s (position p) reads keys [0, min(p + 1, T_b)): exactly the keys, and so the
+            # reduction widths, a decode step at position p reads, so a prompt's logits are the
+            # bits of the same tokens fed one decode step at a time (docs/design.md "Continuing").
+            for s0 in range(s_len):
+                p = p_b + s0
+                width = min(p + 1, t_b)
+                j = np.arange(width)[None, :]
+                allowed = j <= p
+                if window > 0:
+                    allowed &= j > p - window
+                hb_s = None if hb is None else hb[:, s0:s0 + 1, :width]
+                out[b, s0, g * group:(g + 1) * group] = _attend(
+                    qg[:, s0:s0 + 1], keys[:width], vals[:width], allowed, hb_s, scale, softcap, sink)[:, 0]
     result = write(ctx, 0, out.reshape(bsz, s_len, nq * h), dtype)
     names = ctx.node.outputs
     outs = (result, present_k, present_v)

@@ -16,12 +16,11 @@
 // the same bits in decode and in prefill (continuing a row == prefilling its whole history).
 //
 // Arithmetic for one (row, query head, query position), fixed by H and the key indices alone:
-//   score z_j: lane l of the warp owning key j sums q[d] k[d] for d = l, l + 32, ... (fmaf,
-//     ascending), then a fixed xor-shuffle tree; lane 0's value; times scale; softcap.
+//   score z_j: one thread's fmaf chain of q[d] k[d] over d = 0 .. H - 1 ascending from 0; times
+//     scale; softcap.
 //   chunk c: m_c = max z_j (exact); e_j = expf(z_j - m_c); l_c: lane l sums e_j for
-//     j = j0 + l, j0 + l + 32 (ascending), then a fixed xor tree; o_c[d] = ((w_0 + w_1) + w_2) + w_3
-//     where w_r is the fmaf chain of e_j v_j[d] over the chunk's keys j = j0 + r, j0 + r + 4, ...
-//     ascending from 0 (warp r of the block).
+//     j = j0 + l, j0 + l + 32 (ascending), then a fixed xor tree; o_c[d]: one thread's fmaf chain
+//     of e_j v_j[d] over the chunk's keys ascending from 0.
 //   fold over chunks ascending from (m, l, o) = (-inf, 0, 0): m' = max(m, m_c),
 //     a = expf(m - m'), b = expf(m_c - m'), l' = l a + l_c b, o' = o a + o_c b (rounded mul, add).
 //   finish: with a sink s (head_sink, or 0 for smooth_softmax): m'' = max(m, s),
@@ -92,45 +91,42 @@ __device__ __forceinline__ float scaled(float s, const Geo& g) {
     return z;
 }
 
-// One chunk's K or V rows [j0, j0 + n) (n <= CH) from the cache into a shared tile [n, H] of T:
+// Shared K/V tiles: row stride TS(H) elements of T, an odd number of 32-bit words, so threads
+// reading one element of different rows hit different banks.
+template <typename T> __host__ __device__ constexpr int tile_stride(int H) { return sizeof(T) == 2 ? H + 2 : H + 1; }
+
+// One chunk's K or V rows [j0, j0 + n) (n <= CH) from the cache into a shared tile [n, TS] of T:
 // every thread issues its 16-byte loads at once (one memory round trip for the whole chunk).
 template <typename T>
 __device__ __forceinline__ void load_tile(T* tile, const T* rows, long long cj, int n, int H) {
-    const int upr = H * (int)sizeof(T) / 16;  // H % 8 == 0: whole 16-byte units per row
+    const int upr = H * (int)sizeof(T) / 16, ts = tile_stride<T>(H);  // H % 8 == 0: whole units
     for (int u = threadIdx.x; u < n * upr; u += NT) {
         const int jj = u / upr, x = u - jj * upr;
-        reinterpret_cast<uint4*>(tile + jj * H)[x] = reinterpret_cast<const uint4*>(rows + (long long)jj * cj)[x];
+        const uint4 v = reinterpret_cast<const uint4*>(rows + (long long)jj * cj)[x];
+        unsigned* dst = reinterpret_cast<unsigned*>(tile + jj * ts) + x * 4;
+        dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
     }
 }
 
-// Scores of the chunk's n keys (K tile [n, H] in shared memory) for nh query heads (qs: nh x H
-// floats, shared) into sc[hh * CH + jj].  Key jj == jnew (>= 0) is taken from knew instead.
+// Scores of the chunk's n keys (K tile in shared memory) for nh query heads (qs: nh x H floats,
+// shared) into sc[hh * CH + jj]: one thread per (head, key).  Key jj == jnew (>= 0) is taken
+// from knew instead of the tile.
 template <typename T>
 __device__ void chunk_scores(const float* qs, int nh, const T* kt, int n, const Geo& g, float* sc,
                              int jnew, const float* knew) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, H = g.H;
-    for (int jj0 = warp * 4; jj0 < n; jj0 += NT / 32 * 4) {  // 4 keys per warp
-        float kv[4][8];
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const int d = lane + 32 * i, jj = jj0 + u;
-                kv[u][i] = (jj < n && d < H) ? (jj == jnew ? knew[d] : to_f(kt[jj * H + d])) : 0.f;
-            }
-        for (int hh = 0; hh < nh; ++hh) {
-            const float* q = qs + hh * H;
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                float s = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) if (lane + 32 * i < H) s = fmaf(q[lane + 32 * i], kv[u][i], s);
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-                s = __shfl_sync(0xffffffffu, s, 0);
-                if (lane == 0 && jj0 + u < n) sc[hh * CH + jj0 + u] = scaled(s, g);
-            }
+    const int H = g.H, ts = tile_stride<T>(H);
+    for (int i = threadIdx.x; i < nh * n; i += NT) {
+        const int hh = i / n, jj = i - hh * n;
+        const float* q = qs + hh * H;
+        float s = 0.f;
+        if (jj == jnew) {
+            for (int d = 0; d < H; ++d) s = fmaf(q[d], knew[d], s);
+        } else {
+            const T* k = kt + jj * ts;
+#pragma unroll 8
+            for (int d = 0; d < H; ++d) s = fmaf(q[d], to_f(k[d]), s);
         }
+        sc[hh * CH + jj] = scaled(s, g);
     }
 }
 
@@ -150,42 +146,20 @@ __device__ __forceinline__ void chunk_stats(float* z, int n, float& mc, float& l
     lc = __shfl_sync(0xffffffffu, l, 0);
 }
 
-// o_c[h, d] for nh heads (e: nh x CH exps, V tile [n, H] shared) into oc[h * H + d] (shared);
-// red: 4 nh H floats.
-// Warp r owns keys j0 + r + 4 t; lane l owns dims d = l + 32 i (as in chunk_scores).
+// o_c[h, d] for nh heads (e: nh x CH exps, V tile shared) into oc[h * H + d] (shared): one
+// thread per (head, dim).  Key jj == jnew (>= 0) is taken from vnew instead of the tile.
 template <typename T>
 __device__ void chunk_values(const float* e, int nh, const T* vt, int n, const Geo& g,
-                             int jnew, const float* vnew, float* red, float* oc) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, H = g.H;
-    for (int hh = 0; hh < nh; ++hh) {
-        float acc[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-        for (int jj0 = warp; jj0 < n; jj0 += 16) {  // 4 keys of this warp: loads first
-            float v[4][8];
-#pragma unroll
-            for (int u = 0; u < 4; ++u)
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const int d = lane + 32 * i, jj = jj0 + 4 * u;
-                    v[u][i] = (jj < n && d < H) ? (jj == jnew ? vnew[d] : to_f(vt[jj * H + d])) : 0.f;
-                }
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const int jj = jj0 + 4 * u;
-                if (jj < n) {
-                    const float w = e[hh * CH + jj];
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, v[u][i], acc[i]);
-                }
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < 8; ++i) if (lane + 32 * i < H) red[(warp * nh + hh) * H + lane + 32 * i] = acc[i];
+                             int jnew, const float* vnew, float* oc) {
+    const int H = g.H, ts = tile_stride<T>(H);
+    for (int i = threadIdx.x; i < nh * H; i += NT) {
+        const int hh = i / H, d = i - hh * H;
+        const float* w = e + hh * CH;
+        float acc = 0.f;
+#pragma unroll 8
+        for (int jj = 0; jj < n; ++jj) acc = fmaf(w[jj], jj == jnew ? vnew[d] : to_f(vt[jj * ts + d]), acc);
+        oc[i] = acc;
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < nh * H; i += NT)
-        oc[i] = __fadd_rn(__fadd_rn(__fadd_rn(red[i], red[nh * H + i]), red[2 * nh * H + i]), red[3 * nh * H + i]);
     __syncthreads();
 }
 
@@ -227,7 +201,7 @@ __global__ void gqa_kv_write(const T* __restrict__ kin, const T* __restrict__ vi
     for (int d = threadIdx.x; d < g.H; d += NT) vd[d] = vsrc[d];
 }
 
-// Prefill attention: grid (S, Nq, B), block NT, dynamic smem (6 H + CH + 2) floats + 2 CH H T.  One block per
+// Prefill attention: grid (S, Nq, B), block NT, dynamic smem (2 H + CH + 2) floats + 2 CH TS T.  One block per
 // query walks its chunks in ascending order (the fold of the header), whatever the capacity.
 template <typename T>
 __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, const int* __restrict__ seqlens,
@@ -235,9 +209,9 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
     extern __shared__ float sm[];
-    float* qs = sm; float* sc = qs + g.H; float* red = sc + CH; float* oc = red + 4 * g.H; float* st = oc + g.H;
-    T* kt = (T*)(st + 2 + (((6 * g.H + CH + 2) & 3) ? 4 - ((6 * g.H + CH + 2) & 3) : 0));  // 16-byte aligned
-    T* vt = kt + CH * g.H;
+    float* qs = sm; float* sc = qs + g.H; float* oc = sc + CH; float* st = oc + g.H;
+    T* kt = (T*)(st + 2);
+    T* vt = kt + CH * tile_stride<T>(g.H);
     const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (g.nq / g.nkv), tid = threadIdx.x;
     const int tb = seqlens[b] + 1, past = g.first ? 0 : tb - g.S, p = past + s;
     const int hi = min(p, tb - 1), lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
@@ -266,7 +240,7 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
             if (tid == 0) { st[0] = mc; st[1] = lc; }
         }
         __syncthreads();
-        chunk_values<T>(sc, 1, vt, n, g, -1, nullptr, red, oc);  // ends with a barrier
+        chunk_values<T>(sc, 1, vt, n, g, -1, nullptr, oc);  // ends with a barrier
         float a, bw;
         fold_weights(m, st[0], a, bw);
         l = folded(l, a, st[1], bw);
@@ -280,7 +254,7 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
 }
 
 // Decode (S == 1, not the first prompt): grid (ceil(cap / CH), Nkv, B), block NT, dynamic smem
-// (5 G + 2) H + G CH + 2 G + 4 floats + 2 CH H T (G = Nq / Nkv).  Block (c, kv head, b) computes chunk c of row b for
+// (G + 2) H + G CH + 2 G + 1 floats + 2 CH TS T (G = Nq / Nkv, TS = tile_stride).  Block (c, kv head, b) computes chunk c of row b for
 // the G query heads of its group (blocks whose chunk the row does not have exit).  Every block
 // rotates the new key of its kv head itself (into shared memory, rounded to T exactly as the
 // cache stores it) and uses it and the new value for key P_b = seqlens_k[b]; the block of the
@@ -298,11 +272,10 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
     const int c = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, G = g.nq / g.nkv, tid = threadIdx.x;
     const int nch = gridDim.x, stride = g.H + 2;
     float* qs = sm; float* kn = qs + G * g.H; float* vn = kn + g.H; float* sc = vn + g.H;
-    float* red = sc + G * CH; float* stats = red + 4 * G * g.H;
+    float* stats = sc + G * CH;
     int* flag = (int*)(stats + 2 * G);
-    const int used = (5 * G + 2) * g.H + G * CH + 2 * G + 1;
-    T* kt = (T*)(sm + used + ((used & 3) ? 4 - (used & 3) : 0));  // 16-byte aligned
-    T* vt = kt + CH * g.H;
+    T* kt = (T*)(flag + 1);
+    T* vt = kt + CH * tile_stride<T>(g.H);
     const int p = seqlens[b];
     const int lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
     T* ob = out + ((long long)b * g.nq + kvh * G) * g.H;  // the group's G heads are adjacent
@@ -343,7 +316,7 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
     }
     __syncthreads();
     float* oc = qs;  // q is no longer needed
-    chunk_values<T>(sc, G, vt, n, g, p - j0, vn, red, oc);
+    chunk_values<T>(sc, G, vt, n, g, p - j0, vn, oc);
     const bool use_sink = sinks != nullptr || g.smooth;
     if (c0 == c1) {  // one chunk: the fold of a single chunk is (m_c, l_c, o_c) itself
         for (int i = tid; i < G * g.H; i += NT) {

@@ -22,6 +22,7 @@ import math
 
 import numpy as np
 
+from core.opdefs import gqa_unsupported
 from providers.cuda import replay
 from providers.cuda.module import ctype, function
 from providers.cuda.ops import MAX_GRID_Y, NULL, device_array
@@ -34,15 +35,11 @@ CH = 64  # positions per KV chunk (the kernel's CH)
 
 
 def supports(node) -> bool:
-    attrs = node.attrs
-    ins = list(node.inputs) + [""] * 12
-    dtype = node.input_dtypes[0] if node.input_dtypes else None
-    quant = any(str(attrs.get(a, "NONE")).upper() not in ("NONE", "") for a in ("k_quant_type", "v_quant_type"))
-    return (not any(ins[9:11]) and not any(ins[12:]) and not any(node.outputs[3:]) and not quant
-            and int(attrs.get("qk_output", 0)) == 0 and int(attrs.get("causal", 1)) == 1
-            and int(attrs.get("rotary_interleaved", 0)) == 0
-            and int(attrs.get("sliding_window_cache", 0)) == 0
-            and (dtype is None or dtype in (np.float32, np.float16)))
+    return not gqa_unsupported(node, interleaved=False, bias=False)
+
+
+def support_reason(node) -> str | None:
+    return "; ".join(gqa_unsupported(node, interleaved=False, bias=False)) or None
 
 
 def replay_key(ctx, *inputs) -> tuple:
@@ -132,7 +129,7 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         group = nq // nkv
         part, tickets = _workspace(ctx, bsz, nq, nkv, chunks, h)
         kern = function("group_query_attention", f"gqa_decode<{t}>", _exprs(t))
-        shared = ((5 * group + 2) * h + group * CH + 2 * group + 4) * 4 + 2 * CH * h * dtype.itemsize
+        shared = ((group + 2) * h + group * CH + 2 * group + 1) * 4 + 2 * CH * _tile_stride(h, dtype) * dtype.itemsize
         _shared_limit(kern, shared)
         kern((chunks, nkv, bsz), (NT,), (query, kin, vin, past_key, past_value, seqlens, cos, sin,
                                           i32(rotary), sinks, out, part, tickets) + geo,
@@ -142,13 +139,18 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         write((s_len, nkv, bsz), (NT,), (kin, vin, past_key, past_value, seqlens, cos, sin,
                                           i32(rotary)) + geo)
         attn = function("group_query_attention", f"gqa_attn<{t}>", _exprs(t))
-        shared = (6 * h + CH + 6) * 4 + 2 * CH * h * dtype.itemsize
+        shared = (2 * h + CH + 2) * 4 + 2 * CH * _tile_stride(h, dtype) * dtype.itemsize
         _shared_limit(attn, shared)
         attn((s_len, nq, bsz), (NT,), (query, past_key, past_value, seqlens, cos, sin, i32(rotary),
                                         sinks, out) + geo, shared_mem=shared)
     names = ctx.node.outputs
     outs = (out, past_key, past_value)
     return tuple(o if i < len(names) and names[i] else None for i, o in enumerate(outs))
+
+
+def _tile_stride(h: int, dtype) -> int:
+    """Row stride of the kernel's shared K/V tiles (tile_stride in the .cu): odd 32-bit words."""
+    return h + 2 if np.dtype(dtype).itemsize == 2 else h + 1
 
 
 def _workspace(ctx, bsz: int, nq: int, nkv: int, chunks: int, h: int):

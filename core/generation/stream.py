@@ -1,0 +1,418 @@
+"""Per-row generation as a stream of deltas: stop rules, incremental text, continuation.
+
+:class:`Generation` drives a :class:`~core.session.Session` row by row on top of the lockstep
+batch: every row has its own ``max_new_tokens``, stop token ids, stop strings and sampling
+options; every EOS id the model declares ends a row. Iterating a Generation runs the prefill
+and the decode steps and yields a :class:`Delta` per row and step that has news (a token, text,
+or its end). ``core.run`` drains one, so streamed and non-streamed results are the same.
+
+**Text.** Each row has an :class:`IncrementalDetokenizer`: the text of a row is always
+``tokenizer.decode(output_ids)``; a delta is what became final since the last one. Text ending
+in an incomplete UTF-8 sequence (U+FFFD at the end, e.g. the first byte tokens of an emoji) and,
+for rows with stop strings, the last ``len(longest stop) - 1`` characters (they could begin a
+stop string) are held back until later tokens settle them or the row ends. The concatenated
+deltas of a row equal its final ``text``.
+
+**Stop strings.** A row ends (finish_reason "stop") at the first token after which its text
+contains one of its stop strings; the text is cut before the stop string, the tokens are kept.
+A stop token id also ends the row with "stop" (the token kept), an EOS id with "eos".
+
+**Continuing** (:meth:`Generation.extend`). Once every row has ended, rows can be given more
+tokens (the next user turn) and decoded on, reusing their KV cache: each row is cut back to
+its own history (a finished row kept stepping with the batch; those positions are dropped),
+then its last token and the new tokens are fed by teacher forcing, one per decode step, and
+the row decodes freely after its last forced token. Rows with fewer new tokens start
+generating earlier; the batch stays in lockstep. The result equals a fresh run over the whole
+history (sampling too: the random counter is the token's sequence position, docs/design.md).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Sequence
+
+import attrs
+import numpy as np
+
+#: finish reasons: an EOS id, a stop token id or stop string, max_new_tokens, non-finite logits
+FINISH_REASONS = ("eos", "stop", "length", "error")
+
+
+@attrs.frozen
+class Delta:
+    """What one row produced at one step.
+
+    Attributes:
+        row: the row index in the request.
+        token_ids: the tokens generated at this step (zero or one).
+        text: newly final text of the row (may be "" while bytes of a character are pending).
+        finish_reason: None while the row runs; then one of :data:`FINISH_REASONS`.
+    """
+
+    row: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+class IncrementalDetokenizer:
+    """Text of a growing list of token ids, released as deltas that never change afterwards.
+
+    Args:
+        tokenizer: an object with ``decode(ids, skip_special_tokens=True) -> str`` (None: no text).
+        holdback: characters to hold back while running (stop-string lookahead).
+
+    The concatenation of every :meth:`push` result and :meth:`finish` equals
+    ``tokenizer.decode(ids)`` of all ids pushed (tested with emoji and CJK, whose UTF-8 bytes
+    arrive in separate byte-level tokens).
+    """
+
+    def __init__(self, tokenizer, holdback: int = 0):
+        self.tokenizer = tokenizer
+        self.holdback = holdback
+        self.ids: list[int] = []
+        self.emitted = 0
+        self.text = ""
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.ids) if self.tokenizer is not None else ""
+
+    def push(self, token: int) -> str:
+        """Add one token; returns the text that became final (:meth:`add` then :meth:`release`)."""
+        self.add(token)
+        return self.release()
+
+    def add(self, token: int) -> None:
+        """Add one token without releasing text (a stop-string check comes first)."""
+        self.ids.append(int(token))
+        self.text = self._decode()
+
+    def release(self) -> str:
+        """The text that became final: all but a trailing incomplete character and the holdback."""
+        return self._release(len(self.text.rstrip("\ufffd")) - self.holdback)
+
+    def finish(self, cut: int | None = None) -> str:
+        """The row ended: release the rest (up to ``cut`` characters of the text, if given)."""
+        if cut is not None:
+            self.text = self.text[:cut]
+        return self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        if end <= self.emitted:
+            return ""
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out
+
+
+@attrs.define
+class RowState:
+    """One row of a :class:`Generation` (``core.run`` turns it into a :class:`~core.generation.generate.Row`).
+
+    Attributes:
+        prompt_ids: the tokens before this turn's output (for a continued row: the whole history).
+        output_ids: tokens generated this turn (the EOS or stop token included).
+        text: the output's text (cut before a stop string).
+        finish_reason: None while running, then one of :data:`FINISH_REASONS`.
+        stop: the stop string or stop token that ended the row, or None.
+        max_new_tokens, stop_strings, stop_token_ids: the row's limits.
+    """
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: frozenset = frozenset()
+    output_ids: list[int] = attrs.field(factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop: str | int | None = None
+    forced: list[int] = attrs.field(factory=list)
+    detok: Any = None
+
+    @property
+    def history(self) -> list[int]:
+        """Every token of the row: prompt and output."""
+        return self.prompt_ids + self.output_ids
+
+
+def _per_row(name: str, value: Any, batch: int, scalar_types: tuple) -> list:
+    from core.session import RequestError
+
+    if value is None or isinstance(value, scalar_types):
+        return [value] * batch
+    if isinstance(value, Sequence) and len(value) == batch:
+        return list(value)
+    raise RequestError(f"{name} must be one value for every row or a list of {batch}, got {value!r:.60}")
+
+
+def _max_new(value: Any) -> int:
+    from core.session import RequestError
+
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise RequestError(f"max_new_tokens must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    from core.session import RequestError
+
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+        raise RequestError(f"stop must be a non-empty string or a list of them, got {value!r:.60}")
+    return tuple(items)
+
+
+def _stop_ids(value: Any, vocab: int) -> frozenset:
+    from core.session import RequestError
+
+    if value is None:
+        return frozenset()
+    items = [value] if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
+    try:
+        ids = [int(t) for t in items if not isinstance(t, bool) and isinstance(t, (int, np.integer))]
+    except TypeError:
+        ids = []
+    if len(ids) != len(items) or any(not 0 <= t < vocab for t in ids):
+        raise RequestError(f"stop_token_ids must be token ids in [0, {vocab}), got {value!r:.60}")
+    return frozenset(ids)
+
+
+def eos_ids(model) -> frozenset:
+    """Every EOS id the model declares: genai_config.json's ``eos_token_id`` (one or a list)
+    and the tokenizer's ``eos_token``."""
+    ids = set(model.config.eos_token_ids)
+    tok = model.tokenizer
+    if tok is not None:
+        found = tok.token_id(tok.eos_token)
+        if found is not None:
+            ids.add(int(found))
+    return frozenset(ids)
+
+
+class Generation:
+    """Per-row generation on a session, iterated as :class:`Delta` objects.
+
+    Args:
+        session: a :class:`~core.session.Session` of ``len(input_ids)`` rows.
+        input_ids: one token-id list per row.
+        max_new_tokens: per row (an int for all, or a list).
+        sampling: per-row sampling options (:meth:`core.session.Session.check_sampling`).
+        stop: stop strings (a str, a list for all rows, or a list of lists per row).
+        stop_token_ids: ids ending a row besides the EOS ids (for all rows, or per row).
+        progress: optional ``callable(step, total)``: (0, total) as the prefill starts, then
+            after the prefill and after each decode step.
+
+    Everything is validated here, before any kernel runs (RequestError; the session stays usable).
+    After iteration, :attr:`rows` holds each row's :class:`RowState`.
+
+    Raises:
+        core.session.RequestError: bad options (see the helpers), or stop strings without a tokenizer.
+    """
+
+    def __init__(self, session, input_ids: Sequence[Sequence[int]], max_new_tokens: Any = 64,
+                 sampling: Any = None, stop: Any = None, stop_token_ids: Any = None, progress=None):
+        from core.session import RequestError
+
+        self.session = session
+        batch = len(input_ids)
+        news = [_max_new(m) for m in _per_row("max_new_tokens", max_new_tokens, batch, (int, np.integer))]
+        session.check_prompts(input_ids, max(news) if news else 0)
+        self.sampling = session.check_sampling(sampling)
+        stops = self._per_row_stops(stop, batch)
+        vocab = session.model.config.vocab_size
+        if stop_token_ids is not None and isinstance(stop_token_ids, (list, tuple)) and stop_token_ids \
+                and all(isinstance(x, (list, tuple, set, frozenset)) for x in stop_token_ids):
+            if len(stop_token_ids) != batch:
+                raise RequestError(f"stop_token_ids has {len(stop_token_ids)} lists for {batch} rows")
+            stop_ids = [_stop_ids(list(x), vocab) for x in stop_token_ids]
+        else:
+            stop_ids = [_stop_ids(stop_token_ids, vocab)] * batch
+        self.tokenizer = session.model.tokenizer
+        if self.tokenizer is None and any(stops):
+            raise RequestError("stop strings need a tokenizer; this model has no tokenizer.json")
+        self.eos = eos_ids(session.model)
+        self.rows = [RowState([int(t) for t in ids], n, s, i) for ids, n, s, i in zip(input_ids, news, stops, stop_ids)]
+        for r in self.rows:
+            r.detok = self._detokenizer(r)
+        self.progress = progress
+        self._input_ids: list[list[int]] | None = [list(r.prompt_ids) for r in self.rows]
+        self._pending = True
+        self._last: np.ndarray | None = None
+
+    @staticmethod
+    def _per_row_stops(stop: Any, batch: int) -> list[tuple[str, ...]]:
+        from core.session import RequestError
+
+        if isinstance(stop, (list, tuple)) and stop and all(isinstance(x, (list, tuple)) or x is None for x in stop):
+            if len(stop) != batch:
+                raise RequestError(f"stop has {len(stop)} lists for {batch} rows")
+            return [_stop_strings(x) for x in stop]
+        return [_stop_strings(stop)] * batch
+
+    def _detokenizer(self, row: RowState) -> IncrementalDetokenizer:
+        hold = max((len(s) for s in row.stop_strings), default=1) - 1
+        return IncrementalDetokenizer(self.tokenizer, hold)
+
+    # -- iteration ----------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Delta]:
+        if not self._pending:
+            return
+        self._pending = False
+        s = self.session
+        if self._input_ids is not None:  # a new request: prefill
+            ids, self._input_ids = self._input_ids, None
+            for b, r in enumerate(self.rows):
+                if r.max_new_tokens == 0:
+                    r.finish_reason = "length"
+                    yield Delta(b, [], "", "length")
+            if all(r.finish_reason is not None for r in self.rows):
+                return
+            if self.progress is not None:  # the prefill starts: (0, total)
+                self.progress(0, max(r.max_new_tokens for r in self.rows))
+            out = s.prefill(ids, self.sampling)
+        else:  # a continuation: the first forced step
+            out = s.step(force_tokens=self._forced())
+        step = 0
+        while True:
+            yield from self._observe(out)
+            step += 1
+            if self.progress is not None:
+                self.progress(step, max(r.max_new_tokens for r in self.rows))
+            if all(r.finish_reason is not None for r in self.rows):
+                return
+            out = s.step(force_tokens=self._forced())
+
+    def _forced(self) -> list[int] | None:
+        """This step's tokens per row when some row still has tokens to be fed, else None."""
+        if not any(r.forced for r in self.rows):
+            return None
+        last = self._last if self._last is not None else np.zeros(len(self.rows), np.int64)
+        return [r.forced.pop(0) if r.forced else max(int(last[b]), 0) for b, r in enumerate(self.rows)]
+
+    def _observe(self, out) -> Iterator[Delta]:
+        self._last = out.tokens
+        for b, r in enumerate(self.rows):
+            if r.finish_reason is not None or r.forced:
+                continue  # ended, or still being fed: this step's choice is not an output
+            if out.errors[b]:
+                yield self._end(b, r, "error")
+                continue
+            tok = int(out.tokens[b])
+            r.output_ids.append(tok)
+            r.detok.add(tok)
+            reason, cut = None, None
+            if tok in self.eos:
+                reason = "eos"
+            elif tok in r.stop_token_ids:
+                reason, r.stop = "stop", tok
+            else:
+                cut = self._stop_at(r)
+                if cut is not None:
+                    reason = "stop"
+                elif len(r.output_ids) >= r.max_new_tokens:
+                    reason = "length"
+            if reason is None:
+                text = r.detok.release()
+                r.text = r.detok.text[:r.detok.emitted]
+                yield Delta(b, [tok], text)
+            else:
+                yield self._end(b, r, reason, [tok], cut)
+
+    def _stop_at(self, r: RowState) -> int | None:
+        if not r.stop_strings:
+            return None
+        text = r.detok.text
+        hits = [(text.find(s), s) for s in r.stop_strings]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return None
+        i, s = min(hits)
+        r.stop = s
+        return i
+
+    def _end(self, b: int, r: RowState, reason: str, ids: list[int] | None = None,
+             cut: int | None = None) -> Delta:
+        if cut is not None and cut < r.detok.emitted:  # cannot happen: held back (kept as a guard)
+            raise AssertionError("a stop string began inside text already released")
+        text = r.detok.finish(cut)
+        r.text, r.finish_reason = r.detok.text, reason
+        return Delta(b, list(ids or []), text, reason)
+
+    def run(self) -> list[RowState]:
+        """Iterate to the end; returns :attr:`rows`."""
+        for _ in self:
+            pass
+        return self.rows
+
+    # -- continuing ---------------------------------------------------------------------------
+    def extend(self, new_tokens: Sequence[Sequence[int] | None], max_new_tokens: Any = 64,
+               sampling: Any = None, stop: Any = None, stop_token_ids: Any = None) -> Generation:
+        """Continue rows after every row has ended: row b gets ``new_tokens[b]`` appended to its
+        history (None: the row stays ended) and decodes on. Returns self; iterate it again.
+
+        Raises:
+            core.session.RequestError: rows still running, a row that ended in error, nothing to
+                feed to a row (no output and no new tokens), tokens outside the vocabulary, or
+                the history beyond the KV limit. Checked before any kernel runs.
+        """
+        from core.session import RequestError
+
+        s = self.session
+        if self._pending or any(r.finish_reason is None for r in self.rows):
+            raise RequestError("extend() continues a finished generation; iterate it to the end first")
+        batch = len(self.rows)
+        if len(new_tokens) != batch:
+            raise RequestError(f"extend needs {batch} rows of tokens (None for a row that stays ended)")
+        news = [_max_new(m) for m in _per_row("max_new_tokens", max_new_tokens, batch, (int, np.integer))]
+        vocab = s.model.config.vocab_size
+        stops = self._per_row_stops(stop, batch)
+        stop_ids = [_stop_ids(stop_token_ids, vocab)] * batch
+        lengths: list[int] = []
+        plans: list[list[int] | None] = []
+        for b, (r, new) in enumerate(zip(self.rows, new_tokens)):
+            kv = len(r.prompt_ids) + max(len(r.output_ids) - 1, 0)  # positions the row's KV holds
+            lengths.append(kv)
+            if new is None:
+                plans.append(None)
+                continue
+            extra = [int(t) for t in new]
+            if r.finish_reason == "error":
+                raise RequestError(f"row {b} ended with non-finite logits; it cannot be continued")
+            if any(not 0 <= t < vocab for t in extra):
+                raise RequestError(f"row {b}: new tokens outside [0, {vocab})")
+            feed = r.output_ids[-1:] + extra
+            if not feed:
+                raise RequestError(f"row {b} has nothing to continue from (no output and no new tokens)")
+            need = kv + len(feed) + news[b] - 1
+            if need > s.state.kv.limit:
+                raise RequestError(f"row {b} needs {need} KV positions; the session's limit is {s.state.kv.limit}")
+            plans.append(feed)
+        if all(p is None for p in plans):
+            raise RequestError("extend() got no row to continue")
+        rows = s.check_sampling(sampling) if sampling is not None else self.sampling
+        # the longest feed sets how many forced steps the batch runs; a row finished meanwhile idles
+        for b, (r, plan) in enumerate(zip(self.rows, plans)):
+            if plan is None:
+                continue
+            feed = plan
+            r.prompt_ids = r.history + feed[1:] if r.output_ids else r.prompt_ids + feed
+            r.output_ids, r.text, r.finish_reason, r.stop = [], "", None, None
+            r.max_new_tokens, r.stop_strings, r.stop_token_ids = news[b], stops[b], stop_ids[b]
+            r.forced = feed
+            r.detok = self._detokenizer(r)
+            if news[b] == 0:
+                r.finish_reason, r.forced = "length", []
+        s.rewind(lengths)
+        s.set_sampling(rows, [r.prompt_ids[:lengths[b]] for b, r in enumerate(self.rows)])
+        self.sampling = rows
+        self._pending = any(r.finish_reason is None for r in self.rows)
+        return self
+
+
+def timed(gen: Generation) -> tuple[list[RowState], float]:
+    """Drain ``gen``; returns its rows and the wall seconds it took."""
+    t0 = time.perf_counter()
+    rows = gen.run()
+    return rows, time.perf_counter() - t0

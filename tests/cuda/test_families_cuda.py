@@ -1,0 +1,76 @@
+"""The tiny builder families (core.testing.families) in their fp16 CUDA variant on the cuda
+provider (GPU only): each row of a batch is bitwise its batch-1 run on cuda, and the greedy
+tokens follow cpu_reference's on the same folder (teacher-forced logits within fp16 tolerance).
+
+    pytest -q tests/cuda/test_families_cuda.py           # builds 10 tiny models (~20 s each)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _gpu import require_gpu
+
+require_gpu()
+pytest.importorskip("transformers")
+
+from core.generation.loop import decode  # noqa: E402
+from core.models.model import load_model  # noqa: E402
+from core.session import Session  # noqa: E402
+from core.testing.families import FAMILIES, write_checkpoint  # noqa: E402
+
+STEPS = 16
+CAPACITY = 64
+PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 21)), [200, 7, 7, 31, 64, 128, 9, 250, 1, 33, 77, 12, 6]]
+#: gemma3: the 0.18 builder fails with transformers 5; qwen3: its fp16 CUDA graph fuses the q/k
+#: RMSNorm into GroupQueryAttention (inputs 14, 15), which no built-in kernel implements yet.
+SKIPPED = {"gemma3", "qwen3"}
+TESTED = [f for f in sorted(FAMILIES) if f not in SKIPPED]
+
+
+@pytest.fixture(scope="session")
+def cuda_family(tmp_path_factory):
+    from core.models.prepare import Variant, prepare
+
+    root = tmp_path_factory.mktemp("families-cuda")
+    built: dict[str, object] = {}
+
+    def get(family: str):
+        if family not in built:
+            hf = write_checkpoint(family, root / "hf" / family)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("LOCKSTEP_CACHE", str(root / "cache"))
+                built[family] = load_model(prepare(Variant(str(hf), "fp16", "cuda")))
+        return built[family]
+
+    return get
+
+
+def _run(model, provider, rows, force=None):
+    session = Session(model, provider, batch=len(rows), capacity=CAPACITY)
+    logits = []
+    trace = decode(session, rows, STEPS, force=force,
+                   observer=lambda *_: logits.append(np.asarray(session.last_logits(), np.float32)))
+    return trace.tokens.T, np.stack(logits, 1)
+
+
+@pytest.mark.parametrize("family", TESTED)
+def test_cuda_rows_are_bitwise_their_batch1_runs(cuda_family, family):
+    model = cuda_family(family)
+    tokens, logits = _run(model, "cuda", PROMPTS)
+    for b, ids in enumerate(PROMPTS):
+        t1, l1 = _run(model, "cuda", [ids])
+        assert np.array_equal(tokens[b], t1[0]) and np.array_equal(logits[b], l1[0]), f"{family} row {b}"
+
+
+@pytest.mark.parametrize("family", TESTED)
+def test_cuda_follows_cpu_reference_on_the_same_folder(cuda_family, family):
+    """Teacher-forced on cpu_reference's greedy tokens: logits within fp16 tolerance of the
+    reference's (relative to the logit spread), top-1 equal on at least 90% of the steps."""
+    model = cuda_family(family)
+    ref_tokens, ref_logits = _run(model, "cpu_reference", PROMPTS)
+    force = [[int(t) for t in row[:STEPS]] for row in ref_tokens]  # force[b][t] replaces token t
+    _, got = _run(model, "cuda", PROMPTS, force=force)
+    spread = ref_logits.max(-1) - ref_logits.min(-1)
+    assert (np.abs(got - ref_logits).max(-1) <= 0.02 * spread + 1e-2).all(), family
+    assert (got.argmax(-1) == ref_logits.argmax(-1)).mean() >= 0.9, family

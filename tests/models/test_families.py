@@ -1,0 +1,118 @@
+"""The builder's dense decoder families, tiny and random (core.testing.families), on cpu_reference.
+
+Each family's checkpoint goes through ``core.prepare`` (a Hugging Face folder source: content
+hash, lock, the real builder) once per test session. Per family: 32 greedy tokens of three
+prompts of different lengths, run as one batch, equal ONNX Runtime GenAI's (CPU, fp32) batch-1
+tokens; and each row is bitwise its batch-1 run (tokens and logits).
+
+The prompts plus 32 tokens stay within 64 positions and the sessions' capacity is 64: the
+sliding windows (24) are exercised, and Phi-3 LongRoPE's If picks the short-factor caches in
+both runtimes (ORT GenAI compares the current length with original_max_position_embeddings = 64,
+Lockstep the mask width, which is the capacity: docs/ops.md 5).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core.generation.generate import generate
+from core.generation.loop import decode
+from core.models.model import load_model
+from core.session import Session
+from core.testing.families import FAMILIES, write_checkpoint
+
+og = pytest.importorskip("onnxruntime_genai")
+pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.model
+
+STEPS = 32
+CAPACITY = 64
+PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 21)), [200, 7, 7, 31, 64, 128, 9, 250, 1, 33, 77, 12, 6, 90, 44, 23, 8]]
+#: Families whose tiny build fails in the 0.18 builder with transformers 5 (left out, with why).
+BUILDER_FAILS = {
+    "gemma3": "the builder reads config.rope_local_base_freq, which transformers 5 folds into "
+              "rope_parameters['sliding_attention']",
+}
+TESTED = [f for f in sorted(FAMILIES) if f not in BUILDER_FAILS]
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory):
+    """family -> its prepared fp32 CPU builder folder (built on first use in this session)."""
+    from core.models.prepare import Variant, prepare
+
+    root = tmp_path_factory.mktemp("families")
+    built: dict[str, object] = {}
+
+    def get(family: str):
+        if family not in built:
+            hf = write_checkpoint(family, root / "hf" / family)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("LOCKSTEP_CACHE", str(root / "cache"))
+                built[family] = prepare(Variant(str(hf), "fp32", "cpu"))
+        return built[family]
+
+    return get
+
+
+def ort_greedy(model_dir, ids, steps):
+    m = og.Model(str(model_dir))
+    params = og.GeneratorParams(m)
+    params.set_search_options(max_length=len(ids) + steps, do_sample=False)
+    gen = og.Generator(m, params)
+    gen.append_tokens(ids)
+    while not gen.is_done():
+        gen.generate_next_token()
+    return [int(t) for t in gen.get_sequence(0)][len(ids):]
+
+
+@pytest.mark.parametrize("family", TESTED)
+def test_greedy_tokens_equal_ort_genai(family_dirs, family):
+    folder = family_dirs(family)
+    model = load_model(folder)
+    assert model.config.num_layers == 2 and model.config.hidden_size == 64
+    ours = generate(Session(model, "cpu_reference", batch=len(PROMPTS), capacity=CAPACITY), PROMPTS, STEPS)
+    eos = set(model.config.eos_token_ids)
+    distinct = set()
+    for b, ids in enumerate(PROMPTS):
+        expected = ort_greedy(folder, ids, STEPS)
+        tokens, reason = ours[b]
+        if reason == "eos":  # we report the EOS token; ORT GenAI stops before appending it
+            assert tokens[-1] in eos
+            tokens = tokens[:-1]
+        assert tokens == expected, f"{family} prompt {b}"
+        distinct |= set(tokens)
+    assert len(distinct) > 1, "the random model should not repeat one token"
+
+
+@pytest.mark.parametrize("family", TESTED)
+def test_rows_of_a_batch_are_bitwise_their_batch1_runs(family_dirs, family):
+    model = load_model(family_dirs(family))
+
+    def run(rows):
+        session = Session(model, "cpu_reference", batch=len(rows), capacity=CAPACITY)
+        logits = []
+        trace = decode(session, rows, STEPS, observer=lambda *_: logits.append(session.last_logits()))
+        return trace.tokens.T, np.stack(logits, 1)
+
+    tokens, logits = run(PROMPTS)
+    for b, ids in enumerate(PROMPTS):
+        t1, l1 = run([ids])
+        assert np.array_equal(tokens[b], t1[0]), f"{family} row {b} tokens"
+        assert np.array_equal(logits[b], l1[0]), f"{family} row {b} logits"
+
+
+def test_families_use_their_distinguishing_features(family_dirs):
+    """The tiny graphs carry what makes each family differ (so the parity above covers it)."""
+    from core.executor import node_infos
+
+    def attrs_of(family, op):
+        return [n.attrs for n in node_infos(load_model(family_dirs(family)).graph) if n.op_type == op]
+
+    assert any(a.get("local_window_size") == 24 for a in attrs_of("mistral", "GroupQueryAttention"))
+    assert any(a.get("softcap", 0) > 0 for a in attrs_of("gemma2", "GroupQueryAttention"))
+    assert attrs_of("gemma2", "Gelu") and attrs_of("phi3-longrope", "If")
+    assert not any(a.get("sliding_window_cache") for f in ("mistral", "gemma2", "smollm3")
+                   for a in attrs_of(f, "GroupQueryAttention"))

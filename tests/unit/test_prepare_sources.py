@@ -1,0 +1,173 @@
+"""core.prepare for path sources (no real build here: tests/models/test_families.py builds with
+the real builder), the shared cache under two processes, the unsupported-node error, the If of
+constant branches and the GELU ops."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from core.cli import main
+from core.executor import Plan, UnsupportedOpError
+from core.models.prepare import PrepareError, Variant, source_digest, source_kind
+from providers.cpu_reference.provider import CpuReferenceProvider
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def hf_folder(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (path / "model.safetensors").write_bytes(b"weights")
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+def test_unknown_model_name_lists_the_known_models(capsys):
+    assert main(["prepare", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'no-such-model'" in err and "smollm2-135m" in err and err.count("\n") == 1
+
+
+def test_prepare_list_shows_models_and_variants_and_builds_nothing(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCKSTEP_CACHE", str(tmp_path))
+    assert main(["prepare", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m" in out and "fp16/cuda" in out and "not offered" in out
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("precision,target", [("fp16", "cpu"), ("fp32", "cuda")])
+def test_variants_that_do_not_run_are_refused_with_why(precision, target):
+    with pytest.raises(PrepareError, match="not offered: the builder's"):
+        Variant("smollm2-135m", precision, target)
+
+
+def test_source_kinds_and_incomplete_folders(tmp_path):
+    assert source_kind(hf_folder(tmp_path / "hf")) == "hf"
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert source_kind(tmp_path / "m.gguf") == "gguf"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PrepareError, match="neither config.json"):
+        source_kind(tmp_path / "empty")
+    with pytest.raises(PrepareError, match="no such file or folder"):
+        source_kind(tmp_path / "absent" / "x")
+
+
+def test_content_hash_follows_the_files_not_the_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCKSTEP_CACHE", str(tmp_path / "cache"))
+    a = hf_folder(tmp_path / "a")
+    b = hf_folder(tmp_path / "b")
+    (a / "README.md").write_text("not hashed")
+    assert source_digest(a) == source_digest(b)
+    (b / "model.safetensors").write_bytes(b"other weights")
+    assert source_digest(a) != source_digest(b)
+
+
+FAKE_BUILD = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    import core.models.prepare as p
+
+    def fake(hf, tmp, variant, root, progress):
+        # a slow builder that records each build; writes what a builder folder needs
+        with open(os.environ["BUILD_LOG"], "a") as log:
+            log.write(f"{os.getpid()}\\n")
+        time.sleep(1.5)
+        (tmp / "model.onnx").write_bytes(b"onnx")
+        (tmp / "genai_config.json").write_text("{}")
+
+    p._run_builder = fake
+    p._check_tools = lambda gguf: None
+    print(p.prepare(p.Variant(sys.argv[1], "fp32", "cpu")))
+""")
+
+
+def test_two_processes_on_an_empty_cache_build_once_and_share_the_folder(tmp_path):
+    hf = hf_folder(tmp_path / "hf")
+    log = tmp_path / "builds.log"
+    env = {"LOCKSTEP_CACHE": str(tmp_path / "cache"), "BUILD_LOG": str(log), "PYTHONPATH": str(REPO),
+           "PATH": "/usr/bin:/bin"}
+    procs = [subprocess.Popen([sys.executable, "-c", FAKE_BUILD, str(hf)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    folders = {out.strip() for out, _ in results}
+    assert len(folders) == 1
+    folder = Path(folders.pop())
+    assert (folder / "model.onnx").read_bytes() == b"onnx" and (folder / "genai_config.json").exists()
+    assert len(log.read_text().split()) == 1, "the second process must reuse the first one's build"
+    leftovers = [p.name for p in folder.parent.iterdir() if p != folder]
+    assert leftovers == [], "no temporary folder is left behind"
+
+
+def _graph(nodes, inputs, outputs, inits=()):
+    g = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]).graph
+
+
+def test_unsupported_error_lists_every_node_with_its_reason():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    nodes = [helper.make_node("NoSuchOp", ["x" if i == 0 else f"y{i - 1}"], [f"y{i}"], name=f"n{i}")
+             for i in range(30)]
+    nodes.append(helper.make_node("Gelu", ["y29"], ["z"], name="bad_gelu", approximate="erf"))
+    graph = _graph(nodes, [x], [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])])
+    with pytest.raises(UnsupportedOpError) as exc:
+        Plan(graph, {}, CpuReferenceProvider())
+    text = str(exc.value)
+    assert "31 node(s) of 2 kind(s)" in text and "'n29'" in text and "'n0'" in text
+    assert "no op module for ai.onnx.NoSuchOp" in text and "approximate='erf'" in text
+
+
+def test_if_with_constant_branches_selects_by_a_host_condition():
+    def branch(value):
+        const = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(value))
+        return helper.make_graph([const], "b", [], [helper.make_tensor_value_info("c", TensorProto.FLOAT, [2])])
+
+    n = helper.make_tensor_value_info("n", TensorProto.INT64, [])
+    limit = numpy_helper.from_array(np.array(4, np.int64), "limit")
+    nodes = [helper.make_node("Greater", ["n", "limit"], ["cond"], name="gt"),
+             helper.make_node("If", ["cond"], ["picked"], name="if",
+                              then_branch=branch(np.array([1.0, 2.0], np.float32)),
+                              else_branch=branch(np.array([3.0, 4.0], np.float32))),
+             helper.make_node("Add", ["picked", "picked"], ["out"], name="add")]
+    graph = _graph(nodes, [n], [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2])], [limit])
+    plan = Plan(graph, {"limit": np.array(4, np.int64)}, CpuReferenceProvider())
+    assert plan.kernels[1].__name__ == "_select_branch"
+    assert plan.run({"n": np.array(9, np.int64)})["out"].tolist() == [2.0, 4.0]
+    assert plan.run({"n": np.array(4, np.int64)})["out"].tolist() == [6.0, 8.0]
+
+
+def test_gelu_ops_follow_their_formulas():
+    from core.protocol import KernelContext, NodeInfo
+    from providers.cpu_reference.ops import fast_gelu, gelu, quick_gelu
+
+    x = np.linspace(-6, 6, 97, dtype=np.float32)
+    provider = CpuReferenceProvider()
+
+    def call(module, attrs, *args):
+        node = NodeInfo(name="n", op_type=module.OP_TYPE, domain=module.DOMAIN, attrs=attrs,
+                        inputs=tuple(f"i{j}" for j in range(len(args))), outputs=("y",),
+                        input_dtypes=(np.dtype(np.float32),) * len(args))
+        return module.run(KernelContext(node, provider, "head_major"), *args)[0].astype(np.float64)
+
+    xd = x.astype(np.float64)
+    exact = 0.5 * xd * (1 + np.array([math.erf(v / math.sqrt(2)) for v in xd]))
+    tanh = 0.5 * xd * (1 + np.tanh(math.sqrt(2 / math.pi) * (xd + 0.044715 * xd ** 3)))
+    assert np.abs(call(gelu, {"approximate": "none"}, x) - exact).max() < 1e-5
+    assert np.abs(call(gelu, {"approximate": "tanh"}, x) - tanh).max() < 1e-5
+    bias = np.float32(0.5)
+    shifted = xd + 0.5
+    fast = 0.5 * shifted * (1 + np.tanh(math.sqrt(2 / math.pi) * (shifted + 0.044715 * shifted ** 3)))
+    assert np.abs(call(fast_gelu, {}, x, np.full(97, bias)) - fast).max() < 1e-5
+    assert np.abs(call(quick_gelu, {"alpha": 1.702}, x) - xd / (1 + np.exp(-1.702 * xd))).max() < 1e-5
+    assert not gelu.supports(NodeInfo(name="n", op_type="Gelu", domain="", attrs={"approximate": "erf"},
+                                      inputs=("x",), outputs=("y",), input_dtypes=(np.dtype(np.float32),)))
