@@ -9,6 +9,8 @@ Public API: :func:`run`, :func:`stream`, :class:`Session`, :class:`Runner`, :fun
 (:mod:`core.hookspecs`, :data:`hookimpl`).
 """
 
+from importlib import metadata as _metadata
+
 from core.executor import UnsupportedOpError
 from core.generation.generate import Result, Row, Stream, generate, run, stream
 from core.generation.sampling import SamplingParams
@@ -22,6 +24,11 @@ from core.runtime.kv import KVLayoutError
 from core.runtime.residency import BudgetError
 from core.runtime.runner import Runner
 from core.session import RequestError, Session
+
+try:
+    __version__ = _metadata.version("lockstep")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0.1.0+source"
 
 __all__ = [
     "run", "stream", "generate", "Result", "Row", "Stream", "Delta", "Generation", "SamplingParams",

@@ -1,12 +1,13 @@
 """The ``lockstep`` command (also ``python -m core``).
 
-    lockstep run [--model DIR|NAME] [--provider P] --prompt A [--prompt B ...] [--max-new-tokens N]
-                 [--raw] [--json] [--layout head_major|seq_major] [--no-capture]
+    lockstep run [--model DIR|NAME] [--provider P] --prompt A [--prompt B ...] [--prompt -]
+                 [--prompt-file FILE] [--max-new-tokens N] [--raw] [--json]
+                 [--layout head_major|seq_major] [--no-capture]
     lockstep prepare [NAME|HF_DIR|FILE.gguf] [--precision fp32|int4|fp16] [--target cpu|cuda] [--output DIR]
     lockstep prepare --list
     lockstep chat [--model DIR|NAME] [--provider P] [--system TEXT] [sampling options]
     lockstep providers
-    lockstep parity --provider P --model DIR [--batch 1,2,8] [--steps 64] [--json]
+    lockstep parity --provider P [--model DIR] [--full] [--batch 1,2] [--steps 4] [--json]
     lockstep profile MODEL --provider P --batch-sweep 1,2,4 --tokens T --context L [...]
 """
 
@@ -16,6 +17,7 @@ import argparse
 import contextlib
 import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -89,36 +91,115 @@ def _resolve_model(model: str | None, provider: str):
         return resolve_model(model, precision, target, progress=update)
 
 
-def cmd_run(a) -> int:
-    from rich.progress import Progress
+def read_prompts(data: bytes, source: str) -> list[str]:
+    """Prompts from a file or stdin: one per line (blank lines skipped), or JSONL when the
+    first non-blank line starts with ``{`` or ``"``: each line a JSON string or an object with
+    a ``"prompt"`` string (so a prompt can hold newlines).
 
-    from core.generation.generate import run
+    Raises:
+        RequestError: the bytes are not UTF-8, a JSONL line is malformed, or there is no prompt.
+    """
+    from core.session import RequestError
+
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"{source} is not UTF-8 text (byte {exc.start})") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if not lines:
+        raise RequestError(f"{source} holds no prompt")
+    if not lines[0][1].lstrip().startswith(("{", '"')):
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"{source} line {n} is not JSON ({exc.msg}); JSONL needs one JSON "
+                               "string or {\"prompt\": ...} object per line") from None
+        if isinstance(item, dict):
+            item = item.get("prompt")
+        if not isinstance(item, str):
+            raise RequestError(f"{source} line {n}: expected a JSON string or an object with a "
+                               "\"prompt\" string")
+        prompts.append(item)
+    return prompts
+
+
+def _prompts(a) -> list[str]:
+    """The prompts of ``lockstep run``: each --prompt (``-`` reads stdin), then --prompt-file."""
+    from core.session import RequestError
+
+    out: list[str] = []
+    for prompt in a.prompt or []:
+        if prompt == "-":
+            if a.prompt.count("-") > 1:
+                raise RequestError("--prompt - (stdin) can be given once")
+            out += read_prompts(sys.stdin.buffer.read(), "stdin")
+        else:
+            out.append(prompt)
+    for name in a.prompt_file or []:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise RequestError(f"prompt file not found: {name}")
+        out += read_prompts(path.read_bytes(), str(name))
+    if not out:
+        raise RequestError("give a prompt: --prompt TEXT, --prompt - (stdin) or --prompt-file FILE")
+    return out
+
+
+def _rate(tokens_per_s: float | None) -> str:
+    return "-" if tokens_per_s is None else f"{tokens_per_s:,.1f} tok/s"
+
+
+def cmd_run(a) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from core.generation.generate import check_prompt_texts, run
     from core.plugins import get_provider
 
+    prompts = _prompts(a)
+    check_prompt_texts(prompts)  # before any model build
     provider = get_provider(a.provider)  # a missing provider is reported before any model build
     model = _resolve_model(a.model, a.provider)
     options = _generation_options(a)
     if a.stream:
-        return _run_streamed(a, model, provider, options)
-    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
-        task = bar.add_task("decoding", total=a.max_new_tokens)
-        result = run(model, provider=provider, prompts=a.prompt, max_new_tokens=a.max_new_tokens,
+        return _run_streamed(a, prompts, model, provider, options)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+        rows = "1 prompt" if len(prompts) == 1 else f"{len(prompts)} prompts"
+        task = bar.add_task(f"loading the model for {rows}", total=a.max_new_tokens)
+
+        def progress(done: int, total: int) -> None:
+            text = f"prefill of {rows}" if done == 0 else "decoding"
+            bar.update(task, completed=done, description=text)
+
+        result = run(model, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens,
                      chat=not a.raw, kv_layout=a.layout, capture=False if a.no_capture else None,
-                     weight_budget=a.weight_budget, device_budget=a.device_budget,
-                     progress=lambda done, total: bar.update(task, completed=done), **options)
+                     weight_budget=a.weight_budget, device_budget=a.device_budget, progress=progress,
+                     **options)
     if a.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        for prompt, row in zip(a.prompt, result.rows):
-            if len(a.prompt) > 1:
+        for prompt, row in zip(prompts, result.rows):
+            if len(prompts) > 1:
                 print(f"### {prompt}")
             print(row.text)
         c = result.counters
         tokens = sum(len(r.output_ids) for r in result.rows)
-        console.print(f"[dim]{result.provider}: {len(result.rows)} rows, {tokens} tokens, prefill "
-                      f"{c['prefill_s'] * 1e3:.0f} ms, decode {c['decode_steps']} steps "
-                      f"{c['decode_s'] * 1e3:.0f} ms[/dim]")
-    return 0
+        console.print(f"[dim]{result.provider}: {len(result.rows)} rows, {tokens} tokens; prefill "
+                      f"{c['prefill_tokens']} tokens in {c['prefill_s'] * 1e3:.0f} ms "
+                      f"({_rate(result.prefill_tokens_per_s)}); decode {c['decode_steps']} steps in "
+                      f"{c['decode_s'] * 1e3:.0f} ms ({_rate(result.decode_tokens_per_s)})[/dim]")
+        console.print("[dim]finish: " + "; ".join(
+            f"{'' if len(result.rows) == 1 else f'row {i} '}{r.finish_reason} ({len(r.output_ids)} tokens)"
+            for i, r in enumerate(result.rows)) + "[/dim]")
+    failed = [i for i, r in enumerate(result.rows) if r.finish_reason == "error"]
+    for i in failed:
+        console.print(f"[red]error:[/red] row {i}: the logits became NaN or infinite after "
+                      f"{len(result.rows[i].output_ids)} tokens; its text stops there")
+    return 1 if failed and len(failed) == len(result.rows) else 0
 
 
 def _generation_options(a) -> dict:
@@ -133,24 +214,24 @@ def _generation_options(a) -> dict:
     return out
 
 
-def _run_streamed(a, model, provider, options: dict) -> int:
+def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
     """``run --stream``: one prompt's text as it is decoded; several prompts: each row printed
     whole as soon as it ends (interleaved rows are unreadable)."""
     from core.generation.generate import stream
 
-    st = stream(model, provider=provider, prompts=a.prompt, max_new_tokens=a.max_new_tokens, chat=not a.raw,
+    st = stream(model, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens, chat=not a.raw,
                 kv_layout=a.layout, capture=False if a.no_capture else None, weight_budget=a.weight_budget,
                 device_budget=a.device_budget, **options)
-    texts = [""] * len(a.prompt)
+    texts = [""] * len(prompts)
     for d in st:
-        if len(a.prompt) == 1:
+        if len(prompts) == 1:
             sys.stdout.write(d.text)
             sys.stdout.flush()
         else:
             texts[d.row] += d.text
             if d.finish_reason is not None:
-                print(f"### {a.prompt[d.row]}\n{texts[d.row]}", flush=True)
-    if len(a.prompt) == 1:
+                print(f"### {prompts[d.row]}\n{texts[d.row]}", flush=True)
+    if len(prompts) == 1:
         print()
     result = st.result()
     if a.json:
@@ -265,13 +346,14 @@ def cmd_providers(a) -> int:
 
 def cmd_parity(a) -> int:
     from core.plugins import get_provider
-    from core.testing.parity import run_parity
+    from core.testing.parity import run_kit
 
     provider = get_provider(a.provider)  # a missing provider is reported before any model build
     model = _resolve_model(a.model, a.provider)
-    with _status(f"parity of {a.provider} against cpu_reference"):
-        report = run_parity(model, provider, batches=tuple(a.batch), steps=a.steps,
-                            weight_budget=a.weight_budget)
+    mode = "full" if a.full else "quick"
+    with _status(f"parity of {a.provider} against cpu_reference ({mode} mode)") as update:
+        report = run_kit(model, provider, mode, batches=a.batch, steps=a.steps, weight_budget=a.weight_budget,
+                         progress=update)
     if a.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -280,8 +362,10 @@ def cmd_parity(a) -> int:
 
 
 def cmd_profile(a) -> int:
+    from core.plugins import get_provider
     from core.profile import profile_main
 
+    get_provider(a.provider)  # a missing or unusable provider is reported before any model build
     a.model = _resolve_model(a.model, a.provider)
     return profile_main(a, console, _table_console())
 
@@ -295,10 +379,17 @@ def _budget_arg(parser: argparse.ArgumentParser, device: bool = True) -> None:
                             "(4GiB): KV growth takes from the weight budget, so more weights stream")
 
 
+def _version() -> str:
+    import core
+
+    return f"lockstep {core.__version__} ({Path(core.__file__).parent})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of ``lockstep`` (one subcommand per job)."""
     p = argparse.ArgumentParser(prog="lockstep", description="Batch-N decoding of ONNX LLMs on "
                                 "pluggable execution providers.")
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="decode prompts as one batch (greedy)")
@@ -306,7 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: smollm2-135m; prepared on first use, then cached)")
     r.add_argument("--provider", default="cpu_reference", help="execution provider (see `lockstep "
                    "providers`; default: %(default)s)")
-    r.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    r.add_argument("--prompt", action="append", help="a prompt; repeat for a batch; - reads prompts "
+                   "from stdin like --prompt-file")
+    r.add_argument("--prompt-file", action="append", metavar="FILE", help="prompts, one per line, or "
+                   "JSONL (a JSON string or {\"prompt\": ...} per line); repeatable")
     r.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per row "
                    "(default: %(default)s)")
     r.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -347,10 +441,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("parity", help="decode gates of a provider against cpu_reference")
     t.add_argument("--provider", required=True, help="the provider under test")
-    t.add_argument("--model", required=True, help="builder model folder or model name")
-    t.add_argument("--batch", type=_int_list, default=[1, 2, 8],
-                   help="batch sizes of the teacher-forced logits gate, e.g. 1,2,8 (default)")
-    t.add_argument("--steps", type=_positive_int, default=64, help="decode steps (default: %(default)s)")
+    t.add_argument("--model", help="builder model folder or model name (default: smollm2-135m, prepared "
+                   "for the provider on first use)")
+    t.add_argument("--full", action="store_true", help="every gate on the model, batches 1,2,8 for 64 steps "
+                   "(default: the quick mode, about a minute on a CPU: every gate on a tiny model of the same "
+                   "dtype, then the logits, greedy and batch-invariance gates on the model, batches 1,2 for 4 "
+                   "steps)")
+    t.add_argument("--batch", type=_int_list, default=None,
+                   help="batch sizes of the gates on the model, e.g. 1,2,8 (default: 1,2; with --full 1,2,8)")
+    t.add_argument("--steps", type=_positive_int, default=None, help="decode steps on the model (default: 4; "
+                   "with --full 64)")
     t.add_argument("--json", action="store_true", help="print the report as JSON")
     _budget_arg(t, device=False)
     t.set_defaults(func=cmd_parity)

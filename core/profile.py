@@ -228,12 +228,18 @@ def plot(rows: list[ProfileRow], path: str, title: str) -> None:
 
 
 def batch_axes(ax, title: str) -> None:
-    """Tokens/s against batch on log-log axes (base-2 batch), titled, with a grid."""
+    """Tokens/s against batch on log-log axes (base-2 batch), titled, with a grid. The title is
+    wrapped to the figure's width (a model path is long), so it never runs off the figure."""
+    import textwrap
+
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch")
     ax.set_ylabel("decode tokens/s")
-    ax.set_title(title)
+    size = 9.0
+    width_pt = ax.figure.get_figwidth() * 72 * 0.85
+    chars = max(20, int(width_pt / (size * 0.6)))  # 0.6 em: a wide average glyph of the default font
+    ax.set_title(textwrap.fill(title, chars, break_long_words=True, break_on_hyphens=False), fontsize=size)
     ax.grid(True, which="both", alpha=0.3)
 
 
@@ -268,8 +274,14 @@ def profile_main(args, console, table_console) -> int:
              f"{'eager' if args.no_capture else 'capture when supported'}, capacity >= {args.context}")
     with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("profiling", total=len(batches))
-        rows = profile(args.model, args.provider, batches, args,
-                       progress=lambda done, total, row: bar.update(task, completed=done, total=total))
+
+        def progress(done: int, total: int, row: ProfileRow) -> None:
+            bar.update(task, completed=done, total=total)
+            if not console.is_terminal:  # a log: one plain line per batch x prompt length
+                console.print(f"profile: batch {row.batch} x {row.prompt_len} prompt tokens done ({done}/{total}), "
+                              f"{row.tokens_per_s:,.0f} tok/s", markup=False)
+
+        rows = profile(args.model, args.provider, batches, args, progress=progress)
     if anchor is not None:
         rows = with_anchor(rows, anchor)
     table_console.print(render(rows, title))

@@ -34,11 +34,42 @@ from core.runtime.residency import BudgetError
 from core.runtime.runner import Runner
 from core.runtime.step import StepOutput
 
-__all__ = ["RequestError", "Session", "StepOutput"]
+__all__ = ["RequestError", "Session", "StepOutput", "token_row"]
 
 
 class RequestError(ValueError):
     """A request the session refuses before any kernel runs; the session stays usable."""
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to 60 characters, for error messages."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def token_row(index: int, row: Any) -> np.ndarray:
+    """Prompt ``index`` as int64 ``[T]``, T >= 1.
+
+    Raises:
+        RequestError: the row is not a flat, non-empty sequence of integers (a nested list,
+            None, a float, a bool or a string in it; the message says which).
+    """
+    if isinstance(row, (str, bytes)) or not isinstance(row, Sequence | np.ndarray):
+        raise RequestError(f"prompt {index} must be a list of integer token ids, got {_short(row)}")
+    if len(row) == 0:
+        raise RequestError(f"prompt {index} is empty; every row needs at least one token")
+    if isinstance(row, np.ndarray) and row.ndim == 1 and row.dtype.kind in "iu":
+        return row.astype(np.int64)
+    for i, tok in enumerate(row):
+        if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)):
+            if tok is None:
+                what = "None"
+            elif isinstance(tok, Sequence | np.ndarray) and not isinstance(tok, str):
+                what = "a nested list"
+            else:
+                what = f"{type(tok).__name__} {_short(tok)}"
+            raise RequestError(f"prompt {index} must be a list of integer token ids; token {i} is {what}")
+    return np.asarray(row, dtype=np.int64)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -180,23 +211,26 @@ class Session:
         """Validate a request without touching device state.
 
         Raises:
-            RequestError: wrong row count, an empty row, a token outside [0, vocab), a negative
-                max_new_tokens, or prompt + max_new_tokens - 1 positions beyond the capacity
-                (fixed policy) or the maximum capacity (growing policy) (docs/cases.md 15).
+            RequestError: ``input_ids`` not a list of rows, wrong row count, a row that is not a
+                flat list of ints (nested, None, float, bool or str ids; the message names the
+                token), an empty row, a token outside [0, vocab), a negative max_new_tokens, or
+                prompt + max_new_tokens - 1 positions beyond the capacity (fixed policy) or the
+                maximum capacity (growing policy) (docs/cases.md 15).
         """
         self._check_open()
         cfg = self.model.config
+        if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence | np.ndarray):
+            raise RequestError(f"input_ids must be a list of {self.batch} token-id lists, got {_short(input_ids)}")
         if len(input_ids) != self.batch:
             raise RequestError(f"this session has batch {self.batch}; got {len(input_ids)} prompts")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise RequestError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
         limit = self.state.kv.limit
         for b, row in enumerate(input_ids):
-            if len(row) == 0:
-                raise RequestError(f"prompt {b} is empty; every row needs at least one token")
-            arr = np.asarray(row)
-            if arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= cfg.vocab_size:
-                raise RequestError(f"prompt {b} has token ids outside [0, {cfg.vocab_size})")
+            arr = token_row(b, row)
+            if arr.min() < 0 or arr.max() >= cfg.vocab_size:
+                raise RequestError(f"prompt {b} has token ids outside [0, {cfg.vocab_size}): "
+                                   f"{int(arr.min())}..{int(arr.max())}")
             need = len(row) + max(max_new_tokens - 1, 0)
             if need > limit:
                 what = "capacity" if self.kv_policy == "fixed" else "maximum capacity"

@@ -16,7 +16,7 @@ from core.generation.stream import Generation, RowState
 from core.models.model import Model, load_model
 from core.runtime import kv as kvgeo
 from core.runtime.runner import Runner
-from core.session import RequestError, Session
+from core.session import RequestError, Session, token_row
 
 
 @attrs.frozen
@@ -50,30 +50,60 @@ class Result:
     provider: str
     counters: dict
 
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Prompt tokens (padding excluded) per second of prefill; None when nothing ran."""
+        c = self.counters
+        return c["prefill_tokens"] / c["prefill_s"] if c.get("prefill_s") else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens the decode steps generated (every row's output after the first token, which
+        the prefill chooses) per second of decode; None without decode steps."""
+        c = self.counters
+        made = sum(max(len(r.output_ids) - 1, 0) for r in self.rows)
+        return made / c["decode_s"] if c.get("decode_s") else None
+
     def to_dict(self) -> dict:
-        """Rows, provider and counters as plain data (the CLI's ``--json``)."""
-        return attrs.asdict(self)
+        """Rows, provider, counters and the two token rates as plain data (the CLI's ``--json``)."""
+        return {**attrs.asdict(self), "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "decode_tokens_per_s": self.decode_tokens_per_s}
+
+
+def check_prompt_texts(prompts: Sequence[str]) -> None:
+    """Refuse prompts that are not non-empty, valid Unicode strings (before any model work).
+
+    Raises:
+        RequestError: ``prompts`` is not a list, or prompt i is not a str (e.g. an int: pass
+            token ids as ``input_ids``), is blank, or holds a lone surrogate (non-UTF-8 bytes
+            on the command line, or a bad string from the caller).
+    """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise RequestError(f"prompts must be a list of str, got {type(prompts).__name__}")
+    for i, text in enumerate(prompts):
+        if not isinstance(text, str):
+            hint = "; token ids go in input_ids=" if isinstance(text, (int, list, tuple)) else ""
+            raise RequestError(f"prompt {i} must be a str, got {type(text).__name__}{hint}")
+        if not text.strip():
+            raise RequestError(f"prompt {i} is empty")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestError(f"prompt {i} is not valid UTF-8 text (character {exc.start} is "
+                               f"{text[exc.start]!r})") from None
 
 
 def encode_prompts(model: Model, prompts: Sequence[str], chat: bool) -> list[list[int]]:
     """Token ids of each prompt, through the chat template unless ``chat`` is False.
 
     Raises:
-        RequestError: a prompt that is not a str, is empty or is not valid Unicode (a lone
-            surrogate, e.g. non-UTF-8 bytes on the command line), or the model has no tokenizer.
+        RequestError: see :func:`check_prompt_texts`, or the model has no tokenizer.
     """
+    check_prompt_texts(prompts)
     if model.tokenizer is None:
         raise RequestError(f"model {model.folder} has no tokenizer.json; pass input_ids instead")
     out = []
-    for i, text in enumerate(prompts):
-        if not isinstance(text, str):
-            raise RequestError(f"prompt {i} must be a str, got {type(text).__name__}")
-        if not text.strip():
-            raise RequestError(f"prompt {i} is empty")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError(f"prompt {i} is not valid UTF-8 text") from None
+    for text in prompts:
         out.append(model.tokenizer.encode(model.tokenizer.apply_chat_template(text) if chat else text))
     return out
 
@@ -135,14 +165,6 @@ def generate(session: Session, input_ids: Sequence[Sequence[int]], max_new_token
     return [(r.output_ids, r.finish_reason or "length") for r in rows]
 
 
-def _token_row(index: int, row) -> list[int]:
-    """A prompt row as a list of ints; RequestError unless it is a 1-D sequence of integers."""
-    arr = np.asarray(row) if not isinstance(row, (str, bytes)) else np.asarray([row])
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise RequestError(f"input_ids row {index} must be a list of integer token ids, got {row!r:.80}")
-    return [int(t) for t in arr]
-
-
 def _merge_sampling(sampling: Any, options: dict) -> Any:
     """Keyword sampling options (every row) under the per-row ``sampling`` entries."""
     from core.generation.sampling import OPTION_NAMES
@@ -177,6 +199,11 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
     sampling = _merge_sampling(sampling, options)
     if isinstance(prompts, str):
         prompts = [prompts]
+    if prompts is not None:
+        check_prompt_texts(prompts)  # before any model work
+    elif input_ids is not None and (isinstance(input_ids, (str, bytes))
+                                    or not isinstance(input_ids, Sequence | np.ndarray)):
+        raise RequestError(f"input_ids must be a list of token-id lists, got {type(input_ids).__name__}")
     if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
         messages = [messages]  # one conversation: one row
     news = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens]
@@ -208,7 +235,7 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
         else:
             input_ids = encode_prompts(model, prompts, chat)
     assert input_ids is not None  # exactly one of the three (checked above)
-    input_ids = [_token_row(i, r) for i, r in enumerate(input_ids)]
+    input_ids = [token_row(i, r).tolist() for i, r in enumerate(input_ids)]
     if not input_ids:
         raise RequestError("no prompts given")
     if capacity is None:
@@ -293,7 +320,8 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
         capacity: KV positions per row; default what the request needs, rounded up to 64,
             at most the model context.
         capture: graph capture for decode steps (None = when the provider supports it).
-        progress: optional callable(step, total).
+        progress: optional callable(done, total): (0, total) as the prefill starts, then (tokens
+            per row so far, total) after the prefill and after each decode step.
         weight_budget: device bytes for the weights, staging included (bytes, a fraction of the
             weight bytes, or "2GiB" / "40%"); the rest stream every step (see
             :mod:`core.runtime.residency`). Default: everything resident when it fits.

@@ -201,7 +201,8 @@ class Generation:
         sampling: per-row sampling options (:meth:`core.session.Session.check_sampling`).
         stop: stop strings (a str, a list for all rows, or a list of lists per row).
         stop_token_ids: ids ending a row besides the EOS ids (for all rows, or per row).
-        progress: optional ``callable(step, total)``.
+        progress: optional ``callable(step, total)``: (0, total) as the prefill starts, then
+            after the prefill and after each decode step.
 
     Everything is validated here, before any kernel runs (RequestError; the session stays usable).
     After iteration, :attr:`rows` holds each row's :class:`RowState`.
@@ -268,6 +269,8 @@ class Generation:
                     yield Delta(b, [], "", "length")
             if all(r.finish_reason is not None for r in self.rows):
                 return
+            if self.progress is not None:  # the prefill starts: (0, total)
+                self.progress(0, max(r.max_new_tokens for r in self.rows))
             out = s.prefill(ids, self.sampling)
         else:  # a continuation: the first forced step
             out = s.step(force_tokens=self._forced())

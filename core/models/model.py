@@ -211,13 +211,16 @@ def load_model(folder: str | Path) -> Model:
         raise ModelError(f"{cfg_path} is malformed: {exc!r}") from exc
     onnx_name = data["model"]["decoder"].get("filename", "model.onnx")
     onnx_path = folder / onnx_name
-    if not onnx_path.exists():
+    if not onnx_path.is_file():
         raise ModelError(f"model file missing: {onnx_path}")
+    if onnx_path.stat().st_size == 0:
+        raise ModelError(f"{onnx_path} is empty (0 bytes: an interrupted build or copy?)")
     try:
         proto = onnx.load(str(onnx_path), load_external_data=True)
     except Exception as exc:  # noqa: BLE001 - onnx raises several kinds
         raise ModelError(f"cannot read {onnx_path} (or its external data): {exc}") from exc
     graph = proto.graph
+    check_graph(graph, config, data["model"]["decoder"], onnx_path)
     initializers = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
     io_dtype = np.dtype(np.float32)
     for vi in graph.output:
@@ -228,3 +231,85 @@ def load_model(folder: str | Path) -> Model:
             io_dtype = onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
     tokenizer = Tokenizer(folder) if (folder / "tokenizer.json").exists() else None
     return Model(folder, config, graph, initializers, np.dtype(io_dtype), tokenizer)
+
+
+#: Graph input and output names the runtime binds (docs/ops.md 6.1); genai_config.json must name these.
+BOUND_NAMES = {"input_ids": "input_ids", "attention_mask": "attention_mask", "logits": "logits"}
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+
+
+def _dims(vi: onnx.ValueInfoProto) -> list[int | str] | None:
+    """The declared shape of a graph input/output: ints for fixed axes, names (or "?") for the
+    others; None when no shape is declared."""
+    t = vi.type.tensor_type
+    if not t.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim]
+
+
+def check_graph(graph: onnx.GraphProto, config: ModelConfig, decoder: dict, path: Path | str = "model.onnx") -> None:
+    """Check the graph's inputs and outputs against genai_config.json before anything is planned.
+
+    Every graph input must be one the runtime feeds: ``input_ids`` and ``attention_mask``
+    (int64 ``[batch, sequence]``) and ``past_key_values.%d.key/value`` for each layer (fp32 or
+    fp16, rank 4, ``num_key_value_heads`` and ``head_size`` where the axes are fixed). The
+    outputs must hold ``logits`` (fp32/fp16 ``[batch, sequence, vocab]``, the vocab axis equal
+    to ``vocab_size`` when fixed) and ``present.%d.key/value`` for each layer.
+
+    Raises:
+        ModelError: the first mismatch, naming the graph file, the tensor and what was expected.
+    """
+    where = f"{path} does not match genai_config.json (is it a decoder written by the model builder?)"
+    ins, outs = decoder.get("inputs", {}) or {}, decoder.get("outputs", {}) or {}
+    for key, name in BOUND_NAMES.items():
+        declared = (outs if key == "logits" else ins).get(key, name)
+        if declared != name:
+            raise ModelError(f"{path}: genai_config.json names the {key} tensor {declared!r}; Lockstep binds {name!r}")
+    graph_in = {vi.name: vi for vi in graph.input}
+    graph_out = {vi.name: vi for vi in graph.output}
+    n = config.num_layers
+    kv_in = [config.past_key % i for i in range(n)] + [config.past_value % i for i in range(n)]
+    kv_out = [config.present_key % i for i in range(n)] + [config.present_value % i for i in range(n)]
+    missing = [x for x in ["input_ids", "attention_mask", *kv_in] if x not in graph_in]
+    if missing:
+        raise ModelError(f"{where}: graph inputs missing: {_names(missing)}")
+    extra = [x for x in graph_in if x not in {"input_ids", "attention_mask", *kv_in}]
+    if extra:
+        raise ModelError(f"{where}: graph inputs the runtime does not feed: {_names(extra)} "
+                         f"(it feeds input_ids, attention_mask and {n} layers of past key/value)")
+    missing = [x for x in ["logits", *kv_out] if x not in graph_out]
+    if missing:
+        raise ModelError(f"{where}: graph outputs missing: {_names(missing)}")
+
+    def check(vi: onnx.ValueInfoProto, dtypes: tuple, dtype_text: str, rank: int, fixed: dict[int, int],
+              axes: str) -> None:
+        elem = vi.type.tensor_type.elem_type
+        if elem not in dtypes:
+            got = onnx.TensorProto.DataType.Name(elem) if elem else "no type"
+            raise ModelError(f"{where}: {vi.name} is {got}, expected {dtype_text}")
+        dims = _dims(vi)
+        if dims is None or len(dims) != rank:
+            raise ModelError(f"{where}: {vi.name} has shape {dims}, expected rank {rank} {axes}")
+        for axis, want in fixed.items():
+            if isinstance(dims[axis], int) and dims[axis] != want:
+                raise ModelError(f"{where}: {vi.name} has shape {dims}, expected {axes} with axis {axis} = {want}")
+
+    for name in ("input_ids", "attention_mask"):
+        check(graph_in[name], (onnx.TensorProto.INT64,), "int64", 2, {}, "[batch, sequence]")
+    kv_dtype = graph_in[kv_in[0]].type.tensor_type.elem_type
+    kv_axes = {1: config.num_kv_heads, 3: config.head_size}
+    for vi in [graph_in[x] for x in kv_in] + [graph_out[x] for x in kv_out]:
+        check(vi, _FLOATS, "float32 or float16", 4, kv_axes, "[batch, kv heads, positions, head size]")
+        if vi.type.tensor_type.elem_type != kv_dtype:
+            raise ModelError(f"{where}: {vi.name} and {kv_in[0]} have different dtypes")
+    logits = graph_out["logits"]
+    check(logits, _FLOATS, "float32 or float16", 3, {}, "[batch, sequence, vocab]")
+    dims = _dims(logits)
+    vocab = dims[-1] if dims else None  # rank 3, checked above
+    if vocab != config.vocab_size:
+        raise ModelError(f"{where}: the vocab axis of logits is {vocab!r}, genai_config.json says "
+                         f"vocab_size {config.vocab_size}")
+
+
+def _names(names: list[str], most: int = 6) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")

@@ -171,6 +171,11 @@ def _status(progress: Progress | None, text: str) -> None:
         progress(text)
 
 
+def _stderr(text: str) -> None:
+    """The default progress of a build through the Python API: a line on stderr."""
+    print(f"lockstep prepare: {text}", file=sys.stderr, flush=True)
+
+
 def _check_tools(gguf: bool) -> None:
     needed = ["torch", "transformers", "onnxruntime_genai", "onnx_ir", "onnxscript"] + (["gguf"] if gguf else [])
     missing = [m for m in needed if importlib.util.find_spec(m) is None]
@@ -370,7 +375,8 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
         output: folder to write; default ``cache_dir()/models/<model>-<precision>-<target>``
             (a path source: ``<name>-<content hash>-<precision>-<target>``).
         progress: optional callable taking a status line (hashing, waiting for another
-            process, conversion, each line of the builder's output).
+            process, conversion, each line of the builder's output). Default: once a build
+            starts, the lines go to stderr (``lockstep prepare: ...``).
         force: rebuild even if the folder is complete.
 
     Raises:
@@ -397,6 +403,7 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
         raise PrepareError(f"--output {out} is not empty and holds no model; give a new or empty "
                            "folder (nothing was written)")
     _check_tools(gguf=kind != "hf")
+    progress = progress or _stderr  # a build takes minutes: the Python API says what it does
     lock_name = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]
     with _lock(root / "locks" / f"model-{out.name}-{lock_name}.lock", out.name, progress):
         if complete() and not force:

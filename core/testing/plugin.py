@@ -64,11 +64,15 @@ def pytest_configure(config: pytest.Config) -> None:
         batches = tuple(int(b) for b in config.getoption("lockstep_batches").split(","))
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from exc
-    from core.plugins import registry
+    from core.plugins import ProviderError, registry
 
     if name not in registry().names():
         raise pytest.UsageError(f"--lockstep-provider: unknown provider {name!r}; available: "
                                 f"{registry().describe()}")
+    try:  # one usage error for a provider that cannot be made here (no GPU), not a failure per test
+        registry().create(name)
+    except ProviderError as exc:
+        raise pytest.UsageError(f"--lockstep-provider {name}: {exc}") from None
     model = config.getoption("lockstep_model")
     config.stash[_TARGET] = KitTarget(name, Path(model) if model else None, batches,
                                       config.getoption("lockstep_steps"), config.getoption("lockstep_seed"),

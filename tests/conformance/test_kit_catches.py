@@ -254,7 +254,8 @@ def test_parity_report_round_trips_to_json_and_text(tmp_path):
 
 
 def _plugin_args() -> list[str]:
-    installed = any(ep.value == "core.testing.plugin" for ep in metadata.entry_points(group="pytest11"))
+    installed = any(ep.value in ("core.testing.plugin", "lockstep.testing.plugin")
+                    for ep in metadata.entry_points(group="pytest11"))
     return [] if installed else ["-p", "core.testing.plugin"]
 
 

@@ -101,3 +101,186 @@ def test_profile_puts_the_anchor_beside_its_rows(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{")
     code, out = run(capsys, "profile", str(folder), "--anchor", str(tmp_path / "bad.json"))
     assert code == 2 and "anchor file" in out.err
+
+
+def _tiny_with_words(folder):
+    """The tiny model plus a word-level tokenizer (ids below its vocab of 256)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = make_tiny_model(folder)
+    words = ["<unk>", "hi", "there", "name", "a", "color", "sky", "blue"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def words_model(tmp_path_factory):
+    return _tiny_with_words(tmp_path_factory.mktemp("words") / "m")
+
+
+def _json_run(capsys, model, *argv):
+    import json
+
+    code, out = run(capsys, "run", "--model", str(model), "--raw", "--json", "--max-new-tokens", "3", *argv)
+    return code, (json.loads(out.out) if code == 0 else None), out.err
+
+
+def test_version_names_the_package_and_where_core_is(capsys):
+    import core
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and out.startswith(f"lockstep {core.__version__} (") and "core" in out
+
+
+class _Stdin:
+    def __init__(self, data: bytes):
+        import io
+
+        self.buffer = io.BytesIO(data)
+
+
+@pytest.mark.parametrize("data, prompts", [
+    (b"hi there\n\nname a color\n", ["hi there", "name a color"]),
+    (b'{"prompt": "hi\\nthere"}\n"sky blue"\n', ["hi\nthere", "sky blue"]),
+])
+def test_prompts_from_stdin_one_per_line_or_jsonl(capsys, monkeypatch, words_model, data, prompts):
+    monkeypatch.setattr("sys.stdin", _Stdin(data))
+    code, result, _ = _json_run(capsys, words_model, "--prompt", "-")
+    assert code == 0 and len(result["rows"]) == len(prompts)
+    from core.models.model import load_model
+
+    tok = load_model(words_model).tokenizer
+    assert [r["prompt_ids"] for r in result["rows"]] == [tok.encode(p) for p in prompts]
+
+
+def test_prompt_file_adds_to_the_prompts_given_on_the_command_line(tmp_path, capsys, words_model):
+    path = tmp_path / "p.txt"
+    path.write_text("sky blue\nname a color\n")
+    code, result, _ = _json_run(capsys, words_model, "--prompt", "hi", "--prompt-file", str(path))
+    assert code == 0 and [len(r["prompt_ids"]) for r in result["rows"]] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"prompt": "hi"}\n{broken\n', "line 2 is not JSON"), (b'{"text": 3}\n', 'line 1: expected a JSON string'),
+    (b"\xff\xfe hi\n", "is not UTF-8 text"), (b"\n  \n", "holds no prompt")])
+def test_bad_prompt_files_are_one_line_errors(tmp_path, capsys, words_model, content, message):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content)
+    code, _, err = _json_run(capsys, words_model, "--prompt-file", str(path))
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "give a prompt"), (["--prompt-file", "/absent/p.txt"], "prompt file not found"),
+    (["--prompt", "-", "--prompt", "-"], "can be given once"), (["--prompt", "\udcff"], "not valid UTF-8")])
+def test_missing_or_bad_prompts_are_refused_before_the_model_loads(capsys, monkeypatch, argv, message):
+    monkeypatch.setattr("core.cli.resolve_model", lambda *a, **k: pytest.fail("model built"))
+    monkeypatch.setattr("sys.stdin", _Stdin(b"hi\n"))
+    code, out = run(capsys, "run", *argv)
+    assert code == 2 and message in out.err
+
+
+def test_run_reports_token_rates_and_finish_reasons(capsys, words_model):
+    code, result, _ = _json_run(capsys, words_model, "--prompt", "hi there", "--prompt", "sky")
+    assert code == 0 and result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
+    made = sum(len(r["output_ids"]) - 1 for r in result["rows"])
+    assert result["decode_tokens_per_s"] == pytest.approx(made / result["counters"]["decode_s"])
+    assert all(r["finish_reason"] in ("eos", "length") for r in result["rows"])
+    code, out = run(capsys, "run", "--model", str(words_model), "--raw", "--max-new-tokens", "3",
+                    "--prompt", "hi there", "--prompt", "sky")
+    reasons = [r["finish_reason"] for r in result["rows"]]
+    assert code == 0 and "tok/s" in out.err and "prefill 3 tokens" in out.err
+    assert f"finish: row 0 {reasons[0]} (" in out.err and f"row 1 {reasons[1]} (" in out.err
+
+
+def _nan_rows(rows):
+    """cpu_reference with the logits of ``rows`` made NaN before every argmax."""
+    import numpy as np
+
+    from providers.cpu_reference.provider import CpuReferenceProvider
+
+    class NanRows(CpuReferenceProvider):
+        def device_argmax(self, logits, positions, result):
+            logits[list(rows)] = np.nan
+            return super().device_argmax(logits, positions, result)
+
+    return NanRows()
+
+
+@pytest.mark.parametrize("rows, code", [((0, 1), 1), ((1,), 0)])
+def test_rows_whose_logits_go_non_finite_are_reported_on_stderr(capsys, monkeypatch, words_model, rows, code):
+    provider = _nan_rows(rows)
+    monkeypatch.setattr("core.plugins.get_provider", lambda _name: provider)
+    got, out = run(capsys, "run", "--model", str(words_model), "--raw", "--max-new-tokens", "3",
+                   "--prompt", "hi there", "--prompt", "sky")
+    assert got == code
+    for i in (0, 1):
+        assert (f"row {i}: the logits became NaN or infinite" in out.err) == (i in rows)
+    assert "Traceback" not in out.err
+
+
+def test_parity_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["parity", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 1,2; with --full 1,2,8)" in text and "--full" in text
+
+
+def test_profile_checks_the_provider_before_building_the_model(capsys, monkeypatch):
+    monkeypatch.setattr("core.cli.resolve_model", lambda *a, **k: pytest.fail("model built"))
+    code, out = run(capsys, "profile", "smollm2-135m", "--provider", "nope")
+    assert code == 2 and "unknown provider 'nope'" in out.err
+
+
+def test_profile_cuda_without_a_gpu_fails_before_building(capsys, monkeypatch):
+    from core.plugins import ProviderError, get_provider
+
+    try:
+        get_provider("cuda")
+        pytest.skip("a usable GPU is here")
+    except ProviderError:
+        pass
+    monkeypatch.setattr("core.cli.resolve_model", lambda *a, **k: pytest.fail("model built"))
+    code, out = run(capsys, "profile", "smollm2-135m", "--provider", "cuda")
+    assert code == 2 and "'cuda'" in out.err and out.err.count("\n") == 1
+
+
+def test_parity_runs_the_quick_mode_by_default_and_says_so(tmp_path, capsys):
+    import json
+
+    folder = make_tiny_model(tmp_path / "m", dtype="float16")
+    code, out = run(capsys, "parity", "--provider", "cpu_reference", "--model", str(folder), "--json")
+    kit = json.loads(out.out)
+    assert code == 0 and kit["mode"] == "quick" and kit["passed"]
+    tiny, check = kit["reports"]
+    assert tiny["mode"] == "quick: tiny model" and tiny["dtype"] == "float16" and tiny["batches"] == [1, 2, 8]
+    assert check["mode"] == "quick: short check" and check["model"] == str(folder)
+    assert (check["batches"], check["steps"]) == ([1, 2], 4)
+    status = {g["name"]: g["status"] for g in check["gates"]}
+    assert {k for k, v in status.items() if v == "pass"} == {"logits", "greedy", "batch_invariance"}
+    assert all(g["detail"] == "not run in this check (quick: short check)" for g in check["gates"]
+               if g["status"] == "skip")
+    # progress: plain lines on stderr (not a terminal), naming the gate and the batch
+    assert "tiny model: logits gate: batch 8" in out.err and "model: greedy gate: batch 2" in out.err
+
+
+def test_parity_full_mode_runs_every_gate_on_the_model(tmp_path, capsys):
+    folder = make_tiny_model(tmp_path / "m")
+    code, out = run(capsys, "parity", "--provider", "cpu_reference", "--model", str(folder), "--full",
+                    "--steps", "4", "--batch", "1,3")
+    assert code == 0 and "parity (full)" in out.out and "mode full: every gate on the model" in out.out
+    assert "not run in this check" not in out.out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "100000"], "GiB is available"), (["--steps", "1000"], "the model context is 128")])
+def test_parity_refuses_requests_that_cannot_fit_before_any_run(tmp_path, capsys, monkeypatch, argv, message):
+    folder = make_tiny_model(tmp_path / "m")
+    monkeypatch.setattr("core.testing.parity._available_host_bytes", lambda: 2**30)
+    monkeypatch.setattr("core.testing.parity._decode", lambda *a, **k: pytest.fail("a gate ran"))
+    code, out = run(capsys, "parity", "--provider", "cpu_reference", "--model", str(folder), *argv)
+    assert code == 2 and message in out.err

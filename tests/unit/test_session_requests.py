@@ -147,3 +147,116 @@ def test_a_runner_refuses_another_provider_in_core_run(model_dir):
     with pytest.raises(RequestError, match="runs on provider 'cpu_reference'"):
         core.run(runner, provider="numpy64", input_ids=[[1, 2]], max_new_tokens=1)
     assert core.run(runner, provider="cpu_reference", input_ids=[[1, 2]], max_new_tokens=1).rows
+
+
+@pytest.mark.parametrize("ids, message", [
+    (None, "input_ids must be a list"), ([None], "got None"), ([[[1, 2]]], "token 0 is a nested list"),
+    ([[1.0, 2.0]], "token 0 is float"), ([[True, False]], "token 0 is bool"), ([[1, None]], "token 1 is None"),
+    ([["a"]], "token 0 is str"), ([1], "got 1"), (["ab"], "got 'ab'"), ([[]], "is empty"),
+    ([[1, 999]], r"outside \[0, 256\): 1..999")])
+def test_prefill_says_what_is_wrong_with_the_ids_and_stays_usable(model_dir, ids, message):
+    s = Session(model_dir, batch=1, capacity=16)
+    with pytest.raises(RequestError, match=message):
+        s.prefill(ids)
+    assert not s.started and s.prefill([[1, 2]]).tokens.shape == (1,)
+
+
+def test_numpy_token_rows_are_accepted(model_dir):
+    s = Session(model_dir, batch=2, capacity=16)
+    a = s.prefill([np.array([1, 2, 3], np.int32), np.array([4], np.uint16)]).tokens
+    b = Session(model_dir, batch=2, capacity=16).prefill([[1, 2, 3], [4]]).tokens
+    assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("prompts, message", [
+    ([123], "prompt 0 must be a str, got int; token ids go in input_ids="), (123, "prompts must be a list"),
+    (["ok", "\udcff"], "prompt 1 is not valid UTF-8"), (["  "], "prompt 0 is empty")])
+def test_run_checks_prompt_texts_before_loading_the_model(tmp_path, prompts, message):
+    # the folder does not exist: a prompt error must come first, before any model work
+    with pytest.raises(RequestError, match=message):
+        core.run(tmp_path / "absent", prompts=prompts)
+
+
+def _decoder_config(folder):
+    import json
+
+    return json.loads((folder / "genai_config.json").read_text())
+
+
+def _graph_variant(tmp_path, name, edit):
+    """The tiny model with its graph edited by ``edit(model_proto)`` (weights inlined)."""
+    import onnx
+
+    folder = make_tiny_model(tmp_path / name)
+    proto = onnx.load(str(folder / "model.onnx"))
+    edit(proto)
+    onnx.save(proto, str(folder / "model.onnx"))
+    return folder
+
+
+def test_a_zero_byte_model_file_is_a_model_error(tmp_path):
+    folder = make_tiny_model(tmp_path / "m")
+    (folder / "model.onnx").write_bytes(b"")
+    with pytest.raises(core.ModelError, match="is empty"):
+        core.run(folder, input_ids=[[1, 2]], max_new_tokens=2)
+
+
+def test_a_graph_that_is_not_a_decoder_is_refused_at_load(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    folder = make_tiny_model(tmp_path / "m")
+    x = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in ("a", "b", "logits")]
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["logits"])], "g", x[:2], x[2:])
+    onnx.save(helper.make_model(graph), str(folder / "model.onnx"))
+    with pytest.raises(core.ModelError, match="graph inputs missing: input_ids, attention_mask"):
+        core.load_model(folder)
+
+
+def _set_dims(vi, dims):
+    del vi.type.tensor_type.shape.dim[:]
+    for d in dims:
+        dim = vi.type.tensor_type.shape.dim.add()
+        if isinstance(d, int):
+            dim.dim_value = d
+        else:
+            dim.dim_param = d
+
+
+def _output(proto, name):
+    return next(vi for vi in proto.graph.output if vi.name == name)
+
+
+def _input(proto, name):
+    return next(vi for vi in proto.graph.input if vi.name == name)
+
+
+@pytest.mark.parametrize("case, edit, message", [
+    ("no_vocab_axis", lambda p: _set_dims(_output(p, "logits"), ["batch_size", "sequence_length"]),
+     r"logits has shape \['batch_size', 'sequence_length'\], expected rank 3"),
+    ("wrong_vocab", lambda p: _set_dims(_output(p, "logits"), ["b", "s", 255]), "vocab axis of logits is 255"),
+    ("symbolic_vocab", lambda p: _set_dims(_output(p, "logits"), ["b", "s", "v"]), "vocab axis of logits is 'v'"),
+    ("int32_ids", lambda p: setattr(_input(p, "input_ids").type.tensor_type, "elem_type", 6),
+     "input_ids is INT32, expected int64"),
+    ("kv_heads", lambda p: _set_dims(_input(p, "past_key_values.1.value"), ["b", 3, "s", 16]),
+     "past_key_values.1.value has shape .* axis 1 = 2"),
+    ("extra_input", lambda p: p.graph.input.append(
+        __import__("onnx").helper.make_tensor_value_info("position_ids", 7, ["b", "s"])),
+     "does not feed: position_ids"),
+    ("no_present", lambda p: p.graph.output.remove(_output(p, "present.1.key")), "outputs missing: present.1.key"),
+])
+def test_graph_inputs_and_outputs_are_checked_against_genai_config(tmp_path, case, edit, message):
+    folder = _graph_variant(tmp_path, case, edit)
+    with pytest.raises(core.ModelError, match=message):
+        core.load_model(folder)
+
+
+def test_genai_config_naming_other_bound_tensors_is_refused(tmp_path):
+    import json
+
+    folder = make_tiny_model(tmp_path / "m")
+    cfg = _decoder_config(folder)
+    cfg["model"]["decoder"]["outputs"]["logits"] = "scores"
+    (folder / "genai_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(core.ModelError, match="names the logits tensor 'scores'"):
+        core.load_model(folder)

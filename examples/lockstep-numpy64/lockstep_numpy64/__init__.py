@@ -5,7 +5,7 @@ group ``lockstep.providers`` (see pyproject.toml) and calls the hook below once.
 class is imported only when somebody asks for ``provider="numpy64"``.
 """
 
-from core import ProviderSpec, hookimpl
+from lockstep import ProviderSpec, hookimpl
 
 
 @hookimpl

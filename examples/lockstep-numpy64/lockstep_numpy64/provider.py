@@ -14,10 +14,12 @@ What it shows (docs/providers.md walks through it):
 - ``device_argmax`` with the shared policy (lowest index on ties, a non-finite row flagged as
   ``[-1, 1]``);
 - everything else (decode_advance, kv_commit accounting, write/fill/copy_bytes, the upload
-  counters) from the base class :class:`core.provider.ProviderBase`.
+  counters) from the base class :class:`lockstep.provider.ProviderBase`.
 
-Only the public protocol (``core.protocol``, ``core.provider``), the hook marker
-(``core.hookimpl``) and the cpu_reference op modules are used. Every row is reduced alone (one vector-matrix product per
+Only the public protocol (``lockstep.protocol``, ``lockstep.provider``), the hook marker
+(``lockstep.hookimpl``) and the cpu_reference op modules (``lockstep.providers.cpu_reference``)
+are used, all through the ``lockstep`` import name, which a folder of the user's called
+``core`` or ``providers`` cannot shadow. Every row is reduced alone (one vector-matrix product per
 row), so a row's result does not depend on the batch: the kit's batch-invariance gate holds.
 """
 
@@ -25,11 +27,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from core.ops import OpTable
-from core.protocol import Capabilities, KernelContext, NodeInfo
-from core.provider import ProviderBase
-from providers.cpu_reference import ops as reference_ops
-from providers.cpu_reference.ops.matmul_nbits import dequantize
+from lockstep.ops import OpTable
+from lockstep.protocol import Capabilities, KernelContext, NodeInfo
+from lockstep.provider import ProviderBase
+from lockstep.providers.cpu_reference import ops as reference_ops
+from lockstep.providers.cpu_reference.ops.matmul_nbits import dequantize
 
 
 def _rows_matmul(a: np.ndarray, w: np.ndarray) -> np.ndarray:

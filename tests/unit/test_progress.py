@@ -1,0 +1,76 @@
+"""Progress a user sees: the prefill phase, the builder's output while it runs (and the Python
+API's default report of a build), plain lines in logs, and a profile plot whose title fits."""
+
+import pytest
+
+import core
+from core.cli import main
+from core.models import prepare as prep
+from core.testing.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def test_core_run_reports_the_prefill_before_any_token(model_dir):
+    calls = []
+    core.run(model_dir, input_ids=[[1, 2, 3], [4]], max_new_tokens=3, progress=lambda d, t: calls.append((d, t)))
+    assert calls == [(0, 3), (1, 3), (2, 3), (3, 3)]
+
+
+def _fake_build(monkeypatch, tmp_path):
+    """prepare() with the build steps replaced: the "builder" prints one line and writes a model."""
+    monkeypatch.setenv("LOCKSTEP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prep, "_check_tools", lambda gguf: None)
+    monkeypatch.setattr(prep, "_named_gguf", lambda model, root, progress: tmp_path / "x.gguf")
+    monkeypatch.setattr(prep, "_gguf_to_hf", lambda gguf, out, progress: tmp_path / "hf")
+
+    def builder(hf, tmp, variant, root, progress):
+        prep._status(progress, "builder: Reading decoder layer 0")
+        make_tiny_model(tmp)
+
+    monkeypatch.setattr(prep, "_run_builder", builder)
+
+
+def test_the_python_api_reports_a_build_on_stderr_and_a_cached_model_quietly(tmp_path, monkeypatch, capsys):
+    _fake_build(monkeypatch, tmp_path)
+    out = prep.prepare(prep.Variant("smollm2-135m", "int4", "cpu"))
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["lockstep prepare: building smollm2-135m-int4-cpu with the ONNX Runtime GenAI model builder",
+                   "lockstep prepare: builder: Reading decoder layer 0"]
+    assert prep.prepare(prep.Variant("smollm2-135m", "int4", "cpu")) == out
+    assert capsys.readouterr().err == ""  # cached: nothing to report
+    lines: list[str] = []
+    prep.prepare(prep.Variant("smollm2-135m", "int4", "cpu"), progress=lines.append, force=True)
+    assert lines[-1] == "builder: Reading decoder layer 0" and capsys.readouterr().err == ""
+
+
+def test_profile_prints_plain_lines_in_a_log(model_dir, capsys):
+    code = main(["profile", str(model_dir), "--batch-sweep", "1,2", "--tokens", "2", "--warmup", "1",
+                 "--context", "32"])
+    err = capsys.readouterr().err
+    assert code == 0 and "profile: batch 1 done (1/2)" in err and "profile: batch 2 done (2/2)" in err
+
+
+def test_the_profile_plot_title_fits_the_figure(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from core.profile import batch_axes
+
+    title = ("/home/someone/.cache/lockstep/models/smollm2-135m-fp32-cpu-a-long-folder-name on cpu_reference, "
+             "head_major, capture when supported, context 512")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([1, 2, 4], [10, 20, 40])
+    batch_axes(ax, title)
+    fig.tight_layout()
+    fig.canvas.draw()
+    box, page = ax.title.get_window_extent(), fig.bbox
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and box.y1 <= page.y1
+    assert "".join(ax.title.get_text().split()) == "".join(title.split())  # all of it, wrapped
+    plt.close(fig)
