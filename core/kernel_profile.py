@@ -279,16 +279,21 @@ def profile_kernels(model_dir, provider, batches: list[int], args, progress=None
                               capture=False)
             state, plan = session.state, runner.plan
             decode(session, rows, args.warmup)
-            obs = NodeObserver(plan, timer, state.kv.buffers())
             walls = []
+            for _ in range(max(1, args.tokens // 2)):  # the eager wall time, without the observer
+                t0 = time.perf_counter()
+                session.step()
+                walls.append(time.perf_counter() - t0)
+            obs = NodeObserver(plan, timer, state.kv.buffers())
+            hold = getattr(timer, "hold", None)
             plan.observer = obs
             try:
                 for _ in range(args.tokens):
                     obs.kv_read_fraction = float(state.lengths.mean() + 1) / state.kv.geometry.capacity
                     obs.kv_write_fraction = 1.0 / state.kv.geometry.capacity
-                    t0 = time.perf_counter()
+                    if hold is not None:  # the GPU waits while the host enqueues the step
+                        hold()
                     session.step()
-                    walls.append(time.perf_counter() - t0)
                     obs.collect()
             finally:
                 plan.observer = None

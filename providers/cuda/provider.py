@@ -195,10 +195,17 @@ class CudaProvider(ProviderBase):
     def node_timer(self):
         """CUDA events recorded on the provider stream around each node (``lockstep profile
         --kernels``, core.kernel_profile): ``mark()`` records a new event, ``seconds(a, b)``
-        is the GPU time between two (read after :meth:`synchronize`)."""
+        is the GPU time between two (read after :meth:`synchronize`); ``hold()`` puts a GPU wait
+        in front of a step so the host's launch gaps are not timed."""
         cp, stream = self.cupy, self.stream
+        from providers.cuda.module import function
 
         class EventTimer:
+            def hold(self, seconds: float = 0.03) -> None:
+                """Make the stream wait ``seconds`` on the GPU (kernels/timing.cu): the host then
+                enqueues a whole eager step behind it, so the events time GPU work only."""
+                function("timing", "gpu_hold", ("gpu_hold",))((1,), (1,), (np.int64(seconds * 1e9),))
+
             def mark(self):
                 event = cp.cuda.Event()
                 event.record(stream)
