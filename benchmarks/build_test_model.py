@@ -36,7 +36,19 @@ QWEN25_1_5B = dict(
     max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
     bos_token_id=151643, eos_token_id=151645, pad_token_id=151643, hidden_act="silu",
 )
-ARCHS = {"smollm2-135m": SMOLLM2_135M, "qwen2.5-1.5b": QWEN25_1_5B}
+QWEN25_0_5B = dict(QWEN25_1_5B, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                   num_key_value_heads=2, num_hidden_layers=24)
+# Llama-3.2-1B (its published config.json, llama3 rope scaling included)
+LLAMA32_1B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=64, num_hidden_layers=16, vocab_size=128256,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+    rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                  "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    bos_token_id=128000, eos_token_id=128001, pad_token_id=128001, hidden_act="silu",
+)
+ARCHS = {"smollm2-135m": SMOLLM2_135M, "qwen2.5-0.5b": QWEN25_0_5B, "qwen2.5-1.5b": QWEN25_1_5B,
+         "llama-3.2-1b": LLAMA32_1B}
 
 
 def _placeholder_tokenizer(vocab_size: int):

@@ -3,7 +3,10 @@
 # .before/before.tar is carried), and the streaming sweep. Logs land in /tmp/gpu_suite and are
 # packed into $OUT/gpu_suite.tgz at the end (the device tool brings back at most 8 files).
 #   carry: [".whl", ".before"]   (the onnxruntime-genai cp312 wheel for the builder; see README)
-#   STAGE=models|tests|profile|sampling|stream|all (comma list), TEST_TIMEOUT, SWEEP
+#   STAGE=models|tests|profile|sampling|stream|context|kernels|ort|all (comma list), TEST_TIMEOUT, SWEEP
+#   context: the batch x prompt-length sweep (CSWEEP, LENS); kernels: --kernels at KSWEEP;
+#   ort: ONNX Runtime GenAI CUDA on the same grid (needs it importable from /tmp/ort, or the
+#   onnxruntime-gpu and onnxruntime-genai-cuda wheels in $ORT_WHEELS), then the sweep with --anchor
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 FINAL_OUT=$OUT; LOG=/tmp/gpu_suite; mkdir -p $LOG
@@ -52,5 +55,28 @@ if has stream; then
   for v in ${STREAM_MODELS:-qwen-fp16 qwen-int4}; do
     python3 benchmarks/streaming.py $M/$v --offload ${OFFLOAD:-0,0.25,0.5,0.75} --batches ${SBATCH:-1,2,4,8,16,32,64} \
       ${HF:+--hf /tmp/qwen-hf} --json $LOG/stream_$v.json --plot $LOG/stream_$v.png 2>&1 | tee $LOG/stream_$v.txt | tail -30
+  done
+fi
+LENS=${LENS:-32,512,1024,4096}
+if has ort; then
+  if [ ! -d /tmp/ort/onnxruntime_genai ] && [ -n "${ORT_WHEELS:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/ort "$ORT_WHEELS"/*.whl
+  fi
+  for v in ${ORT_MODELS:-fp16}; do
+    PYTHONPATH=/tmp/ort python3 benchmarks/ort_genai_decode.py $M/$v --batches ${CSWEEP:-1,8,32} --prompt-len $LENS \
+      --tokens 64 --graph --json $LOG/ort_$v.json 2>&1 | tee $LOG/ort_$v.txt | tail -20
+  done
+fi
+if has context; then
+  for v in ${CONTEXT_MODELS:-fp16}; do
+    python3 -m core profile $M/$v --provider cuda --batch-sweep ${CSWEEP:-1,8,32} --prompt-len $LENS --tokens 64 \
+      ${ORT_ANCHOR:+--anchor $LOG/ort_$v.json} --json $LOG/context_$v.json --plot $LOG/context_$v.png 2>&1 \
+      | tee $LOG/context_$v.txt | tail -20
+  done
+fi
+if has kernels; then
+  for v in ${KERNEL_MODELS:-fp16 int4}; do
+    python3 -m core profile $M/$v --provider cuda --kernels --batch-sweep ${KSWEEP:-1,8,32,256} --prompt-len 32 \
+      --tokens 16 --tensor-tflops ${TFLOPS:-989} --json $LOG/kernels_$v.json 2>&1 | tee $LOG/kernels_$v.txt | tail -40
   done
 fi

@@ -445,8 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "for the provider on first use)")
     t.add_argument("--full", action="store_true", help="every gate on the model, batches 1,2,8 for 64 steps "
                    "(default: the quick mode, about a minute on a CPU: every gate on a tiny model of the same "
-                   "dtype, then the logits, greedy and batch-invariance gates on the model, batches 1,2 for 4 "
-                   "steps)")
+                   "dtype, then the logits, greedy, batch-invariance and prompt gates on the model, batches "
+                   "1,2 for 4 steps)")
     t.add_argument("--batch", type=_int_list, default=None,
                    help="batch sizes of the gates on the model, e.g. 1,2,8 (default: 1,2; with --full 1,2,8)")
     t.add_argument("--steps", type=_positive_int, default=None, help="decode steps on the model (default: 4; "
@@ -464,15 +464,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: %(default)s)")
     f.add_argument("--warmup", type=_non_negative_int, default=8, help="decode steps before measuring, including "
                    "capture warm-up and capture (default: %(default)s)")
-    f.add_argument("--context", type=_positive_int, default=512, help="KV capacity in tokens "
-                   "(default: %(default)s)")
-    f.add_argument("--prompt-len", type=_positive_int, default=16, help="prompt tokens per row "
-                   "(default: %(default)s)")
+    f.add_argument("--context", type=_positive_int, default=512, help="KV capacity in tokens, raised "
+                   "to fit a longer prompt and its steps (default: %(default)s)")
+    f.add_argument("--prompt-len", type=_int_list, default=[16], help="prompt tokens per row, "
+                   "comma-separated for a context sweep, e.g. 32,512,1024,4096 (default: 16)")
     f.add_argument("--layout", default="head_major", choices=["head_major", "seq_major"],
                    help="KV cache layout (default: %(default)s)")
     f.add_argument("--no-capture", action="store_true", help="run every step eagerly")
+    f.add_argument("--kernels", action="store_true", help="time every node of eager decode steps and print "
+                   "where a step's time goes (op, kernel, calls, GPU us, bytes, floor); needs a provider "
+                   "that can time its nodes")
+    f.add_argument("--tensor-tflops", type=float, default=None, metavar="TFLOPS", help="with --kernels: "
+                   "the tensor rate the FLOPs floor uses (default: bytes floor only)")
     _budget_arg(f)
     f.add_argument("--json", dest="json_out", help="write the rows as JSON to this file")
+    f.add_argument("--anchor", metavar="FILE", help="put another runtime's tokens/s beside each row: the "
+                   "--json file of benchmarks/ort_genai_decode.py (same prompt lengths and batches)")
     f.add_argument("--plot", dest="plot_out", help="write tokens/s against batch as a PNG "
                    "(needs the plot extra: pip install -e \".[plot]\")")
     f.set_defaults(func=cmd_profile)

@@ -11,6 +11,9 @@ class Counters:
 
     Attributes:
         prefill_tokens: prompt tokens run (padding excluded).
+        prefill_positions: prompt positions the prefill's plan runs computed (rows x padded
+            length per run): ``prefill_tokens`` plus the padding computed.
+        prefill_runs: plan runs of the prefills (one, or one per length group).
         decode_steps: decode steps run (each advances every row by one token).
         prefill_s, decode_s: wall seconds in prefill and in decode steps (host clock, including
             the per-step read-back of the [B, 2] argmax result).
@@ -39,6 +42,8 @@ class Counters:
     """
 
     prefill_tokens: int = 0
+    prefill_positions: int = 0
+    prefill_runs: int = 0
     decode_steps: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0

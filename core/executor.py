@@ -41,6 +41,20 @@ constants named ``f"{node.name}:prepared:{i}"`` that the node reads instead, an 
 drops becomes absent, and a replaced constant that no per-step node still reads is dropped
 (:meth:`Plan.weight_bytes` counts what stays). Kernels also run unprepared (a direct call or
 a fed weight); a prepared node never runs on a host kernel.
+
+Last-position program. When the ``logits`` output comes from a projection (MatMul or
+MatMulNBits, possibly through a Cast; :func:`core.fusion.logits_projection`) whose K is known,
+the plan also holds :attr:`Plan.last_position_steps`: the per-step program with
+``Reshape -> Gather(LAST_INDEX) -> Reshape`` before that projection
+(:func:`core.fusion.last_position_nodes`), so logits are ``[B, 1, V]`` at the positions named by
+the optional feed :data:`core.fusion.LAST_INDEX` (int64 ``[B]``, flat indices into the
+``[B * S]`` positions). :meth:`Plan.run` runs it when that feed is given and not None, and the
+plain program otherwise (decode steps). The three nodes are appended to ``nodes`` with their
+own contexts; the projection keeps its kernel and context. A provider that refuses one of them
+gets no such program (prefill then computes every position).
+
+Observer. :attr:`Plan.observer`, when set, is told about every node of a run (``begin(node)``,
+``end(node, args, results)``; :class:`core.kernel_profile.NodeObserver` counts and times them).
 """
 
 from __future__ import annotations
@@ -272,6 +286,8 @@ class Plan:
         kv_layout: "head_major" or "seq_major", passed to every kernel context.
         host_dispatch: run host nodes on the cpu_reference kernels (module docstring); None
             (default): when the provider's tensors are not host arrays.
+        logits: the graph output whose last prompt positions prefill reads ("Last-position
+            program" in the module docstring).
 
     Attributes:
         nodes, contexts, kernels: per node (after fusion): its NodeInfo, context, kernel.
@@ -279,6 +295,8 @@ class Plan:
             values (None: never; always None without host dispatch).
         constants: name -> value (initializers, folded values, prepared weights).
         steps: indices into ``nodes`` of the nodes run per step, in execution order.
+        last_position_steps: the last-position program, ``(node index, node)`` pairs in
+            execution order, or None when the plan has none (module docstring).
         prepared: names of the constants made by prepare hooks.
 
     Raises:
@@ -288,7 +306,7 @@ class Plan:
 
     def __init__(self, graph: onnx.GraphProto, initializers: dict[str, np.ndarray],
                  provider: ExecutionProvider, kv_layout: str = "head_major",
-                 host_dispatch: bool | None = None):
+                 host_dispatch: bool | None = None, logits: str = "logits"):
         self.provider = provider
         self.kv_layout = kv_layout
         self.nodes = fusion.apply(node_infos(graph), {o.name for o in graph.output}, provider.supports,
@@ -322,13 +340,22 @@ class Plan:
                     self.constants[name] = array if is_host_constant(array) else provider.upload(array)
                 self.contexts[i].cache[kind] = tuple(names)
             self.contexts[i].cache["constants"] = self.constants
+        #: host shape constants only the last-position program reads (not weights: kept
+        #: out of ``constants``, so weight and residency accounting do not see them)
+        self.last_position_constants: dict[str, np.ndarray] = {}
+        lm = fusion.logits_projection(self.nodes, logits, set(initializers)) if logits in self.output_names else None
+        hidden = None if lm is None else fusion.projection_k(
+            self.nodes[lm], {k: tuple(v.shape) for k, v in initializers.items()})
         self.steps = self._fold_constants()
         self.prepared = self._prepare()
-        for value in self.constants.values():
+        self.last_position_steps = self._last_position_program(lm, hidden)
+        for value in [*self.constants.values(), *self.last_position_constants.values()]:
             if isinstance(value, np.ndarray):
                 value.flags.writeable = False  # constants are shared by every step: never written
-        self._programs: dict[tuple | None, list[_Step]] = {}  # None: no host dispatch
+        self._programs: dict[tuple, list[_Step]] = {}  # (last-position?, feed types or None)
         self._program: list[_Step] = []
+        #: an optional node observer (core.kernel_profile): when set, runs every cached program
+        self.observer: Any = None
 
     def with_layout(self, kv_layout: str) -> Plan:
         """This plan for another KV layout, sharing its nodes, kernels and constants (uploaded,
@@ -352,13 +379,43 @@ class Plan:
         other._programs, other._program = {}, []
         return other
 
-    def _step(self, i: int, args: list) -> _Step:
+    def _step(self, i: int, args: list, node: NodeInfo | None = None) -> _Step:
         """Node ``i``'s step for these argument values: its host kernel when it has one and
-        every argument is a host value, else the provider's kernel."""
+        every argument is a host value, else the provider's kernel. ``node``: the node's
+        inputs and outputs when they differ from ``nodes[i]`` (the last-position program)."""
+        node = self.nodes[i] if node is None else node
         kernel, ctx = self.host_kernels[i], self._host_contexts[i]
         if kernel is not None and ctx is not None and all(map(is_host, args)):
-            return _Step(i, kernel, ctx, self.nodes[i], True)
-        return _Step(i, self.kernels[i], self.contexts[i], self.nodes[i], False)
+            return _Step(i, kernel, ctx, node, True)
+        return _Step(i, self.kernels[i], self.contexts[i], node, False)
+
+    def _last_position_program(self, lm: int | None, hidden: int | None) -> list[tuple[int, NodeInfo]] | None:
+        """The per-step program with the last-position gather before node ``lm`` (module
+        docstring); None when there is no such projection, its K is unknown, or the provider
+        refuses a new node. The new nodes are appended to ``nodes`` (with their contexts and
+        kernels); the projection keeps its index, so its kernel and context are shared."""
+        if lm is None or hidden is None or lm not in self.steps:
+            return None
+        node = self.nodes[lm]
+        new, rewired, consts = fusion.last_position_nodes(node, hidden, node.input_dtypes[0] if node.input_dtypes
+                                                          else None)
+        if not all(self.provider.supports(n) for n in new):
+            return None
+        table = reference_ops() if self.host_dispatch else None
+        host = host_memory() if self.host_dispatch else self.provider
+        added = []
+        for n in new:
+            self.nodes.append(n)
+            self.contexts.append(KernelContext(n, self.provider, self.kv_layout))
+            self.kernels.append(self.provider.kernel(n))
+            ref = table.kernel(n) if table is not None and table.supports(n) else None
+            self.host_kernels.append(ref)
+            self._host_contexts.append(None if ref is None else KernelContext(n, host, self.kv_layout))
+            added.append((len(self.nodes) - 1, n))
+        self.last_position_constants.update(consts)
+        pos = self.steps.index(lm)
+        before = [(i, self.nodes[i]) for i in self.steps[:pos]]
+        return before + added + [(lm, rewired)] + [(i, self.nodes[i]) for i in self.steps[pos + 1:]]
 
     def _fold_constants(self) -> list[int]:
         """Run once every node whose inputs are all constants (Constant nodes, the builder's
@@ -508,7 +565,8 @@ class Plan:
         return [self.nodes[s.index].name for s in self._program if s.host]
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
-        """Run the graph. ``feeds`` maps every graph input to a tensor; returns graph outputs.
+        """Run the graph. ``feeds`` maps every graph input to a tensor (and optionally
+        :data:`core.fusion.LAST_INDEX`: the last-position program); returns graph outputs.
 
         Raises:
             KeyError: a graph input is not fed.
@@ -519,12 +577,19 @@ class Plan:
             raise KeyError(f"graph inputs not fed: {', '.join(missing)}")
         values: dict[str, Any] = dict(self.constants)
         values.update(feeds)
-        key = tuple(type(feeds[n]) for n in self.input_names) if self.host_dispatch else None
+        gathered = self.last_position_steps if feeds.get(fusion.LAST_INDEX) is not None else None
+        if gathered is not None:
+            values.update(self.last_position_constants)
+        key = (gathered is not None, tuple(type(feeds[n]) for n in self.input_names) if self.host_dispatch else None)
         program = self._programs.get(key)
         if program is None:
-            self._program = self._programs[key] = self._dispatch(values)
+            order = gathered if gathered is not None else [(i, self.nodes[i]) for i in self.steps]
+            self._program = self._programs[key] = self._dispatch(values, order)
             return {name: values[name] for name in self.output_names}
         self._program = program
+        if self.observer is not None:
+            self._run_observed(program, values)
+            return {name: values[name] for name in self.output_names}
         for step in program:
             results = step.kernel(step.ctx, *[values[x] if x else None for x in step.inputs])
             if results is not step.last:
@@ -534,15 +599,36 @@ class Plan:
                     values[name] = value
         return {name: values[name] for name in self.output_names}
 
-    def _dispatch(self, values: dict[str, Any]) -> list[_Step]:
-        """Run every step, choosing each node's kernel from its argument values (host
-        dispatch); returns the program of the choices."""
-        program = []
-        for i in self.steps:
-            node = self.nodes[i]
-            args = [values[x] if x else None for x in node.inputs]
-            step = self._step(i, args)
+    def _run_observed(self, program: list[_Step], values: dict[str, Any]) -> None:
+        """:meth:`run`'s loop with :attr:`observer` told about every node: ``begin(node)``
+        before its kernel, ``end(node, args, results)`` after (``node`` a NodeInfo; the
+        observer may time it, e.g. with device events, or count its work)."""
+        observer = self.observer
+        for step in program:
+            node = self.nodes[step.index]
+            args = [values[x] if x else None for x in step.inputs]
+            observer.begin(node)
             results = step.kernel(step.ctx, *args)
+            observer.end(node, args, results)
+            if results is not step.last:
+                self._check_outputs(step, results)
+            for name, value in zip(step.outputs, results):
+                if name:
+                    values[name] = value
+
+    def _dispatch(self, values: dict[str, Any], order: list[tuple[int, NodeInfo]]) -> list[_Step]:
+        """Run the nodes of ``order`` (``(index, node)`` pairs), choosing each node's kernel
+        from its argument values (host dispatch); returns the program of the choices."""
+        program = []
+        observer = self.observer
+        for i, node in order:
+            args = [values[x] if x else None for x in node.inputs]
+            step = self._step(i, args, node)
+            if observer is not None:
+                observer.begin(self.nodes[i])
+            results = step.kernel(step.ctx, *args)
+            if observer is not None:
+                observer.end(self.nodes[i], args, results)
             self._check_outputs(step, results)
             for name, value in zip(node.outputs, results):
                 if name:

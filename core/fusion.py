@@ -13,12 +13,18 @@ values have no other consumer and are not graph outputs.
   gate and up projections and their SiluMul as one node, so a provider can compute both
   projections in one GEMM with the SiluMul in its epilogue; 3 nodes -> 1 per layer. The
   weights must be graph constants (initializers).
+
+Beside these passes, :func:`last_position_nodes` builds the nodes of a plan's last-position
+program (:class:`core.executor.Plan`, "Last-position program"): prefill gathers each row's last
+prompt position before the lm_head projection, so logits are ``[B, 1, V]``, not ``[B, S, V]``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Set
+
+import numpy as np
 
 from core.protocol import NodeInfo
 
@@ -135,3 +141,70 @@ def apply(nodes: list[NodeInfo], graph_outputs: set[str], supports,
     fuses only projections whose weights are in ``constants``)."""
     nodes = fuse_silu_mul(nodes, graph_outputs, supports)
     return fuse_gated_matmul(nodes, graph_outputs, supports, constants)
+
+
+#: The optional plan input of the last-position program (:func:`last_position_nodes`): int64
+#: ``[B]``, row b's flat position ``b * S + length_b - 1`` in the ``[B * S]`` prompt positions.
+LAST_INDEX = "lockstep_last_index"
+#: Ops a last-position gather may pass through between the projection and the logits output
+#: (row-wise and shape-preserving, so they run on ``[B, 1, V]`` unchanged).
+ROW_WISE = (("Cast", ""),)
+PROJECTIONS = (("MatMul", ""), ("MatMulNBits", "com.microsoft"))
+
+
+def logits_projection(nodes: list[NodeInfo], logits: str, constants: Set[str]) -> int | None:
+    """Index of the projection whose rows become ``logits`` (the lm_head): the MatMul or
+    MatMulNBits producing ``logits``, possibly through row-wise ops (:data:`ROW_WISE`) whose
+    intermediate values have no other consumer. None when the graph has no such node, or the
+    projection's activation input is a constant."""
+    producer = {out: i for i, n in enumerate(nodes) for out in n.outputs if out}
+    users = _consumers(nodes)
+    i = producer.get(logits)
+    while i is not None and (nodes[i].op_type, nodes[i].domain) in ROW_WISE:
+        x = nodes[i].inputs[0]
+        i = producer.get(x) if len(users[x]) == 1 else None
+    if i is None or (nodes[i].op_type, nodes[i].domain) not in PROJECTIONS:
+        return None
+    return None if nodes[i].inputs[0] in constants else i
+
+
+def projection_k(node: NodeInfo, shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """The reduction size K of a projection node (MatMul: its constant weight's first dim;
+    MatMulNBits: the ``K`` attribute), or None when it is not known at planning time."""
+    if node.op_type == "MatMulNBits":
+        return int(node.attrs["K"]) if "K" in node.attrs else None
+    shape = shapes.get(node.inputs[1])
+    return int(shape[0]) if shape is not None and len(shape) == 2 else None
+
+
+def last_position_nodes(projection: NodeInfo, hidden: int, io_dtype
+                        ) -> tuple[list[NodeInfo], NodeInfo, dict[str, np.ndarray]]:
+    """Nodes that make ``projection`` read only each row's last prompt position.
+
+    The activation ``x`` [B, S, K] of the projection becomes
+    ``Reshape(Gather(Reshape(x, [-1, K]), LAST_INDEX, axis=0), [-1, 1, K])`` [B, 1, K]: plain
+    ONNX ops, so every provider runs them (a provider that refuses one keeps every position).
+    A projection computes each row alone (batch invariance), so the gathered rows are the bits
+    the full projection gives at those positions.
+
+    Returns:
+        (the three new nodes in execution order, the projection reading their output, the
+        host shape constants they read: name -> int64 array).
+    """
+    x = projection.inputs[0]
+    base = f"{projection.name}/last_position"
+    flat, picked, shaped = f"{base}/flat", f"{base}/rows", f"{base}/output_0"
+    consts = {f"{base}/flat_shape": np.array([-1, hidden], np.int64),
+              f"{base}/row_shape": np.array([-1, 1, hidden], np.int64)}
+    names = list(consts)
+    i64 = np.dtype(np.int64)
+    nodes = [NodeInfo(name=f"{base}/Reshape_flat", op_type="Reshape", domain="", attrs={},
+                      inputs=(x, names[0]), outputs=(flat,), input_dtypes=(io_dtype, i64)),
+             NodeInfo(name=f"{base}/Gather", op_type="Gather", domain="", attrs={"axis": 0},
+                      inputs=(flat, LAST_INDEX), outputs=(picked,), input_dtypes=(io_dtype, i64)),
+             NodeInfo(name=f"{base}/Reshape_rows", op_type="Reshape", domain="", attrs={},
+                      inputs=(picked, names[1]), outputs=(shaped,), input_dtypes=(io_dtype, i64))]
+    rewired = NodeInfo(name=projection.name, op_type=projection.op_type, domain=projection.domain,
+                       attrs=projection.attrs, inputs=(shaped, *projection.inputs[1:]),
+                       outputs=projection.outputs, input_dtypes=projection.input_dtypes)
+    return nodes, rewired, consts

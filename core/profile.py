@@ -1,10 +1,15 @@
-"""``lockstep profile``: decode throughput over a sweep of batch sizes.
+"""``lockstep profile``: decode throughput over a sweep of batch sizes and prompt lengths.
 
-For each batch size B: a session with the given KV capacity, B prompts of ``--prompt-len``
+For each prompt length L of ``--prompt-len`` (one or a comma-separated list) and each batch
+size B: a session whose KV capacity is ``--context`` or, when L + warm-up + measured steps do
+not fit it, that many positions rounded up to 64 (at most the model context); B prompts of L
 random tokens (row 0 the same prompt at every B), ``--warmup`` decode steps (these include the
 capture warm-up and the capture), then ``--tokens`` measured steps. Each step ends when its
 ``[B, 2]`` argmax result is on the host, so step times are wall times of complete steps.
-The check column compares row 0's token stream with the batch-1 stream, bitwise.
+The check column compares row 0's token stream with the batch-1 stream of the same L, bitwise.
+The prefill column is the prefill's wall time; the peak column the provider's peak device
+bytes (``provider.peak_bytes()`` after ``reset_peak()``, when it can tell) over the row's
+prefill and steps: weights, KV cache and activations.
 
 The floor column is the time to read once every weight byte a step reads (gather tables
 excluded) at the provider's measured device bandwidth (``provider.device_bandwidth()`` in
@@ -20,6 +25,7 @@ import numpy as np
 
 from core.generation.loop import decode
 from core.models.model import load_model
+from core.runtime.kv import round_capacity
 from core.runtime.runner import Runner
 from core.session import RequestError, Session
 
@@ -48,12 +54,18 @@ class ProfileRow:
     hit_rate: float = 1.0
     byte_hit_rate: float = 1.0
     copy_floor_ms: float | None = None
+    prompt_len: int = 0
+    capacity: int = 0
+    prefill_ms: float = 0.0
+    anchor_tokens_per_s: float | None = None
+    anchor_note: str = ""
 
 
-def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None):
+def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capacity=None):
     vocab = runner.model.config.vocab_size
     rows = [prompt] + [list(rng.integers(3, vocab, len(prompt))) for _ in range(batch - 1)]
-    session = Session(runner, batch=batch, capacity=args.context, kv_layout=args.layout,
+    capacity = capacity or args.context
+    session = Session(runner, batch=batch, capacity=capacity, kv_layout=args.layout,
                       kv_policy="fixed", capture=False if args.no_capture else None)
     p = runner.provider
     p.reset_peak()
@@ -66,38 +78,92 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None):
                      float(np.percentile(times_ms, 95)), floor, c.captures, c.replays,
                      len(c.fallbacks), c.invalidations, c.kv_bytes_moved, p.peak_bytes(), c.kv_bytes,
                      False, list(c.fallbacks), streamed, c.htod_bytes_per_token, c.page_ins_per_token,
-                     c.hit_rate, c.byte_hit_rate, None if not (h2d and streamed) else streamed / h2d * 1e3)
+                     c.hit_rate, c.byte_hit_rate, None if not (h2d and streamed) else streamed / h2d * 1e3,
+                     len(prompt), capacity, trace.seconds[0] * 1e3)
     session.close()
     return row, trace.tokens[:, 0].tolist()
 
 
-def profile(model_dir, provider, batches: list[int], args, progress=None) -> list[ProfileRow]:
-    """Run the sweep on one Runner (the weights are uploaded once); returns one
-    :class:`ProfileRow` per batch size.
+def prompt_lengths(args) -> list[int]:
+    """``args.prompt_len`` as a list (one int or a list of ints)."""
+    value = args.prompt_len
+    return list(value) if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def capacity_for(prompt_len: int, args, context_length: int) -> int:
+    """The KV capacity a sweep row uses (module docstring).
 
     Raises:
-        core.session.RequestError: the context cannot hold prompt + warm-up + measured steps.
+        core.session.RequestError: prompt + warm-up + measured steps exceed the model context.
+    """
+    need = prompt_len + args.warmup + args.tokens + 1
+    if need > context_length:
+        raise RequestError(f"--prompt-len {prompt_len} with {args.warmup} warm-up and {args.tokens} measured "
+                           f"steps needs {need} positions; the model context is {context_length}")
+    return args.context if need <= args.context else round_capacity(need, context_length)
+
+
+def profile(model_dir, provider, batches: list[int], args, progress=None) -> list[ProfileRow]:
+    """Run the sweep on one Runner (the weights are uploaded once); returns one
+    :class:`ProfileRow` per prompt length and batch size (prompt lengths outermost).
+
+    Raises:
+        core.session.RequestError: a prompt length with its steps exceeds the model context.
     """
     model = load_model(model_dir)
-    need = args.prompt_len + args.warmup + args.tokens + 1
-    if need > args.context:
-        raise RequestError(f"--context {args.context} is too small: prompt + warm-up + measured "
-                           f"steps need {need} positions")
+    lengths = prompt_lengths(args)
+    capacities = [capacity_for(n, args, model.config.context_length) for n in lengths]
     rng = np.random.default_rng(0)
-    prompt = list(rng.integers(3, model.config.vocab_size, args.prompt_len))
     runner = Runner(model, provider, args.layout, weight_budget=getattr(args, "weight_budget", None),
                     device_budget=getattr(args, "device_budget", None))
     bandwidth = runner.provider.device_bandwidth()
     h2d = runner.provider.host_to_device_bandwidth() if runner.residency.streams else None
-    rows, reference = [], None
-    for i, batch in enumerate(batches):
-        row, stream = _stream(runner, batch, args, prompt, rng, bandwidth, h2d)
-        if reference is None:
-            reference = stream if batch == 1 else _stream(runner, 1, args, prompt, rng, None)[1]
-        rows.append(attrs.evolve(row, row0_matches_batch1=stream == reference))
-        if progress is not None:
-            progress(i + 1, len(batches), rows[-1])
+    rows: list[ProfileRow] = []
+    total = len(lengths) * len(batches)
+    for length, capacity in zip(lengths, capacities):
+        prompt = list(rng.integers(3, model.config.vocab_size, length))
+        reference = None
+        for batch in batches:
+            row, stream = _stream(runner, batch, args, prompt, rng, bandwidth, h2d, capacity)
+            if reference is None:
+                reference = stream if batch == 1 else _stream(runner, 1, args, prompt, rng, None, None,
+                                                              capacity)[1]
+            rows.append(attrs.evolve(row, row0_matches_batch1=stream == reference))
+            if progress is not None:
+                progress(len(rows), total, rows[-1])
     return rows
+
+
+def load_anchor(path: str) -> dict[tuple[int, int], dict]:
+    """The rows of an anchor file (``benchmarks/ort_genai_decode.py --json``) by
+    (prompt length, batch).
+
+    Raises:
+        core.session.RequestError: the file is missing, not JSON, or has no such rows.
+    """
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).expanduser().read_text())
+        return {(int(r["prompt_len"]), int(r["batch"])): r for r in data["rows"]}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RequestError(f"cannot read the anchor file {path}: {exc} (expected the --json output of "
+                           "benchmarks/ort_genai_decode.py)") from None
+
+
+def with_anchor(rows: list[ProfileRow], anchor: dict[tuple[int, int], dict]) -> list[ProfileRow]:
+    """``rows`` with the anchor's tokens/s (or why it has none) at the same prompt length and batch."""
+    out = []
+    for r in rows:
+        a = anchor.get((r.prompt_len, r.batch))
+        if a is None:
+            out.append(attrs.evolve(r, anchor_note="not run"))
+        elif a.get("tokens_per_s") is None:
+            out.append(attrs.evolve(r, anchor_note=f"refused: {a.get('refused') or '?'}"))
+        else:
+            out.append(attrs.evolve(r, anchor_tokens_per_s=float(a["tokens_per_s"]),
+                                    anchor_note="graph" if a.get("graph") else ""))
+    return out
 
 
 def render(rows: list[ProfileRow], title: str):
@@ -106,34 +172,57 @@ def render(rows: list[ProfileRow], title: str):
 
     table = Table(title=title)
     streams = any(r.weight_bytes_streamed_per_step for r in rows)
-    cols = ["batch", "tok/s", "ms/step p50", "p95", "floor ms", "captures", "replays",
+    cols = ["prompt", "batch", "tok/s", "ms/step p50", "p95", "floor ms", "prefill ms", "captures", "replays",
             "fallbacks", "invalid.", "kv moved", "peak dev MiB", "KV MiB", "row0==b1"]
     if streams:
         cols += ["copy floor ms", "htod MiB/tok", "page-ins/tok", "byte hit"]
+    anchored = any(r.anchor_note or r.anchor_tokens_per_s is not None for r in rows)
+    if anchored:
+        cols += ["anchor tok/s", "x anchor"]
     for col in cols:
         table.add_column(col, justify="right")
     mib = lambda x: "-" if x is None else f"{x / 2**20:,.1f}"  # noqa: E731
     for r in rows:
-        table.add_row(str(r.batch), f"{r.tokens_per_s:,.0f}", f"{r.step_ms_p50:.3f}", f"{r.step_ms_p95:.3f}",
-                      "-" if r.floor_ms is None else f"{r.floor_ms:.3f}", str(r.captures), str(r.replays),
+        table.add_row(str(r.prompt_len), str(r.batch), f"{r.tokens_per_s:,.0f}", f"{r.step_ms_p50:.3f}",
+                      f"{r.step_ms_p95:.3f}", "-" if r.floor_ms is None else f"{r.floor_ms:.3f}",
+                      f"{r.prefill_ms:,.1f}", str(r.captures), str(r.replays),
                       str(r.fallbacks), str(r.invalidations), str(r.kv_bytes_moved), mib(r.peak_device_bytes),
                       mib(r.kv_bytes), "yes" if r.row0_matches_batch1 else "[red]NO[/red]",
                       *(["-" if r.copy_floor_ms is None else f"{r.copy_floor_ms:.3f}",
                          f"{r.htod_bytes_per_token / 2**20:,.2f}", f"{r.page_ins_per_token:.1f}",
-                         f"{r.byte_hit_rate:.2f}"] if streams else []))
+                         f"{r.byte_hit_rate:.2f}"] if streams else []),
+                      *([_anchor_cell(r), "-" if not r.anchor_tokens_per_s else
+                         f"{r.tokens_per_s / r.anchor_tokens_per_s:.2f}"] if anchored else []))
     return table
 
 
+def _anchor_cell(r: ProfileRow) -> str:
+    if r.anchor_tokens_per_s is None:
+        return r.anchor_note or "-"
+    return f"{r.anchor_tokens_per_s:,.0f}" + (f" ({r.anchor_note})" if r.anchor_note else "")
+
+
 def plot(rows: list[ProfileRow], path: str, title: str) -> None:
-    """Write tokens/s against batch (log-log) to a PNG at ``path`` (needs matplotlib)."""
+    """Write tokens/s against batch (log-log), one line per prompt length, to a PNG at
+    ``path`` (needs matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r.batch for r in rows], [r.tokens_per_s for r in rows], marker="o")
+    lengths = sorted({r.prompt_len for r in rows})
+    for length in lengths:
+        mine = [r for r in rows if r.prompt_len == length]
+        line = ax.plot([r.batch for r in mine], [r.tokens_per_s for r in mine], marker="o",
+                       label=f"prompt {length}")[0]
+        anchored = [r for r in mine if r.anchor_tokens_per_s]
+        if anchored:
+            ax.plot([r.batch for r in anchored], [r.anchor_tokens_per_s for r in anchored], marker="x",
+                    linestyle="--", color=line.get_color(), label=f"anchor, prompt {length}")
     batch_axes(ax, title)
+    if len(lengths) > 1 or any(r.anchor_tokens_per_s for r in rows):
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -167,6 +256,10 @@ def profile_main(args, console, table_console) -> int:
 
     from core.session import RequestError
 
+    if getattr(args, "kernels", False):
+        from core.kernel_profile import kernels_main
+
+        return kernels_main(args, console, table_console)
     if args.plot_out:
         try:
             import matplotlib  # noqa: F401
@@ -175,19 +268,22 @@ def profile_main(args, console, table_console) -> int:
     for out in (args.json_out, args.plot_out):
         if out and not Path(out).expanduser().resolve().parent.is_dir():
             raise RequestError(f"cannot write {out}: its folder does not exist")
+    anchor = load_anchor(args.anchor) if getattr(args, "anchor", None) else None
     batches = list(args.batch_sweep)
     title = (f"{args.model} on {args.provider}, {args.layout}, "
-             f"{'eager' if args.no_capture else 'capture when supported'}, context {args.context}")
+             f"{'eager' if args.no_capture else 'capture when supported'}, capacity >= {args.context}")
     with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("profiling", total=len(batches))
 
         def progress(done: int, total: int, row: ProfileRow) -> None:
-            bar.update(task, completed=done)
+            bar.update(task, completed=done, total=total)
             if not console.is_terminal:  # a log: one plain line per batch size
                 console.print(f"profile: batch {row.batch} done ({done}/{total}), {row.tokens_per_s:,.0f} tok/s",
                               markup=False)
 
         rows = profile(args.model, args.provider, batches, args, progress=progress)
+    if anchor is not None:
+        rows = with_anchor(rows, anchor)
     table_console.print(render(rows, title))
     if args.json_out:
         with open(Path(args.json_out).expanduser(), "w") as f:

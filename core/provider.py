@@ -215,6 +215,11 @@ class ProviderBase:
         """Measured device memory bandwidth in bytes/s (read + write), or None."""
         return None
 
+    def node_timer(self) -> Any:
+        """A node timer for ``lockstep profile --kernels`` (``mark()``, ``seconds(a, b)``;
+        :mod:`core.kernel_profile`), or None: this provider cannot time its nodes."""
+        return None
+
     def host_to_device_bandwidth(self) -> float | None:
         """Measured host-to-device copy bandwidth from staged (pinned) memory in bytes/s, or None."""
         return None

@@ -29,6 +29,7 @@ from core.generation.sampling import SamplingParams
 from core.models.model import Model
 from core.runtime import kv as kvgeo
 from core.runtime import step as steps
+from core.runtime.prompts import GROUPING
 from core.runtime.residency import BudgetError
 from core.runtime.runner import Runner
 from core.runtime.step import StepOutput
@@ -99,6 +100,12 @@ class Session:
             with a Runner, it must be None or the runner's own budget.
         device_budget: device bytes for weights and KV together (the elastic budget of
             :class:`~core.runtime.runner.Runner`); with a Runner, None.
+        all_logits: prefill keeps the logits of every prompt position (:meth:`prompt_logits`;
+            teacher-forced checks of the prompt). Default False: only each row's last prompt
+            position is computed (logits [B, 1, V]), and rows of very different lengths are
+            prefilled in length groups without computing their padding (core.runtime.prompts).
+        prefill_groups: "auto" (length groups when padding would at least double the work),
+            "off" (one padded run) or "always" (the groups whatever the lengths).
 
     Raises:
         RequestError: bad batch/capacity/layout/policy values (seq_major + growing at batch > 1
@@ -112,8 +119,13 @@ class Session:
                  capacity: int | None = None, kv_layout: str = "head_major",
                  kv_policy: str | None = None, capture: bool | None = None,
                  max_capacity: int | None = None, weight_budget: int | float | str | None = None,
-                 device_budget: int | str | None = None):
+                 device_budget: int | str | None = None, all_logits: bool = False,
+                 prefill_groups: str = "auto"):
         batch = _positive_int("batch", batch)
+        if prefill_groups not in GROUPING:
+            raise RequestError(f"prefill_groups must be one of {GROUPING}, got {prefill_groups!r}")
+        self.all_logits, self.prefill_groups = bool(all_logits), prefill_groups
+        self._prefilled_at = -1
         if kv_layout not in kvgeo.LAYOUTS:
             raise RequestError(f"kv_layout must be one of {kvgeo.LAYOUTS}, got {kv_layout!r}")
         kv_policy = kv_policy or ("growing" if capacity is None else "fixed")
@@ -292,7 +304,8 @@ class Session:
         self.set_sampling(rows, input_ids)
         t0 = time.perf_counter()
         before = self.runner.stream_meter()
-        steps.prefill(state, input_ids)
+        steps.prefill(state, input_ids, self.all_logits, self.prefill_groups)
+        self._prefilled_at = self.counters.decode_steps
         self._count_streamed(tuple(b - a for a, b in zip(before, self.runner.stream_meter())), 0)
         out = steps.read_result(state)
         self.counters.prefill_s += time.perf_counter() - t0
@@ -355,6 +368,21 @@ class Session:
         if host.shape[1] == 1:
             return host[:, 0]
         return host[np.arange(self.batch), self.state.lengths - 1]
+
+    def prompt_logits(self) -> np.ndarray:
+        """fp32 ``[B, S, V]``: the last prefill's logits at every prompt position (S the
+        longest prompt; a row's positions past its length are padding).
+
+        Raises:
+            RequestError: the session was made without ``all_logits=True``, or no prefill ran
+                since the last decode step.
+        """
+        self._check_open()
+        if not self.all_logits:
+            raise RequestError("prompt_logits() needs a Session made with all_logits=True")
+        if not self.started or self._prefilled_at != self.counters.decode_steps:
+            raise RequestError("prompt_logits() reads the last prefill; call it before step()")
+        return self.provider.download(self.state.logits).astype(np.float32)
 
     def _count_streamed(self, done: tuple, decode_tokens: int) -> None:
         if done:

@@ -130,6 +130,35 @@ def growth_copies(old: KVGeometry, new_capacity: int, lengths: list[int]
     return [(s_off, d_off, size) for (s_off, size), (d_off, _) in zip(src, dst)]
 
 
+def row_copies(src: KVGeometry, dst: KVGeometry, rows: Sequence[tuple[int, int, int]]
+               ) -> list[tuple[int, int, int]]:
+    """Copies ``(src_offset, dst_offset, nbytes)`` that move the live prefix of row ``s`` of a
+    buffer in geometry ``src`` to row ``d`` of one in ``dst``, for each ``(s, d, length)`` in
+    ``rows`` (a scratch prefill's rows into the decode cache, core.runtime.prompts). The
+    geometries may differ in batch and capacity, not in layout, heads, head size or dtype.
+
+    Raises:
+        KVLayoutError: the geometries differ otherwise, a row is outside a batch, or a length
+            exceeds either capacity.
+    """
+    if (src.layout, src.kv_heads, src.head_size, src.itemsize) != (dst.layout, dst.kv_heads, dst.head_size,
+                                                                   dst.itemsize):
+        raise KVLayoutError(f"cannot copy KV rows between {src} and {dst}")
+    n, h, item = src.kv_heads, src.head_size, src.itemsize
+    out = []
+    for s, d, length in rows:
+        if not (0 <= s < src.batch and 0 <= d < dst.batch and 0 <= length <= min(src.capacity, dst.capacity)):
+            raise KVLayoutError(f"row copy {(s, d, length)} outside {src.shape} -> {dst.shape}")
+        if length == 0:
+            continue
+        if src.layout == "head_major":
+            out += [((s * n + g) * src.capacity * h * item, (d * n + g) * dst.capacity * h * item, length * h * item)
+                    for g in range(n)]
+        else:
+            out.append((s * src.capacity * n * h * item, d * dst.capacity * n * h * item, length * n * h * item))
+    return out
+
+
 def _check_lengths(geo: KVGeometry, lengths: list[int]) -> None:
     if len(lengths) != geo.batch:
         raise KVLayoutError(f"{len(lengths)} lengths for a batch of {geo.batch}")

@@ -58,11 +58,21 @@ class DecodeState:
         self.binding = p.io_binding(runner.plan)
         self._bind_kv()
         self.logits = None
+        self._prompt_logits = None
         self.started = False
         self.sampling: SamplingTensors | None = None
         self._sampling_buffers: SamplingTensors | None = None
         self.capture = CapturedStep(p, runner.plan, lambda: steps.decode_step(self), self.capture_key,
                                     capture, counters, meter=runner.stream_meter)
+
+    def prompt_logits_buffer(self, shape: tuple[int, ...], dtype) -> object:
+        """A persistent device buffer of ``shape`` and ``dtype`` that a grouped prefill
+        assembles its ``[B, 1, V]`` logits rows in (core.runtime.prompts); kept while the
+        shape and dtype stay the same."""
+        buf = self._prompt_logits
+        if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
+            buf = self._prompt_logits = self.runner.provider.allocate(shape, dtype)
+        return buf
 
     def attach(self, counters: Counters) -> None:
         """Charge ``counters`` from now on (a pooled state handed to a new session)."""

@@ -1,8 +1,9 @@
 """Prefill and the decode step, as functions of a decode state (and through it, its Runner).
 
 :func:`decode_step` is the function a capture records: decode_advance, the graph with S = 1,
-device_argmax (or device_sample), touching only persistent buffers. :func:`prefill` runs the prompts right-padded
-to the longest (GroupQueryAttention "first prompt", docs/ops.md 1.4). Neither validates a
+device_argmax (or device_sample), touching only persistent buffers. :func:`prefill` runs the prompts
+right-padded (GroupQueryAttention "first prompt", docs/ops.md 1.4; one run, or pad-free length
+groups, and only each row's last position's logits: :mod:`core.runtime.prompts`). Neither validates a
 request: :class:`core.session.Session` does that before calling them.
 """
 
@@ -11,8 +12,8 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from core.plugins import ProviderError
 from core.protocol import ARGMAX_ERROR, ARGMAX_TOKEN
+from core.runtime import prompts
 
 
 @attrs.frozen
@@ -28,38 +29,29 @@ class StepOutput:
     errors: np.ndarray
 
 
-def prefill(state, input_ids) -> None:
+def prefill(state, input_ids, all_logits: bool = False, grouping: str = "auto") -> None:
     """Run the prompts and choose each row's first token into ``state.result``.
 
     Args:
         state: a :class:`~core.runtime.state.DecodeState` of ``len(input_ids)`` rows.
         input_ids: one list of token ids per row (lengths may differ; already validated).
+        all_logits: keep the logits of every prompt position (``state.logits`` [B, S, V]);
+            by default only each row's last position is computed ([B, 1, V]) where the plan
+            has a last-position program (core.runtime.prompts).
+        grouping: pad-free length groups, "auto", "off" or "always"
+            (:func:`core.runtime.prompts.plan_groups`).
 
     Raises:
         core.runtime.kv.KVFullError: the longest prompt does not fit the cache.
         core.plugins.ProviderError: the provider returned a new present KV tensor instead of
             writing the shared past/present buffer in place.
     """
-    runner = state.runner
-    p, cfg = runner.provider, runner.model.config
+    p = state.runner.provider
     lens = np.array([len(r) for r in input_ids], np.int64)
-    S = int(lens.max())
     state.begin_request()
-    state.reserve(S)  # prefill writes S positions of K/V in every row, padding too
-    ids = np.full((state.batch, S), cfg.pad_token_id, np.int64)
-    for b, row in enumerate(input_ids):
-        ids[b, : len(row)] = row
-    mask = (np.arange(S)[None, :] < lens[:, None]).astype(np.int64)
-    state.binding.bind_input("input_ids", p.upload(ids))
-    state.binding.bind_input("attention_mask", p.upload(mask))
-    outs = state.binding.run()
-    present = outs.get(cfg.present_key % 0)
-    if present is not None and present is not state.kv.layers[0][0]:
-        raise ProviderError(
-            f"provider {p.name!r} returned a new present KV tensor; it must write the shared "
-            "past/present buffer in place (past_present_share_buffer, docs/ops.md 1.3 step 2)")
-    state.logits = outs["logits"]
-    select(state, p.upload((lens - 1).astype(np.int32)), p.upload(lens.astype(np.int32)), None)
+    state.reserve(int(lens.max()))  # room for the longest prompt in every row
+    state.logits, positions = prompts.run_prompts(state, input_ids, all_logits, grouping)
+    select(state, positions, p.upload(lens.astype(np.int32)), None)
     state.set_lengths(lens)
     state.bind_persistent()
     state.started = True

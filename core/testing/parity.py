@@ -18,6 +18,11 @@
 - ``layout``: seq_major == head_major, bitwise (when the provider has both layouts);
 - ``growth``: a growing KV cache (at least two growth events when the request is long enough)
   == a fixed one, bitwise;
+- ``prompt``: the logits at every prompt position (``Session(all_logits=True)``) against
+  cpu_reference, within the logits tolerance: prefill attention at every position, not only
+  the last;
+- ``prefill_groups``: a prefill in length groups (``prefill_groups="always"``: scratch KV
+  buffers per group, their rows copied into the cache) == the padded prefill, bitwise;
 - ``capture``: graph capture on == off, bitwise, with a fixed and with a growing cache (only
   when the provider declares ``graph_capture``).
 
@@ -49,7 +54,7 @@ DEFAULT_LENGTHS = (7, 3, 12, 1, 9, 5, 16, 2)
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 #: Every gate, in report order.
 GATES = ("logits", "greedy", "batch_invariance", "row_identity", "reuse", "poison", "layout", "growth",
-         "capture", "streaming")
+         "prompt", "prefill_groups", "capture", "streaming")
 
 
 @attrs.define
@@ -160,6 +165,39 @@ def _decode(session: Session, prompts: list[list[int]], steps: int, forced: list
     trace = decode(session, prompts, steps, force=forced, observer=record)
     return _Run(trace.tokens, np.array(digests, dtype=object), logits if keep_logits else None,
                 session.counters.growth_events, session.counters.to_dict())
+
+
+def _prefill_gates(report: ParityReport, runner: Runner, ref_runner: Runner, rows: list[list[int]], steps: int,
+                   need: int, forced_all: list[list[int]], big: _Run, rtol: float) -> None:
+    """The ``prompt`` and ``prefill_groups`` gates (module docstring)."""
+    s = _session(runner, len(rows), need, all_logits=True)
+    s.prefill(rows)
+    got = s.prompt_logits()
+    r = _session(ref_runner, len(rows), need, all_logits=True)
+    r.prefill(rows)
+    want = r.prompt_logits()
+    worst, where = 0.0, (0, 0)
+    for b, row in enumerate(rows):
+        g, w = got[b, :len(row)].astype(np.float64), want[b, :len(row)].astype(np.float64)
+        rel = np.abs(g - w) / np.maximum(np.abs(w).max(axis=-1, keepdims=True), 1e-30)
+        rel = np.where(np.isfinite(rel), rel, np.inf).max(axis=-1)
+        if rel.max() > worst:
+            worst, where = float(rel.max()), (b, int(rel.argmax()))
+    positions = sum(map(len, rows))
+    detail = (f"logits at all {positions} prompt positions (all_logits=True) within {rtol:g} of "
+              f"{ref_runner.provider.name}; worst {worst:.3g} at row {where[0]} position {where[1]}")
+    report.gates.append(Gate("prompt", PASS if worst <= rtol else FAIL, detail,
+                             {"max_rel": worst, "row": where[0], "position": where[1]}))
+    if runner.plan.last_position_steps is None:
+        report.gates.append(Gate("prefill_groups", SKIP, "the plan has no last-position program (the provider "
+                                                         "refused its Reshape or Gather), so prefill never groups"))
+        return
+    s = _session(runner, len(rows), need, prefill_groups="always")
+    grouped = _decode(s, rows, steps, forced_all, False)
+    runs = grouped.counters["prefill_runs"]
+    report.gates.append(_bitwise("prefill_groups", grouped, big, what=f"length groups ({runs} runs) vs padded")
+                        or Gate("prefill_groups", PASS, f"a prefill in {runs} length groups (scratch KV copied "
+                                "into the cache) == the padded prefill, bitwise", {"prefill_runs": runs}))
 
 
 def _session(runner: Runner, batch: int, need: int, **kw) -> Session:
@@ -280,6 +318,11 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
     if "streaming" in wanted:
         report.gates.append(_streaming_gate(runner, big, weight_budget))
     _more_gates(report, wanted, say, runner, provider, caps, rows, forced_all, big, steps, need, n_max)
+    if wanted & {"prompt", "prefill_groups"}:
+        say(f"prompt and prefill_groups gates: batch {n_max}")
+        before = len(report.gates)
+        _prefill_gates(report, runner, ref_runner, rows, steps, need, forced_all, big, rtol)
+        report.gates[before:] = [g for g in report.gates[before:] if g.name in wanted]
     report.gates.sort(key=lambda g: GATES.index(g.name))
     return report
 
@@ -551,7 +594,7 @@ class KitMode:
 
 #: The quick mode: every gate on a tiny model shaped like the real one, and a short check of the
 #: real model (logits, greedy decoding and batch invariance).
-QUICK = KitMode((1, 2), 4, ("logits", "greedy", "batch_invariance"), (1, 2, 8), 16)
+QUICK = KitMode((1, 2), 4, ("logits", "greedy", "batch_invariance", "prompt"), (1, 2, 8), 16)
 #: The full mode: every gate on the real model.
 FULL = KitMode((1, 2, 8), 64)
 MODES = ("quick", "full")
@@ -597,7 +640,8 @@ def run_kit(model: str | Path | Model, provider: Any, mode: str = "quick", batch
 
     ``mode="quick"`` (about a minute for a CPU provider on SmolLM2-135M on 2 cores): every gate
     on a tiny random model of the model's dtype (:data:`QUICK` batches and steps), then the
-    logits, greedy and batch-invariance gates on the model itself, batches 1,2 for 4 steps.
+    logits, greedy, batch-invariance and prompt gates on the model itself, batches 1,2 for 4
+    steps.
     ``mode="full"``: every gate on the model, batches 1,2,8 for 64 steps (:data:`FULL`).
     ``batches`` and ``steps`` replace the model's defaults in either mode. A ``weight_budget``
     in bytes applies to the model only; a fraction or percentage to the tiny model too.

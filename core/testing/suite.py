@@ -21,7 +21,7 @@ from core.testing.kit import CaseResult, UnsupportedCase, run_argmax_case, run_d
 from core.testing.op_cases import argmax_params, case_params
 
 GATES = ("logits", "greedy", "batch_invariance", "row_identity", "reuse", "poison", "layout",
-         "growth", "capture")
+         "growth", "prompt", "prefill_groups", "capture")
 
 __all__ = ["test_op", "test_device_argmax", "test_decode_advance", "test_gate"]
 

@@ -192,6 +192,23 @@ class CudaProvider(ProviderBase):
             del a, b
         return self._bandwidth
 
+    def node_timer(self):
+        """CUDA events recorded on the provider stream around each node (``lockstep profile
+        --kernels``, core.kernel_profile): ``mark()`` records a new event, ``seconds(a, b)``
+        is the GPU time between two (read after :meth:`synchronize`)."""
+        cp, stream = self.cupy, self.stream
+
+        class EventTimer:
+            def mark(self):
+                event = cp.cuda.Event()
+                event.record(stream)
+                return event
+
+            def seconds(self, start, end) -> float:
+                return cp.cuda.get_elapsed_time(start, end) / 1e3
+
+        return EventTimer()
+
     def _median_seconds(self, work) -> float:
         """Seconds ``work()`` takes on the stream: CUDA events, 6 runs, the median of the last 5
         (the first one warms up)."""

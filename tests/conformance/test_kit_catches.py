@@ -208,6 +208,39 @@ def test_a_batch_dependent_matmul_fails_batch_invariance(tmp_path):
     assert not report.passed
 
 
+def test_a_prefill_wrong_before_the_last_position_fails_only_the_prompt_gate(tmp_path):
+    """The last layer's attention output is wrong at every prompt position but each row's last
+    one: no logit the decode gates read changes (the last position, and KV made by earlier
+    layers), so only the every-position gate can see it."""
+    def gqa(ctx, *args):
+        outs = group_query_attention.run(ctx, *args)
+        seqlens = np.asarray(args[5]).reshape(-1)
+        y = outs[0]
+        if "layers.1/" in ctx.node.name and y.shape[1] > 1:
+            y = y.copy()
+            for b, last in enumerate(seqlens):
+                y[b, :last] += 1.0
+        return (y, *outs[1:])
+
+    report = run_parity(make_tiny_model(tmp_path / "m"), Broken({("com.microsoft", "GroupQueryAttention"): gqa}),
+                        batches=(1, 3), steps=4)
+    assert report.gate("prompt").status == "fail"
+    assert all(report.gate(g).status == "pass" for g in ("logits", "greedy", "batch_invariance", "prefill_groups"))
+
+
+class DropsCopies(CpuReferenceProvider):
+    """copy_bytes that copies only the first range of each call."""
+
+    def _copy_bytes(self, dst, src, copies):
+        super()._copy_bytes(dst, src, list(copies)[:1])
+
+
+def test_a_copy_bytes_that_drops_ranges_fails_the_prefill_groups_gate(tmp_path):
+    report = run_parity(make_tiny_model(tmp_path / "m"), DropsCopies(), batches=(1, 3), steps=4)
+    assert report.gate("prefill_groups").status == "fail"
+    assert report.gate("batch_invariance").status == "pass"
+
+
 def test_parity_report_round_trips_to_json_and_text(tmp_path):
     import json
 

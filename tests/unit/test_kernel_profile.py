@@ -1,0 +1,82 @@
+"""``lockstep profile --kernels``: every node of a decode step timed and counted on cpu_reference."""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from core.cli import main
+from core.kernel_profile import profile_kernels, role
+from core.runtime.runner import Runner
+from core.session import RequestError
+from core.testing.tiny_model import make_tiny_model
+from providers.cpu_reference.provider import CpuReferenceProvider
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def _args(**kw):
+    base = dict(prompt_len=[5], context=32, warmup=1, tokens=3, layout="head_major", tensor_tflops=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_every_node_of_a_step_is_in_the_table_with_its_calls_and_bytes(model_dir):
+    results = profile_kernels(model_dir, "cpu_reference", [1, 3], _args())
+    assert [(r["prompt_len"], r["batch"]) for r in results] == [(5, 1), (5, 3)]
+    plan = Runner(model_dir, CpuReferenceProvider()).plan
+    per_role: dict[str, int] = {}
+    for i in plan.steps:
+        per_role[role(plan.nodes[i].name)] = per_role.get(role(plan.nodes[i].name), 0) + 1
+    for r in results:
+        rows = {k["node"]: k for k in r["kernels"]}
+        assert {n: rows[n]["calls"] for n in per_role} == per_role
+        assert rows["(device_argmax)"]["calls"] == 1 and rows["(decode_advance)"]["calls"] == 1
+        assert all(k["us"] > 0 for k in r["kernels"])
+        assert [k["us"] for k in r["kernels"]] == sorted((k["us"] for k in r["kernels"]), reverse=True)
+        total = r["total"]
+        assert total["us"] == pytest.approx(sum(k["us"] for k in r["kernels"]))
+        assert total["calls"] == len(plan.steps) + 2
+        # the lm_head reads its whole weight once per step, plus its input rows
+        weight = plan.constants["lm_head.MatMul.weight"].nbytes
+        lm = rows["/lm_head/MatMul"]
+        assert lm["bytes"] == weight + r["batch"] * (64 + 256) * 4  # fp32 input rows [B, 1, 64], logits
+        assert lm["flops"] == 2 * r["batch"] * 64 * 256  # tiny model: hidden 64, vocab 256
+        assert lm["floor_us"] is None and total["floor_us"] is None  # cpu_reference measures no bandwidth
+    b1, b3 = results
+    gqa = "/model/layers.*/attn/GroupQueryAttention"
+    g1 = next(k for k in b1["kernels"] if k["node"] == gqa)
+    g3 = next(k for k in b3["kernels"] if k["node"] == gqa)
+    assert g3["bytes"] > g1["bytes"]  # three rows' KV and activations
+
+
+def test_a_stated_tensor_rate_gives_a_floor(model_dir):
+    r = profile_kernels(model_dir, "cpu_reference", [2], _args(tensor_tflops=1e-6))[0]
+    lm = next(k for k in r["kernels"] if k["node"] == "/lm_head/MatMul")
+    assert lm["floor_us"] == pytest.approx(lm["flops"] / 1e6 * 1e6)
+    assert lm["pct_of_floor"] == pytest.approx(100 * lm["floor_us"] / lm["us"])
+
+
+class Untimed(CpuReferenceProvider):
+    def node_timer(self):
+        return None
+
+
+def test_a_provider_that_cannot_time_its_nodes_gets_a_clear_error(model_dir):
+    with pytest.raises(RequestError, match="cannot time its nodes"):
+        profile_kernels(model_dir, Untimed(), [1], _args())
+
+
+def test_cli_kernels_prints_the_table_and_writes_json(model_dir, tmp_path, capsys):
+    out = tmp_path / "k.json"
+    code = main(["profile", str(model_dir), "--kernels", "--batch-sweep", "2", "--tokens", "2", "--warmup", "1",
+                 "--context", "32", "--prompt-len", "4", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and "/lm_head/MatMul" in text and "total" in text and "us/step" in text
+    data = json.loads(out.read_text())
+    assert data["results"][0]["batch"] == 2 and np.isfinite(data["results"][0]["total"]["us"])
+    code = main(["profile", str(model_dir), "--kernels", "--tensor-tflops", "-1"])
+    assert code == 2 and "tensor-tflops" in capsys.readouterr().err
