@@ -319,7 +319,7 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
         report.gates.append(_streaming_gate(runner, big, weight_budget))
     _more_gates(report, wanted, say, runner, provider, caps, rows, forced_all, big, steps, need, n_max)
     if wanted & {"prompt", "prefill_groups"}:
-        say(f"prompt and prefill_groups gates: batch {n_max}")
+        say(f"{' and '.join(g for g in ('prompt', 'prefill_groups') if g in wanted)} gate: batch {n_max}")
         before = len(report.gates)
         _prefill_gates(report, runner, ref_runner, rows, steps, need, forced_all, big, rtol)
         report.gates[before:] = [g for g in report.gates[before:] if g.name in wanted]
