@@ -277,9 +277,9 @@ def profile_main(args, console, table_console) -> int:
 
         def progress(done: int, total: int, row: ProfileRow) -> None:
             bar.update(task, completed=done, total=total)
-            if not console.is_terminal:  # a log: one plain line per batch size
-                console.print(f"profile: batch {row.batch} done ({done}/{total}), {row.tokens_per_s:,.0f} tok/s",
-                              markup=False)
+            if not console.is_terminal:  # a log: one plain line per batch x prompt length
+                console.print(f"profile: batch {row.batch} x {row.prompt_len} prompt tokens done ({done}/{total}), "
+                              f"{row.tokens_per_s:,.0f} tok/s", markup=False)
 
         rows = profile(args.model, args.provider, batches, args, progress=progress)
     if anchor is not None:

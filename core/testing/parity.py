@@ -593,7 +593,7 @@ class KitMode:
 
 
 #: The quick mode: every gate on a tiny model shaped like the real one, and a short check of the
-#: real model (logits, greedy decoding and batch invariance).
+#: real model (logits, greedy decoding, batch invariance and the prompt logits).
 QUICK = KitMode((1, 2), 4, ("logits", "greedy", "batch_invariance", "prompt"), (1, 2, 8), 16)
 #: The full mode: every gate on the real model.
 FULL = KitMode((1, 2, 8), 64)

@@ -66,6 +66,43 @@ def test_profile_sweep_on_cpu_reference_writes_json(tmp_path, capsys):
     assert all(r["row0_matches_batch1"] and r["tokens_per_s"] > 0 for r in data["rows"])
 
 
+def test_profile_sweeps_prompt_lengths_with_a_capacity_per_length(tmp_path, capsys):
+    import json
+
+    folder = make_tiny_model(tmp_path / "m")  # context 128
+    out_json = tmp_path / "p.json"
+    code, out = run(capsys, "profile", str(folder), "--batch-sweep", "1,2", "--tokens", "2", "--warmup", "1",
+                    "--context", "32", "--prompt-len", "4,40", "--json", str(out_json))
+    rows = json.loads(out_json.read_text())["rows"]
+    assert code == 0
+    assert [(r["prompt_len"], r["batch"]) for r in rows] == [(4, 1), (4, 2), (40, 1), (40, 2)]
+    assert [r["capacity"] for r in rows] == [32, 32, 64, 64]  # 40 + 1 + 2 + 1 rounded up to 64
+    assert all(r["row0_matches_batch1"] and r["prefill_ms"] > 0 for r in rows)
+    code, out = run(capsys, "profile", str(folder), "--prompt-len", "200", "--tokens", "2")
+    assert code == 2 and "model context is 128" in out.err
+
+
+def test_profile_puts_the_anchor_beside_its_rows(tmp_path, capsys):
+    import json
+
+    folder = make_tiny_model(tmp_path / "m")
+    anchor = tmp_path / "ort.json"
+    anchor.write_text(json.dumps({"anchor": "ort_genai", "rows": [
+        {"prompt_len": 4, "batch": 1, "graph": True, "tokens_per_s": 123.0, "prefill_ms": 1.0, "refused": None},
+        {"prompt_len": 4, "batch": 2, "graph": False, "tokens_per_s": None, "prefill_ms": None,
+         "refused": "batch too large"}]}))
+    out_json = tmp_path / "p.json"
+    code, out = run(capsys, "profile", str(folder), "--batch-sweep", "1,2,3", "--tokens", "2", "--warmup", "1",
+                    "--context", "32", "--prompt-len", "4", "--anchor", str(anchor), "--json", str(out_json))
+    rows = json.loads(out_json.read_text())["rows"]
+    assert code == 0 and "anchor tok/s" in out.out
+    assert [(r["anchor_tokens_per_s"], r["anchor_note"]) for r in rows] == [
+        (123.0, "graph"), (None, "refused: batch too large"), (None, "not run")]
+    (tmp_path / "bad.json").write_text("{")
+    code, out = run(capsys, "profile", str(folder), "--anchor", str(tmp_path / "bad.json"))
+    assert code == 2 and "anchor file" in out.err
+
+
 def _tiny_with_words(folder):
     """The tiny model plus a word-level tokenizer (ids below its vocab of 256)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -247,40 +284,3 @@ def test_parity_refuses_requests_that_cannot_fit_before_any_run(tmp_path, capsys
     monkeypatch.setattr("core.testing.parity._decode", lambda *a, **k: pytest.fail("a gate ran"))
     code, out = run(capsys, "parity", "--provider", "cpu_reference", "--model", str(folder), *argv)
     assert code == 2 and message in out.err
-
-
-def test_profile_sweeps_prompt_lengths_with_a_capacity_per_length(tmp_path, capsys):
-    import json
-
-    folder = make_tiny_model(tmp_path / "m")  # context 128
-    out_json = tmp_path / "p.json"
-    code, out = run(capsys, "profile", str(folder), "--batch-sweep", "1,2", "--tokens", "2", "--warmup", "1",
-                    "--context", "32", "--prompt-len", "4,40", "--json", str(out_json))
-    rows = json.loads(out_json.read_text())["rows"]
-    assert code == 0
-    assert [(r["prompt_len"], r["batch"]) for r in rows] == [(4, 1), (4, 2), (40, 1), (40, 2)]
-    assert [r["capacity"] for r in rows] == [32, 32, 64, 64]  # 40 + 1 + 2 + 1 rounded up to 64
-    assert all(r["row0_matches_batch1"] and r["prefill_ms"] > 0 for r in rows)
-    code, out = run(capsys, "profile", str(folder), "--prompt-len", "200", "--tokens", "2")
-    assert code == 2 and "model context is 128" in out.err
-
-
-def test_profile_puts_the_anchor_beside_its_rows(tmp_path, capsys):
-    import json
-
-    folder = make_tiny_model(tmp_path / "m")
-    anchor = tmp_path / "ort.json"
-    anchor.write_text(json.dumps({"anchor": "ort_genai", "rows": [
-        {"prompt_len": 4, "batch": 1, "graph": True, "tokens_per_s": 123.0, "prefill_ms": 1.0, "refused": None},
-        {"prompt_len": 4, "batch": 2, "graph": False, "tokens_per_s": None, "prefill_ms": None,
-         "refused": "batch too large"}]}))
-    out_json = tmp_path / "p.json"
-    code, out = run(capsys, "profile", str(folder), "--batch-sweep", "1,2,3", "--tokens", "2", "--warmup", "1",
-                    "--context", "32", "--prompt-len", "4", "--anchor", str(anchor), "--json", str(out_json))
-    rows = json.loads(out_json.read_text())["rows"]
-    assert code == 0 and "anchor tok/s" in out.out
-    assert [(r["anchor_tokens_per_s"], r["anchor_note"]) for r in rows] == [
-        (123.0, "graph"), (None, "refused: batch too large"), (None, "not run")]
-    (tmp_path / "bad.json").write_text("{")
-    code, out = run(capsys, "profile", str(folder), "--anchor", str(tmp_path / "bad.json"))
-    assert code == 2 and "anchor file" in out.err
