@@ -445,8 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "for the provider on first use)")
     t.add_argument("--full", action="store_true", help="every gate on the model, batches 1,2,8 for 64 steps "
                    "(default: the quick mode, about a minute on a CPU: every gate on a tiny model of the same "
-                   "dtype, then the logits, greedy and batch-invariance gates on the model, batches 1,2 for 4 "
-                   "steps)")
+                   "dtype, then the logits, greedy, batch-invariance and prompt gates on the model, batches "
+                   "1,2 for 4 steps)")
     t.add_argument("--batch", type=_int_list, default=None,
                    help="batch sizes of the gates on the model, e.g. 1,2,8 (default: 1,2; with --full 1,2,8)")
     t.add_argument("--steps", type=_positive_int, default=None, help="decode steps on the model (default: 4; "

@@ -318,8 +318,8 @@ def run_parity(model: str | Path | Model, provider: Any, batches: Sequence[int] 
     if "streaming" in wanted:
         report.gates.append(_streaming_gate(runner, big, weight_budget))
     _more_gates(report, wanted, say, runner, provider, caps, rows, forced_all, big, steps, need, n_max)
-    if "prompt" in wanted or "prefill_groups" in wanted:
-        say(f"prompt and prefill_groups gates: batch {n_max}")
+    if wanted & {"prompt", "prefill_groups"}:
+        say(f"{' and '.join(g for g in ('prompt', 'prefill_groups') if g in wanted)} gate: batch {n_max}")
         before = len(report.gates)
         _prefill_gates(report, runner, ref_runner, rows, steps, need, forced_all, big, rtol)
         report.gates[before:] = [g for g in report.gates[before:] if g.name in wanted]
@@ -593,8 +593,8 @@ class KitMode:
 
 
 #: The quick mode: every gate on a tiny model shaped like the real one, and a short check of the
-#: real model (logits, greedy decoding and batch invariance).
-QUICK = KitMode((1, 2), 4, ("logits", "greedy", "batch_invariance"), (1, 2, 8), 16)
+#: real model (logits, greedy decoding, batch invariance and the prompt logits).
+QUICK = KitMode((1, 2), 4, ("logits", "greedy", "batch_invariance", "prompt"), (1, 2, 8), 16)
 #: The full mode: every gate on the real model.
 FULL = KitMode((1, 2, 8), 64)
 MODES = ("quick", "full")
@@ -640,7 +640,8 @@ def run_kit(model: str | Path | Model, provider: Any, mode: str = "quick", batch
 
     ``mode="quick"`` (about a minute for a CPU provider on SmolLM2-135M on 2 cores): every gate
     on a tiny random model of the model's dtype (:data:`QUICK` batches and steps), then the
-    logits, greedy and batch-invariance gates on the model itself, batches 1,2 for 4 steps.
+    logits, greedy, batch-invariance and prompt gates on the model itself, batches 1,2 for 4
+    steps.
     ``mode="full"``: every gate on the model, batches 1,2,8 for 64 steps (:data:`FULL`).
     ``batches`` and ``steps`` replace the model's defaults in either mode. A ``weight_budget``
     in bytes applies to the model only; a fraction or percentage to the tiny model too.

@@ -261,7 +261,7 @@ def test_parity_runs_the_quick_mode_by_default_and_says_so(tmp_path, capsys):
     assert check["mode"] == "quick: short check" and check["model"] == str(folder)
     assert (check["batches"], check["steps"]) == ([1, 2], 4)
     status = {g["name"]: g["status"] for g in check["gates"]}
-    assert {k for k, v in status.items() if v == "pass"} == {"logits", "greedy", "batch_invariance"}
+    assert {k for k, v in status.items() if v == "pass"} == {"logits", "greedy", "batch_invariance", "prompt"}
     assert all(g["detail"] == "not run in this check (quick: short check)" for g in check["gates"]
                if g["status"] == "skip")
     # progress: plain lines on stderr (not a terminal), naming the gate and the batch

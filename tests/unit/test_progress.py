@@ -51,7 +51,8 @@ def test_profile_prints_plain_lines_in_a_log(model_dir, capsys):
     code = main(["profile", str(model_dir), "--batch-sweep", "1,2", "--tokens", "2", "--warmup", "1",
                  "--context", "32"])
     err = capsys.readouterr().err
-    assert code == 0 and "profile: batch 1 done (1/2)" in err and "profile: batch 2 done (2/2)" in err
+    assert code == 0 and "profile: batch 1 x 16 prompt tokens done (1/2)" in err
+    assert "profile: batch 2 x 16 prompt tokens done (2/2)" in err
 
 
 def test_the_profile_plot_title_fits_the_figure(tmp_path):
