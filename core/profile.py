@@ -59,6 +59,7 @@ class ProfileRow:
     prefill_ms: float = 0.0
     anchor_tokens_per_s: float | None = None
     anchor_note: str = ""
+    refused: str = ""  # why this point did not run (out of device memory); its numbers are 0
 
 
 def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capacity=None):
@@ -124,14 +125,28 @@ def profile(model_dir, provider, batches: list[int], args, progress=None) -> lis
         prompt = list(rng.integers(3, model.config.vocab_size, length))
         reference = None
         for batch in batches:
-            row, stream = _stream(runner, batch, args, prompt, rng, bandwidth, h2d, capacity)
+            try:
+                row, stream = _stream(runner, batch, args, prompt, rng, bandwidth, h2d, capacity)
+            except MemoryError as exc:  # this point does not fit: say so, keep the sweep going
+                rows.append(_refused(batch, length, capacity, f"out of device memory ({exc})"))
+                runner.release_states()
+                if progress is not None:
+                    progress(len(rows), total, rows[-1])
+                continue
             if reference is None:
                 reference = stream if batch == 1 else _stream(runner, 1, args, prompt, rng, None, None,
                                                               capacity)[1]
             rows.append(attrs.evolve(row, row0_matches_batch1=stream == reference))
+            runner.release_states()  # no later point has this shape: free its KV before the next
             if progress is not None:
                 progress(len(rows), total, rows[-1])
     return rows
+
+
+def _refused(batch: int, length: int, capacity: int, why: str) -> ProfileRow:
+    return ProfileRow(batch=batch, tokens_per_s=0.0, step_ms_p50=0.0, step_ms_p95=0.0, floor_ms=None, captures=0,
+                      replays=0, fallbacks=0, invalidations=0, kv_bytes_moved=0, peak_device_bytes=None,
+                      kv_bytes=0, row0_matches_batch1=True, prompt_len=length, capacity=capacity, refused=why)
 
 
 def load_anchor(path: str) -> dict[tuple[int, int], dict]:
@@ -183,6 +198,10 @@ def render(rows: list[ProfileRow], title: str):
         table.add_column(col, justify="right")
     mib = lambda x: "-" if x is None else f"{x / 2**20:,.1f}"  # noqa: E731
     for r in rows:
+        if r.refused:
+            table.add_row(str(r.prompt_len), str(r.batch), f"[yellow]{r.refused.split(' (')[0]}[/yellow]",
+                          *["-"] * (len(cols) - 3))
+            continue
         table.add_row(str(r.prompt_len), str(r.batch), f"{r.tokens_per_s:,.0f}", f"{r.step_ms_p50:.3f}",
                       f"{r.step_ms_p95:.3f}", "-" if r.floor_ms is None else f"{r.floor_ms:.3f}",
                       f"{r.prefill_ms:,.1f}", str(r.captures), str(r.replays),
@@ -213,7 +232,7 @@ def plot(rows: list[ProfileRow], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     lengths = sorted({r.prompt_len for r in rows})
     for length in lengths:
-        mine = [r for r in rows if r.prompt_len == length]
+        mine = [r for r in rows if r.prompt_len == length and not r.refused]
         line = ax.plot([r.batch for r in mine], [r.tokens_per_s for r in mine], marker="o",
                        label=f"prompt {length}")[0]
         anchored = [r for r in mine if r.anchor_tokens_per_s]

@@ -201,6 +201,13 @@ class Runner:
                 return state
         return DecodeState(self, batch, capacity, max_capacity, policy, capture, counters, key)
 
+    def release_states(self) -> None:
+        """Drop every pooled free decode state (their KV and buffers go back to the provider),
+        e.g. between the points of a sweep, where no later session has the same shape."""
+        for dropped in self._free:
+            self.kv_device_bytes -= dropped.kv.device_bytes
+        self._free.clear()
+
     def release_state(self, state) -> None:
         """Return a decode state to the pool (the oldest free one is dropped past POOL_SIZE)."""
         if state not in self._free:

@@ -75,3 +75,32 @@ def test_the_profile_plot_title_fits_the_figure(tmp_path):
     assert page.x0 <= box.x0 and box.x1 <= page.x1 and box.y1 <= page.y1
     assert "".join(ax.title.get_text().split()) == "".join(title.split())  # all of it, wrapped
     plt.close(fig)
+
+
+def test_a_sweep_point_out_of_device_memory_is_reported_and_the_sweep_goes_on(model_dir, capsys, monkeypatch):
+    """Batch 2 runs out of device memory (simulated): its row says so, batches 1 and 3 still run,
+    and the pooled decode states are dropped between points."""
+    import json
+
+    from core import profile as prof
+
+    real = prof._stream
+    seen = []
+
+    def stream(runner, batch, *a, **kw):
+        seen.append(len(runner._free))
+        if batch == 2:
+            raise MemoryError("Out of memory allocating 503,316,480 bytes")
+        return real(runner, batch, *a, **kw)
+
+    monkeypatch.setattr(prof, "_stream", stream)
+    out = model_dir.parent / "sweep.json"
+    code = main(["profile", str(model_dir), "--batch-sweep", "1,2,3", "--tokens", "2", "--warmup", "1",
+                 "--context", "32", "--json", str(out)])
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert code == 0 and [r["batch"] for r in rows] == [1, 2, 3]
+    assert rows[1]["refused"].startswith("out of device memory") and rows[1]["tokens_per_s"] == 0.0
+    assert rows[0]["tokens_per_s"] > 0 and rows[2]["tokens_per_s"] > 0
+    assert "out of device memory" in text
+    assert seen == [0, 0, 0]
