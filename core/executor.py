@@ -518,6 +518,11 @@ class Plan:
         for ctx in self._every_context():
             ctx.frozen = frozen
 
+    def release_buffers(self) -> int:
+        """Drop the kernel contexts' buffers that no captured graph uses (KernelContext.release);
+        returns the bytes dropped."""
+        return sum(ctx.release() for ctx in self._every_context())
+
     def activation_bytes(self) -> int:
         """Bytes held in the per-node persistent buffers (activations and scratch; the host
         contexts' numpy buffers included)."""

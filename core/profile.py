@@ -69,6 +69,7 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capac
     session = Session(runner, batch=batch, capacity=capacity, kv_layout=args.layout,
                       kv_policy="fixed", capture=False if args.no_capture else None)
     p = runner.provider
+    runner.plan.release_buffers()  # the last point's activations: not this point's peak
     p.reset_peak()
     trace = decode(session, rows, args.warmup + args.tokens)
     times_ms = np.array(trace.seconds[1 + args.warmup:]) * 1e3

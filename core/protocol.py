@@ -190,6 +190,16 @@ class KernelContext:
         self._last[slot] = (shape, dtype, buf)
         return buf
 
+    def release(self) -> int:
+        """Drop every buffer no captured graph uses (a later call allocates again); returns the
+        bytes dropped. For sweeps over shapes (``lockstep profile``), never during a step."""
+        dropped = [k for k in self._buffers if k not in self._pinned]
+        freed = sum(int(self._buffers[k].nbytes) for k in dropped)
+        for k in dropped:
+            del self._buffers[k]
+        self._last.clear()
+        return freed
+
     def buffer_bytes(self) -> int:
         """Bytes held in this node's persistent buffers."""
         return sum(int(b.nbytes) for b in self._buffers.values())
