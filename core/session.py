@@ -106,6 +106,9 @@ class Session:
             prefilled in length groups without computing their padding (core.runtime.prompts).
         prefill_groups: "auto" (length groups when padding would at least double the work),
             "off" (one padded run) or "always" (the groups whatever the lengths).
+        tensor_parallel: ranks R; R >= 2 makes a
+            :class:`~core.parallel.session.TensorParallelSession` (R rank processes, each
+            holding a shard; docs/parallel.md). Default 1: this process, unsharded.
 
     Raises:
         RequestError: bad batch/capacity/layout/policy values (seq_major + growing at batch > 1
@@ -115,12 +118,22 @@ class Session:
         core.executor.UnsupportedOpError: the provider cannot run some graph node.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any):
+        tp = kwargs.get("tensor_parallel", 1)
+        if cls is Session and isinstance(tp, (int, np.integer)) and not isinstance(tp, bool) and tp > 1:
+            from core.parallel.session import TensorParallelSession
+
+            return super().__new__(TensorParallelSession)
+        return super().__new__(cls)
+
     def __init__(self, model: str | Path | Model | Runner, provider: Any = "cpu_reference", batch: int = 1,
                  capacity: int | None = None, kv_layout: str = "head_major",
                  kv_policy: str | None = None, capture: bool | None = None,
                  max_capacity: int | None = None, weight_budget: int | float | str | None = None,
                  device_budget: int | str | None = None, all_logits: bool = False,
-                 prefill_groups: str = "auto"):
+                 prefill_groups: str = "auto", tensor_parallel: int = 1):
+        if _positive_int("tensor_parallel", tensor_parallel) != 1:
+            raise RequestError("Session(tensor_parallel=R > 1) is a TensorParallelSession; pass it by keyword")
         batch = _positive_int("batch", batch)
         if prefill_groups not in GROUPING:
             raise RequestError(f"prefill_groups must be one of {GROUPING}, got {prefill_groups!r}")

@@ -1,0 +1,8 @@
+"""Tensor parallelism: the sharding plan, the rank provider, the communicator and the
+multi-process session (docs/parallel.md)."""
+
+from core.parallel.comm import CommError, HostCommunicator
+from core.parallel.shard import ShardPlan, plan_shards
+from core.parallel.session import RankError, TensorParallelSession
+
+__all__ = ["CommError", "HostCommunicator", "RankError", "ShardPlan", "TensorParallelSession", "plan_shards"]

@@ -1,0 +1,101 @@
+"""The rank process: one shard of the model in an ordinary Session, driven over a pipe.
+
+:func:`rank_main` is the target of each spawned rank. It loads the model folder, cuts its
+own shard with the same :class:`~core.parallel.shard.ShardPlan` as every other rank, wraps
+its provider in :class:`~core.parallel.provider.TensorParallelProvider` and makes a
+:class:`~core.session.Session` on the shard. Then it answers the coordinator's calls, one
+``(op, args)`` message at a time, with ``("ok", value)``, ``("error", exc)`` for an error the
+user caused (raised before any work: the rank stays usable), or ``("fatal", text)`` after
+which it exits (a communicator failure or a bug: its state can no longer be trusted).
+It exits when told ``("close",)`` or when the coordinator's pipe closes.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` itself when it survives pickling, else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def rank_main(rank: int, size: int, folder: str, provider: str, session_kwargs: dict, ctrl: Connection,
+              peers: dict[int, Connection], timeout: float) -> None:
+    """Run rank ``rank`` of ``size`` until closed (module docstring).
+
+    Args:
+        folder: the model folder; provider: the provider name each rank creates.
+        session_kwargs: :class:`~core.session.Session` keyword arguments (batch, capacity, ...).
+        ctrl: the pipe to the coordinator; peers: the communicator's pipes
+            (:class:`~core.parallel.comm.HostCommunicator`); timeout: its receive timeout (s).
+    """
+    from core.errors import USER_ERRORS
+    from core.models.model import load_model
+    from core.parallel.comm import CommError, HostCommunicator
+    from core.parallel.provider import TensorParallelProvider
+    from core.parallel.shard import plan_shards
+    from core.plugins import get_provider
+    from core.session import Session
+
+    comm = HostCommunicator(rank, size, peers, timeout)
+    try:
+        model = load_model(folder)
+        plan = plan_shards(model, size)
+        start, end = plan.vocab_range(rank)
+        wrapped = TensorParallelProvider(get_provider(provider), comm, start)
+        session = Session(plan.shard(model, rank), wrapped, **session_kwargs)
+        ctrl.send(("ok", {"vocab": (start, end), "limit": session.state.kv.limit,
+                          "all_reduces_per_run": plan.all_reduces_per_run()}))
+    except USER_ERRORS as exc:
+        ctrl.send(("error", _portable(exc)))
+        return
+    except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, then exit
+        ctrl.send(("fatal", f"rank {rank} failed to start: {type(exc).__name__}: {exc}"))
+        return
+
+    def stats() -> dict:
+        return {"counters": session.counters, "all_reduces": comm.calls, "all_reduce_bytes": comm.bytes,
+                "argmax_calls": comm.argmax_calls, "lengths": session.lengths.copy(),
+                "capacity": session.capacity, "started": session.started}
+
+    def handle(op: str, args: tuple) -> Any:
+        if op in ("prefill", "step"):
+            out = getattr(session, op)(*args)
+            return out, stats()
+        if op in ("check_prompts", "check_sampling", "set_sampling", "rewind"):
+            return getattr(session, op)(*args)
+        if op == "shard_logits":
+            return np.ascontiguousarray(session.last_logits())
+        if op == "stats":
+            return stats()
+        raise ValueError(f"unknown rank call {op!r}")
+
+    while True:
+        try:
+            msg = ctrl.recv()
+        except (EOFError, OSError):
+            break  # the coordinator is gone
+        if msg[0] == "close":
+            break
+        try:
+            ctrl.send(("ok", handle(msg[0], msg[1])))
+        except CommError as exc:
+            ctrl.send(("fatal", str(exc)))
+            break
+        except USER_ERRORS as exc:
+            ctrl.send(("error", _portable(exc)))
+        except BaseException as exc:  # noqa: BLE001 - reported, then exit
+            ctrl.send(("fatal", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
+            break
+    comm.close()
+    session.close()
