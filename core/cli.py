@@ -178,7 +178,7 @@ def cmd_run(a) -> int:
         result = run(model, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens,
                      chat=not a.raw, kv_layout=a.layout, capture=False if a.no_capture else None,
                      weight_budget=a.weight_budget, device_budget=a.device_budget, progress=progress,
-                     **options)
+                     tensor_parallel=a.tensor_parallel, **options)
     if a.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -221,7 +221,7 @@ def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
 
     st = stream(model, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens, chat=not a.raw,
                 kv_layout=a.layout, capture=False if a.no_capture else None, weight_budget=a.weight_budget,
-                device_budget=a.device_budget, **options)
+                device_budget=a.device_budget, tensor_parallel=a.tensor_parallel, **options)
     texts = [""] * len(prompts)
     for d in st:
         if len(prompts) == 1:
@@ -409,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache layout (default: %(default)s)")
     r.add_argument("--no-capture", action="store_true", help="never capture decode steps")
     r.add_argument("--stream", action="store_true", help="print text as it is decoded")
+    r.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="R", help="shard the model "
+                   "over R rank processes (greedy only; docs/parallel.md; default: %(default)s)")
     _budget_arg(r)
     _sampling_args(r)
     r.set_defaults(func=cmd_run)
@@ -490,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lockstep`` and ``python -m core``; returns the exit status (2 for a
     refused request, printed as one line without traceback; 130 when interrupted)."""
     from core.errors import USER_ERRORS
+    from core.parallel.session import RankError
 
     args = build_parser().parse_args(argv)
     try:
@@ -497,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
+    except RankError as exc:  # a tensor-parallel rank died or hung: one line, status 1
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        return 1
     except KeyboardInterrupt:
         console.print("[red]interrupted[/red]")
         return 130

@@ -190,7 +190,7 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
           capacity: int | None = None, capture: bool | None = None, progress=None,
           weight_budget: int | float | str | None = None, device_budget: int | str | None = None,
           messages: Sequence[Any] | None = None, system: str | None = None, sampling: Any = None,
-          stop: Any = None, stop_token_ids: Any = None, **options) -> Stream:
+          stop: Any = None, stop_token_ids: Any = None, tensor_parallel: int = 1, **options) -> Stream:
     """Validate a request, make its session and return the (not yet started) :class:`Stream`.
     Arguments as :func:`run`."""
     given = [x is not None for x in (prompts, input_ids, messages)]
@@ -247,7 +247,7 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
     session = Session(runner or model, provider, batch=len(input_ids), capacity=capacity,
                       kv_layout=kv_layout or (runner.kv_layout if runner else "head_major"),
                       kv_policy="fixed", capture=capture, weight_budget=weight_budget,
-                      device_budget=device_budget)
+                      device_budget=device_budget, tensor_parallel=tensor_parallel)
     return Stream(session, Generation(session, input_ids, max_new_tokens, sampling, stop, stop_token_ids,
                                       progress))
 
@@ -298,7 +298,7 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
         capacity: int | None = None, capture: bool | None = None, progress=None,
         weight_budget: int | float | str | None = None, device_budget: int | str | None = None,
         messages: Sequence[Any] | None = None, system: str | None = None, sampling: Any = None,
-        stop: Any = None, stop_token_ids: Any = None, **options) -> Result:
+        stop: Any = None, stop_token_ids: Any = None, tensor_parallel: int = 1, **options) -> Result:
     """Run several prompts as one batch: greedy by default, sampled per row on request.
 
     Args:
@@ -331,6 +331,9 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
             entries: the defaults); see :mod:`core.generation.sampling`.
         stop: stop strings: a str or list (every row), or a list of lists (per row).
         stop_token_ids: token ids that end a row besides the model's EOS ids.
+        tensor_parallel: shard the model over this many rank processes (greedy only, a model
+            folder or Model, not a Runner; see :mod:`core.parallel.session` and
+            docs/parallel.md). Default 1: unsharded, in this process.
         **options: sampling options for every row (``do_sample=True, temperature=0.7,
             top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, seed=0``); defaults
             from the model's genai_config.json "search" section.
@@ -346,5 +349,10 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
         core.models.prepare.PrepareError (an unknown model name or path, a failed build).
     """
     st = start(model, provider, prompts, input_ids, max_new_tokens, chat, kv_layout, capacity, capture,
-               progress, weight_budget, device_budget, messages, system, sampling, stop, stop_token_ids, **options)
-    return st.result()
+               progress, weight_budget, device_budget, messages, system, sampling, stop, stop_token_ids,
+               tensor_parallel, **options)
+    try:
+        return st.result()
+    finally:
+        if tensor_parallel != 1:  # stop the rank processes now, not when the session is collected
+            st.session.close()

@@ -2,7 +2,7 @@
 multi-process session (docs/parallel.md)."""
 
 from core.parallel.comm import CommError, HostCommunicator
-from core.parallel.shard import ShardPlan, plan_shards
 from core.parallel.session import RankError, TensorParallelSession
+from core.parallel.shard import ShardPlan, plan_shards
 
 __all__ = ["CommError", "HostCommunicator", "RankError", "ShardPlan", "TensorParallelSession", "plan_shards"]

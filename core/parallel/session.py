@@ -19,6 +19,8 @@ and at interpreter exit, the ranks being daemon processes) stops the ranks and j
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import multiprocessing
 import os
 import time
@@ -26,12 +28,13 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import attrs
 import numpy as np
 
 from core.counters import Counters
+from core.generation import sampling as sampling_mod
 from core.models.model import Model, load_model
 from core.parallel.shard import ShardPlan, plan_shards
 from core.runtime.runner import Runner
@@ -86,10 +89,8 @@ def _stop(procs: list, ctrls: list, graceful: bool) -> None:
     """Stop every rank: ask it to close (graceful), wait, then kill what is left; join all."""
     if graceful:
         for conn in ctrls:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 conn.send(("close",))
-            except (OSError, ValueError):
-                pass
         deadline = time.monotonic() + CLOSE_GRACE_S
         for p in procs:
             p.join(max(deadline - time.monotonic(), 0.0))
@@ -153,14 +154,15 @@ class TensorParallelSession(Session):
                       max_capacity=max_capacity, weight_budget=weight_budget, device_budget=device_budget,
                       prefill_groups=prefill_groups)
         self._procs, self._ctrls = self._spawn(str(self._model.folder), name, kwargs)
-        self._release = weakref.finalize(self, _stop, self._procs, self._ctrls, True)
+        # Session types _release by its own finalizer (release_state(state)); this one takes no argument
+        self._release = weakref.finalize(self, functools.partial(_stop, self._procs, self._ctrls, True))  # type: ignore[call-arg]
         try:
             ready = self._call("start", send=False)
         except BaseException:
             self._release()
             raise
         info = ready[0]
-        self.state = SimpleNamespace(kv=SimpleNamespace(limit=info["limit"]))  # type: ignore[assignment]
+        self.state = SimpleNamespace(kv=SimpleNamespace(limit=info["limit"]))
         self.vocab_ranges = [r["vocab"] for r in ready]
         self.all_reduces_per_run = info["all_reduces_per_run"]
         self._stats: dict = {"lengths": np.zeros(self.batch, np.int64), "capacity": None, "started": False}
@@ -216,13 +218,13 @@ class TensorParallelSession(Session):
             left = deadline - time.monotonic()
             ready = wait(waiting + [p.sentinel for p in self._procs], timeout=max(left, 0.0)) if left > 0 else []
             for obj in ready:
-                r = by_conn.get(id(obj))
-                if r is None:
+                who = by_conn.get(id(obj))
+                if who is None:
                     continue
                 try:
-                    replies[r] = obj.recv()  # type: ignore[union-attr]
+                    replies[who] = cast(Connection, obj).recv()
                 except (EOFError, OSError):
-                    replies[r] = ("fatal", f"rank {r} closed its pipe during {op}")
+                    replies[who] = ("fatal", f"rank {who} closed its pipe during {op}")
             fatal = [f"{msg}" for r, (kind, msg) in sorted(replies.items()) if kind == "fatal"]
             dead = [f"rank {r} died (exit code {p.exitcode})" for r, p in enumerate(self._procs)
                     if not p.is_alive() and r not in replies]
@@ -250,8 +252,9 @@ class TensorParallelSession(Session):
     def _take_stats(self, stats: dict) -> None:
         for a in attrs.fields(Counters):
             setattr(self.counters, a.name, getattr(stats["counters"], a.name))
-        self.counters.all_reduces = stats["all_reduces"]
-        self.counters.all_reduce_bytes = stats["all_reduce_bytes"]
+        counters = cast(TensorParallelCounters, self.counters)
+        counters.all_reduces = stats["all_reduces"]
+        counters.all_reduce_bytes = stats["all_reduce_bytes"]
         self._stats = stats
 
     # -- the Session surface ---------------------------------------------------------------
@@ -307,7 +310,12 @@ class TensorParallelSession(Session):
         Raises:
             RequestError: a bad option, or a sampled row (do_sample or a repetition penalty).
         """
-        rows = self._call("check_sampling", sampling, targets=[0])[0]
+        self._check_open()
+        try:
+            rows = sampling_mod.resolve_rows(sampling, self.batch,
+                                             sampling_mod.search_defaults(self._model.config.search))
+        except sampling_mod.SamplingError as exc:
+            raise RequestError(str(exc)) from None
         if not all(r.greedy_plain for r in rows):
             raise RequestError("tensor_parallel decodes greedily only (no sampler over vocab-sharded logits "
                                "yet): do_sample=False and repetition_penalty=1")
