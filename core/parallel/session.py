@@ -10,9 +10,10 @@ rank; the ranks must agree on every token (they read the same all-reduced values
 0's answer is returned. :class:`~core.generation.stream.Generation` (``core.run``,
 ``core.stream``) drives it like any session; the tokenizer and stop rules run here.
 
-Failure: every call waits at most :data:`RANK_TIMEOUT_S` seconds (``$LOCKSTEP_RANK_TIMEOUT``
-overrides it; each rank's communicator uses the same timeout). A rank that exits, crashes or
-stays silent past it ends the request with a :class:`RankError`; every rank is then killed
+Failure: a rank waits at most :data:`RANK_TIMEOUT_S` seconds for a peer in a collective
+(``$LOCKSTEP_RANK_TIMEOUT`` overrides it) and the coordinator at most that plus
+:data:`CALL_GRACE_S` for a whole call (the start: :data:`START_TIMEOUT_S`). A rank that
+exits, crashes or stays silent past it ends the request with a :class:`RankError`; every rank is then killed
 and joined, and the session is closed. :meth:`close` (also run when the session is collected
 and at interpreter exit, the ranks being daemon processes) stops the ranks and joins them.
 """
@@ -43,6 +44,10 @@ from core.session import RequestError, Session
 
 #: Seconds a call to the ranks (and a receive between ranks) may take before it is a failure.
 RANK_TIMEOUT_S = 300.0
+#: Seconds the ranks get to start (import, load and shard the model), at least the call timeout.
+START_TIMEOUT_S = 180.0
+#: Seconds a call waits beyond the ranks' receive timeout.
+CALL_GRACE_S = 5.0
 #: Seconds a rank gets to exit after ``close`` before it is killed.
 CLOSE_GRACE_S = 10.0
 
@@ -157,7 +162,7 @@ class TensorParallelSession(Session):
         # Session types _release by its own finalizer (release_state(state)); this one takes no argument
         self._release = weakref.finalize(self, functools.partial(_stop, self._procs, self._ctrls, True))  # type: ignore[call-arg]
         try:
-            ready = self._call("start", send=False)
+            ready = self._call("start", send=False, timeout=max(START_TIMEOUT_S, self.timeout))
         except BaseException:
             self._release()
             raise
@@ -198,7 +203,8 @@ class TensorParallelSession(Session):
         _stop(self._procs, self._ctrls, graceful=False)
         return RankError(f"tensor parallel: {message}; every rank was stopped and the session is closed")
 
-    def _call(self, op: str, *args: Any, targets: Sequence[int] | None = None, send: bool = True) -> list:
+    def _call(self, op: str, *args: Any, targets: Sequence[int] | None = None, send: bool = True,
+              timeout: float | None = None) -> list:
         """Send ``(op, args)`` to ``targets`` (default every rank) and return their values in
         rank order. A user error every rank raised is re-raised (the ranks stay usable); a
         dead, failed or silent rank is a :class:`RankError` after every rank is stopped."""
@@ -211,7 +217,10 @@ class TensorParallelSession(Session):
                 except (OSError, ValueError):
                     raise self._fail(f"rank {r} is gone (its pipe is closed) before {op}") from None
         replies: dict[int, tuple] = {}
-        deadline = time.monotonic() + self.timeout
+        # a call outlasts the ranks' own receive timeout, so that a rank waiting on a silent
+        # peer reports it (naming the peer) before the coordinator gives up on both
+        limit = self.timeout + CALL_GRACE_S if timeout is None else timeout
+        deadline = time.monotonic() + limit
         by_conn = {id(self._ctrls[r]): r for r in ranks}
         while len(replies) < len(ranks):
             waiting = [self._ctrls[r] for r in ranks if r not in replies]
@@ -224,16 +233,22 @@ class TensorParallelSession(Session):
                 try:
                     replies[who] = cast(Connection, obj).recv()
                 except (EOFError, OSError):
-                    replies[who] = ("fatal", f"rank {who} closed its pipe during {op}")
+                    self._procs[who].join(1.0)  # its pipe closed: it is exiting
+                    replies[who] = ("dead", f"rank {who} closed its pipe during {op}")
+            dead = [f"rank {r} died (exit code {p.exitcode}) during {op}" for r, p in enumerate(self._procs)
+                    if not p.is_alive() and (r not in replies or replies[r][0] == "dead")]
+            dead += [msg for r, (kind, msg) in sorted(replies.items()) if kind == "dead" and self._procs[r].is_alive()]
             fatal = [f"{msg}" for r, (kind, msg) in sorted(replies.items()) if kind == "fatal"]
-            dead = [f"rank {r} died (exit code {p.exitcode})" for r, p in enumerate(self._procs)
-                    if not p.is_alive() and r not in replies]
+            if fatal and not dead:  # a rank saw a peer vanish: name the peer once it is reaped
+                wait([p.sentinel for p in self._procs], timeout=0.5)
+                dead = [f"rank {r} died (exit code {p.exitcode}) during {op}" for r, p in enumerate(self._procs)
+                        if not p.is_alive() and r not in replies]
             if dead or fatal:
                 raise self._fail(f"{op} failed: " + "; ".join(dead + fatal))
             if not ready:
                 silent = [r for r in ranks if r not in replies]
                 raise self._fail(f"rank {', '.join(map(str, silent))} did not answer {op} within "
-                                 f"{self.timeout:g} s (hung?)")
+                                 f"{limit:g} s (hung?)")
         errors = [msg for _, (kind, msg) in sorted(replies.items()) if kind == "error"]
         if errors:
             if len(errors) != len(ranks):
