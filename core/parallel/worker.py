@@ -12,12 +12,17 @@ It exits when told ``("close",)`` or when the coordinator's pipe closes.
 
 from __future__ import annotations
 
+import os
 import pickle
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+
+#: Set in every rank process: NVLink multicast can take a multi-GPU host's GPUs out of service
+#: (docs/parallel.md "What a GPU backend needs").
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -39,6 +44,7 @@ def rank_main(rank: int, size: int, folder: str, provider: str, session_kwargs: 
         ctrl: the pipe to the coordinator; peers: the communicator's pipes
             (:class:`~core.parallel.comm.HostCommunicator`); timeout: its receive timeout (s).
     """
+    os.environ.update(MULTICAST_OFF)  # before any library that could start NCCL or NVSHMEM
     from core.errors import USER_ERRORS
     from core.models.model import load_model
     from core.parallel.comm import CommError, HostCommunicator
