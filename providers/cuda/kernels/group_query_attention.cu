@@ -201,56 +201,114 @@ __global__ void gqa_kv_write(const T* __restrict__ kin, const T* __restrict__ vi
     for (int d = threadIdx.x; d < g.H; d += NT) vd[d] = vsrc[d];
 }
 
-// Prefill attention: grid (S, Nq, B), block NT, dynamic smem (2 H + CH + 2) floats + 2 CH TS T.  One block per
-// query walks its chunks in ascending order (the fold of the header), whatever the capacity.
+// Key range [lo, hi] of prompt query s (position p = past + s); empty when hi < lo.
+__device__ __forceinline__ void query_range(const Geo& g, int past, int tb, int s, int& lo, int& hi) {
+    const int p = past + s;
+    hi = min(p, tb - 1);
+    lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
+}
+
+#define QMAX 8   // most queries per prefill block; QMAX * H <= 8 * NT (the launcher's qb)
+
+// Prefill attention: grid (ceil(S / qb), Nq, B), block NT, dynamic smem (2 qb H + qb CH + 6 qb)
+// floats + 2 CH TS T.  A block takes qb consecutive queries of one head: each chunk's K/V tile
+// is loaded once for all of them, and each query's arithmetic is exactly that of a decode step
+// at its position (scores, chunk_stats, values and the fold of the header, in chunk order).
 template <typename T>
 __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, const int* __restrict__ seqlens,
-                         const T* cosc, const T* sinc, int do_rotary, const T* sinks, T* out,
+                         const T* cosc, const T* sinc, int do_rotary, const T* sinks, T* out, int qb,
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
     extern __shared__ float sm[];
-    float* qs = sm; float* sc = qs + g.H; float* oc = sc + CH; float* st = oc + g.H;
-    T* kt = (T*)(st + 2);
+    float* qs = sm; float* sc = qs + qb * g.H; float* oc = sc + qb * CH; float* st = oc + qb * g.H;
+    T* kt = (T*)(st + 6 * qb);  // st per query: m, l, a, b, m_c, l_c
     T* vt = kt + CH * tile_stride<T>(g.H);
-    const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (g.nq / g.nkv), tid = threadIdx.x;
-    const int tb = seqlens[b] + 1, past = g.first ? 0 : tb - g.S, p = past + s;
-    const int hi = min(p, tb - 1), lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
-    T* o = out + ((long long)(b * g.S + s) * g.nq + h) * g.H;
-    if (hi < lo || hi >= g.cap) {
-        for (int d = tid; d < g.H; d += NT) o[d] = from_f<T>(0.f);
-        return;
+    const int s0 = blockIdx.x * qb, h = blockIdx.y, b = blockIdx.z, kvh = h / (g.nq / g.nkv), tid = threadIdx.x;
+    const int tb = seqlens[b] + 1, past = g.first ? 0 : tb - g.S, nqb = min(qb, g.S - s0), ts = tile_stride<T>(g.H);
+    int lo_min = 1 << 30, hi_max = -1;
+    for (int i = 0; i < nqb; ++i) {
+        int lo, hi;
+        query_range(g, past, tb, s0 + i, lo, hi);
+        if (hi >= lo && hi < g.cap) { lo_min = min(lo_min, lo); hi_max = max(hi_max, hi); }
     }
-    const T* qsrc = qin + (long long)(b * g.S + s) * g.q_row + h * g.H;
-    if (do_rotary) rope<T, float>(qsrc, qs, cosc, sinc, p, g.H, g.half_rot, tid, NT);
-    else for (int d = tid; d < g.H; d += NT) qs[d] = to_f(qsrc[d]);
+    for (int i = 0; i < nqb; ++i) {  // rotate each live query (positions differ per query)
+        int lo, hi;
+        query_range(g, past, tb, s0 + i, lo, hi);
+        if (hi < lo || hi >= g.cap) continue;
+        const T* qsrc = qin + (long long)(b * g.S + s0 + i) * g.q_row + h * g.H;
+        if (do_rotary) rope<T, float>(qsrc, qs + i * g.H, cosc, sinc, past + s0 + i, g.H, g.half_rot, tid, NT);
+        else for (int d = tid; d < g.H; d += NT) qs[i * g.H + d] = to_f(qsrc[d]);
+    }
+    if (tid < nqb) { st[6 * tid] = NEG_INF; st[6 * tid + 1] = 0.f; }
+    float acc[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) acc[r] = 0.f;
     const T* kb = kc + b * g.cb + kvh * g.cg;
     const T* vb = vc + b * g.cb + kvh * g.cg;
-    float m = NEG_INF, l = 0.f, acc0 = 0.f, acc1 = 0.f;  // dims tid and tid + NT (H <= 256)
     __syncthreads();
-    for (int c = lo / CH; c <= hi / CH; ++c) {
-        const int j0 = max(lo, c * CH), n = min(hi, c * CH + CH - 1) - j0 + 1;
-        load_tile<T>(kt, kb + (long long)j0 * g.cj, g.cj, n, g.H);
-        load_tile<T>(vt, vb + (long long)j0 * g.cj, g.cj, n, g.H);
+    for (int c = hi_max < 0 ? 1 : lo_min / CH; c <= (hi_max < 0 ? 0 : hi_max / CH); ++c) {
+        const int u0 = max(lo_min, c * CH), nu = min(hi_max, c * CH + CH - 1) - u0 + 1;
+        load_tile<T>(kt, kb + (long long)u0 * g.cj, g.cj, nu, g.H);
+        load_tile<T>(vt, vb + (long long)u0 * g.cj, g.cj, nu, g.H);
         __syncthreads();
-        chunk_scores<T>(qs, 1, kt, n, g, sc, -1, nullptr);
-        __syncthreads();
-        if (tid < 32) {
-            float mc, lc;
-            chunk_stats(sc, n, mc, lc);
-            if (tid == 0) { st[0] = mc; st[1] = lc; }
+        for (int e = tid; e < nqb * CH; e += NT) {  // scores: one thread per (query, key)
+            const int i = e / CH, jj = e - i * CH;
+            int lo, hi;
+            query_range(g, past, tb, s0 + i, lo, hi);
+            const int j0 = max(lo, c * CH), n = min(hi, c * CH + CH - 1) - j0 + 1;
+            if (hi < lo || hi >= g.cap || jj >= n) continue;
+            const float* q = qs + i * g.H;
+            const T* k = kt + (j0 - u0 + jj) * ts;
+            float z = 0.f;
+#pragma unroll 8
+            for (int d = 0; d < g.H; ++d) z = fmaf(q[d], to_f(k[d]), z);
+            sc[i * CH + jj] = scaled(z, g);
         }
         __syncthreads();
-        chunk_values<T>(sc, 1, vt, n, g, -1, nullptr, oc);  // ends with a barrier
-        float a, bw;
-        fold_weights(m, st[0], a, bw);
-        l = folded(l, a, st[1], bw);
-        if (tid < g.H) acc0 = folded(acc0, a, oc[tid], bw);
-        if (tid + NT < g.H) acc1 = folded(acc1, a, oc[tid + NT], bw);
+        for (int i = tid >> 5; i < nqb; i += NT / 32) {  // stats and fold weights: a warp per query
+            int lo, hi;
+            query_range(g, past, tb, s0 + i, lo, hi);
+            const int j0 = max(lo, c * CH), n = min(hi, c * CH + CH - 1) - j0 + 1;
+            if (hi < lo || hi >= g.cap || n <= 0) continue;
+            float mc, lc;
+            chunk_stats(sc + i * CH, n, mc, lc);
+            if ((tid & 31) == 0) {
+                float m = st[6 * i], a, bw;
+                fold_weights(m, mc, a, bw);
+                st[6 * i] = m; st[6 * i + 1] = folded(st[6 * i + 1], a, lc, bw);
+                st[6 * i + 2] = a; st[6 * i + 3] = bw;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {  // values: one thread per (query, dim), folded in place
+            const int e = tid + NT * r, i = e / g.H, d = e - i * g.H;
+            if (i >= nqb) continue;
+            int lo, hi;
+            query_range(g, past, tb, s0 + i, lo, hi);
+            const int j0 = max(lo, c * CH), n = min(hi, c * CH + CH - 1) - j0 + 1;
+            if (hi < lo || hi >= g.cap || n <= 0) continue;
+            const float* w = sc + i * CH;
+            const T* v = vt + (j0 - u0) * ts + d;
+            float o = 0.f;
+#pragma unroll 8
+            for (int jj = 0; jj < n; ++jj) o = fmaf(w[jj], to_f(v[jj * ts]), o);
+            acc[r] = folded(acc[r], st[6 * i + 2], o, st[6 * i + 3]);
+        }
+        __syncthreads();
     }
     const bool use_sink = sinks != nullptr || g.smooth;
     const float sink = sinks ? to_f(sinks[h]) : 0.f;
-    if (tid < g.H) o[tid] = from_f<T>(finish(m, l, acc0, use_sink, sink));
-    if (tid + NT < g.H) o[tid + NT] = from_f<T>(finish(m, l, acc1, use_sink, sink));
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+        const int e = tid + NT * r, i = e / g.H, d = e - i * g.H;
+        if (i >= nqb) continue;
+        int lo, hi;
+        query_range(g, past, tb, s0 + i, lo, hi);
+        const bool live = hi >= lo && hi < g.cap;
+        out[((long long)(b * g.S + s0 + i) * g.nq + h) * g.H + d] =
+            from_f<T>(live ? finish(st[6 * i], st[6 * i + 1], acc[r], use_sink, sink) : 0.f);
+    }
 }
 
 // Decode (S == 1, not the first prompt): grid (ceil(cap / CH), Nkv, B), block NT, dynamic smem

@@ -5,9 +5,10 @@ decode (S == 1, not the first prompt): one launch ``gqa_decode`` (grid (ceil(cap
 one block per chunk, kv head and row, the group's query heads together; the last chunk's block
 writes the rotated K/V row P_b = seqlens_k[b]; partials fold in chunk order in the block that
 takes the last ticket); a prompt: ``gqa_kv_write`` (grid (S, Nkv, B)) then ``gqa_attn`` (grid
-(S, Nq, B), each block walking its query's chunks in the same order). seqlens_k is read on the
+(ceil(S / 8), Nq, B), each block walking its queries' chunks in the same order). seqlens_k is read on the
 device, never copied to the host; total_sequence_length must be a host value (it only selects
-the phase). The decode workspace (partials [B, Nq, chunks, H + 2] float32, tickets [B, Nkv]
+the phase). A prompt block takes up to 8 consecutive queries of one head (the K/V tiles are
+loaded once for all of them). The decode workspace (partials [B, Nq, chunks, H + 2] float32, tickets [B, Nkv]
 int32, zero between launches) is one per shape for all layers of a provider (layers run one
 after the other on one stream).
 
@@ -139,10 +140,11 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         write((s_len, nkv, bsz), (NT,), (kin, vin, past_key, past_value, seqlens, cos, sin,
                                           i32(rotary)) + geo)
         attn = function("group_query_attention", f"gqa_attn<{t}>", _exprs(t))
-        shared = (2 * h + CH + 2) * 4 + 2 * CH * _tile_stride(h, dtype) * dtype.itemsize
+        qb = min(8, 8 * NT // h)  # queries per block: qb * H <= 8 * NT (the kernel's QMAX and acc[8])
+        shared = (2 * qb * h + qb * CH + 6 * qb) * 4 + 2 * CH * _tile_stride(h, dtype) * dtype.itemsize
         _shared_limit(attn, shared)
-        attn((s_len, nq, bsz), (NT,), (query, past_key, past_value, seqlens, cos, sin, i32(rotary),
-                                        sinks, out) + geo, shared_mem=shared)
+        attn((-(-s_len // qb), nq, bsz), (NT,), (query, past_key, past_value, seqlens, cos, sin, i32(rotary),
+                                                 sinks, out, i32(qb)) + geo, shared_mem=shared)
     names = ctx.node.outputs
     outs = (out, past_key, past_value)
     return tuple(o if i < len(names) and names[i] else None for i, o in enumerate(outs))
