@@ -199,7 +199,7 @@ def plan_shards(model: Model, ranks: int) -> ShardPlan:
         column = [c for c in consumers.get(normed, []) if c.op_type in _PROJ]
         if not column:
             raise _fail(f"no gate/up projection reads {normed}")
-        down, inner = _find_down(column, consumers)
+        down = _find_down(column, consumers)
         widths = {_out_features(c, inits) for c in column}
         if len(widths) != 1:
             raise _fail(f"the gate/up projections after {name} have different widths {sorted(widths)}")
@@ -213,7 +213,6 @@ def plan_shards(model: Model, ranks: int) -> ShardPlan:
         for proj in (qkv, o_proj, down, *column):
             if proj.op_type == "MatMulNBits" and len([x for x in proj.input[3:] if x]):
                 raise _fail(f"{proj.name} has zero points, g_idx or a bias; those are not sharded yet")
-        del inner
         layers.append(LayerShard(qkv.name, name, o_proj.name, tuple(c.name for c in column), down.name, unit))
     if len(layers) != cfg.num_layers:
         raise _fail(f"found {len(layers)} GroupQueryAttention layers, genai_config.json says {cfg.num_layers}")
@@ -235,11 +234,10 @@ def _out_features(node: onnx.NodeProto, inits: dict) -> int:
     return int(inits[node.input[1]].shape[-1])
 
 
-def _find_down(column: list[onnx.NodeProto], consumers: dict) -> tuple[onnx.NodeProto, list[onnx.NodeProto]]:
-    """The one projection the gate/up outputs reach through elementwise ops, and those ops."""
+def _find_down(column: list[onnx.NodeProto], consumers: dict) -> onnx.NodeProto:
+    """The one projection the gate/up outputs reach through elementwise ops only."""
     frontier = [c.output[0] for c in column]
     seen: set[str] = set()
-    inner: list[onnx.NodeProto] = []
     downs: dict[str, onnx.NodeProto] = {}
     while frontier:
         value = frontier.pop()
@@ -250,7 +248,6 @@ def _find_down(column: list[onnx.NodeProto], consumers: dict) -> tuple[onnx.Node
             if user.op_type in _PROJ:
                 downs[user.name] = user
             elif user.op_type in _ELEMENTWISE and not user.domain:
-                inner.append(user)
                 frontier.extend(user.output)
             else:
                 raise _fail(f"{user.op_type} node {user.name} between the gate/up and down projections is not "
@@ -258,7 +255,7 @@ def _find_down(column: list[onnx.NodeProto], consumers: dict) -> tuple[onnx.Node
     if len(downs) != 1:
         raise _fail(f"the gate/up projections {[c.name for c in column]} reach {len(downs)} projections, not one "
                     "down projection")
-    return next(iter(downs.values())), inner
+    return next(iter(downs.values()))
 
 
 class _Rewriter:
@@ -310,6 +307,16 @@ class _Rewriter:
         self.cut(node.input[2], key, lambda s: s.reshape(n_full, -1)[:, b0:b1].reshape(
             (-1,) if s.ndim == 1 else (n_full, -1)))
         _set_attr(node, "K", end - start)
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """The value of ``name`` when it is an initializer or a Constant node's output."""
+        if name in self.inits:
+            return self.inits[name]
+        node = self.producer.get(name)
+        if node is not None and node.op_type == "Constant" and not node.domain:
+            value = _attr(node, "value")
+            return None if value is None else numpy_helper.to_array(value)
+        return None
 
     # -- graph ---------------------------------------------------------------------------
     def all_reduce(self, node: onnx.NodeProto) -> None:
@@ -369,9 +376,9 @@ class _Rewriter:
                 raise _fail(f"{node.name} has zero points; they are not sharded yet")
             codes = data
             if src is not None and src.op_type == "Reshape" and src.input[0] in self.inits \
-                    and src.input[1] in self.inits:
+                    and self.constant(src.input[1]) is not None:
                 codes = src.input[0]
-                shape = self.inits[src.input[1]].copy()
+                shape = np.array(self.constant(src.input[1]), np.int64).copy()
                 shape[0] = end - start
                 new_shape = f"{src.input[1]}/tp_rank{self.rank}"
                 self.new[new_shape] = shape
@@ -421,7 +428,7 @@ class _Rewriter:
             nodes.extend(self.after.get(n.name, []))
         values = {**self.inits, **self.new}
         stubs = [_stub(name, a) for name, a in values.items()]
-        kv_names = {self.model.config.past_key % i for i in range(p.layers.__len__())}
+        kv_names = {self.model.config.past_key % i for i in range(len(p.layers))}
         kv_names |= {self.model.config.past_value % i for i in range(len(p.layers))}
         kv_names |= {self.model.config.present_key % i for i in range(len(p.layers))}
         kv_names |= {self.model.config.present_value % i for i in range(len(p.layers))}

@@ -9,6 +9,7 @@ process behind.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -197,16 +198,18 @@ def test_sampling_is_refused_and_the_session_stays_usable(tp2):
         tp2.prompt_logits()
 
 
-def test_core_run_tensor_parallel_matches_and_stops_its_ranks(tiny, tp2):
-    tokens, _ = decode(tp2, PROMPTS, steps=5)
-    result = core.run(str(tiny), input_ids=PROMPTS, max_new_tokens=6, tensor_parallel=2)
-    assert result.counters["tensor_parallel"] == 2 and result.counters["all_reduces"] > 0
-    ids = [r.output_ids for r in result.rows]
-    for b, row in enumerate(ids):
-        eos = [i for i, t in enumerate(row) if t == 2]  # the tiny model's EOS ends a row early
-        n = eos[0] + 1 if eos else 6
-        assert row == tokens[:n, b].tolist()
-    assert len(_tp_pids()) == 2  # only tp2's ranks are left: core.run stopped its own
+def test_cli_tensor_parallel_runs_core_run_sharded_and_stops_its_ranks(tiny, tp2, capsys):
+    write_byte_tokenizer(tiny)
+    before = _tp_pids()  # tp2's ranks
+    prompts = ["Hello", "Name a color."]
+    args = ["run", "--model", str(tiny), "--raw", "--max-new-tokens", "6", "--json"]
+    assert cli_main(args + [x for p in prompts for x in ("--prompt", p)] + ["--tensor-parallel", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = core.run(str(tiny), prompts=prompts, max_new_tokens=6, chat=False)
+    assert [r["output_ids"] for r in out["rows"]] == [r.output_ids for r in ref.rows]
+    c = out["counters"]
+    assert c["tensor_parallel"] == 2 and c["all_reduces"] == (c["prefill_runs"] + c["decode_steps"]) * 5
+    assert _tp_pids() == before  # core.run stopped the ranks it started
 
 
 @pytest.mark.parametrize("how", ["killed", "stopped"])
