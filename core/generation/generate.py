@@ -244,6 +244,10 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
             raise RequestError(f"the request needs {need} KV positions; the model context is "
                                f"{model.config.context_length}")
         capacity = kvgeo.round_capacity(need, model.config.context_length)
+    if tensor_parallel != 1 and not isinstance(tensor_parallel, bool):  # refuse sampling before ranks start
+        from core.parallel.session import check_greedy
+
+        check_greedy(sampling, len(input_ids), model)
     session = Session(runner or model, provider, batch=len(input_ids), capacity=capacity,
                       kv_layout=kv_layout or (runner.kv_layout if runner else "head_major"),
                       kv_policy="fixed", capture=capture, weight_budget=weight_budget,

@@ -90,6 +90,24 @@ def rank_timeout() -> float:
     return value
 
 
+def check_greedy(sampling: Any, batch: int, model: Model) -> list:
+    """The per-row sampling options (:func:`core.generation.sampling.resolve_rows`, defaults
+    from the model's "search" section) when every row is plain greedy.
+
+    Raises:
+        RequestError: a bad option, or a sampled row (do_sample or a repetition penalty):
+            tensor-parallel decoding is greedy only.
+    """
+    try:
+        rows = sampling_mod.resolve_rows(sampling, batch, sampling_mod.search_defaults(model.config.search))
+    except sampling_mod.SamplingError as exc:
+        raise RequestError(str(exc)) from None
+    if not all(r.greedy_plain for r in rows):
+        raise RequestError("tensor_parallel decodes greedily only (no sampler over vocab-sharded logits "
+                           "yet): do_sample=False and repetition_penalty=1")
+    return rows
+
+
 def _stop(procs: list, ctrls: list, graceful: bool) -> None:
     """Stop every rank: ask it to close (graceful), wait, then kill what is left; join all."""
     if graceful:
@@ -326,15 +344,7 @@ class TensorParallelSession(Session):
             RequestError: a bad option, or a sampled row (do_sample or a repetition penalty).
         """
         self._check_open()
-        try:
-            rows = sampling_mod.resolve_rows(sampling, self.batch,
-                                             sampling_mod.search_defaults(self._model.config.search))
-        except sampling_mod.SamplingError as exc:
-            raise RequestError(str(exc)) from None
-        if not all(r.greedy_plain for r in rows):
-            raise RequestError("tensor_parallel decodes greedily only (no sampler over vocab-sharded logits "
-                               "yet): do_sample=False and repetition_penalty=1")
-        return rows
+        return check_greedy(sampling, self.batch, self._model)
 
     def set_sampling(self, rows: Sequence[Any], history: Sequence[Sequence[int]] | None = None) -> None:
         """As :meth:`core.session.Session.set_sampling`, on every rank."""

@@ -118,6 +118,13 @@ def test_cli_refuses_an_indivisible_tensor_parallel(tiny, capsys):
     assert _tp_pids() == before
 
 
+def test_core_run_refuses_sampling_before_any_rank_starts(tiny):
+    before = _tp_pids()
+    with pytest.raises(RequestError, match="greedily only"):
+        core.run(str(tiny), input_ids=PROMPTS, max_new_tokens=2, tensor_parallel=2, do_sample=True, seed=1)
+    assert _tp_pids() == before
+
+
 def test_host_all_reduce_sums_in_rank_order():
     """One process, R = 1: the communicator is the identity; the argmax keeps the lowest id."""
     comm = HostCommunicator(0, 1, {}, 1.0)
