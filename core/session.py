@@ -119,6 +119,7 @@ class Session:
     """
 
     def __new__(cls, *args: Any, **kwargs: Any):
+        """A :class:`~core.parallel.session.TensorParallelSession` when ``tensor_parallel`` > 1."""
         tp = kwargs.get("tensor_parallel", 1)
         if cls is Session and isinstance(tp, (int, np.integer)) and not isinstance(tp, bool) and tp > 1:
             from core.parallel.session import TensorParallelSession
