@@ -186,6 +186,13 @@ def cmd_run(a) -> int:
             if len(prompts) > 1:
                 print(f"### {prompt}")
             print(row.text)
+    return _report(a, result)
+
+
+def _report(a, result) -> int:
+    """The rates and finish line on stderr (text mode), failed rows on stderr (always); returns
+    the exit status: 1 when every row failed (non-finite logits), else 0."""
+    if not a.json:
         c = result.counters
         tokens = sum(len(r.output_ids) for r in result.rows)
         console.print(f"[dim]{result.provider}: {len(result.rows)} rows, {tokens} tokens; prefill "
@@ -223,20 +230,21 @@ def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
                 kv_layout=a.layout, capture=False if a.no_capture else None, weight_budget=a.weight_budget,
                 device_budget=a.device_budget, tensor_parallel=a.tensor_parallel, **options)
     texts = [""] * len(prompts)
+    out = sys.stderr if a.json else sys.stdout  # with --json, stdout holds the JSON alone
     for d in st:
         if len(prompts) == 1:
-            sys.stdout.write(d.text)
-            sys.stdout.flush()
+            out.write(d.text)
+            out.flush()
         else:
             texts[d.row] += d.text
             if d.finish_reason is not None:
-                print(f"### {prompts[d.row]}\n{texts[d.row]}", flush=True)
+                print(f"### {prompts[d.row]}\n{texts[d.row]}", file=out, flush=True)
     if len(prompts) == 1:
-        print()
+        print(file=out)
     result = st.result()
     if a.json:
         print(json.dumps(result.to_dict(), indent=2))
-    return 0
+    return _report(a, result)
 
 
 def cmd_chat(a) -> int:

@@ -230,7 +230,8 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
     elif prompts is not None:
         if system is not None:
             if not chat:
-                raise RequestError("system= needs the chat template; it cannot be combined with chat=False")
+                raise RequestError("a system prompt (system=, --system) needs the chat template; it cannot be "
+                                   "combined with chat=False (--raw)")
             input_ids = encode_messages(model, [[{"role": "user", "content": p}] for p in prompts], system)
         else:
             input_ids = encode_prompts(model, prompts, chat)

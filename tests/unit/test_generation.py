@@ -294,3 +294,29 @@ def test_cli_run_stream_and_chat(tiny, capsys, monkeypatch):
 
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\nagain\n"))
     assert main(["chat", "--model", str(tiny), "--max-new-tokens", "3", "--system", "s"]) == 0
+
+
+def test_cli_stream_json_keeps_stdout_json_and_reports_rates_and_finish(tiny, capsys):
+    """``run --stream --json``: stdout is the JSON document alone (the text streams to stderr);
+    ``run --stream`` prints the same rates and finish line on stderr as ``run``."""
+    import json
+
+    from core.cli import main
+
+    assert main(["run", "--model", str(tiny), "--prompt", "hi", "--max-new-tokens", "4", "--stream", "--raw",
+                 "--json"]) == 0
+    out = capsys.readouterr()
+    doc = json.loads(out.out)
+    assert doc["rows"][0]["text"] and doc["rows"][0]["text"] in out.err
+    assert main(["run", "--model", str(tiny), "--prompt", "hi", "--max-new-tokens", "4", "--stream",
+                 "--raw"]) == 0
+    err = capsys.readouterr().err
+    assert "decode" in err and "finish: " in err
+
+
+def test_a_system_prompt_with_raw_names_the_cli_flags(tiny, capsys):
+    from core.cli import main
+
+    assert main(["run", "--model", str(tiny), "--prompt", "x", "--raw", "--system", "Be brief."]) == 2
+    err = capsys.readouterr().err
+    assert "--system" in err and "--raw" in err
