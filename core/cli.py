@@ -141,7 +141,8 @@ def _prompts(a) -> list[str]:
     for name in a.prompt_file or []:
         path = Path(name).expanduser()
         if not path.is_file():
-            raise RequestError(f"prompt file not found: {name}")
+            raise RequestError(f"prompt file {name} is a folder, not a file" if path.is_dir()
+                               else f"prompt file not found: {name}")
         out += read_prompts(path.read_bytes(), str(name))
     if not out:
         raise RequestError("give a prompt: --prompt TEXT, --prompt - (stdin) or --prompt-file FILE")
