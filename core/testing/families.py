@@ -136,6 +136,29 @@ def build_family(family: str, out: str | Path, precision: str = "fp32", target: 
     return out
 
 
+def prepared_family(family: str, root: str | Path, precision: str = "fp32", target: str = "cpu") -> Path:
+    """The tiny ``family`` checkpoint written to ``root/hf/family`` and prepared by
+    :func:`core.models.prepare.prepare` with its cache under ``root/cache`` (LOCKSTEP_CACHE is
+    set for the call and restored); returns the builder folder.
+
+    Raises:
+        core.models.prepare.PrepareError: the builder failed.
+    """
+    from core.models.prepare import Variant, prepare
+
+    root = Path(root)
+    hf = write_checkpoint(family, root / "hf" / family)
+    old = os.environ.get("LOCKSTEP_CACHE")
+    os.environ["LOCKSTEP_CACHE"] = str(root / "cache")
+    try:
+        return prepare(Variant(str(hf), precision, target))
+    finally:
+        if old is None:
+            del os.environ["LOCKSTEP_CACHE"]
+        else:
+            os.environ["LOCKSTEP_CACHE"] = old
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from core.generation.loop import decode  # noqa: E402
 from core.models.model import load_model  # noqa: E402
 from core.session import Session  # noqa: E402
-from core.testing.families import FAMILIES, write_checkpoint  # noqa: E402
+from core.testing.families import FAMILIES, prepared_family  # noqa: E402
 
 STEPS = 16
 CAPACITY = 64
@@ -30,17 +30,12 @@ TESTED = [f for f in sorted(FAMILIES) if f not in SKIPPED]
 
 @pytest.fixture(scope="session")
 def cuda_family(tmp_path_factory):
-    from core.models.prepare import Variant, prepare
-
     root = tmp_path_factory.mktemp("families-cuda")
     built: dict[str, object] = {}
 
     def get(family: str):
         if family not in built:
-            hf = write_checkpoint(family, root / "hf" / family)
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("LOCKSTEP_CACHE", str(root / "cache"))
-                built[family] = load_model(prepare(Variant(str(hf), "fp16", "cuda")))
+            built[family] = load_model(prepared_family(family, root, "fp16", "cuda"))
         return built[family]
 
     return get

@@ -20,9 +20,12 @@ from core.generation.generate import generate
 from core.generation.loop import decode
 from core.models.model import load_model
 from core.session import Session
-from core.testing.families import FAMILIES, write_checkpoint
+from core.testing.families import FAMILIES, prepared_family
 
-og = pytest.importorskip("onnxruntime_genai")
+pytest.importorskip("onnxruntime_genai")
+
+from _ort import ort_greedy  # noqa: E402
+
 pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.model
@@ -41,31 +44,15 @@ TESTED = [f for f in sorted(FAMILIES) if f not in BUILDER_FAILS]
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory):
     """family -> its prepared fp32 CPU builder folder (built on first use in this session)."""
-    from core.models.prepare import Variant, prepare
-
     root = tmp_path_factory.mktemp("families")
     built: dict[str, object] = {}
 
     def get(family: str):
         if family not in built:
-            hf = write_checkpoint(family, root / "hf" / family)
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("LOCKSTEP_CACHE", str(root / "cache"))
-                built[family] = prepare(Variant(str(hf), "fp32", "cpu"))
+            built[family] = prepared_family(family, root, "fp32", "cpu")
         return built[family]
 
     return get
-
-
-def ort_greedy(model_dir, ids, steps):
-    m = og.Model(str(model_dir))
-    params = og.GeneratorParams(m)
-    params.set_search_options(max_length=len(ids) + steps, do_sample=False)
-    gen = og.Generator(m, params)
-    gen.append_tokens(ids)
-    while not gen.is_done():
-        gen.generate_next_token()
-    return [int(t) for t in gen.get_sequence(0)][len(ids):]
 
 
 @pytest.mark.parametrize("family", TESTED)

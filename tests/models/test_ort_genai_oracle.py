@@ -9,18 +9,9 @@ from core.session import Session
 
 og = pytest.importorskip("onnxruntime_genai")
 
+from _ort import ort_greedy  # noqa: E402
+
 pytestmark = pytest.mark.model
-
-
-def ort_greedy(model_dir, ids, max_new_tokens):
-    m = og.Model(str(model_dir))
-    params = og.GeneratorParams(m)
-    params.set_search_options(max_length=len(ids) + max_new_tokens, do_sample=False)
-    gen = og.Generator(m, params)
-    gen.append_tokens(ids)
-    while not gen.is_done():
-        gen.generate_next_token()
-    return [int(t) for t in gen.get_sequence(0)][len(ids):]
 
 
 def ort_teacher_forced(model_dir, ids, forced):

@@ -1,0 +1,15 @@
+"""ONNX Runtime GenAI (CPU) as the oracle of the model tests: its greedy tokens on a folder."""
+
+
+def ort_greedy(model_dir, ids, max_new_tokens):
+    """ORT GenAI's greedy continuation (token ids) of ``ids`` for ``max_new_tokens`` steps."""
+    import onnxruntime_genai as og
+
+    m = og.Model(str(model_dir))
+    params = og.GeneratorParams(m)
+    params.set_search_options(max_length=len(ids) + max_new_tokens, do_sample=False)
+    gen = og.Generator(m, params)
+    gen.append_tokens(ids)
+    while not gen.is_done():
+        gen.generate_next_token()
+    return [int(t) for t in gen.get_sequence(0)][len(ids):]
