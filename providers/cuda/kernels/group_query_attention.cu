@@ -108,25 +108,6 @@ __device__ __forceinline__ void load_tile(T* tile, const T* rows, long long cj, 
     }
 }
 
-// The two reduction chains every attention path uses (decode and prefill alike, so a query
-// gets the same bits in both).  score_of: the fmaf chain of q[d] k[d] over d ascending from 0,
-// then scale and softcap (k: a K tile row of T, or the new key in fp32).  value_of: the fmaf
-// chain of w[jj] v[jj * ts] over the chunk's n keys ascending from 0, key jnew taken as vnew.
-template <typename K>
-__device__ __forceinline__ float score_of(const float* q, const K* k, const Geo& g) {
-    float z = 0.f;
-#pragma unroll 8
-    for (int d = 0; d < g.H; ++d) z = fmaf(q[d], to_f(k[d]), z);
-    return scaled(z, g);
-}
-template <typename T>
-__device__ __forceinline__ float value_of(const float* w, const T* v, int ts, int n, int jnew, float vnew) {
-    float acc = 0.f;
-#pragma unroll 8
-    for (int jj = 0; jj < n; ++jj) acc = fmaf(w[jj], jj == jnew ? vnew : to_f(v[jj * ts]), acc);
-    return acc;
-}
-
 // Scores of the chunk's n keys (K tile in shared memory) for nh query heads (qs: nh x H floats,
 // shared) into sc[hh * CH + jj]: one thread per (head, key).  Key jj == jnew (>= 0) is taken
 // from knew instead of the tile.
@@ -137,7 +118,15 @@ __device__ void chunk_scores(const float* qs, int nh, const T* kt, int n, const 
     for (int i = threadIdx.x; i < nh * n; i += NT) {
         const int hh = i / n, jj = i - hh * n;
         const float* q = qs + hh * H;
-        sc[hh * CH + jj] = jj == jnew ? score_of(q, knew, g) : score_of(q, kt + jj * ts, g);
+        float s = 0.f;
+        if (jj == jnew) {
+            for (int d = 0; d < H; ++d) s = fmaf(q[d], knew[d], s);
+        } else {
+            const T* k = kt + jj * ts;
+#pragma unroll 8
+            for (int d = 0; d < H; ++d) s = fmaf(q[d], to_f(k[d]), s);
+        }
+        sc[hh * CH + jj] = scaled(s, g);
     }
 }
 
@@ -165,7 +154,11 @@ __device__ void chunk_values(const float* e, int nh, const T* vt, int n, const G
     const int H = g.H, ts = tile_stride<T>(H);
     for (int i = threadIdx.x; i < nh * H; i += NT) {
         const int hh = i / H, d = i - hh * H;
-        oc[i] = value_of(e + hh * CH, vt + d, ts, n, jnew, jnew >= 0 ? vnew[d] : 0.f);
+        const float* w = e + hh * CH;
+        float acc = 0.f;
+#pragma unroll 8
+        for (int jj = 0; jj < n; ++jj) acc = fmaf(w[jj], jj == jnew ? vnew[d] : to_f(vt[jj * ts + d]), acc);
+        oc[i] = acc;
     }
     __syncthreads();
 }
@@ -264,7 +257,12 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
             query_range(g, past, tb, s0 + i, lo, hi);
             const int j0 = max(lo, c * CH), n = min(hi, c * CH + CH - 1) - j0 + 1;
             if (hi < lo || hi >= g.cap || jj >= n) continue;
-            sc[i * CH + jj] = score_of(qs + i * g.H, kt + (j0 - u0 + jj) * ts, g);
+            const float* q = qs + i * g.H;
+            const T* k = kt + (j0 - u0 + jj) * ts;
+            float z = 0.f;
+#pragma unroll 8
+            for (int d = 0; d < g.H; ++d) z = fmaf(q[d], to_f(k[d]), z);
+            sc[i * CH + jj] = scaled(z, g);
         }
         __syncthreads();
         for (int i = tid >> 5; i < nqb; i += NT / 32) {  // stats and fold weights: a warp per query
@@ -290,7 +288,11 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
             query_range(g, past, tb, s0 + i, lo, hi);
             const int j0 = max(lo, c * CH), n = min(hi, c * CH + CH - 1) - j0 + 1;
             if (hi < lo || hi >= g.cap || n <= 0) continue;
-            const float o = value_of(sc + i * CH, vt + (j0 - u0) * ts + d, ts, n, -1, 0.f);
+            const float* w = sc + i * CH;
+            const T* v = vt + (j0 - u0) * ts + d;
+            float o = 0.f;
+#pragma unroll 8
+            for (int jj = 0; jj < n; ++jj) o = fmaf(w[jj], to_f(v[jj * ts]), o);
             acc[r] = folded(acc[r], st[6 * i + 2], o, st[6 * i + 3]);
         }
         __syncthreads();

@@ -124,6 +124,8 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
     if bsz > MAX_GRID_Y:
         raise ValueError(f"GroupQueryAttention (cuda): batch {bsz} exceeds the grid limit {MAX_GRID_Y}")
     chunks = -(-cap // CH)
+    if not ctx.frozen:  # a prompt makes the workspace of the decode steps that follow it
+        _workspace(ctx, bsz, nq, nkv, chunks, h)
     if not first and s_len == 1:
         group = nq // nkv
         part, tickets = _workspace(ctx, bsz, nq, nkv, chunks, h)
@@ -134,8 +136,6 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
                                           i32(rotary), sinks, out, part, tickets) + geo,
              shared_mem=shared)
     else:
-        if not ctx.frozen:  # a prompt makes the workspace of the decode steps that follow it
-            _workspace(ctx, bsz, nq, nkv, chunks, h)
         write = function("group_query_attention", f"gqa_kv_write<{t}>", _exprs(t))
         write((s_len, nkv, bsz), (NT,), (kin, vin, past_key, past_value, seqlens, cos, sin,
                                           i32(rotary)) + geo)
