@@ -32,17 +32,6 @@ def config(m: int, n: int, k: int) -> tuple[int, tuple, tuple, int]:
     return nj, (-(-n // 16), -(-m // (8 * nj))), (32 * nseg,), nseg * 16 * 8 * nj * 4
 
 
-@functools.cache
-def _pack_index(kp: int, np_: int):
-    nt, kt, lane, e = np.meshgrid(np.arange(np_ // 16), np.arange(kp // 16), np.arange(32), np.arange(8),
-                                  indexing="ij")
-    g, t = lane >> 2, lane & 3
-    n = nt * 16 + g + 8 * ((e >> 1) & 1)
-    # 64-wide chunk kc, virtual tile v: slots (2t, 2t+1, 2t+8, 2t+9) <- k 16t + 4v + (0, 1, 2, 3)
-    k = (kt // 4) * 64 + 16 * t + 4 * (kt % 4) + (e & 1) + 2 * (e >> 2)
-    return (k * np_ + n).reshape(-1).astype(np.int64)
-
-
 def glu_width(n: int) -> int:
     """Rows of an interleaved gate/up pair of N features: 2 N rounded up to 16."""
     return 2 * (-(-n // 8) * 8)
@@ -51,34 +40,74 @@ def glu_width(n: int) -> int:
 def glu_rows(n: int) -> np.ndarray:
     """Row order of a gate/up pair for the GLU kernels: index i of the packed rows takes row
     ``order[i]`` of concatenate([gate, up, zero row]) (N rounded up to 8; the zero row pads).
-    Rows 16b..16b+7 are gate rows 8b..8b+7 and rows 16b+8..16b+15 the same up rows."""
+    Rows 16b..16b+7 are gate rows 8b..8b+7 and rows 16b+8..16b+15 the same up rows. (The
+    definition of the order; :func:`glu_interleave` and :func:`pack` produce it without an
+    index array.)"""
     i = np.arange(glu_width(n))
     feature = (i // 16) * 8 + i % 8
     row = np.where(i % 16 < 8, feature, n + feature)
     return np.where(feature < n, row, 2 * n)
 
 
+def _padded(xp, w, shape: tuple[int, ...]):
+    """``w`` zero-padded at the end of each axis to ``shape``; ``w`` itself when it has that
+    shape already (no copy)."""
+    if tuple(w.shape) == tuple(shape):
+        return w
+    out = xp.zeros(shape, w.dtype)
+    out[tuple(slice(0, d) for d in w.shape)] = w
+    return out
+
+
 def glu_interleave(xp, gate, up):
     """gate, up [N, X] (one row per output feature) -> [glu_width(N), X] in :func:`glu_rows`
-    order, padding rows zero. ``xp`` is the array module (cupy; numpy in the CPU tests)."""
-    rows = xp.asarray(glu_rows(gate.shape[0]))
-    both = xp.concatenate([gate, up, xp.zeros((1, gate.shape[1]), gate.dtype)])
-    return xp.ascontiguousarray(both[rows])
+    order, padding rows zero. ``xp`` is the array module (cupy on the GPU, numpy on the host).
+
+    One output allocation and one strided copy per input (no concatenated or indexed
+    intermediate), so interleaving a pair holds at most the pair and its result."""
+    n, x = gate.shape[0], int(np.prod(gate.shape[1:]))
+    n8 = -(-n // 8) * 8
+    out = xp.empty((n8 // 8, 2, 8, x), gate.dtype)
+    for half, rows in enumerate((gate, up)):
+        out[:, half] = _padded(xp, rows.reshape(n, x), (n8, x)).reshape(n8 // 8, 8, x)
+    return out.reshape(2 * n8, x)
+
+
+#: The fragment order of :func:`pack` as axes of a reshaped weight: a K index is
+#: (kc, t, v, e2, e0) = kc*64 + 16 t + 4 v + 2 e2 + e0 and an N index (nt, e1, g) =
+#: nt*16 + 8 e1 + g; the packed array runs over (nt, kc, v, g, t, e2, e1, e0), last fastest:
+#: 16-column tile nt, 64-row chunk kc, virtual k16 tile v, then lane 4 g + t and element
+#: e = e0 + 2 e1 + 4 e2 of an m16n8k16 A fragment.
+FRAGMENT_AXES = ("nt", "kc", "v", "g", "t", "e2", "e1", "e0")
+
+
+def packed_size(k: int, n: int, glu: bool = False) -> int:
+    """Elements of :func:`pack` for a weight [K, N] (a gate/up pair of [K, N] with ``glu``)."""
+    cols = glu_width(n) if glu else -(-n // 16) * 16
+    return -(-k // 64) * 64 * cols
 
 
 def pack(xp, w, up=None):
-    """W [K, N] fp16 in fragment order: K padded to 64 and N to 16 with zeros, k slots permuted
-    as in nbits4; returns a 1-D fp16 array of ceil(K/64)*64 * ceil(N'/16)*16 elements. With
-    ``up`` (the up projection [K, N]) the columns of W and up are interleaved in
-    :func:`glu_rows` order first (N' = glu_width(N)). ``xp`` is the array module of W."""
-    if up is not None:
-        w = glu_interleave(xp, w.T, up.T).T
+    """W [K, N] fp16 in fragment order (:data:`FRAGMENT_AXES`): K padded to 64 and N to 16 with
+    zeros; returns a 1-D fp16 array of :func:`packed_size` elements. With ``up`` (the up
+    projection [K, N]) the columns of W and up are interleaved in :func:`glu_rows` order
+    (N' = glu_width(N)): tile column 8 e1 + g is gate feature 8 nt + g for e1 = 0, the same up
+    feature for e1 = 1. ``xp`` is the array module of W (numpy packs on the host, cupy on the
+    device; the same reshapes and one strided copy per input on both, no index array), so
+    packing holds at most the raw weight, a padded copy when K or N is not aligned, and the
+    result."""
     k, n = w.shape
-    kp, np_ = -(-k // 64) * 64, -(-n // 16) * 16
-    pad = xp.zeros((kp, np_), xp.float16)
-    pad[:k, :n] = w
-    idx = xp.asarray(_pack_index(kp, np_))
-    return xp.ascontiguousarray(pad.reshape(-1)[idx])
+    kp = -(-k // 64) * 64
+    if up is None:
+        np_ = -(-n // 16) * 16
+        src = _padded(xp, w, (kp, np_)).reshape(kp // 64, 4, 4, 2, 2, np_ // 16, 2, 8)
+        return xp.ascontiguousarray(src.transpose(5, 0, 2, 7, 1, 3, 6, 4)).reshape(-1)
+    n8 = -(-n // 8) * 8
+    out = xp.empty((n8 // 8, kp // 64, 4, 8, 4, 2, 2, 2), xp.float16)
+    for e1, half in enumerate((w, up)):
+        src = _padded(xp, half, (kp, n8)).reshape(kp // 64, 4, 4, 2, 2, n8 // 8, 8)
+        out[:, :, :, :, :, :, e1, :] = src.transpose(5, 0, 2, 6, 1, 3, 4)
+    return out.reshape(-1)
 
 
 #: ctx.cache key of a dense node whose weight prepare() packed: (K, N) of the raw weight.
