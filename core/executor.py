@@ -72,11 +72,11 @@ from onnx import helper, numpy_helper
 
 from core import fusion
 from core.opdefs import constant_supports, constant_value, is_host
-from core.ops import OpTable
+from core.ops import PREPARE_SHARED, OpTable
 from core.protocol import ExecutionProvider, Kernel, KernelContext, NodeInfo
 
 HOST_CONSTANT_MAX = 64
-GATHER_OPS = ("Gather", "GatherBlockQuantized")
+GATHER_OPS = ("Gather", "GatherBlockQuantized", "GatherColumns")
 #: The op package whose kernels run the host nodes of a device provider.
 REFERENCE_OPS = "providers.cpu_reference.ops"
 #: The module of the provider whose host buffers those kernels write into.
@@ -93,6 +93,17 @@ class KernelOutputError(RuntimeError):
     message names the node, its op type and the kernel."""
 
 
+def storage(value: Any) -> Any:
+    """The array that owns ``value``'s memory: ``value``'s ``.base`` chain followed while it
+    holds arrays (numpy and CuPy views; a buffer object such as ``bytes`` ends it)."""
+    root = value
+    while True:
+        base = getattr(root, "base", None)
+        if base is None or not hasattr(base, "shape") or not hasattr(base, "nbytes"):
+            return root
+        root = base
+
+
 class WeightRead(NamedTuple):
     """A constant read by a per-step node (:meth:`Plan.weight_reads`).
 
@@ -101,8 +112,10 @@ class WeightRead(NamedTuple):
         node: name of the first per-step node that reads the constant.
         constant: key in :attr:`Plan.constants`.
         nbytes: bytes of the constant.
-        gathered: True when every per-step reader gathers rows of it (a Gather or
-            GatherBlockQuantized table: a step reads B rows, not the whole tensor).
+        gathered: True when every per-step reader gathers rows of it (a Gather,
+            GatherBlockQuantized or GatherColumns table: a step reads B rows, not the whole
+            tensor).
+        aliases: other constants over the same storage (views of it), read by later nodes.
     """
 
     step: int
@@ -110,6 +123,7 @@ class WeightRead(NamedTuple):
     constant: str
     nbytes: int
     gathered: bool
+    aliases: tuple[str, ...] = ()
 
 
 def _attr_value(attr: onnx.AttributeProto) -> Any:
@@ -329,9 +343,14 @@ class Plan:
         self._types = _declared_types(graph)
         self.input_names = [i.name for i in graph.input]
         self.output_names = [o.name for o in graph.output]
-        self.constants: dict[str, Any] = {}
-        for name, array in initializers.items():
-            self.constants[name] = array if is_host_constant(array) else provider.upload(array)
+        reset = getattr(provider, "reset_peak", None)
+        peak = getattr(provider, "peak_bytes", None)
+        if reset is not None:
+            reset()  # cached pool blocks of earlier work: not this load's peak
+        base = peak() if peak is not None else None
+        #: initializers are uploaded when first needed (module docstring, "Weight memory")
+        self.constants: dict[str, Any] = dict(initializers)
+        self._pending: set[str] = {name for name, a in initializers.items() if not is_host_constant(a)}
         for i, (then_values, else_values) in self.branches.items():
             node = self.nodes[i]
             for kind, values in (("then", then_values), ("else", else_values)):
@@ -348,7 +367,14 @@ class Plan:
             self.nodes[lm], {k: tuple(v.shape) for k, v in initializers.items()})
         self.steps = self._fold_constants()
         self.prepared = self._prepare()
+        for name in sorted(self._pending):  # what no hook replaced: uploaded as it is
+            self._value(name)
         self.last_position_steps = self._last_position_program(lm, hidden)
+        #: device bytes the provider held at the high-water mark of this plan's load above what
+        #: it held before (``peak_bytes()``), or None when the provider cannot tell
+        self.load_peak_bytes: int | None = None if base is None or peak is None else int(peak()) - int(base)
+        if reset is not None:
+            reset()  # give the blocks freed while packing back to the device
         for value in [*self.constants.values(), *self.last_position_constants.values()]:
             if isinstance(value, np.ndarray):
                 value.flags.writeable = False  # constants are shared by every step: never written
@@ -420,21 +446,37 @@ class Plan:
     def _fold_constants(self) -> list[int]:
         """Run once every node whose inputs are all constants (Constant nodes, the builder's
         Transpose of the tied embedding); returns the indices of the nodes left to run per step."""
-        steps = []
+        steps, consumed = [], set()
         for i, node in enumerate(self.nodes):
             if all((not x) or x in self.constants for x in node.inputs):
-                args = [self.constants[x] if x else None for x in node.inputs]
+                args = [self._value(x) if x else None for x in node.inputs]
                 step = self._step(i, args)
                 outs = step.kernel(step.ctx, *args)
                 self._check_outputs(step, outs)
                 self.constants.update((n, v) for n, v in zip(node.outputs, outs) if n)
+                consumed.update(x for x in node.inputs if x)
             else:
                 steps.append(i)
+        read = {x for i in steps for x in self.nodes[i].inputs} | set(self.output_names)
+        for name in consumed - read:  # a folded node's input nothing else reads
+            self._drop(name)
         return steps
 
+    def _value(self, name: str) -> Any:
+        """Constant ``name``, uploaded first when it is an initializer still on the host."""
+        if name in self._pending:
+            self._pending.discard(name)
+            self.constants[name] = self.provider.upload(self.constants[name])
+        return self.constants[name]
+
+    def _drop(self, name: str) -> None:
+        """Forget constant ``name`` (its device memory goes back to the provider)."""
+        self._pending.discard(name)
+        self.constants.pop(name, None)
+
     def _prepare(self) -> list[str]:
-        """Apply the provider's ``prepare`` hooks to the per-step nodes (module docstring);
-        returns the names of the new constants.
+        """Apply the provider's ``prepare`` hooks to the per-step nodes (module docstring,
+        "Prepared weights" and "Weight memory"); returns the names of the new constants.
 
         Raises:
             ValueError: a hook replaced an input that is not a constant.
@@ -443,36 +485,68 @@ class Plan:
         made: list[str] = []
         if lookup is None:
             return made
-        replaced = set()
+        # per-step readers left of every constant: a replaced one goes as its last reader is done
+        left: dict[str, int] = {}
+        for i in self.steps:
+            for x in set(self.nodes[i].inputs):
+                if x in self.constants:
+                    left[x] = left.get(x, 0) + 1
+        kept: set[str] = set(self.output_names)  # constants a processed node still reads as they are
+        replaced: set[str] = set()
+        names: dict[int, str] = {}  # id of a prepared value -> its constant name (shared forms)
+        shared: dict = {}  # ctx.cache[PREPARE_SHARED] of every hook of this pass
         for i in self.steps:
             node = self.nodes[i]
             hook = lookup(node)
-            args = [self.constants.get(x) if x else None for x in node.inputs]
-            if hook is None or all(a is None for a in args):
-                continue
-            changes = hook(self.contexts[i], *args)
-            if not changes:
-                continue
-            inputs = list(node.inputs)
-            dtypes = list(node.input_dtypes) + [None] * (len(inputs) - len(node.input_dtypes))
-            for j, value in sorted(changes.items()):
-                if not 0 <= j < len(inputs) or args[j] is None:
-                    raise ValueError(f"prepare hook of node {node.name!r} ({node.op_type}) replaced input {j}, "
-                                     "which is not a constant")
-                replaced.add(inputs[j])
-                if value is None:
-                    inputs[j], dtypes[j] = "", None
-                else:
-                    inputs[j], dtypes[j] = f"{node.name}:prepared:{j}", np.dtype(value.dtype)
-                    self.constants[inputs[j]] = value
-                    made.append(inputs[j])
-            self.nodes[i] = self.contexts[i].node = attrs.evolve(node, inputs=tuple(inputs),
-                                                                 input_dtypes=tuple(dtypes))
-            self.host_kernels[i] = None  # a reference kernel does not read the prepared form
+            here = [x for x in set(node.inputs) if x in left]
+            if hook is not None and any(x in self.constants for x in node.inputs if x):
+                args = [self._value(x) if x in self.constants else None for x in node.inputs]
+                ctx = self.contexts[i]
+                ctx.cache[PREPARE_SHARED] = shared
+                try:
+                    changes = hook(ctx, *args)
+                finally:
+                    ctx.cache.pop(PREPARE_SHARED, None)
+                del args
+                if changes:
+                    self._apply_changes(i, changes, replaced, names, made)
+            kept.update(x for x in self.nodes[i].inputs if x in left)
+            for x in here:
+                left[x] -= 1
+                if not left[x] and x in replaced and x not in kept:
+                    self._drop(x)  # its last reader read a prepared form: never uploaded again
         still_read = {x for i in self.steps for x in self.nodes[i].inputs} | set(self.output_names)
         for name in replaced - still_read:
-            del self.constants[name]
+            self._drop(name)
         return made
+
+    def _apply_changes(self, i: int, changes: dict, replaced: set, names: dict, made: list) -> None:
+        """Rewire node ``i`` to a hook's replacements (module docstring, "Prepared weights"):
+        new constants named ``{node}:prepared:{j}`` (one name for one object, however many
+        hooks return it), dropped inputs absent.
+
+        Raises:
+            ValueError: a replaced input is not a constant.
+        """
+        node = self.nodes[i]
+        inputs = list(node.inputs)
+        dtypes = list(node.input_dtypes) + [None] * (len(inputs) - len(node.input_dtypes))
+        for j, value in sorted(changes.items()):
+            if not 0 <= j < len(inputs) or not inputs[j] or inputs[j] not in self.constants:
+                raise ValueError(f"prepare hook of node {node.name!r} ({node.op_type}) replaced input {j}, "
+                                 "which is not a constant")
+            replaced.add(inputs[j])
+            if value is None:
+                inputs[j], dtypes[j] = "", None
+                continue
+            name = names.get(id(value))
+            if name is None or self.constants.get(name) is not value:
+                name = names[id(value)] = f"{node.name}:prepared:{j}"
+                self.constants[name] = value
+                made.append(name)
+            inputs[j], dtypes[j] = name, np.dtype(value.dtype)
+        self.nodes[i] = self.contexts[i].node = attrs.evolve(node, inputs=tuple(inputs), input_dtypes=tuple(dtypes))
+        self.host_kernels[i] = None  # a reference kernel does not read the prepared form
 
     def _check_outputs(self, step: _Step, results: Any) -> None:
         """Check a result that is not ``step.last`` (module docstring, "Output checks").
@@ -528,25 +602,39 @@ class Plan:
         contexts' numpy buffers included)."""
         return sum(ctx.buffer_bytes() for ctx in self._every_context())
 
+    def _device_nbytes(self, value: Any) -> int:
+        """Bytes ``value`` takes on the provider: 0 for a host value of a device provider (small
+        integer constants stay host arrays there)."""
+        if self.host_dispatch and is_host(value):
+            return 0
+        return int(getattr(value, "nbytes", 0))
+
     def weight_reads(self) -> list[WeightRead]:
         """The constants the per-step nodes read, in execution order, each listed once at its
-        first reader (:class:`WeightRead`); small host constants (axes, shapes) included.
-        Prepared weights appear under their own names; a dropped original does not."""
+        first reader (:class:`WeightRead`); small host constants (axes, shapes) included, with
+        0 bytes on a device provider. Prepared weights appear under their own names; a dropped
+        original does not. Constants over one storage (a view of another, e.g. the reshaped
+        int4 codes of a tied embedding) are one entry, named by the first read, the others in
+        its ``aliases``; it is gathered only when every reader of every name gathers."""
         reads: list[WeightRead] = []
-        first: dict[str, int] = {}
+        first: dict[int, int] = {}  # id of the storage -> index in reads
         for pos, i in enumerate(self.steps):
             node = self.nodes[i]
             for j, x in enumerate(node.inputs):
                 if not x or x not in self.constants:
                     continue
+                value = self.constants[x]
                 gathered = node.op_type in GATHER_OPS and j != 1  # input 1 is the indices
-                k = first.get(x)
+                key = id(storage(value))
+                k = first.get(key)
                 if k is None:
-                    first[x] = len(reads)
-                    reads.append(WeightRead(pos, node.name, x, int(getattr(self.constants[x], "nbytes", 0)),
-                                            gathered))
-                elif reads[k].gathered and not gathered:
-                    reads[k] = reads[k]._replace(gathered=False)
+                    first[key] = len(reads)
+                    reads.append(WeightRead(pos, node.name, x, self._device_nbytes(value), gathered))
+                    continue
+                r = reads[k]
+                if x != r.constant and x not in r.aliases:
+                    r = r._replace(aliases=(*r.aliases, x))
+                reads[k] = r._replace(gathered=r.gathered and gathered)
         return reads
 
     def step_weight_bytes(self) -> int:
@@ -554,10 +642,21 @@ class Plan:
         node, counted once; gather tables are left out (a step reads B rows of them)."""
         return sum(r.nbytes for r in self.weight_reads() if not r.gathered)
 
-    def weight_bytes(self) -> int:
-        """Bytes of the resident constants (initializers, folded values such as the transposed
-        tied embedding the builder gathers from, and prepared weights)."""
-        return sum(int(getattr(v, "nbytes", 0)) for v in self.constants.values())
+    def weight_bytes(self, exclude: Any = ()) -> int:
+        """Bytes of the resident constants (initializers, folded values and prepared weights)
+        on the provider: each storage counted once (a view of another constant adds nothing),
+        host values of a device provider not at all. ``exclude``: names left out (streamed
+        weights, which are views of a staging slot)."""
+        seen: set[int] = set()
+        total = 0
+        for name, value in self.constants.items():
+            if name in exclude:
+                continue
+            root = storage(value)
+            if id(root) not in seen:
+                seen.add(id(root))
+                total += self._device_nbytes(root)
+        return total
 
     def reset_dispatch(self) -> None:
         """Forget the host/device kernel choices (module docstring, "Host nodes"): the next run

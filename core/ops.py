@@ -19,6 +19,12 @@ executor checks this, :class:`core.executor.KernelOutputError`), and optionally:
   kernel reads them there, so the presence of its cache entry says "my inputs are prepared".
   A kernel must never key a cache on a tensor's device pointer (streamed weights share one
   staging slot), and must still run on unprepared inputs (direct calls, fed weights).
+  During the call ``ctx.cache[PREPARE_SHARED]`` is a dict shared by every hook of the plan's
+  prepare pass (removed afterwards): hooks of different nodes that derive the same form of
+  one constant store it there under a key naming the constant (``ctx.node.inputs[j]``) and
+  return that same object, which the executor then keeps once (the cuda provider's tied
+  embedding and lm_head read one packed weight). A weight is uploaded just before the first
+  hook that receives it, and dropped once its last reader has replaced it.
 
 Modules whose name starts with "_" are helpers. The table is built by
 introspecting the package (the registry comes from the modules, not a hand-kept
@@ -35,6 +41,9 @@ from types import ModuleType
 import numpy as np
 
 from core.protocol import Kernel, NodeInfo
+
+#: ``ctx.cache`` key of the dict a prepare pass shares between its hooks (module docstring).
+PREPARE_SHARED = "prepare_shared"
 
 
 class OpTable:

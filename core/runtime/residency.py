@@ -6,11 +6,14 @@ step copies exactly the same bytes on every replay.
 
 Admission policy (what stays resident, and why):
 
-1. Gathered tables (Gather / GatherBlockQuantized inputs: the embedding) are resident. A step
-   reads B rows of them, so streaming one would move the whole table to use a few rows, and no
-   kernel may read host memory directly. So are weights several nodes read every step (the
-   rotary cos/sin caches, read by every layer): their reuse is highest, and a page read across
-   the whole step would hold its slot for the whole step.
+1. Gathered tables (Gather / GatherBlockQuantized / GatherColumns inputs: the embedding) are
+   resident. A step reads B rows of them, so streaming one would move the whole table to use
+   a few rows, and no kernel may read host memory directly. So are weights several nodes read
+   every step (the rotary cos/sin caches, read by every layer; the packed tied embedding,
+   read by the lookup and the lm_head): their reuse is highest, and a page read across the
+   whole step would hold its slot for the whole step. So is a weight other constants are
+   views of (the int4 tied embedding's codes): streaming it would leave the views' device
+   memory behind.
 2. Small tensors (below :data:`SMALL_BYTES`: norm weights, biases, int4 scales of small
    layers) are resident: a copy costs a few microseconds of issue and event overhead whatever
    its size, more than their bytes are worth.
@@ -60,8 +63,9 @@ class BudgetError(ValueError):
 
 @attrs.frozen
 class Weight:
-    """A constant one decode step reads: name, bytes, whether it is gathered, its layer (or -1)
-    and its page (the name of its first reading node)."""
+    """A constant one decode step reads: name, bytes, whether it is gathered, its layer (or -1),
+    its page (the name of its first reading node), the per-step nodes that read it and the
+    other constants that are views of it (``aliases``)."""
 
     name: str
     nbytes: int
@@ -69,6 +73,7 @@ class Weight:
     layer: int
     page: str = ""
     readers: int = 1
+    aliases: tuple[str, ...] = ()
 
 
 def _aligned(n: int) -> int:
@@ -170,8 +175,9 @@ def weights_of(plan) -> tuple[Weight, ...]:
     out = []
     for r in plan.weight_reads():
         m = _LAYER.search(r.node)
+        count = sum(readers.get(name, 0) for name in (r.constant, *r.aliases))
         out.append(Weight(r.constant, int(r.nbytes), bool(r.gathered), int(m.group(1)) if m else -1, r.node,
-                          readers.get(r.constant, 1)))
+                          max(count, 1), tuple(r.aliases)))
     return tuple(out)
 
 
@@ -355,7 +361,8 @@ def _smallest(weights: Sequence[Weight], slots: int | None) -> int:
 
 
 def _pinned(w: Weight) -> bool:
-    return w.gathered or w.nbytes < SMALL_BYTES or w.readers > 1
+    # a weight other constants view stays: streaming it would leave the views' memory behind
+    return w.gathered or w.nbytes < SMALL_BYTES or w.readers > 1 or bool(w.aliases)
 
 
 def _default_slots(pages: Sequence[Sequence[Weight]], slot_bytes: int, budget: int) -> int:

@@ -105,7 +105,7 @@ class Runner:
     def weight_bytes(self) -> int:
         """Device bytes of resident constants (the staging ring not included)."""
         # the slot views of streamed weights stand in the plan's constants: not resident bytes
-        return self.plan.weight_bytes() - self.residency.weight_bytes_streamed_per_step
+        return self.plan.weight_bytes(exclude=set(self.residency.streamed))
 
     def _plan_residency(self, budget: int | None, auto: bool = False) -> residency.ResidencyPlan:
         """The residency plan for ``budget`` bytes (module core.runtime.residency), applied to
