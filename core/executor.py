@@ -495,7 +495,7 @@ class Plan:
         replaced: set[str] = set()
         names: dict[int, str] = {}  # id of a prepared value -> its constant name (shared forms)
         shared: dict = {}  # ctx.cache[PREPARE_SHARED] of every hook of this pass
-        for i in self.steps:
+        for i in self._prepare_order():
             node = self.nodes[i]
             hook = lookup(node)
             here = [x for x in set(node.inputs) if x in left]
@@ -519,6 +519,23 @@ class Plan:
         for name in replaced - still_read:
             self._drop(name)
         return made
+
+    def _prepare_order(self) -> list[int]:
+        """:attr:`steps` with the later readers of a weight moved up behind its first reader (the
+        tied embedding's lookup and the lm_head), so a weight several hooks replace is on the
+        device for those hooks only. Hooks do not depend on each other's order."""
+        readers: dict[str, list[int]] = {}
+        for i in self.steps:
+            for x in dict.fromkeys(self.nodes[i].inputs):
+                if x in self._pending:
+                    readers.setdefault(x, []).append(i)
+        order: dict[int, None] = {}
+        for i in self.steps:
+            order.setdefault(i)
+            for x in dict.fromkeys(self.nodes[i].inputs):
+                for j in readers.get(x, ()):
+                    order.setdefault(j)
+        return list(order)
 
     def _apply_changes(self, i: int, changes: dict, replaced: set, names: dict, made: list) -> None:
         """Rewire node ``i`` to a hook's replacements (module docstring, "Prepared weights"):

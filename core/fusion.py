@@ -13,6 +13,11 @@ values have no other consumer and are not graph outputs.
   gate and up projections and their SiluMul as one node, so a provider can compute both
   projections in one GEMM with the SiluMul in its epilogue; 3 nodes -> 1 per layer. The
   weights must be graph constants (initializers).
+- ``lockstep.GatherColumns(w, indices) = Gather(Transpose(w, perm=[1, 0]), indices)`` (axis 0):
+  the builder's tied-embedding lookup, which gathers rows of the transposed lm_head weight
+  ``w [K, V]``. Fused, the lookup reads ``w`` itself, so the embedding and the lm_head share
+  one weight and no transposed copy of it is folded (a provider may keep that one weight in
+  its lm_head kernel's layout and gather from it there). ``w`` must be a graph constant.
 
 Beside these passes, :func:`last_position_nodes` builds the nodes of a plan's last-position
 program (:class:`core.executor.Plan`, "Last-position program"): prefill gathers each row's last
@@ -135,12 +140,42 @@ def fuse_gated_matmul(nodes: list[NodeInfo], graph_outputs: set[str], supports,
     return _rewrite(nodes, replaced)
 
 
+def fuse_tied_gather(nodes: list[NodeInfo], graph_outputs: set[str], supports,
+                     constants: Set[str]) -> list[NodeInfo]:
+    """Replace Transpose(w, perm=[1, 0]) -> Gather(axis 0) pairs, ``w`` in ``constants``, by
+    ``lockstep.GatherColumns(w, indices)`` (module docstring). The transposed value must feed
+    that one Gather (as its data) and not be a graph output."""
+    users = _consumers(nodes)
+    replaced: dict[int, NodeInfo | None] = {}
+    for i, tr in enumerate(nodes):
+        if (tr.op_type, tr.domain) != ("Transpose", "") or len(tr.inputs) != 1 or tr.inputs[0] not in constants:
+            continue
+        perm = tr.attrs.get("perm")
+        t = tr.outputs[0]
+        if perm is None or [int(p) for p in perm] != [1, 0] or len(users[t]) != 1 or t in graph_outputs:
+            continue
+        j = users[t][0]
+        gather = nodes[j]
+        if ((gather.op_type, gather.domain) != ("Gather", "") or len(gather.inputs) != 2 or gather.inputs[0] != t
+                or gather.inputs[1] == t or int(gather.attrs.get("axis", 0)) != 0):
+            continue
+        fused = NodeInfo(name=f"{gather.name}/GatherColumns", op_type="GatherColumns", domain=FUSED_DOMAIN,
+                         attrs={}, inputs=(tr.inputs[0], gather.inputs[1]), outputs=gather.outputs,
+                         input_dtypes=(_dtype(tr, 0), _dtype(gather, 1)))
+        if not supports(fused):
+            continue
+        replaced[i], replaced[j] = None, fused
+    return _rewrite(nodes, replaced)
+
+
 def apply(nodes: list[NodeInfo], graph_outputs: set[str], supports,
           constants: Set[str] = frozenset()) -> list[NodeInfo]:
     """Run the passes in order: :func:`fuse_silu_mul`, then :func:`fuse_gated_matmul` (which
-    fuses only projections whose weights are in ``constants``)."""
+    fuses only projections whose weights are in ``constants``), then :func:`fuse_tied_gather`
+    (only for a transposed weight in ``constants``)."""
     nodes = fuse_silu_mul(nodes, graph_outputs, supports)
-    return fuse_gated_matmul(nodes, graph_outputs, supports, constants)
+    nodes = fuse_gated_matmul(nodes, graph_outputs, supports, constants)
+    return fuse_tied_gather(nodes, graph_outputs, supports, constants)
 
 
 #: The optional plan input of the last-position program (:func:`last_position_nodes`): int64

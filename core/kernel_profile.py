@@ -143,6 +143,8 @@ class NodeObserver:
                 st.bytes_read += _nbytes(value) * self.kv_read_fraction
             elif name in constants and node.op_type == "GroupQueryAttention" and getattr(value, "ndim", 0) == 2:
                 st.bytes_read += _nbytes(value) * min(1.0, rows / max(1, value.shape[0]))  # cos/sin rows read
+            elif name in constants and node.op_type == "GatherColumns" and name == node.inputs[0]:
+                st.bytes_read += out_bytes  # a copy of the columns gathered (the table may be packed)
             elif name in constants and node.op_type in GATHER_OPS and name != node.inputs[1]:
                 # a table (or its scales): the rows gathered, not the whole tensor
                 picked = int(getattr(args[1], "size", 1))

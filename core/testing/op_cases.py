@@ -403,6 +403,23 @@ def _gather_rows(v, d):
     return make
 
 
+def _gather_columns(k, v):
+    def make(rng, dtype):
+        return {"w": _normal(rng, (k, v), dtype), "indices": rng.integers(-v, v, (3, 5)).astype(np.int64)}
+    return make
+
+
+def _gather_columns_case(k, v) -> OpCase:
+    """lockstep.GatherColumns: the tied-embedding lookup from the lm_head weight W [K, V]
+    (negative indices too); W is a constant, so a provider may read it prepared (packed)."""
+    def unfused():
+        return [helper.make_node("Transpose", ["w"], ["w.t"], perm=[1, 0]),
+                helper.make_node("Gather", ["w.t", "indices"], ["y"], axis=0)]
+
+    return OpCase(f"GatherColumns/k{k}-v{v}", "GatherColumns", _gather_columns(k, v), domain="lockstep",
+                  constants=("w",), tolerance=dict(EXACT), rows=("indices",), unfused=unfused)
+
+
 def _gather_shape(rng, dtype):
     return {"data": rng.integers(1, 100, 4).astype(np.int64), "indices": np.array(1, np.int64)}
 
@@ -457,6 +474,8 @@ OP_CASES: list[OpCase] = [
            tolerance=dict(ELEMENTWISE)),
     OpCase("Gather/embedding-rows", "Gather", _gather_rows(50, 24), constants=("data",), tolerance=dict(EXACT)),
     OpCase("Gather/embedding-576", "Gather", _gather_rows(100, 576), constants=("data",), tolerance=dict(EXACT)),
+    _gather_columns_case(100, 37),
+    _gather_columns_case(576, 512),
     OpCase("Gather/shape-scalar", "Gather", _gather_shape, attributes={"axis": 0}, constants=("indices",),
            dtypes=("int64",), tolerance=dict(EXACT), output_dtype="int64"),
     OpCase("Cast/float32-to-float16", "Cast", _cast_from("float32"), attributes={"to": 10},

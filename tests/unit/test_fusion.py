@@ -1,5 +1,6 @@
 """Fusion passes: the fused graph computes the unfused graph's bits."""
 
+import attrs
 import numpy as np
 
 from core import fusion
@@ -61,7 +62,8 @@ def test_gated_pass_fuses_gate_up_and_silu_mul_per_layer(tmp_path):
         n_sig = sum(n.op_type == "Sigmoid" for n in nodes)
         assert sum(n.op_type == op for n in fused) == n_sig > 0
         assert not any(n.op_type == "SiluMul" for n in fused)
-        assert len(nodes) - len(fused) == 4 * n_sig  # Sigmoid, Mul, Mul, and one projection
+        # Sigmoid, Mul, Mul, and one projection; fp16: the tied lookup's Transpose (GatherColumns)
+        assert len(nodes) - len(fused) == 4 * n_sig + (0 if quant else 1)
         # without the weights among the constants the pass leaves the projections alone
         kept = fusion.apply(nodes, {o.name for o in model.graph.output}, CpuReferenceProvider().supports)
         assert sum(n.op_type == "SiluMul" for n in kept) == n_sig
@@ -88,3 +90,31 @@ def test_gated_plan_is_bitwise_the_unfused_plan_in_prefill_and_decode(tmp_path):
             step = plan.run({"input_ids": prompt[:, :1], "attention_mask": np.ones((2, 6), np.int64), **kv})
             outs.append((first["logits"], step["logits"]))
         assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1]), (dtype, quant)
+
+
+def test_tied_gather_pass_reads_the_lm_head_weight_and_folds_no_transposed_copy(tmp_path):
+    model = load_model(make_tiny_model(tmp_path / "m", dtype="float16"))
+    nodes = node_infos(model.graph)
+    inits = set(model.initializers)
+    fused = fusion.apply(nodes, {o.name for o in model.graph.output}, CpuReferenceProvider().supports, inits)
+    (lookup,) = [n for n in fused if n.op_type == "GatherColumns"]
+    assert lookup.domain == fusion.FUSED_DOMAIN and lookup.inputs == ("lm_head.MatMul.weight", "input_ids")
+    assert not any(n.op_type == "Transpose" for n in fused)
+    assert [n for n in fused if n.op_type == "MatMul" and "lm_head.MatMul.weight" in n.inputs]  # one weight, two readers
+    plan = Plan(model.graph, model.initializers, CpuReferenceProvider())
+    shape = model.initializers["lm_head.MatMul.weight"].shape
+    assert not [k for k, v in plan.constants.items() if v.shape == shape[::-1]]  # no [V, K] table folded
+    # not fused: a weight that is not a constant, a perm other than [1, 0], a transposed value read twice
+    tr = fusion.NodeInfo(name="t", op_type="Transpose", domain="", attrs={"perm": [1, 0]}, inputs=("w",),
+                         outputs=("wt",), input_dtypes=(None,))
+    ga = fusion.NodeInfo(name="g", op_type="Gather", domain="", attrs={}, inputs=("wt", "ids"), outputs=("y",),
+                         input_dtypes=(None, None))
+    ok = CpuReferenceProvider().supports
+    assert [n.op_type for n in fusion.fuse_tied_gather([tr, ga], set(), ok, {"w"})] == ["GatherColumns"]
+    assert [n.op_type for n in fusion.fuse_tied_gather([tr, ga], set(), ok, set())] == ["Transpose", "Gather"]
+    flipped = attrs.evolve(tr, attrs={"perm": [0, 1]})
+    assert [n.op_type for n in fusion.fuse_tied_gather([flipped, ga], set(), ok, {"w"})] == ["Transpose", "Gather"]
+    twice = [tr, ga, fusion.NodeInfo(name="g2", op_type="Gather", domain="", attrs={}, inputs=("wt", "ids"),
+                                     outputs=("y2",), input_dtypes=(None, None))]
+    assert [n.op_type for n in fusion.fuse_tied_gather(twice, set(), ok, {"w"})] == ["Transpose", "Gather", "Gather"]
+    assert [n.op_type for n in fusion.fuse_tied_gather([tr, ga], {"wt"}, ok, {"w"})] == ["Transpose", "Gather"]

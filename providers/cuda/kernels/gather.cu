@@ -2,6 +2,14 @@
 // batch-invariant.  Grid y walks the indices with a stride (grid y <= 65,535 for any count).
 // gather_rows: out[i, :] = data[idx[i], :] (row of `row_bytes` bytes, copied in 16-byte units
 //   when row_bytes % 16 == 0, else bytes); negative indices wrap; out-of-range rows are zero.
+// gather_columns: out[i, k] = w[k, idx[i]] for a row-major W [K, N] (lockstep.GatherColumns, the
+//   tied-embedding lookup read from the lm_head weight); T is a bit container of the element
+//   (unsigned short for fp16, unsigned int for fp32); negative indices wrap, out-of-range
+//   columns are zero.
+// gather_packed_columns: the same for an fp16 W held in linear_mma.cu's fragment order
+//   (providers/cuda/ops/_mma.py pack): element (k, n) is at
+//   ((((((nt*KC + kc)*4 + v)*8 + g)*4 + t)*2 + e2)*2 + e1)*2 + e0 with
+//   k = 64 kc + 16 t + 4 v + 2 e2 + e0, n = 16 nt + 8 e1 + g, KC = ceil(K / 64).
 // gather_block_quantized: out[i, d] = (q(row, d) - zp) * scale[row, d / bs] in fp32 (docs/ops.md 5),
 //   codes LSB-first, zp = 2^(bits-1) or packed uint8; out-of-range rows are zero.
 #include <cuda_fp16.h>
@@ -51,6 +59,34 @@ __global__ void gather_block_quantized(const unsigned char* data, const long lon
             v = __fmul_rn(__fsub_rn(q, z), to_f(scales[r * nb + blk]));
         }
         store(out + i * D + d, v);
+    }
+  }
+}
+
+template <typename T>
+__global__ void gather_columns(const T* w, const long long* idx, T* out, long long nidx, int K, long long N) {
+  for (long long i = blockIdx.y; i < nidx; i += gridDim.y) {
+    long long c = idx[i];
+    if (c < 0) c += N;
+    const bool ok = c >= 0 && c < N;
+    for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < K; k += gridDim.x * blockDim.x)
+        out[i * K + k] = ok ? w[(long long)k * N + c] : (T)0;
+  }
+}
+
+__global__ void gather_packed_columns(const unsigned short* w, const long long* idx, unsigned short* out,
+                                      long long nidx, int K, long long N) {
+  const long long KC = (K + 63) / 64;
+  for (long long i = blockIdx.y; i < nidx; i += gridDim.y) {
+    long long c = idx[i];
+    if (c < 0) c += N;
+    const bool ok = c >= 0 && c < N;
+    const long long nt = c >> 4;
+    const int e1 = (int)((c >> 3) & 1), g = (int)(c & 7);
+    for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < K; k += gridDim.x * blockDim.x) {
+        const int kc = k >> 6, t = (k >> 4) & 3, v = (k >> 2) & 3, e2 = (k >> 1) & 1, e0 = k & 1;
+        const long long p = ((((((nt * KC + kc) * 4 + v) * 8 + g) * 4 + t) * 2 + e2) * 2 + e1) * 2 + e0;
+        out[i * K + k] = ok ? w[p] : (unsigned short)0;
     }
   }
 }

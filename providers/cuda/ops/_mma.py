@@ -3,9 +3,10 @@
 Used for every M of an fp16 layer (never switched by batch size); NJ (n8 token tiles per
 block) follows M freely: token columns are independent inside an mma.
 
-Dense weights are packed (:func:`pack`) once, at plan time, by the prepare hooks of MatMul and
-SiluGatedMatMul (:func:`prepare_dense`, core.ops); :func:`unprepared` packs raw weights
-passed to a kernel directly.
+Dense weights are packed (:func:`pack`) once, at plan time, by the prepare hooks of MatMul,
+SiluGatedMatMul and GatherColumns (:func:`prepare_dense`, core.ops): the packed form is the
+one resident copy of the weight (the tied embedding's lookup gathers from it too);
+:func:`unprepared` packs raw weights passed to a kernel directly.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import functools
 
 import numpy as np
 
+from core.ops import PREPARE_SHARED
 from providers.cuda.module import function
 from providers.cuda.ops import array_module, row_slices, rows_of
 
@@ -114,15 +116,36 @@ def pack(xp, w, up=None):
 PREPARED = "mma_prepared"
 
 
-def prepare_dense(ctx, w, up=None):
-    """The prepare hook's work for MatMul (``up`` None) and SiluGatedMatMul: the packed weight
-    where the tensor-core kernel applies to every call (fp16 W [K, N], K <= MAX_K, ``up`` of
-    W's shape and dtype), recording (K, N) in ctx.cache[PREPARED]; else None."""
+def prepare_dense(ctx, w, up=None, names: tuple[str, ...] = ()):
+    """The prepare hook's work for MatMul (``up`` None), SiluGatedMatMul and GatherColumns: the
+    packed weight where the tensor-core kernel applies to every call (fp16 W [K, N],
+    K <= MAX_K, ``up`` of W's shape and dtype), recording (K, N) in ctx.cache[PREPARED]; else
+    None. ``names``: the constants W (and up) are; while the plan's prepare pass shares a dict
+    (``ctx.cache[core.ops.PREPARE_SHARED]``) the packing of those names is made once and the
+    same object returned to every node that asks (the tied embedding and the lm_head)."""
     if (w is None or w.ndim != 2 or w.dtype != np.float16 or w.shape[0] > MAX_K
             or (up is not None and (up.shape != w.shape or up.dtype != w.dtype))):
         return None
     ctx.cache[PREPARED] = tuple(int(d) for d in w.shape)
-    return pack(array_module(w), w, up)
+    shared = ctx.cache.get(PREPARE_SHARED)
+    key = ("mma.pack", *names) if names and all(names) and shared is not None else None
+    packed = None if key is None else shared.get(key)
+    if packed is None:
+        packed = pack(array_module(w), w, up)
+        if key is not None:
+            shared[key] = packed
+    return packed
+
+
+def packed_offset(xp, k, n, k_total: int):
+    """Offsets in :func:`pack`'s output of elements (k, n) of a dense W [K, N] (``k_total`` = K;
+    broadcasting integer arrays ``k``, ``n``): the formula the column gather of
+    kernels/gather.cu (``gather_packed_columns``) reads with."""
+    kc_total = -(-k_total // 64)
+    k, n = xp.asarray(k, xp.int64), xp.asarray(n, xp.int64)
+    kc, t, v, e2, e0 = k >> 6, (k >> 4) & 3, (k >> 2) & 3, (k >> 1) & 1, k & 1
+    nt, e1, g = n >> 4, (n >> 3) & 1, n & 7
+    return ((((((nt * kc_total + kc) * 4 + v) * 8 + g) * 4 + t) * 2 + e2) * 2 + e1) * 2 + e0
 
 
 def unprepared(ctx, w, up=None):

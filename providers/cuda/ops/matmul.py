@@ -28,8 +28,9 @@ def _exprs(t: str) -> tuple[str, ...]:
 
 def prepare(ctx, a, w):
     """Plan-time hook (core.ops): an fp16 constant W [K, N] with K <= MAX_K is replaced by its
-    tensor-core packed form (``_mma.prepare_dense``; (K, N) in ctx.cache[_mma.PREPARED])."""
-    packed = _mma.prepare_dense(ctx, w)
+    tensor-core packed form (``_mma.prepare_dense``; (K, N) in ctx.cache[_mma.PREPARED]), the
+    same object a GatherColumns over W receives (the tied embedding reads it too)."""
+    packed = _mma.prepare_dense(ctx, w, names=(ctx.node.inputs[1],))
     return None if packed is None else {1: packed}
 
 

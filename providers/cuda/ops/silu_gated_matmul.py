@@ -25,7 +25,7 @@ def supports(node) -> bool:
 def prepare(ctx, x, w_gate, w_up):
     """Plan-time hook (core.ops): fp16 constants W_gate, W_up [K, N] with K <= MAX_K become one
     packed, interleaved weight (input 1; ``_mma.prepare_dense``) and input 2 is dropped."""
-    packed = _mma.prepare_dense(ctx, w_gate, w_up) if w_up is not None else None
+    packed = _mma.prepare_dense(ctx, w_gate, w_up, names=ctx.node.inputs[1:3]) if w_up is not None else None
     return None if packed is None else {1: packed, 2: None}
 
 
