@@ -96,3 +96,28 @@ class Counters:
     def to_dict(self) -> dict:
         """The counters as plain JSON-ready data."""
         return attrs.asdict(self, filter=lambda a, _v: not a.name.startswith("_"))
+
+
+@attrs.frozen
+class DeviceMemory:
+    """Device bytes by what holds them (:meth:`core.runtime.runner.Runner.memory`, the memory
+    columns of ``lockstep profile``).
+
+    Attributes:
+        weights: resident weights in the kernels' layout, each storage once (staging excluded).
+        staging: the weight-streaming ring (0 when nothing streams).
+        kv: KV cache bytes of the runner's decode states (allocated, or committed VMM pages).
+        workspace: activation buffers of the plan's kernel contexts, the provider's shared
+            kernel scratch (``provider.workspace_bytes()``: the split-KV attention workspace and
+            the argmax partials on cuda) and the decode state's own step buffers.
+    """
+
+    weights: int
+    staging: int
+    kv: int
+    workspace: int
+
+    @property
+    def total(self) -> int:
+        """weights + staging + kv + workspace."""
+        return self.weights + self.staging + self.kv + self.workspace

@@ -614,10 +614,11 @@ class Plan:
         returns the bytes dropped."""
         return sum(ctx.release() for ctx in self._every_context())
 
-    def activation_bytes(self) -> int:
-        """Bytes held in the per-node persistent buffers (activations and scratch; the host
-        contexts' numpy buffers included)."""
-        return sum(ctx.buffer_bytes() for ctx in self._every_context())
+    def activation_bytes(self, host: bool = True) -> int:
+        """Bytes held in the per-node persistent buffers (activations and scratch); with
+        ``host`` False only the provider's contexts (on a device provider: device memory),
+        else the host contexts' numpy buffers too."""
+        return sum(ctx.buffer_bytes() for ctx in (self._every_context() if host else self.contexts))
 
     def _device_nbytes(self, value: Any) -> int:
         """Bytes ``value`` takes on the provider: 0 for a host value of a device provider (small

@@ -9,7 +9,12 @@ capture warm-up and the capture), then ``--tokens`` measured steps. Each step en
 The check column compares row 0's token stream with the batch-1 stream of the same L, bitwise.
 The prefill column is the prefill's wall time; the peak column the provider's peak device
 bytes (``provider.peak_bytes()`` after ``reset_peak()``, when it can tell) over the row's
-prefill and steps: weights, KV cache and activations.
+prefill and steps. Beside it, what holds those bytes at the end of the row
+(:meth:`core.runtime.runner.Runner.memory`): the resident weights in the kernels' layout (the
+staging ring included when weights stream), the KV column (the KV cache), the workspace
+(activation buffers, the provider's shared kernel scratch, the decode state's buffers) and
+"other", the peak minus those three: pool blocks freed during the row and cached (a
+prefill's temporaries, a grouped prefill's KV scratch).
 
 The floor column is the time to read once every weight byte a step reads (gather tables
 excluded) at the provider's measured device bandwidth (``provider.device_bandwidth()`` in
@@ -60,6 +65,16 @@ class ProfileRow:
     anchor_tokens_per_s: float | None = None
     anchor_note: str = ""
     refused: str = ""  # why this point did not run (out of device memory); its numbers are 0
+    weight_device_bytes: int = 0  # resident weights + staging ring (Runner.memory)
+    kv_device_bytes: int = 0
+    workspace_bytes: int = 0
+
+    @property
+    def other_bytes(self) -> int | None:
+        """The peak minus weights, KV and workspace (pool blocks freed and cached), or None."""
+        if self.peak_device_bytes is None:
+            return None
+        return self.peak_device_bytes - self.weight_device_bytes - self.kv_device_bytes - self.workspace_bytes
 
 
 def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capacity=None):
@@ -74,6 +89,7 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capac
     trace = decode(session, rows, args.warmup + args.tokens)
     times_ms = np.array(trace.seconds[1 + args.warmup:]) * 1e3
     c = session.counters
+    memory = runner.memory(session.state)
     floor = None if bandwidth is None else runner.plan.step_weight_bytes() / bandwidth * 1e3
     streamed = c.weight_bytes_streamed_per_step
     row = ProfileRow(batch, batch * len(times_ms) / (times_ms.sum() / 1e3), float(np.percentile(times_ms, 50)),
@@ -81,7 +97,8 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capac
                      len(c.fallbacks), c.invalidations, c.kv_bytes_moved, p.peak_bytes(), c.kv_bytes,
                      False, list(c.fallbacks), streamed, c.htod_bytes_per_token, c.page_ins_per_token,
                      c.hit_rate, c.byte_hit_rate, None if not (h2d and streamed) else streamed / h2d * 1e3,
-                     len(prompt), capacity, trace.seconds[0] * 1e3)
+                     len(prompt), capacity, trace.seconds[0] * 1e3, weight_device_bytes=memory.weights + memory.staging,
+                     kv_device_bytes=memory.kv, workspace_bytes=memory.workspace)
     session.close()
     return row, trace.tokens[:, 0].tolist()
 
@@ -189,7 +206,8 @@ def render(rows: list[ProfileRow], title: str):
     table = Table(title=title)
     streams = any(r.weight_bytes_streamed_per_step for r in rows)
     cols = ["prompt", "batch", "tok/s", "ms/step p50", "p95", "floor ms", "prefill ms", "captures", "replays",
-            "fallbacks", "invalid.", "kv moved", "peak dev MiB", "KV MiB", "row0==b1"]
+            "fallbacks", "invalid.", "kv moved", "peak dev MiB", "weights MiB", "KV MiB", "workspace MiB",
+            "other MiB", "row0==b1"]
     if streams:
         cols += ["copy floor ms", "htod MiB/tok", "page-ins/tok", "byte hit"]
     anchored = any(r.anchor_note or r.anchor_tokens_per_s is not None for r in rows)
@@ -207,7 +225,8 @@ def render(rows: list[ProfileRow], title: str):
                       f"{r.step_ms_p95:.3f}", "-" if r.floor_ms is None else f"{r.floor_ms:.3f}",
                       f"{r.prefill_ms:,.1f}", str(r.captures), str(r.replays),
                       str(r.fallbacks), str(r.invalidations), str(r.kv_bytes_moved), mib(r.peak_device_bytes),
-                      mib(r.kv_bytes), "yes" if r.row0_matches_batch1 else "[red]NO[/red]",
+                      mib(r.weight_device_bytes), mib(r.kv_device_bytes or r.kv_bytes), mib(r.workspace_bytes),
+                      mib(r.other_bytes), "yes" if r.row0_matches_batch1 else "[red]NO[/red]",
                       *(["-" if r.copy_floor_ms is None else f"{r.copy_floor_ms:.3f}",
                          f"{r.htod_bytes_per_token / 2**20:,.2f}", f"{r.page_ins_per_token:.1f}",
                          f"{r.byte_hit_rate:.2f}"] if streams else []),
@@ -307,7 +326,8 @@ def profile_main(args, console, table_console) -> int:
     table_console.print(render(rows, title))
     if args.json_out:
         with open(Path(args.json_out).expanduser(), "w") as f:
-            json.dump({"title": title, "rows": [attrs.asdict(r) for r in rows]}, f, indent=2)
+            json.dump({"title": title, "rows": [attrs.asdict(r) | {"other_bytes": r.other_bytes} for r in rows]},
+                      f, indent=2)
     if args.plot_out:
         plot(rows, str(Path(args.plot_out).expanduser()), title)
     return 0 if all(r.row0_matches_batch1 for r in rows) else 1

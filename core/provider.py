@@ -211,6 +211,12 @@ class ProviderBase:
     def reset_peak(self) -> None:
         """Start a new peak measurement (no-op by default)."""
 
+    def workspace_bytes(self) -> int | None:
+        """Device bytes of kernel scratch the provider keeps outside the kernel contexts (shared
+        by every node and plan of the provider), or None when it cannot tell. Part of the
+        workspace :meth:`core.runtime.runner.Runner.memory` reports."""
+        return None
+
     def device_bandwidth(self) -> float | None:
         """Measured device memory bandwidth in bytes/s (read + write), or None."""
         return None

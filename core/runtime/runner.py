@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from core.counters import Counters
+from core.counters import Counters, DeviceMemory
 from core.executor import Plan
 from core.models.model import Model, load_model
 from core.plugins import get_provider
@@ -132,6 +132,19 @@ class Runner:
                 self.stream = self.provider.weight_stream(*ring) if plan.streams else None
             streaming.apply(self.plan, plan, self.stream)
         return plan
+
+    def memory(self, state=None) -> DeviceMemory:
+        """Device bytes by what holds them now (:class:`~core.counters.DeviceMemory`): the
+        resident weights, the staging ring, the KV of this runner's decode states and the
+        workspace (the plan's activation buffers, the provider's shared scratch and, given a
+        decode ``state``, its step buffers). Their sum is what the runner holds; a provider's
+        ``peak_bytes()`` can exceed it by pool blocks freed and cached since the last
+        ``reset_peak()``."""
+        scratch = getattr(self.provider, "workspace_bytes", None)  # a plugin need not inherit ProviderBase
+        workspace = self.plan.activation_bytes(host=False) + int((scratch() if scratch else None) or 0)
+        if state is not None:
+            workspace += state.buffer_bytes()
+        return DeviceMemory(self.weight_bytes, self.residency.staging_bytes, self.kv_device_bytes, workspace)
 
     def reserve_kv(self, extra: int) -> str | None:
         """Account ``extra`` more KV bytes (a decode state allocating or committing); under a

@@ -74,6 +74,13 @@ class DecodeState:
             buf = self._prompt_logits = self.runner.provider.allocate(shape, dtype)
         return buf
 
+    def buffer_bytes(self) -> int:
+        """Bytes of this state's own step buffers (ids, mask, result, positions, lengths,
+        sampling and prompt-logits buffers; the KV cache not included)."""
+        held = [self.input_ids, self.result, self.positions, self.lengths_dev, self.attention_mask,
+                self._prompt_logits, *(self._sampling_buffers or ())]
+        return sum(int(getattr(b, "nbytes", 0)) for b in held if b is not None)
+
     def attach(self, counters: Counters) -> None:
         """Charge ``counters`` from now on (a pooled state handed to a new session)."""
         self.counters = self.kv.counters = counters

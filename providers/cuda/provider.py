@@ -267,6 +267,14 @@ class CudaProvider(ProviderBase):
         """Return cached, unused pool blocks to the device so the next peak starts low."""
         self.cupy.get_default_memory_pool().free_all_blocks()
 
+    def workspace_bytes(self) -> int:
+        """Device bytes of the scratch every node shares: the split-KV decode workspaces of
+        GroupQueryAttention (one per shape) and the argmax partials (one per batch and chunk
+        count)."""
+        held = [a for ws in self.__dict__.get("_gqa_workspace", {}).values() for a in ws]
+        held += [a for scratch in self._argmax_scratch.values() for a in scratch]
+        return sum(int(a.nbytes) for a in held)
+
     def synchronize(self) -> None:
         self.stream.synchronize()
 

@@ -3,6 +3,7 @@
 import pytest
 
 from core.cli import main
+from core.models.model import load_model
 from core.testing.tiny_model import make_tiny_model
 
 
@@ -64,6 +65,15 @@ def test_profile_sweep_on_cpu_reference_writes_json(tmp_path, capsys):
     data = json.loads(out_json.read_text())
     assert code == 0 and [r["batch"] for r in data["rows"]] == [1, 3]
     assert all(r["row0_matches_batch1"] and r["tokens_per_s"] > 0 for r in data["rows"])
+    # the memory columns: the weights each once (the tied table too), the KV cache, a workspace
+    from core.runtime.runner import Runner
+
+    weights = Runner(str(folder)).weight_bytes
+    assert weights < load_model(folder).weight_bytes() + 1024  # no second layout of the tied table
+    for r in data["rows"]:
+        assert r["weight_device_bytes"] == weights and r["kv_device_bytes"] == r["kv_bytes"] > 0
+        assert r["workspace_bytes"] > 0 and r["other_bytes"] is None  # cpu_reference has no peak
+    assert data["rows"][1]["workspace_bytes"] > data["rows"][0]["workspace_bytes"]  # batch 3's activations
 
 
 def test_profile_sweeps_prompt_lengths_with_a_capacity_per_length(tmp_path, capsys):
