@@ -446,7 +446,8 @@ class Plan:
     def _fold_constants(self) -> list[int]:
         """Run once every node whose inputs are all constants (Constant nodes, the builder's
         Transpose of the tied embedding); returns the indices of the nodes left to run per step."""
-        steps, consumed = [], set()
+        steps: list[int] = []
+        consumed: set[str] = set()
         for i, node in enumerate(self.nodes):
             if all((not x) or x in self.constants for x in node.inputs):
                 args = [self._value(x) if x else None for x in node.inputs]

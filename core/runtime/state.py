@@ -78,7 +78,9 @@ class DecodeState:
         """Bytes of this state's own step buffers (ids, mask, result, positions, lengths,
         sampling and prompt-logits buffers; the KV cache not included)."""
         held = [self.input_ids, self.result, self.positions, self.lengths_dev, self.attention_mask,
-                self._prompt_logits, *(self._sampling_buffers or ())]
+                self._prompt_logits]
+        if self._sampling_buffers is not None:
+            held += [self._sampling_buffers.params, self._sampling_buffers.options, self._sampling_buffers.history]
         return sum(int(getattr(b, "nbytes", 0)) for b in held if b is not None)
 
     def attach(self, counters: Counters) -> None:

@@ -100,7 +100,8 @@ def test_tied_gather_pass_reads_the_lm_head_weight_and_folds_no_transposed_copy(
     (lookup,) = [n for n in fused if n.op_type == "GatherColumns"]
     assert lookup.domain == fusion.FUSED_DOMAIN and lookup.inputs == ("lm_head.MatMul.weight", "input_ids")
     assert not any(n.op_type == "Transpose" for n in fused)
-    assert [n for n in fused if n.op_type == "MatMul" and "lm_head.MatMul.weight" in n.inputs]  # one weight, two readers
+    # one weight, two readers
+    assert [n for n in fused if n.op_type == "MatMul" and "lm_head.MatMul.weight" in n.inputs]
     plan = Plan(model.graph, model.initializers, CpuReferenceProvider())
     shape = model.initializers["lm_head.MatMul.weight"].shape
     assert not [k for k, v in plan.constants.items() if v.shape == shape[::-1]]  # no [V, K] table folded

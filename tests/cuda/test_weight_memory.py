@@ -1,0 +1,118 @@
+"""Weight memory on the GPU: one resident copy per weight, in the layout the kernels read.
+
+- the device packing (CuPy) is bitwise the host packing (NumPy) the CPU tests check against
+  the fragment order;
+- after a Runner loads a model, the CuPy pool holds the runner's weight bytes (to its 512-byte
+  rounding), those are the model's weight bytes exactly (the builder's shapes are aligned, so
+  packing pads nothing), no raw weight a hook replaced is left, and the tied embedding is the
+  lm_head's weight (fp16: one packed constant; int4: a view of the codes);
+- the load's peak is the weights plus one node's transient;
+- a plan whose weights are prepared computes the bits of the same plan unprepared (the kernels
+  then pack per call), so preparing changes no output;
+- ``lockstep profile`` accounts its peak: weights + KV + workspace never exceed it.
+
+    pytest -m cuda tests/cuda/test_weight_memory.py -v -s
+"""
+
+import numpy as np
+import pytest
+from _gpu import require_gpu
+
+cupy = require_gpu()
+
+from core.executor import is_host_constant, storage  # noqa: E402
+from core.models.model import load_model  # noqa: E402
+from core.runtime.runner import Runner  # noqa: E402
+from providers.cuda.ops import _mma  # noqa: E402
+from providers.cuda.provider import CudaProvider  # noqa: E402
+
+
+class Unprepared(CudaProvider):
+    """The cuda provider without its prepare hooks: raw weights resident, packed per call."""
+
+    def prepare(self, node):
+        return None
+
+
+@pytest.mark.parametrize("k,n", [(64, 16), (100, 37), (576, 1536), (2048, 24)])
+def test_device_packing_is_the_host_packing(gpu, k, n):
+    rng = np.random.default_rng(k + n)
+    w, up = (rng.standard_normal((k, n)).astype(np.float16) for _ in range(2))
+    dw, dup = cupy.asarray(w), cupy.asarray(up)
+    assert np.array_equal(_mma.pack(cupy, dw).get(), _mma.pack(np, w))
+    assert np.array_equal(_mma.pack(cupy, dw, dup).get(), _mma.pack(np, w, up))
+    codes = rng.integers(0, 256, (n, 3, 8)).astype(np.uint8), rng.integers(0, 256, (n, 3, 8)).astype(np.uint8)
+    host = _mma.glu_interleave(np, *(c.reshape(n, -1) for c in codes))
+    assert np.array_equal(_mma.glu_interleave(cupy, *(cupy.asarray(c).reshape(n, -1) for c in codes)).get(), host)
+
+
+def _load(model_dir, provider):
+    pool = cupy.get_default_memory_pool()
+    provider.synchronize()
+    provider.reset_peak()
+    before = pool.used_bytes()
+    runner = Runner(model_dir, provider)
+    provider.synchronize()
+    return runner, pool.used_bytes() - before
+
+
+def test_resident_weights_are_the_model_weights_once_in_the_kernels_layout(model_dir, gpu):
+    model = load_model(model_dir)
+    runner, used = _load(model_dir, gpu)
+    plan = runner.plan
+    device = [v for v in plan.constants.values() if isinstance(v, cupy.ndarray)]
+    weights = sum(a.nbytes for a in model.initializers.values() if not is_host_constant(a))
+    print(f"\n{model_dir}: weights {runner.weight_bytes:,} B (model {weights:,} B), pool used {used:,} B, "
+          f"load peak {plan.load_peak_bytes:,} B")
+    # the counter is the truth, and the truth is one copy of every weight
+    assert runner.weight_bytes == plan.weight_bytes() == weights
+    assert runner.weight_bytes <= used <= runner.weight_bytes + 512 * len(device)
+    # no raw weight a hook replaced is left: compare with the plan the hooks did not touch
+    raw = Unprepared()
+    bare = Runner(model_dir, raw).plan
+    replaced = {x for a, b in zip(bare.nodes, plan.nodes) for x, y in zip(a.inputs, b.inputs) if x != y and x}
+    assert not replaced & set(plan.constants)
+    if model.io_dtype == np.float16:
+        assert replaced  # fp16 dense weights packed, int4 gate/up pairs interleaved
+    # the tied embedding is the lm_head's weight
+    lookups = ("GatherColumns", "GatherBlockQuantized")
+    (lookup,) = [plan.nodes[i] for i in plan.steps if plan.nodes[i].op_type in lookups]
+    (lm_head,) = [plan.nodes[i] for i in plan.steps if plan.nodes[i].name.startswith("/lm_head/")]
+    table, head = plan.constants[lookup.inputs[0]], plan.constants[lm_head.inputs[1]]
+    assert storage(table) is storage(head)
+    # the load's peak: the weights plus one node's raw inputs and their transient
+    largest = max(a.nbytes for a in model.initializers.values())
+    assert plan.load_peak_bytes is not None
+    assert plan.load_peak_bytes <= runner.weight_bytes + 2 * largest + 2**20, (plan.load_peak_bytes, largest)
+
+
+def test_prepared_weights_compute_the_unprepared_bits(model_dir, gpu):
+    """Prefill and 16 captured decode steps of 3 rows: tokens and logits bitwise equal."""
+    from core.generation.loop import decode
+    from core.session import Session
+
+    rng = np.random.default_rng(11)
+    rows = [list(rng.integers(3, 200, 5 + 4 * b)) for b in range(3)]
+    runs = []
+    for provider in (gpu, Unprepared()):
+        session = Session(model_dir, provider, batch=3, capacity=64)
+        trace = decode(session, rows, 16, keep_logits=True)
+        runs.append((trace.tokens, trace.logits))
+        session.close()
+    assert np.array_equal(runs[0][0], runs[1][0]) and np.array_equal(runs[0][1], runs[1][1])
+
+
+def test_profile_peak_covers_weights_kv_and_workspace(model_dir, gpu):
+    from types import SimpleNamespace
+
+    from core.profile import profile
+
+    args = SimpleNamespace(prompt_len=16, warmup=2, tokens=4, context=64, layout="head_major", no_capture=False)
+    rows = profile(str(model_dir), gpu, [1, 8], args)
+    runner_weights = Runner(model_dir, gpu).weight_bytes
+    for r in rows:
+        print(f"\nbatch {r.batch}: peak {r.peak_device_bytes:,} = weights {r.weight_device_bytes:,} + KV "
+              f"{r.kv_device_bytes:,} + workspace {r.workspace_bytes:,} + other {r.other_bytes:,}")
+        assert r.row0_matches_batch1 and r.weight_device_bytes == runner_weights
+        assert r.kv_device_bytes == r.kv_bytes > 0 and r.workspace_bytes > 0
+        assert r.other_bytes >= 0  # nothing counted twice: the holders fit inside the pool's total
