@@ -42,6 +42,21 @@ drops becomes absent, and a replaced constant that no per-step node still reads 
 (:meth:`Plan.weight_bytes` counts what stays). Kernels also run unprepared (a direct call or
 a fed weight); a prepared node never runs on a host kernel.
 
+Weight memory. Initializers stay host arrays until a node needs them on the provider: a
+folded node's inputs are uploaded before it runs, a prepared node's constant inputs just
+before its hook (nodes that read one weight are prepared one after the other, so a weight
+several hooks replace, the tied embedding, is on the device for those hooks only), and every
+other weight after the prepare pass. A replaced weight is dropped as soon as its last
+per-step reader has been prepared, and a folded node's input nothing else reads after
+folding; ``reset_peak()`` at the end returns the freed blocks. So the device holds one copy
+of each weight in the form its kernels read, and the load's peak is those weights plus one
+node's raw inputs and its hook's transient (:attr:`Plan.load_peak_bytes` measures it).
+During the pass every hook's ``ctx.cache[core.ops.PREPARE_SHARED]`` is one dict, where hooks
+that derive the same form of one constant share it; a prepared object several hooks return
+becomes one constant. :meth:`Plan.weight_bytes` counts each storage once (a constant that
+is a view of another adds nothing) and :meth:`Plan.weight_reads` reports such views as
+aliases of one weight.
+
 Last-position program. When the ``logits`` output comes from a projection (MatMul or
 MatMulNBits, possibly through a Cast; :func:`core.fusion.logits_projection`) whose K is known,
 the plan also holds :attr:`Plan.last_position_steps`: the per-step program with
@@ -444,8 +459,9 @@ class Plan:
         return before + added + [(lm, rewired)] + [(i, self.nodes[i]) for i in self.steps[pos + 1:]]
 
     def _fold_constants(self) -> list[int]:
-        """Run once every node whose inputs are all constants (Constant nodes, the builder's
-        Transpose of the tied embedding); returns the indices of the nodes left to run per step."""
+        """Run once every node whose inputs are all constants (Constant nodes, the int4 tied
+        embedding's Reshape), uploading their weight inputs first, and drop the inputs nothing
+        else reads; returns the indices of the nodes left to run per step."""
         steps: list[int] = []
         consumed: set[str] = set()
         for i, node in enumerate(self.nodes):

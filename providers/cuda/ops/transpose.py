@@ -1,8 +1,9 @@
 """Transpose (ONNX): contiguous copy with permuted axes (cupy.copyto into the output buffer).
 
-The builder's Transpose of the tied embedding has only constant inputs, so the core folds it
-once at planning time (core.executor); a per-step Transpose is a plain copy (of a host
-input: on the host, core.executor). ONNX Transpose-21.
+The builder's Transpose of the tied embedding becomes part of lockstep.GatherColumns
+(core.fusion), which reads the lm_head weight itself; a Transpose of constants alone is folded
+once at planning time (core.executor); a per-step Transpose is a plain copy (of a host input:
+on the host, core.executor). ONNX Transpose-21.
 """
 
 OP_TYPE = "Transpose"
