@@ -9,12 +9,12 @@ capture warm-up and the capture), then ``--tokens`` measured steps. Each step en
 The check column compares row 0's token stream with the batch-1 stream of the same L, bitwise.
 The prefill column is the prefill's wall time; the peak column the provider's peak device
 bytes (``provider.peak_bytes()`` after ``reset_peak()``, when it can tell) over the row's
-prefill and steps. Beside it, what holds those bytes at the end of the row
-(:meth:`core.runtime.runner.Runner.memory`): the resident weights in the kernels' layout (the
-staging ring included when weights stream), the KV column (the KV cache), the workspace
-(activation buffers, the provider's shared kernel scratch, the decode state's buffers) and
-"other", the peak minus those three: pool blocks freed during the row and cached (a
-prefill's temporaries, a grouped prefill's KV scratch).
+prefill and steps ("peak MiB"). Beside it, what holds those bytes at the end of the row
+(:meth:`core.runtime.runner.Runner.memory`), so that peak = weights + KV + work + other: the
+resident weights in the kernels' layout (the staging ring included when weights stream), the
+KV cache, the workspace (activation buffers, the provider's shared kernel scratch, the decode
+state's buffers) and "other", the peak minus those three: pool blocks freed during the row and
+cached (a prefill's temporaries, a grouped prefill's KV scratch).
 
 The floor column is the time to read once every weight byte a step reads (gather tables
 excluded) at the provider's measured device bandwidth (``provider.device_bandwidth()`` in
@@ -206,8 +206,8 @@ def render(rows: list[ProfileRow], title: str):
     table = Table(title=title)
     streams = any(r.weight_bytes_streamed_per_step for r in rows)
     cols = ["prompt", "batch", "tok/s", "ms/step p50", "p95", "floor ms", "prefill ms", "captures", "replays",
-            "fallbacks", "invalid.", "kv moved", "peak dev MiB", "weights MiB", "KV MiB", "workspace MiB",
-            "other MiB", "row0==b1"]
+            "fallbacks", "invalid.", "kv moved", "peak MiB", "= weights", "+ KV", "+ work", "+ other",
+            "row0==b1"]
     if streams:
         cols += ["copy floor ms", "htod MiB/tok", "page-ins/tok", "byte hit"]
     anchored = any(r.anchor_note or r.anchor_tokens_per_s is not None for r in rows)
