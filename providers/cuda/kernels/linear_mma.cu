@@ -126,11 +126,18 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
     for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     const int kbeg = warp * SEG_K, kend = min(K, kbeg + SEG_K);
     const uint4* base = wp + ((long long)nt * ktiles) * 32 + lane;
+    uint4 a[8];
+    // The segment's first 128 k of weights are loaded before PDL_ENTER (weights are constants
+    // of the step, kernels/pdl.cuh): their latency overlaps the end of the previous kernel.
+#pragma unroll
+    for (int i = 0; i < 8; ++i) if (i < 4 || kbeg + 64 < kend) a[i] = base[(long long)((kbeg >> 4) + i) * 32];
+    PDL_ENTER();
     for (int k0 = kbeg; k0 < kend; k0 += 128) {
         const bool two = k0 + 64 < kend;
-        uint4 a[8];
+        if (k0 != kbeg) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) if (i < 4 || two) a[i] = base[(long long)((k0 >> 4) + i) * 32];
+            for (int i = 0; i < 8; ++i) if (i < 4 || two) a[i] = base[(long long)((k0 >> 4) + i) * 32];
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             if (h == 1 && !two) break;
@@ -199,12 +206,14 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
 #pragma unroll
     for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     const int kbeg = warp * SEG_K, kend = min(K, kbeg + SEG_K);
-    for (int k0 = kbeg; k0 < kend; k0 += 64) {
-        const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
-        const bool kv = kl < K;
-        uint2 ca = make_uint2(0, 0), cb = make_uint2(0, 0);
-        float sa = 0.f, sb = 0.f, za = 8.f, zb = 8.f;
-        if (kv) {
+    uint2 ca, cb;
+    float sa, sb, za, zb;
+    // Codes, scales and zero points of one 64-wide k step (weights: constants of the step).
+    auto load_w = [&](int k0) {
+        const int kl = k0 + 16 * t;
+        ca = make_uint2(0, 0); cb = make_uint2(0, 0);
+        sa = 0.f; sb = 0.f; za = 8.f; zb = 8.f;
+        if (kl < K) {
             ca = *reinterpret_cast<const uint2*>(q + na * rowbytes + kl / 2);
             cb = *reinterpret_cast<const uint2*>(q + nbr * rowbytes + kl / 2);
             const int blk = kl / bs;
@@ -220,6 +229,13 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
                 zb = __half2float(((const __half*)zp)[(long long)nbr * nb + blk]);
             }
         }
+    };
+    load_w(kbeg);  // before PDL_ENTER: overlaps the end of the previous kernel (kernels/pdl.cuh)
+    PDL_ENTER();
+    for (int k0 = kbeg; k0 < kend; k0 += 64) {
+        const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
+        const bool kv = kl < K;
+        if (k0 != kbeg) load_w(k0);
         // activations: x[m, kl .. kl + 15] (32 bytes) per token tile
         uint4 xa[NJ][2];
 #pragma unroll
