@@ -111,15 +111,18 @@ __device__ __forceinline__ void ld_x16(const __half* x, long long m, int K, int 
     }
 }
 
-// RMSNorm prologue (NORM kernels, lockstep.RMSNormMatMul): the block's rows m0 .. m0 + 7 of
-// v = x (+ skip) are normalised with exactly the arithmetic of kernels/rms_norm.cu, so the
-// fused launch is bitwise SkipSimplifiedLayerNormalization followed by the projection:
+// RMSNorm prologue (NORM kernels, lockstep.RMSNormMatMul): the block's rows m0 .. m0 + R - 1
+// (R = min(8, M - m0)) of v = x (+ skip) are normalised with exactly the arithmetic of
+// kernels/rms_norm.cu, so the fused launch is bitwise SkipSimplifiedLayerNormalization followed
+// by the projection:
 //   sum(v^2): 256 virtual threads t, each an fmaf chain over d = t, t + 256, ... ascending; per
 //     virtual warp the xor-shuffle tree (lane 0's value); the 8 warp sums added in ascending order.
 //   inv = 1 / sqrtf(sum / K + eps); y = fp16((v * inv) * gamma) (v in fp32: x + skip, __fadd_rn).
-// y goes to the shared rows xs [8][K + 8] halves (the pad keeps the 8 rows on distinct banks);
-// rows >= M are zeros.  The blocks of column 0 also store v rounded to fp16 (output 3, the
-// residual sum) into sum_out.  red: 64 floats of scratch.  Needs K % 8 == 0.
+// Virtual warp vw runs on real warp vw % nwarps (same lanes), so the xor trees are the same.
+// Shared memory after the GEMM's partials: vs [R][K] floats (v), gs [K] floats (gamma), inv [8],
+// red [8][8], then xs [8][K + 8] halves (y; the pad keeps the 8 rows on distinct banks; rows >= R
+// are zeros).  The blocks of column 0 also store v rounded to fp16 (output 3, the residual sum)
+// into sum_out.  Needs K % 8 == 0.
 struct NormArgs {
     const __half* skip;   // [M, K] or null
     const __half* gamma;  // [K]
@@ -127,41 +130,71 @@ struct NormArgs {
     float eps;
 };
 
-__device__ __forceinline__ float norm_v(const __half* x, const __half* skip, long long i) {
-    const float t = __half2float(x[i]);
-    return skip ? __fadd_rn(t, __half2float(skip[i])) : t;
-}
+__host__ __device__ constexpr int norm_floats(int rows, int K) { return rows * K + K + 8 + 64; }
 
 __device__ void norm_rows(const __half* __restrict__ x, const NormArgs& na, int M, int K, int m0,
-                          __half* xs, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, xst = K + 8;
-    for (int p = warp; p < 64; p += nw) {  // (row, virtual warp) pairs
-        const int r = p >> 3, vw = p & 7, m = m0 + r;
-        float s = 0.f;
-        if (m < M)
-            for (int d = vw * 32 + lane; d < K; d += 256) {
-                const float t = norm_v(x, na.skip, (long long)m * K + d);
-                s = fmaf(t, t, s);
-            }
+                          float* sm, __half* xs) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, nt = blockDim.x;
+    const int R = min(8, M - m0), xst = K + 8;
+    float* vs = sm; float* gs = vs + R * K; float* inv = gs + K; float* red = inv + 8;
+    // one memory round trip: every thread's 8-half loads of x, skip and gamma in flight at once
+    for (int u = threadIdx.x; u < (R + 1) * K / 8; u += nt) {
+        const int r = u / (K / 8), d0 = (u - r * (K / 8)) * 8;
+        if (r < R) {
+            const long long i = (long long)(m0 + r) * K + d0;
+            const uint4 xv = *reinterpret_cast<const uint4*>(x + i);
+            const __half* xh = reinterpret_cast<const __half*>(&xv);
+            if (na.skip) {
+                const uint4 sv = *reinterpret_cast<const uint4*>(na.skip + i);
+                const __half* sh = reinterpret_cast<const __half*>(&sv);
+                __half outh[8];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-        s = __shfl_sync(0xffffffffu, s, 0);
-        if (lane == 0) red[p] = s;
+                for (int e = 0; e < 8; ++e) {
+                    const float t = __fadd_rn(__half2float(xh[e]), __half2float(sh[e]));
+                    vs[r * K + d0 + e] = t;
+                    outh[e] = __float2half_rn(t);
+                }
+                if (na.sum_out && blockIdx.x == 0) *reinterpret_cast<uint4*>(na.sum_out + i) = *reinterpret_cast<uint4*>(outh);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) vs[r * K + d0 + e] = __half2float(xh[e]);
+            }
+        } else {
+            const uint4 gv = *reinterpret_cast<const uint4*>(na.gamma + d0);
+            const __half* gh = reinterpret_cast<const __half*>(&gv);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) gs[d0 + e] = __half2float(gh[e]);
+        }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < 8 * K; e += blockDim.x) {
-        const int r = e / K, d = e - r * K, m = m0 + r;
-        __half out = __float2half(0.f);
-        if (m < M) {
-            float tot = 0.f;
+    for (int vw = warp; vw < 8; vw += nw) {  // all rows' chains of this virtual warp, then the trees
+        float s[8];
 #pragma unroll
-            for (int w = 0; w < 8; ++w) tot = __fadd_rn(tot, red[r * 8 + w]);
-            const float inv = __fdiv_rn(1.f, sqrtf(__fadd_rn(__fdiv_rn(tot, (float)K), na.eps)));
-            const float t = norm_v(x, na.skip, (long long)m * K + d);
-            out = __float2half_rn(__fmul_rn(__fmul_rn(t, inv), __half2float(na.gamma[d])));
-            if (na.sum_out && blockIdx.x == 0) na.sum_out[(long long)m * K + d] = __float2half_rn(t);
+        for (int r = 0; r < 8; ++r) {
+            s[r] = 0.f;
+            if (r < R)
+                for (int d = vw * 32 + lane; d < K; d += 256) s[r] = fmaf(vs[r * K + d], vs[r * K + d], s[r]);
         }
-        xs[r * xst + d] = out;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int r = 0; r < 8; ++r) s[r] = __fadd_rn(s[r], __shfl_xor_sync(0xffffffffu, s[r], o));
+        if (lane == 0)
+#pragma unroll
+            for (int r = 0; r < 8; ++r) red[r * 8 + vw] = s[r];
+    }
+    __syncthreads();
+    if (threadIdx.x < R) {
+        float tot = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) tot = __fadd_rn(tot, red[threadIdx.x * 8 + w]);
+        inv[threadIdx.x] = __fdiv_rn(1.f, sqrtf(__fadd_rn(__fdiv_rn(tot, (float)K), na.eps)));
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < 8 * K; e += nt) {
+        const int r = e / K, d = e - r * K;
+        xs[r * xst + d] = r < R ? __float2half_rn(__fmul_rn(__fmul_rn(vs[r * K + d], inv[r]), gs[d]))
+                                : __float2half(0.f);
     }
     __syncthreads();
 }
@@ -208,8 +241,9 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 #pragma unroll
     for (int i = 0; i < 8; ++i) if (i < 4 || kbeg + 64 < kend) a[i] = base[(long long)((kbeg >> 4) + i) * 32];
     PDL_ENTER();
-    __half* xs = reinterpret_cast<__half*>(part + nseg * 16 * 8 * NJ);  // NORM: [8][K + 8]
-    if constexpr (NORM) norm_rows(x, norm, M, K, m0, xs, part);
+    float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
+    __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
+    if constexpr (NORM) norm_rows(x, norm, M, K, m0, nsm, xs);
     for (int k0 = kbeg; k0 < kend; k0 += 128) {
         const bool two = k0 + 64 < kend;
         if (k0 != kbeg) {
@@ -314,8 +348,9 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
     };
     load_w(kbeg);  // before PDL_ENTER: overlaps the end of the previous kernel (kernels/pdl.cuh)
     PDL_ENTER();
-    __half* xs = reinterpret_cast<__half*>(part + nseg * 16 * 8 * NJ);  // NORM: [8][K + 8]
-    if constexpr (NORM) norm_rows(x, norm, M, K, m0, xs, part);
+    float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
+    __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
+    if constexpr (NORM) norm_rows(x, norm, M, K, m0, nsm, xs);
     for (int k0 = kbeg; k0 < kend; k0 += 64) {
         const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
         const bool kv = kl < K;

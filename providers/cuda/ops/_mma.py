@@ -58,8 +58,25 @@ def _norm_args(norm: Norm | None, null) -> tuple:
             null if norm.sum_out is None else norm.sum_out, np.float32(norm.eps))
 
 
-def _norm_shared(norm: Norm | None, shared: int, k: int) -> int:
-    return shared if norm is None else shared + 8 * (k + 8) * 2
+#: Dynamic shared memory above this needs the kernel's opt-in attribute.
+_DEFAULT_SHARED = 48 * 1024
+_opted: dict = {}
+
+
+def _launch(expr: str, grid, block, args, shared: int) -> None:
+    kern = function("linear_mma", expr, EXPRS)
+    if shared > _DEFAULT_SHARED and _opted.get(expr, 0) < shared:
+        kern.max_dynamic_shared_size_bytes = shared
+        _opted[expr] = shared
+    kern(grid, block, args, shared_mem=shared)
+
+
+def _norm_shared(norm: Norm | None, shared: int, k: int, m: int) -> int:
+    """The GEMM's shared bytes plus the RMSNorm prologue's (kernels/linear_mma.cu norm_rows:
+    v and gamma in fp32, the row statistics, and 8 padded fp16 rows)."""
+    if norm is None:
+        return shared
+    return shared + (min(8, m) * k + k + 72) * 4 + 8 * (k + 8) * 2
 
 
 @functools.lru_cache(maxsize=4096)
@@ -170,10 +187,10 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
     rows = glu_width(n) if glu else n
     for r0, r1 in row_slices(m, 32):
         nj, grid, block, shared = config(r1 - r0, rows, k)
-        function("linear_mma", f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}>", EXPRS)(
-            grid, block, (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
-                          np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n), *_norm_args(norm, null)),
-            shared_mem=_norm_shared(norm, shared, k))
+        _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}>", grid, block,
+                (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
+                 np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n), *_norm_args(norm, null)),
+                _norm_shared(norm, shared, k, r1 - r0))
 
 
 def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0,
@@ -184,9 +201,8 @@ def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, n
     width = glu_out if glu_out > 0 else n
     for r0, r1 in row_slices(m, 32):
         nj, grid, block, shared = config(r1 - r0, n, k)
-        function("linear_mma", f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[norm is not None]}>",
-                 EXPRS)(
-            grid, block, (rows_of(a, r0, r1, k), b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
-                          null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
-                          np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out), *_norm_args(norm, null)),
-            shared_mem=_norm_shared(norm, shared, k))
+        _launch(f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[norm is not None]}>", grid, block,
+                (rows_of(a, r0, r1, k), b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
+                 null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
+                 np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out), *_norm_args(norm, null)),
+                _norm_shared(norm, shared, k, r1 - r0))
