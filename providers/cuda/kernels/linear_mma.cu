@@ -119,9 +119,9 @@ __device__ __forceinline__ void ld_x16(const __half* x, long long m, int K, int 
 //     virtual warp the xor-shuffle tree (lane 0's value); the 8 warp sums added in ascending order.
 //   inv = 1 / sqrtf(sum / K + eps); y = fp16((v * inv) * gamma) (v in fp32: x + skip, __fadd_rn).
 // Virtual warp vw runs on real warp vw % nwarps (same lanes), so the xor trees are the same.
-// Shared memory after the GEMM's partials: vs [R][K] floats (v), gs [K] floats (gamma), inv [8],
-// red [8][8], then xs [8][K + 8] halves (y; the pad keeps the 8 rows on distinct banks; rows >= R
-// are zeros).  The blocks of column 0 also store v rounded to fp16 (output 3, the residual sum)
+// Shared memory after the GEMM's partials: x, skip [R][K] and gamma [K] as halves (cp.async, one
+// round trip), inv [8], red [8][8], then xs [R][K + 8] halves (y; the pad keeps the rows on
+// distinct banks; rows >= R are read as zeros, never stored).  The blocks of column 0 also store v rounded to fp16 (output 3, the residual sum)
 // into sum_out.  Needs K % 8 == 0.
 struct NormArgs {
     const __half* skip;   // [M, K] or null
@@ -130,50 +130,44 @@ struct NormArgs {
     float eps;
 };
 
-__host__ __device__ constexpr int norm_floats(int rows, int K) { return rows * K + K + 8 + 64; }
+// Shared floats of the prologue before xs: raw x, skip (R rows each) and gamma as halves
+// (rounded up to floats), inv [8], red [64].
+__host__ __device__ constexpr int norm_floats(int rows, int K) { return (2 * rows * K + K + 1) / 2 + 72; }
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
 
 __device__ void norm_rows(const __half* __restrict__ x, const NormArgs& na, int M, int K, int m0,
                           float* sm, __half* xs) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, nt = blockDim.x;
-    const int R = min(8, M - m0), xst = K + 8;
-    float* vs = sm; float* gs = vs + R * K; float* inv = gs + K; float* red = inv + 8;
-    // one memory round trip: every thread's 8-half loads of x, skip and gamma in flight at once
-    for (int u = threadIdx.x; u < (R + 1) * K / 8; u += nt) {
-        const int r = u / (K / 8), d0 = (u - r * (K / 8)) * 8;
-        if (r < R) {
-            const long long i = (long long)(m0 + r) * K + d0;
-            const uint4 xv = *reinterpret_cast<const uint4*>(x + i);
-            const __half* xh = reinterpret_cast<const __half*>(&xv);
-            if (na.skip) {
-                const uint4 sv = *reinterpret_cast<const uint4*>(na.skip + i);
-                const __half* sh = reinterpret_cast<const __half*>(&sv);
-                __half outh[8];
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const float t = __fadd_rn(__half2float(xh[e]), __half2float(sh[e]));
-                    vs[r * K + d0 + e] = t;
-                    outh[e] = __float2half_rn(t);
-                }
-                if (na.sum_out && blockIdx.x == 0) *reinterpret_cast<uint4*>(na.sum_out + i) = *reinterpret_cast<uint4*>(outh);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) vs[r * K + d0 + e] = __half2float(xh[e]);
-            }
-        } else {
-            const uint4 gv = *reinterpret_cast<const uint4*>(na.gamma + d0);
-            const __half* gh = reinterpret_cast<const __half*>(&gv);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) gs[d0 + e] = __half2float(gh[e]);
-        }
+    const int R = min(8, M - m0), xst = K + 8, u8 = K / 8;
+    __half* xh = reinterpret_cast<__half*>(sm);  // [R][K]
+    __half* sh = xh + R * K;                     // [R][K] (skip)
+    __half* gh = sh + R * K;                     // [K]
+    float* inv = sm + norm_floats(R, K) - 72; float* red = inv + 8;
+    // one memory round trip: every 16-byte piece of x, skip and gamma copied asynchronously
+    const int units = (na.skip ? 2 * R + 1 : R + 1) * u8;
+    for (int u = threadIdx.x; u < units; u += nt) {
+        const int r = u / u8, d0 = (u - r * u8) * 8;
+        if (r < R) cp_async16(xh + r * K + d0, x + (long long)(m0 + r) * K + d0);
+        else if (r == R) cp_async16(gh + d0, na.gamma + d0);
+        else cp_async16(sh + (r - R - 1) * K + d0, na.skip + (long long)(m0 + r - R - 1) * K + d0);
     }
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
     __syncthreads();
+    auto v = [&](int r, int d) {
+        const float t = __half2float(xh[r * K + d]);
+        return na.skip ? __fadd_rn(t, __half2float(sh[r * K + d])) : t;
+    };
     for (int vw = warp; vw < 8; vw += nw) {  // all rows' chains of this virtual warp, then the trees
         float s[8];
 #pragma unroll
         for (int r = 0; r < 8; ++r) {
             s[r] = 0.f;
             if (r < R)
-                for (int d = vw * 32 + lane; d < K; d += 256) s[r] = fmaf(vs[r * K + d], vs[r * K + d], s[r]);
+                for (int d = vw * 32 + lane; d < K; d += 256) { const float t = v(r, d); s[r] = fmaf(t, t, s[r]); }
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1)
@@ -191,18 +185,25 @@ __device__ void norm_rows(const __half* __restrict__ x, const NormArgs& na, int 
         inv[threadIdx.x] = __fdiv_rn(1.f, sqrtf(__fadd_rn(__fdiv_rn(tot, (float)K), na.eps)));
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < 8 * K; e += nt) {
-        const int r = e / K, d = e - r * K;
-        xs[r * xst + d] = r < R ? __float2half_rn(__fmul_rn(__fmul_rn(vs[r * K + d], inv[r]), gs[d]))
-                                : __float2half(0.f);
+    const bool store_sum = na.sum_out && na.skip && blockIdx.x == 0;
+    for (int r = 0; r < R; ++r) {
+        const float ir = inv[r];
+        for (int d = threadIdx.x; d < K; d += nt) {
+            const float t = v(r, d);
+            xs[r * xst + d] = __float2half_rn(__fmul_rn(__fmul_rn(t, ir), __half2float(gh[d])));
+            if (store_sum) na.sum_out[(long long)(m0 + r) * K + d] = __float2half_rn(t);
+        }
     }
     __syncthreads();
 }
 
-// Row g's normalised activations xs[g, kl .. kl + 15] (16 halves), zeros past K.
-__device__ __forceinline__ void ld_xs16(const __half* xs, int g, int K, int kl, uint4* out) {
+// Row g's normalised activations xs[g, kl .. kl + 15] (16 halves), zeros past K and for rows
+// g >= R (the block's live rows, never written).
+__device__ __forceinline__ void ld_xs16(const __half* xs, int g, int K, int kl, int R, uint4* out) {
     const __half* row = xs + g * (K + 8);
-    if (kl + 16 <= K) {
+    if (g >= R) {
+        out[0] = make_uint4(0, 0, 0, 0); out[1] = out[0];
+    } else if (kl + 16 <= K) {
         const uint4* p = reinterpret_cast<const uint4*>(row + kl);
         out[0] = p[0]; out[1] = p[1];
     } else {
@@ -258,7 +259,7 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 const int m = m0 + j * 8 + g;
-                if constexpr (NORM) ld_xs16(xs, j * 8 + g, K, kl, xa[j]);
+                if constexpr (NORM) ld_xs16(xs, j * 8 + g, K, kl, M - m0, xa[j]);
                 else ld_x16(x, m, K, kl, m < M, xa[j]);
             }
 #pragma unroll
@@ -361,7 +362,7 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
         for (int j = 0; j < NJ; ++j) {
             const int m = m0 + j * 8 + g;
             if (NORM && kv) {
-                ld_xs16(xs, j * 8 + g, K, kl, xa[j]);
+                ld_xs16(xs, j * 8 + g, K, kl, M - m0, xa[j]);
             } else if (m < M && kv) {
                 const uint4* p = reinterpret_cast<const uint4*>(x + (long long)m * K + kl);
                 xa[j][0] = p[0]; xa[j][1] = p[1];

@@ -73,10 +73,11 @@ def _launch(expr: str, grid, block, args, shared: int) -> None:
 
 def _norm_shared(norm: Norm | None, shared: int, k: int, m: int) -> int:
     """The GEMM's shared bytes plus the RMSNorm prologue's (kernels/linear_mma.cu norm_rows:
-    v and gamma in fp32, the row statistics, and 8 padded fp16 rows)."""
+    x, skip and gamma as fp16, the row statistics, and the padded fp16 rows)."""
     if norm is None:
         return shared
-    return shared + (min(8, m) * k + k + 72) * 4 + 8 * (k + 8) * 2
+    rows = min(8, m)
+    return shared + ((2 * rows * k + k + 1) // 2 + 72) * 4 + rows * (k + 8) * 2
 
 
 @functools.lru_cache(maxsize=4096)
