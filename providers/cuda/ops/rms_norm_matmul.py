@@ -12,6 +12,8 @@ parts in turn (core.fusion.run_parts): the same bits either way, so a row's resu
 on the batch size.
 """
 
+import os
+
 import numpy as np
 
 from core import fusion
@@ -37,7 +39,10 @@ counts = {"fused_launches": 0, "two_part_runs": 0}
 
 
 def supports(node) -> bool:
-    """Both parts are supported by their own modules."""
+    """Both parts are supported by their own modules (and LOCKSTEP_CUDA_NORM_FUSION is not "0":
+    the pass then keeps the norm and the projection as two nodes)."""
+    if os.environ.get("LOCKSTEP_CUDA_NORM_FUSION", "1") == "0":
+        return False
     for part in (fusion.norm_part(node), fusion.consumer_part(node)):
         module = MODULES.get((part.domain, part.op_type))
         check = getattr(module, "supports", None)
