@@ -21,6 +21,7 @@ __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn
 
 __global__ void gather_rows(const unsigned char* data, const long long* idx, unsigned char* out,
                             long long nidx, long long rows, long long row_bytes) {
+    PDL_ENTER();
   for (long long i = blockIdx.y; i < nidx; i += gridDim.y) {
     long long r = idx[i];
     if (r < 0) r += rows;
@@ -43,6 +44,7 @@ template <typename S>
 __global__ void gather_block_quantized(const unsigned char* data, const long long* idx, const S* scales,
                                        const unsigned char* zp, S* out, long long rows, int D, int bits, int bs,
                                        int row_bytes, int zp_bytes, long long nidx) {
+    PDL_ENTER();
   for (long long i = blockIdx.y; i < nidx; i += gridDim.y) {
     long long r = idx[i];
     if (r < 0) r += rows;
@@ -65,6 +67,7 @@ __global__ void gather_block_quantized(const unsigned char* data, const long lon
 
 template <typename T>
 __global__ void gather_columns(const T* w, const long long* idx, T* out, long long nidx, int K, long long N) {
+    PDL_ENTER();
   for (long long i = blockIdx.y; i < nidx; i += gridDim.y) {
     long long c = idx[i];
     if (c < 0) c += N;
@@ -76,6 +79,7 @@ __global__ void gather_columns(const T* w, const long long* idx, T* out, long lo
 
 __global__ void gather_packed_columns(const unsigned short* w, const long long* idx, unsigned short* out,
                                       long long nidx, int K, long long N) {
+    PDL_ENTER();
   const long long KC = (K + 63) / 64;
   for (long long i = blockIdx.y; i < nidx; i += gridDim.y) {
     long long c = idx[i];
