@@ -77,7 +77,7 @@ def test_prepared_gated_matmul_launches_what_the_unprepared_one_does(launches):
     assert set(changes) == {1, 2} and changes[2] is None
     assert np.array_equal(changes[1], _mma.pack(np, wg, wu))
     silu_gated_matmul.run(ctx, x, changes[1], None)
-    assert launches[0][0] == "mma_dense<1, true, false>"  # GLU, no RMSNorm prologue
+    assert launches[0][0] == "mma_dense<1, true, false>"
     _same_launch(launches[0], launches[1])
 
 
@@ -108,7 +108,7 @@ def test_prepared_gated_nbits_interleaves_once_and_launches_what_the_unprepared_
         assert np.array_equal(changes[j], _mma.glu_interleave(np, g.reshape(n, -1), u.reshape(n, -1)))
     prepared = [changes.get(j) for j in (1, 2, 3)]
     silu_gated_matmul_nbits.run(ctx, x, *prepared, None, None, None)
-    assert launches[0][0] == "mma_nbits4<1, __half, true, false>"
+    assert launches[0][0] == "mma_nbits4<1, __half, true>"
     _same_launch(launches[0], launches[1])
 
 

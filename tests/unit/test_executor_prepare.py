@@ -47,7 +47,7 @@ class Preparing(CpuReferenceProvider):
         super().__init__()
         self.only = only
 
-    def supports(self, node):  # keeps the projections standalone nodes (no RMSNormMatMul)
+    def supports(self, node):  # the hooks below serve plain projections, not RMSNormMatMul's
         return node.op_type != "RMSNormMatMul" and super().supports(node)
 
     def prepare(self, node):

@@ -25,7 +25,7 @@
 // hi = q*s, lo = fma(q, s, -hi): both exact or correctly rounded, so bitwise the fp32 route);
 // float zero points or fp32 scales take the fp32 route.
 //
-// NORM = true (NJ = 1, M <= 8): the RMSNorm prologue (norm_rows, below) computes the block's
+// mma_dense NORM = true (NJ = 1): the RMSNorm prologue (norm_rows, below) computes the block's
 // activation rows in shared memory first: one launch for SkipSimplifiedLayerNormalization and the
 // projection that reads its output (lockstep.RMSNormMatMul), bitwise the two launches.
 #include <cuda_fp16.h>
@@ -302,15 +302,12 @@ __device__ __forceinline__ void split_f16(unsigned codes, __half2 zq, __half2 s,
 
 // int4 MatMulNBits.  grid/block/shared/GLU as mma_dense (GLU: the rows of q, scales and zero
 // points interleaved as dense's packed rows).  Requires K % 16 == 0 and fp16 X.
-template <int NJ, typename S, bool GLU, bool NORM>
+template <int NJ, typename S, bool GLU>
 __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
                                                   const S* __restrict__ scales, const void* __restrict__ zp,
                                                   int zp_mode, int zp_stride, const __half* __restrict__ bias,
                                                   __half* __restrict__ y, int M, int N, int K, int bs,
-                                                  int n_out, const __half* n_skip, const __half* n_gamma,
-                                                 __half* n_sum, float n_eps) {
-    const NormArgs norm{n_skip, n_gamma, n_sum, n_eps};
-    static_assert(!NORM || NJ == 1, "the RMSNorm prologue holds 8 rows");
+                                                  int n_out) {
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nseg = blockDim.x >> 5;
@@ -349,9 +346,6 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
     };
     load_w(kbeg);  // before PDL_ENTER: overlaps the end of the previous kernel (kernels/pdl.cuh)
     PDL_ENTER();
-    float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
-    __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
-    if constexpr (NORM) norm_rows(x, norm, M, K, m0, nsm, xs);
     for (int k0 = kbeg; k0 < kend; k0 += 64) {
         const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
         const bool kv = kl < K;
@@ -361,9 +355,7 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
             const int m = m0 + j * 8 + g;
-            if (NORM && kv) {
-                ld_xs16(xs, j * 8 + g, K, kl, M - m0, xa[j]);
-            } else if (m < M && kv) {
+            if (m < M && kv) {
                 const uint4* p = reinterpret_cast<const uint4*>(x + (long long)m * K + kl);
                 xa[j][0] = p[0]; xa[j][1] = p[1];
             } else {

@@ -25,11 +25,12 @@ MAX_K = 8 * SEG_K  # one warp per K segment, at most 8 warps per block
 _BOOL = ("false", "true")
 EXPRS = (tuple(f"mma_dense<{nj}, {glu}, false>" for nj in (1, 2, 4) for glu in _BOOL)
          + tuple(f"mma_dense<1, {glu}, true>" for glu in _BOOL)
-         + tuple(f"mma_nbits4<{nj}, {s}, {glu}, false>" for nj in (1, 2, 4) for s in ("__half", "float")
-                 for glu in _BOOL)
-         + tuple(f"mma_nbits4<1, {s}, {glu}, true>" for s in ("__half", "float") for glu in _BOOL))
-#: Most rows a fused RMSNorm prologue launch takes (its 8 activation rows live in shared memory).
-NORM_ROWS = 8
+         + tuple(f"mma_nbits4<{nj}, {s}, {glu}>" for nj in (1, 2, 4) for s in ("__half", "float")
+                 for glu in _BOOL))
+#: Most rows a fused RMSNorm prologue launch takes. The kernel holds up to 8, but measured on the
+#: H200 (docs/benchmarks/kernels.md) the prologue's per-row work cost more than the separate norm
+#: launch it saves from 2 rows on, so only single-row (batch-1 decode) calls take it.
+NORM_ROWS = 1
 
 
 class Norm(NamedTuple):
@@ -246,16 +247,13 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
                 _norm_shared(norm, shared, k, r1 - r0))
 
 
-def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0,
-           norm: Norm | None = None):
+def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0):
     """y = a @ dequant(b)^T (+ bias), n weight rows. ``glu_out`` > 0: b, scales and zp hold
-    gate/up rows in :func:`glu_rows` order and y [m, glu_out] = silu_mul(gate, up). ``norm``
-    as in :func:`dense`."""
+    gate/up rows in :func:`glu_rows` order and y [m, glu_out] = silu_mul(gate, up)."""
     width = glu_out if glu_out > 0 else n
     for r0, r1 in row_slices(m, 32):
         nj, grid, block, shared = config(r1 - r0, n, k)
-        _launch(f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[norm is not None]}>", grid, block,
+        _launch(f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}>", grid, block,
                 (rows_of(a, r0, r1, k), b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
                  null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
-                 np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out), *_norm_args(norm, null)),
-                _norm_shared(norm, shared, k, r1 - r0))
+                 np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out)), shared)
