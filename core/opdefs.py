@@ -131,7 +131,8 @@ def gqa_unsupported(node, interleaved: bool = True, bias: bool = True, qk_norm: 
     Args:
         interleaved: the kernel runs ``rotary_interleaved=1``.
         bias: the kernel reads ``position_ids`` and ``attention_bias`` (inputs 9, 10).
-        qk_norm: the kernel applies the fused q/k RMSNorm (inputs 14, 15, ``qk_norm_epsilon``).
+        qk_norm: the kernel applies the fused q/k RMSNorm (inputs 14, 15 given together;
+            ``qk_norm_epsilon``, overridden per side by ``q_norm_epsilon`` / ``k_norm_epsilon``).
     """
     attrs = node.attrs
     ins = list(node.inputs) + [""] * 17
@@ -155,6 +156,13 @@ def gqa_unsupported(node, interleaved: bool = True, bias: bool = True, qk_norm: 
     names = ["k_scale", "v_scale", "q_norm_weight (fused q/k RMSNorm)", "k_norm_weight (fused q/k RMSNorm)",
              "query_seqlens"]
     out += [f"input {names[j - 12]}" for j in range(12, 17) if ins[j] and not (qk_norm and j in (14, 15))]
+    if qk_norm and bool(ins[14]) != bool(ins[15]):
+        out.append("q_norm_weight without k_norm_weight or the reverse (ORT requires both)")
+    if qk_norm and ins[14]:
+        for a in ("qk_norm_epsilon", "q_norm_epsilon", "k_norm_epsilon"):
+            eps = float(attrs.get(a, 1e-6))
+            if not (np.isfinite(eps) and eps > 0):
+                out.append(f"{a}={eps} (must be finite and > 0)")
     if any(node.outputs[3:]):
         out.append("output qk")
     dtype = node.input_dtypes[0] if node.input_dtypes else None
