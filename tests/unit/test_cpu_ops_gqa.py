@@ -226,7 +226,7 @@ def _qk_norm_chain(case, one_node, eps):
     graph = one_node.model("GroupQueryAttention", case.inputs(case.kv), case.outputs(), "com.microsoft",
                            **case.attrs).graph
     nodes = []
-    for name, heads in (("query", case.nq), ("key", case.nkv)):
+    for name in ("query", "key"):
         nodes += [helper.make_node("Reshape", [name, f"{name}_shape3"], [f"{name}_heads"]),
                   helper.make_node("SimplifiedLayerNormalization", [f"{name}_heads", f"{name}_w"],
                                    [f"{name}_normed"], epsilon=eps, axis=-1, stash_type=1),
@@ -236,8 +236,8 @@ def _qk_norm_chain(case, one_node, eps):
     graph.node[0].input[0], graph.node[0].input[1] = "query_flat", "key_flat"
     for i, n in enumerate(nodes):
         graph.node.insert(i, n)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
-                             ir_version=10)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
