@@ -25,7 +25,7 @@
 //     a = expf(m - m'), b = expf(m_c - m'), l' = l a + l_c b, o' = o a + o_c b (rounded mul, add).
 //   finish: with a sink s (head_sink, or 0 for smooth_softmax): m'' = max(m, s),
 //     a = expf(m - m''), l = l a + expf(s - m''), o = o a; out = o / l (0 when l == 0).
-// Fused q/k RMSNorm (docs/ops.md 1.3.0; qn/kn non-null): before RoPE, every head vector x of Q and
+// Fused q/k RMSNorm (docs/ops.md 1.3.0; qnw/knw non-null): before RoPE, every head vector x of Q and
 //   of the new K: one warp, lane l sums x[d]^2 for d = l, l + 32, ... ascending (fmaf chain),
 //   then the fixed xor tree; r = 1 / sqrt(sum / H + eps) (correctly rounded divisions and sqrt);
 //   y[d] = T(x[d] r w[d]), then RoPE on y as without the norm.  The same function in decode and
