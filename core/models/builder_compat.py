@@ -54,7 +54,9 @@ def compat_config(config: Any) -> list[str]:
     """
     changed: list[str] = []
     for cfg in (config, getattr(config, "text_config", None)):
-        rope = getattr(cfg, "rope_parameters", None) if cfg is not None else None
+        if cfg is None:
+            continue
+        rope = getattr(cfg, "rope_parameters", None)
         if not isinstance(rope, dict):
             continue
         full, local = rope.get("full_attention"), rope.get("sliding_attention")
@@ -73,7 +75,7 @@ def _install() -> None:
     """Make ``AutoConfig.from_pretrained`` return configs passed through :func:`compat_config`."""
     from transformers import AutoConfig
 
-    original = AutoConfig.from_pretrained.__func__  # type: ignore[attr-defined]
+    original = AutoConfig.from_pretrained.__func__
     told: set[str] = set()
 
     def from_pretrained(cls, *args, **kwargs):
@@ -85,7 +87,7 @@ def _install() -> None:
                   "(core/models/builder_compat.py)", flush=True)
         return config
 
-    AutoConfig.from_pretrained = classmethod(from_pretrained)  # type: ignore[method-assign]
+    AutoConfig.from_pretrained = classmethod(from_pretrained)
 
 
 def main() -> None:
