@@ -20,14 +20,17 @@ KERNELS = Path(__file__).parent / "kernels"
 def _module(name: str, expressions: tuple[str, ...]):
     import cupy
 
-    source = (KERNELS / f"{name}.cu").read_text()
+    # kernels/pdl.cuh (the PDL_ENTER macros every kernel uses) is prepended, not included, so
+    # the source text CuPy keys its disk cache on covers it
+    source = (KERNELS / "pdl.cuh").read_text() + (KERNELS / f"{name}.cu").read_text()
     return cupy.RawModule(code=source, options=("--std=c++17",), name_expressions=list(expressions))
 
 
 class Kernel:
-    """A compiled kernel. Calling it, ``kernel(grid, block, args, shared_mem=0)``, launches
-    through CuPy on the current stream and, while a node is being recorded, also keeps the
-    launch for eager replay (:mod:`providers.cuda.replay`).
+    """A compiled kernel. Calling it, ``kernel(grid, block, args, shared_mem=0)``, launches on
+    the current stream (with programmatic dependent launch where
+    :func:`providers.cuda.replay.pdl_enabled`, else through CuPy) and, while a node is being
+    recorded, also keeps the launch for eager replay (:mod:`providers.cuda.replay`).
 
     Attributes:
         raw: the cupy.RawKernel; ptr: its CUfunction handle.
@@ -40,6 +43,18 @@ class Kernel:
         self.ptr = raw.kernel.ptr
 
     def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        if replay.pdl_enabled():
+            try:
+                launch = replay.Launch(self.ptr, grid, block, args, shared_mem)
+            except TypeError:  # an argument without a fixed C layout: CuPy launches it
+                launch = None
+            if launch is not None:
+                import cupy
+
+                launch.fire(cupy.cuda.get_current_stream().ptr)
+                if replay._recording is not None:
+                    replay._recording.append(launch)
+                return
         self.raw(grid, block, args, shared_mem=shared_mem)
         if replay._recording is not None:
             replay.record(self.ptr, grid, block, args, shared_mem)

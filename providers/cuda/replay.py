@@ -33,8 +33,9 @@ from typing import Any, Callable
 import numpy as np
 
 #: Node calls since import: replayed (recorded launches fired), launched (the op's launcher
-#: ran), unreplayable (the launcher did device work outside Kernel). Read with :func:`stats`.
-_counts = {"replayed": 0, "launched": 0, "unreplayable": 0}
+#: ran), unreplayable (the launcher did device work outside Kernel); pdl_launches counts kernel
+#: launches made with programmatic dependent launch. Read with :func:`stats`.
+_counts = {"replayed": 0, "launched": 0, "unreplayable": 0, "pdl_launches": 0}
 #: Launches recorded by the node being run (None: no recording in progress).
 _recording: list | None = None
 #: Set by :func:`not_replayable` during a recording.
@@ -67,7 +68,7 @@ class Launch:
             would choose its width); the caller then does not record the node.
     """
 
-    __slots__ = ("fn", "dims", "shared", "params", "_keep")
+    __slots__ = ("fn", "dims", "shared", "params", "_keep", "_config")
 
     def __init__(self, fn: int, grid: tuple, block: tuple, args: tuple, shared: int):
         import cupy
@@ -89,15 +90,90 @@ class Launch:
         # the packed values, the pointer array and the device arrays (their memory must
         # outlive every replay) stay referenced here
         self._keep = (values, pointers, [a for a in args if isinstance(a, cupy.ndarray)])
+        self._config: tuple | None = None
 
     def fire(self, stream: int) -> None:
-        """Launch on ``stream`` (a CUstream handle).
+        """Launch on ``stream`` (a CUstream handle): with programmatic dependent launch where
+        :func:`pdl_enabled` (``cuLaunchKernelEx``, the launch config built once per stream),
+        else one plain ``cuLaunchKernel``.
 
         Raises:
             RuntimeError: the driver refused the launch (the CUresult is named).
         """
+        if pdl_enabled():
+            config = self._config
+            if config is None or config[0] != stream:
+                config = self._config = (stream, _pdl_config(self.dims, self.shared, stream))
+            _launch_ex(self.fn, config[1], self.params)
+            return
         d = self.dims
         _launch(self.fn, d[0], d[1], d[2], d[3], d[4], d[5], self.shared, stream, self.params)
+
+
+#: Programmatic dependent launch (module docstring of kernels/pdl.cuh): None until first asked.
+_pdl: bool | None = None
+_functions: dict = {}
+
+
+def pdl_enabled() -> bool:
+    """Whether kernels launch with the programmatic stream-serialization attribute: the device
+    is compute capability 9.0 or later, cuda-bindings is importable and ``LOCKSTEP_CUDA_PDL``
+    is not "0". Decided once per process (:func:`set_pdl` changes it)."""
+    global _pdl
+    if _pdl is None:
+        import os
+
+        import cupy
+
+        wanted = os.environ.get("LOCKSTEP_CUDA_PDL", "1") != "0"
+        major = int(cupy.cuda.Device().compute_capability) // 10
+        try:
+            from cuda.bindings import driver  # noqa: F401
+        except ImportError:
+            wanted = False
+        _pdl = wanted and major >= 9
+    return _pdl
+
+
+def set_pdl(on: bool) -> bool:
+    """Turn programmatic dependent launch on or off for launches from now on (a launch already
+    captured in a CUDA graph keeps its edges); returns the previous setting. Turning it on
+    where the device or cuda-bindings cannot do it leaves it off."""
+    global _pdl
+    before = pdl_enabled()
+    _pdl = None
+    if on:
+        pdl_enabled()
+    else:
+        _pdl = False
+    return before
+
+
+def _pdl_config(dims: tuple, shared: int, stream: int):
+    from cuda.bindings import driver
+
+    cfg = driver.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = dims
+    cfg.sharedMemBytes = shared
+    cfg.hStream = driver.CUstream(stream)
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    return cfg
+
+
+def _launch_ex(fn: int, config, params: int) -> None:
+    from cuda.bindings import driver
+
+    handle = _functions.get(fn)
+    if handle is None:
+        handle = _functions[fn] = driver.CUfunction(fn)
+    (err,) = driver.cuLaunchKernelEx(config, handle, params, 0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuLaunchKernelEx failed: {err!r}")
+    _counts["pdl_launches"] += 1
 
 
 def _bindings_launch(fn, gx, gy, gz, bx, by, bz, shared, stream, params) -> None:

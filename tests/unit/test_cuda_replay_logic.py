@@ -30,6 +30,7 @@ def fake_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     fired = []
     monkeypatch.setattr(replay, "_launch", lambda *args: fired.append(args))
+    monkeypatch.setattr(replay, "_pdl", False)
     return fired
 
 
@@ -117,3 +118,28 @@ def test_gqa_replay_key_ignores_the_growing_total_but_not_the_phase_or_capacity(
     assert key(q, 64) != key(q, 65)  # past the KV capacity: the launcher must raise
     prompt = FakeArray(4, (2, 7, 96))
     assert key(prompt, 7) != key(prompt, 9)  # first prompt vs a later chunk
+
+
+def test_pdl_launch_builds_its_config_once_per_stream(fake_cupy, monkeypatch):
+    """With programmatic dependent launch on, a prepared launch goes through cuLaunchKernelEx
+    (here a recorder) with a launch config built once per stream, never through cuLaunchKernel."""
+    monkeypatch.setattr(replay, "_pdl", True)
+    configs, ex = [], []
+    monkeypatch.setattr(replay, "_pdl_config", lambda dims, shared, stream: configs.append((dims, shared, stream))
+                        or ("cfg", stream))
+    monkeypatch.setattr(replay, "_launch_ex", lambda fn, cfg, params: ex.append((fn, cfg, params)))
+    launch = replay.Launch(0xF00, (2, 3), (128,), (FakeArray(0xA000), np.int32(7)), 64)
+    launch.fire(0x5151)
+    launch.fire(0x5151)
+    launch.fire(0x6262)
+    assert configs == [((2, 3, 1, 128, 1, 1), 64, 0x5151), ((2, 3, 1, 128, 1, 1), 64, 0x6262)]
+    assert [e[1] for e in ex] == [("cfg", 0x5151), ("cfg", 0x5151), ("cfg", 0x6262)]
+    assert all(e[0] == 0xF00 and e[2] == launch.params for e in ex)
+    assert fake_cupy == []  # the plain launch was never used
+
+
+def test_set_pdl_off_uses_the_plain_launch(fake_cupy, monkeypatch):
+    monkeypatch.setattr(replay, "_pdl", True)
+    assert replay.set_pdl(False) is True
+    replay.Launch(0xF00, (1,), (32,), (np.int32(1),), 0).fire(0x5151)
+    assert len(fake_cupy) == 1 and not replay.pdl_enabled()

@@ -9,6 +9,11 @@ from core.testing.tiny_model import make_tiny_model
 from providers.cpu_reference.provider import CpuReferenceProvider
 
 
+def no_norm_fusion(node):
+    """cpu_reference's supports, refusing only the RMSNormMatMul pass (for counts of the others)."""
+    return node.op_type != "RMSNormMatMul" and CpuReferenceProvider().supports(node)
+
+
 class NoFusion(CpuReferenceProvider):
     """cpu_reference that refuses every fused op, so the plan keeps the original nodes."""
 
@@ -19,7 +24,7 @@ class NoFusion(CpuReferenceProvider):
 def test_silu_mul_pass_replaces_three_nodes_per_layer(tmp_path):
     model = load_model(make_tiny_model(tmp_path / "m"))
     nodes = node_infos(model.graph)
-    fused = fusion.apply(nodes, {o.name for o in model.graph.output}, CpuReferenceProvider().supports)
+    fused = fusion.apply(nodes, {o.name for o in model.graph.output}, no_norm_fusion)
     n_sig = sum(n.op_type == "Sigmoid" for n in nodes)
     assert n_sig > 0
     assert sum(n.op_type == "SiluMul" for n in fused) == n_sig
@@ -56,14 +61,13 @@ def test_gated_pass_fuses_gate_up_and_silu_mul_per_layer(tmp_path):
     for quant, op in ((None, "SiluGatedMatMul"), ("int4", "SiluGatedMatMulNBits")):
         model = load_model(make_tiny_model(tmp_path / str(quant), dtype="float16", quant=quant))
         nodes = node_infos(model.graph)
-        fused = fusion.apply(nodes, {o.name for o in model.graph.output}, CpuReferenceProvider().supports,
-                             set(model.initializers))
+        fused = fusion.apply(nodes, {o.name for o in model.graph.output}, no_norm_fusion, set(model.initializers))
         n_sig = sum(n.op_type == "Sigmoid" for n in nodes)
         assert sum(n.op_type == op for n in fused) == n_sig > 0
         assert not any(n.op_type == "SiluMul" for n in fused)
         assert len(nodes) - len(fused) == 4 * n_sig  # Sigmoid, Mul, Mul, and one projection
         # without the weights among the constants the pass leaves the projections alone
-        kept = fusion.apply(nodes, {o.name for o in model.graph.output}, CpuReferenceProvider().supports)
+        kept = fusion.apply(nodes, {o.name for o in model.graph.output}, no_norm_fusion)
         assert sum(n.op_type == "SiluMul" for n in kept) == n_sig
 
 
@@ -80,8 +84,68 @@ def test_gated_plan_is_bitwise_the_unfused_plan_in_prefill_and_decode(tmp_path):
         outs = []
         for provider in (CpuReferenceProvider(), SiluMulOnly()):
             plan = Plan(model.graph, model.initializers, provider)
-            fused = any(n.op_type.startswith("SiluGated") for n in plan.nodes)
+            fused = any(n.op_type.startswith("SiluGated") or str(n.attrs.get("consumer", "")).startswith("SiluGated")
+                        for n in plan.nodes)
             assert fused == (not isinstance(provider, SiluMulOnly))
+            kv = {name: np.zeros((2, cfg.num_kv_heads, 16, cfg.head_size), model.io_dtype)
+                  for name in plan.input_names if name.startswith("past_key_values")}
+            first = plan.run({"input_ids": prompt, "attention_mask": np.ones((2, 5), np.int64), **kv})
+            step = plan.run({"input_ids": prompt[:, :1], "attention_mask": np.ones((2, 6), np.int64), **kv})
+            outs.append((first["logits"], step["logits"]))
+        assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1]), (dtype, quant)
+
+
+def test_norm_pass_fuses_each_layer_norm_into_its_projection_but_not_the_lm_head(tmp_path):
+    for quant, projection in ((None, "SiluGatedMatMul"), ("int4", "SiluGatedMatMulNBits")):
+        model = load_model(make_tiny_model(tmp_path / str(quant), dtype="float16", quant=quant))
+        nodes = node_infos(model.graph)
+        outputs = {o.name for o in model.graph.output}
+        fused = fusion.apply(nodes, outputs, CpuReferenceProvider().supports, set(model.initializers))
+        norms = [n for n in nodes if n.op_type.endswith("SimplifiedLayerNormalization")]
+        layers = sum(n.op_type == "GroupQueryAttention" for n in nodes)
+        rms = [n for n in fused if n.op_type == "RMSNormMatMul"]
+        assert len(rms) == 2 * layers > 0  # input and post-attention norm of every layer
+        assert sorted({n.attrs["consumer"] for n in rms}) == sorted({projection, "MatMulNBits" if quant else "MatMul"})
+        left = [n for n in fused if n.op_type.endswith("SimplifiedLayerNormalization")]
+        assert len(left) == len(norms) - 2 * layers == 1  # the final norm feeds the lm_head
+        # the residual sum keeps its name, so the next layer reads it from the fused node
+        sums = {n.outputs[3] for n in rms if len(n.outputs) > 3 and n.outputs[3]}
+        assert sums and all(any(s in m.inputs for m in fused) for s in sums)
+
+
+def test_norm_pass_keeps_order_when_a_reader_of_the_sum_comes_before_the_projection():
+    from core.protocol import NodeInfo
+
+    f16 = np.dtype(np.float16)
+    norm = NodeInfo(name="n", op_type="SkipSimplifiedLayerNormalization", domain="com.microsoft", attrs={},
+                    inputs=("x", "s", "g"), outputs=("y", "", "", "sum"), input_dtypes=(f16, f16, f16))
+    reader = NodeInfo(name="r", op_type="Add", domain="", attrs={}, inputs=("sum", "sum"), outputs=("z",),
+                      input_dtypes=(f16, f16))
+    proj = NodeInfo(name="p", op_type="MatMul", domain="", attrs={}, inputs=("y", "w"), outputs=("o",),
+                    input_dtypes=(f16, f16))
+    assert [n.op_type for n in fusion.fuse_norm_matmul([norm, proj, reader], set(), lambda n: True)] == [
+        "RMSNormMatMul", "Add"]
+    assert [n.op_type for n in fusion.fuse_norm_matmul([norm, reader, proj], set(), lambda n: True)] == [
+        "SkipSimplifiedLayerNormalization", "Add", "MatMul"]
+    # a projection that makes a graph output (the lm_head) is left alone
+    assert [n.op_type for n in fusion.fuse_norm_matmul([norm, proj, reader], {"o"}, lambda n: True)] == [
+        "SkipSimplifiedLayerNormalization", "MatMul", "Add"]
+
+
+def test_norm_fused_plan_is_bitwise_the_unfused_plan_in_prefill_and_decode(tmp_path):
+    class NoNorm(CpuReferenceProvider):
+        def supports(self, node):
+            return node.op_type != "RMSNormMatMul" and super().supports(node)
+
+    for dtype, quant in (("float32", None), ("float16", None), ("float16", "int4")):
+        model = load_model(make_tiny_model(tmp_path / f"{dtype}{quant}", dtype=dtype, quant=quant))
+        rng = np.random.default_rng(7)
+        cfg = model.config
+        prompt = rng.integers(0, cfg.vocab_size, (2, 5)).astype(np.int64)
+        outs = []
+        for provider in (CpuReferenceProvider(), NoNorm()):
+            plan = Plan(model.graph, model.initializers, provider)
+            assert any(n.op_type == "RMSNormMatMul" for n in plan.nodes) == (not isinstance(provider, NoNorm))
             kv = {name: np.zeros((2, cfg.num_kv_heads, 16, cfg.head_size), model.io_dtype)
                   for name in plan.input_names if name.startswith("past_key_values")}
             first = plan.run({"input_ids": prompt, "attention_mask": np.ones((2, 5), np.int64), **kv})

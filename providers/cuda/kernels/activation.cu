@@ -17,6 +17,7 @@ __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn
 template <typename T>
 __global__ void activation(const T* __restrict__ x, const T* __restrict__ bias, T* __restrict__ y,
                            long long n, long long bias_n, int kind, float alpha) {
+    PDL_ENTER();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         float v = to_f(x[i]);
         if (bias != nullptr) v = __fadd_rn(v, to_f(bias[i % bias_n]));
@@ -39,6 +40,7 @@ __global__ void activation(const T* __restrict__ x, const T* __restrict__ bias, 
 template <typename T>
 __global__ void split_copy(const T* __restrict__ x, T* __restrict__ y, long long outer, long long axis,
                            long long inner, long long offset, long long width) {
+    PDL_ENTER();
     const long long n = outer * width * inner;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const long long k = i % inner, w = (i / inner) % width, o = i / (inner * width);

@@ -36,6 +36,7 @@ __device__ void block_best(float& bv, int& bi, int& bad) {
 template <typename T>
 __global__ void argmax_partial(const T* __restrict__ logits, const int* __restrict__ pos, int S, int V,
                                float* pv, int* pi, int* pb) {
+    PDL_ENTER();
     const int b = blockIdx.x, c = blockIdx.y, nch = gridDim.y;
     const T* row = logits + ((long long)b * S + pos[b]) * V;
     float bv = NEG_INF; int bi = 0x7fffffff, bad = 0;
@@ -49,6 +50,7 @@ __global__ void argmax_partial(const T* __restrict__ logits, const int* __restri
 }
 
 __global__ void argmax_final(const float* pv, const int* pi, const int* pb, int nch, int* result) {
+    PDL_ENTER();
     const int b = blockIdx.x;
     float bv = NEG_INF; int bi = 0x7fffffff, bad = 0;
     for (int c = threadIdx.x; c < nch; c += NT) { better(bv, bi, pv[b * nch + c], pi[b * nch + c]); bad |= pb[b * nch + c]; }
@@ -59,6 +61,7 @@ __global__ void argmax_final(const float* pv, const int* pi, const int* pb, int 
 // decode_advance (protocol): input_ids[b, 0] = token (0 when flagged), mask[b, lengths[b]] = 1,
 // lengths[b] += 1.  One thread per row.
 __global__ void decode_advance(const int* result, long long* input_ids, long long* mask, int* lengths, int B, int cap) {
+    PDL_ENTER();
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= B) return;
     input_ids[b] = result[2 * b + 1] ? 0 : result[2 * b];

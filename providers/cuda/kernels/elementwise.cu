@@ -9,6 +9,7 @@ __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn
 
 template <typename T>
 __global__ void binary(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ y, long long n, int op) {
+    PDL_ENTER();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const float x = to_f(a[i]), z = to_f(b[i]);
         store(y + i, op == 0 ? __fmul_rn(x, z) : op == 1 ? __fadd_rn(x, z) : op == 2 ? __fsub_rn(x, z) : __fdiv_rn(x, z));
@@ -17,6 +18,7 @@ __global__ void binary(const T* __restrict__ a, const T* __restrict__ b, T* __re
 
 template <typename T>
 __global__ void sigmoid(const T* __restrict__ x, T* __restrict__ y, long long n) {
+    PDL_ENTER();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         store(y + i, __fdiv_rn(1.f, __fadd_rn(1.f, expf(-to_f(x[i])))));
 }
@@ -27,6 +29,7 @@ __device__ __forceinline__ float rt(float v, float*) { return v; }
 __device__ __forceinline__ float rt(float v, __half*) { return __half2float(__float2half_rn(v)); }
 template <typename T>
 __global__ void silu_mul(const T* __restrict__ x, const T* __restrict__ up, T* __restrict__ y, long long n) {
+    PDL_ENTER();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const float xv = to_f(x[i]);
         const float s = rt(__fdiv_rn(1.f, __fadd_rn(1.f, expf(-xv))), (T*)nullptr);

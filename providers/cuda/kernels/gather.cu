@@ -13,6 +13,7 @@ __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn
 
 __global__ void gather_rows(const unsigned char* data, const long long* idx, unsigned char* out,
                             long long nidx, long long rows, long long row_bytes) {
+    PDL_ENTER();
   for (long long i = blockIdx.y; i < nidx; i += gridDim.y) {
     long long r = idx[i];
     if (r < 0) r += rows;
@@ -35,6 +36,7 @@ template <typename S>
 __global__ void gather_block_quantized(const unsigned char* data, const long long* idx, const S* scales,
                                        const unsigned char* zp, S* out, long long rows, int D, int bits, int bs,
                                        int row_bytes, int zp_bytes, long long nidx) {
+    PDL_ENTER();
   for (long long i = blockIdx.y; i < nidx; i += gridDim.y) {
     long long r = idx[i];
     if (r < 0) r += rows;

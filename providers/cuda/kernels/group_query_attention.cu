@@ -225,6 +225,7 @@ __global__ void gqa_kv_write(const T* __restrict__ kin, const T* __restrict__ vi
                              const int* __restrict__ seqlens, const T* cosc, const T* sinc, int do_rotary,
                              const T* knw, float keps,
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
+    PDL_ENTER();
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
     const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int past = g.first ? 0 : seqlens[b] + 1 - g.S, row = past + s;
@@ -260,6 +261,7 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
                          const T* cosc, const T* sinc, int do_rotary, const T* sinks, T* out, int qb,
                          const T* qnw, float qeps,
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
+    PDL_ENTER();
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
     extern __shared__ float sm[];
     float* qs = sm; float* sc = qs + qb * g.H; float* oc = sc + qb * CH; float* st = oc + qb * g.H;
@@ -370,6 +372,7 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
                            int do_rotary, const T* sinks, T* out, float* part, int* tickets,
                            const T* qnw, const T* knw, float qeps, float keps,
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
+    PDL_ENTER();
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
     extern __shared__ float sm[];
     const int c = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, G = g.nq / g.nkv, tid = threadIdx.x;

@@ -210,11 +210,13 @@ __device__ void nbits_body(const T* __restrict__ a, const unsigned char* __restr
 
 template <int RT, typename T, typename TW>
 __global__ void dense(const T* a, const TW* w, const T* bias, T* y, int M, int N, int K) {
+    PDL_ENTER();
     dense_body<RT, T, TW>(a, w, bias, y, M, N, K);
 }
 
 template <int RT, typename T, typename S>
 __global__ void nbits(const T* a, const unsigned char* q, const S* scales, const void* zp, int zp_mode,
                       int zp_stride, const T* bias, T* y, int M, int N, int K, int bits, int bs) {
+    PDL_ENTER();
     nbits_body<RT, T, S>(a, q, scales, zp, zp_mode, zp_stride, bias, y, M, N, K, bits, bs);
 }

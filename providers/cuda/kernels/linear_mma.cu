@@ -24,6 +24,10 @@
 // models).  That case is computed in fp16x2 arithmetic (q via the 0x6400 exponent trick,
 // hi = q*s, lo = fma(q, s, -hi): both exact or correctly rounded, so bitwise the fp32 route);
 // float zero points or fp32 scales take the fp32 route.
+//
+// NORM = true (NJ = 1, M <= 8): the RMSNorm prologue (norm_rows, below) computes the block's
+// activation rows in shared memory first: one launch for SkipSimplifiedLayerNormalization and the
+// projection that reads its output (lockstep.RMSNormMatMul), bitwise the two launches.
 #include <cuda_fp16.h>
 
 #define SEG_K 256
@@ -107,16 +111,88 @@ __device__ __forceinline__ void ld_x16(const __half* x, long long m, int K, int 
     }
 }
 
+// RMSNorm prologue (NORM kernels, lockstep.RMSNormMatMul): the block's rows m0 .. m0 + 7 of
+// v = x (+ skip) are normalised with exactly the arithmetic of kernels/rms_norm.cu, so the
+// fused launch is bitwise SkipSimplifiedLayerNormalization followed by the projection:
+//   sum(v^2): 256 virtual threads t, each an fmaf chain over d = t, t + 256, ... ascending; per
+//     virtual warp the xor-shuffle tree (lane 0's value); the 8 warp sums added in ascending order.
+//   inv = 1 / sqrtf(sum / K + eps); y = fp16((v * inv) * gamma) (v in fp32: x + skip, __fadd_rn).
+// y goes to the shared rows xs [8][K + 8] halves (the pad keeps the 8 rows on distinct banks);
+// rows >= M are zeros.  The blocks of column 0 also store v rounded to fp16 (output 3, the
+// residual sum) into sum_out.  red: 64 floats of scratch.  Needs K % 8 == 0.
+struct NormArgs {
+    const __half* skip;   // [M, K] or null
+    const __half* gamma;  // [K]
+    __half* sum_out;      // [M, K] or null
+    float eps;
+};
+
+__device__ __forceinline__ float norm_v(const __half* x, const __half* skip, long long i) {
+    const float t = __half2float(x[i]);
+    return skip ? __fadd_rn(t, __half2float(skip[i])) : t;
+}
+
+__device__ void norm_rows(const __half* __restrict__ x, const NormArgs& na, int M, int K, int m0,
+                          __half* xs, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, xst = K + 8;
+    for (int p = warp; p < 64; p += nw) {  // (row, virtual warp) pairs
+        const int r = p >> 3, vw = p & 7, m = m0 + r;
+        float s = 0.f;
+        if (m < M)
+            for (int d = vw * 32 + lane; d < K; d += 256) {
+                const float t = norm_v(x, na.skip, (long long)m * K + d);
+                s = fmaf(t, t, s);
+            }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+        s = __shfl_sync(0xffffffffu, s, 0);
+        if (lane == 0) red[p] = s;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < 8 * K; e += blockDim.x) {
+        const int r = e / K, d = e - r * K, m = m0 + r;
+        __half out = __float2half(0.f);
+        if (m < M) {
+            float tot = 0.f;
+#pragma unroll
+            for (int w = 0; w < 8; ++w) tot = __fadd_rn(tot, red[r * 8 + w]);
+            const float inv = __fdiv_rn(1.f, sqrtf(__fadd_rn(__fdiv_rn(tot, (float)K), na.eps)));
+            const float t = norm_v(x, na.skip, (long long)m * K + d);
+            out = __float2half_rn(__fmul_rn(__fmul_rn(t, inv), __half2float(na.gamma[d])));
+            if (na.sum_out && blockIdx.x == 0) na.sum_out[(long long)m * K + d] = __float2half_rn(t);
+        }
+        xs[r * xst + d] = out;
+    }
+    __syncthreads();
+}
+
+// Row g's normalised activations xs[g, kl .. kl + 15] (16 halves), zeros past K.
+__device__ __forceinline__ void ld_xs16(const __half* xs, int g, int K, int kl, uint4* out) {
+    const __half* row = xs + g * (K + 8);
+    if (kl + 16 <= K) {
+        const uint4* p = reinterpret_cast<const uint4*>(row + kl);
+        out[0] = p[0]; out[1] = p[1];
+    } else {
+        __half h[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) h[i] = kl + i < K ? row[kl + i] : __float2half(0.f);
+        out[0] = *reinterpret_cast<uint4*>(&h[0]); out[1] = *reinterpret_cast<uint4*>(&h[8]);
+    }
+}
+
 // grid (ceil(N/16), ceil(M/(8 NJ))), block 32 * nseg (nseg = ceil(K / SEG_K)),
 // shared nseg * 16 * 8 NJ floats.  wp: [N/16][Kp/16][32] uint4, Kp = K rounded up to 64; the
 // 4 tiles of 64-chunk c are virtual tiles v = 0..3 with the nbits4 k-slot map.
 // GLU = false: y [M, N] (n_out unused).  GLU = true: the N packed weight rows are gate and up
 // interleaved in groups of 8 (rows 16b..16b+7: gate features 8b..8b+7; rows 16b+8..16b+15: the
 // up features of the same indices) and y [M, n_out] = silu_mul(x @ gate, x @ up) (see finish).
-template <int NJ, bool GLU>
+template <int NJ, bool GLU, bool NORM>
 __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, const uint4* __restrict__ wp,
                                                  const __half* __restrict__ bias, __half* __restrict__ y,
-                                                 int M, int N, int K, int n_out) {
+                                                 int M, int N, int K, int n_out, const __half* n_skip, const __half* n_gamma,
+                                                 __half* n_sum, float n_eps) {
+    const NormArgs norm{n_skip, n_gamma, n_sum, n_eps};
+    static_assert(!NORM || NJ == 1, "the RMSNorm prologue holds 8 rows");
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nseg = blockDim.x >> 5, ktiles = ((K + 63) >> 6) << 2;
@@ -126,11 +202,20 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
     for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     const int kbeg = warp * SEG_K, kend = min(K, kbeg + SEG_K);
     const uint4* base = wp + ((long long)nt * ktiles) * 32 + lane;
+    uint4 a[8];
+    // The segment's first 128 k of weights are loaded before PDL_ENTER (weights are constants
+    // of the step, kernels/pdl.cuh): their latency overlaps the end of the previous kernel.
+#pragma unroll
+    for (int i = 0; i < 8; ++i) if (i < 4 || kbeg + 64 < kend) a[i] = base[(long long)((kbeg >> 4) + i) * 32];
+    PDL_ENTER();
+    __half* xs = reinterpret_cast<__half*>(part + nseg * 16 * 8 * NJ);  // NORM: [8][K + 8]
+    if constexpr (NORM) norm_rows(x, norm, M, K, m0, xs, part);
     for (int k0 = kbeg; k0 < kend; k0 += 128) {
         const bool two = k0 + 64 < kend;
-        uint4 a[8];
+        if (k0 != kbeg) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) if (i < 4 || two) a[i] = base[(long long)((k0 >> 4) + i) * 32];
+            for (int i = 0; i < 8; ++i) if (i < 4 || two) a[i] = base[(long long)((k0 >> 4) + i) * 32];
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             if (h == 1 && !two) break;
@@ -139,7 +224,8 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 const int m = m0 + j * 8 + g;
-                ld_x16(x, m, K, kl, m < M, xa[j]);
+                if constexpr (NORM) ld_xs16(xs, j * 8 + g, K, kl, xa[j]);
+                else ld_x16(x, m, K, kl, m < M, xa[j]);
             }
 #pragma unroll
             for (int v = 0; v < 4; ++v)
@@ -181,12 +267,15 @@ __device__ __forceinline__ void split_f16(unsigned codes, __half2 zq, __half2 s,
 
 // int4 MatMulNBits.  grid/block/shared/GLU as mma_dense (GLU: the rows of q, scales and zero
 // points interleaved as dense's packed rows).  Requires K % 16 == 0 and fp16 X.
-template <int NJ, typename S, bool GLU>
+template <int NJ, typename S, bool GLU, bool NORM>
 __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
                                                   const S* __restrict__ scales, const void* __restrict__ zp,
                                                   int zp_mode, int zp_stride, const __half* __restrict__ bias,
                                                   __half* __restrict__ y, int M, int N, int K, int bs,
-                                                  int n_out) {
+                                                  int n_out, const __half* n_skip, const __half* n_gamma,
+                                                 __half* n_sum, float n_eps) {
+    const NormArgs norm{n_skip, n_gamma, n_sum, n_eps};
+    static_assert(!NORM || NJ == 1, "the RMSNorm prologue holds 8 rows");
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nseg = blockDim.x >> 5;
@@ -199,12 +288,14 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
 #pragma unroll
     for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     const int kbeg = warp * SEG_K, kend = min(K, kbeg + SEG_K);
-    for (int k0 = kbeg; k0 < kend; k0 += 64) {
-        const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
-        const bool kv = kl < K;
-        uint2 ca = make_uint2(0, 0), cb = make_uint2(0, 0);
-        float sa = 0.f, sb = 0.f, za = 8.f, zb = 8.f;
-        if (kv) {
+    uint2 ca, cb;
+    float sa, sb, za, zb;
+    // Codes, scales and zero points of one 64-wide k step (weights: constants of the step).
+    auto load_w = [&](int k0) {
+        const int kl = k0 + 16 * t;
+        ca = make_uint2(0, 0); cb = make_uint2(0, 0);
+        sa = 0.f; sb = 0.f; za = 8.f; zb = 8.f;
+        if (kl < K) {
             ca = *reinterpret_cast<const uint2*>(q + na * rowbytes + kl / 2);
             cb = *reinterpret_cast<const uint2*>(q + nbr * rowbytes + kl / 2);
             const int blk = kl / bs;
@@ -220,12 +311,23 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
                 zb = __half2float(((const __half*)zp)[(long long)nbr * nb + blk]);
             }
         }
+    };
+    load_w(kbeg);  // before PDL_ENTER: overlaps the end of the previous kernel (kernels/pdl.cuh)
+    PDL_ENTER();
+    __half* xs = reinterpret_cast<__half*>(part + nseg * 16 * 8 * NJ);  // NORM: [8][K + 8]
+    if constexpr (NORM) norm_rows(x, norm, M, K, m0, xs, part);
+    for (int k0 = kbeg; k0 < kend; k0 += 64) {
+        const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
+        const bool kv = kl < K;
+        if (k0 != kbeg) load_w(k0);
         // activations: x[m, kl .. kl + 15] (32 bytes) per token tile
         uint4 xa[NJ][2];
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
             const int m = m0 + j * 8 + g;
-            if (m < M && kv) {
+            if (NORM && kv) {
+                ld_xs16(xs, j * 8 + g, K, kl, xa[j]);
+            } else if (m < M && kv) {
                 const uint4* p = reinterpret_cast<const uint4*>(x + (long long)m * K + kl);
                 xa[j][0] = p[0]; xa[j][1] = p[1];
             } else {

@@ -31,6 +31,7 @@ template <typename T, typename TG>
 __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ skip, long long skip_size,
                          const T* __restrict__ bias, const TG* __restrict__ gamma, TG* __restrict__ y,
                          T* __restrict__ sum_out, float* mean_out, float* inv_out, int D, float eps) {
+    PDL_ENTER();
     extern __shared__ float sm[];
     float* red = sm;
     float* v = sm + 32;

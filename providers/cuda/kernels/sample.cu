@@ -87,6 +87,7 @@ __global__ void __launch_bounds__(NT) sample_rows(
         const T* __restrict__ logits, const int* __restrict__ pos, int S, int V,
         const float* __restrict__ params, const int* __restrict__ options, const int* __restrict__ counter,
         const long long* __restrict__ fed, unsigned char* __restrict__ history, int* __restrict__ result) {
+    PDL_ENTER();
     __shared__ Shared s;
     const int b = blockIdx.x, t = threadIdx.x;
     const T* row = logits + ((long long)b * S + pos[b]) * V;

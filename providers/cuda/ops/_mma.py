@@ -11,6 +11,7 @@ passed to a kernel directly.
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -20,8 +21,45 @@ from providers.cuda.ops import array_module, row_slices, rows_of
 SEG_K = 256
 MAX_K = 8 * SEG_K  # one warp per K segment, at most 8 warps per block
 _BOOL = ("false", "true")
-EXPRS = tuple(f"mma_dense<{nj}, {glu}>" for nj in (1, 2, 4) for glu in _BOOL) + tuple(
-    f"mma_nbits4<{nj}, {s}, {glu}>" for nj in (1, 2, 4) for s in ("__half", "float") for glu in _BOOL)
+EXPRS = (tuple(f"mma_dense<{nj}, {glu}, false>" for nj in (1, 2, 4) for glu in _BOOL)
+         + tuple(f"mma_dense<1, {glu}, true>" for glu in _BOOL)
+         + tuple(f"mma_nbits4<{nj}, {s}, {glu}, false>" for nj in (1, 2, 4) for s in ("__half", "float")
+                 for glu in _BOOL)
+         + tuple(f"mma_nbits4<1, {s}, {glu}, true>" for s in ("__half", "float") for glu in _BOOL))
+#: Most rows a fused RMSNorm prologue launch takes (its 8 activation rows live in shared memory).
+NORM_ROWS = 8
+
+
+class Norm(NamedTuple):
+    """The RMSNorm prologue of a fused launch (kernels/linear_mma.cu ``norm_rows``): the
+    projection's activations are RMSNorm(x + skip) * gamma, computed in the kernel.
+
+    Attributes:
+        skip: fp16 [M, K] device array or None; gamma: fp16 [K]; sum_out: fp16 [M, K] (x + skip
+        rounded, the norm's output 3) or None; eps: the norm's epsilon.
+    """
+
+    skip: Any
+    gamma: Any
+    sum_out: Any
+    eps: float
+
+
+def norm_applies(a, k: int, m: int) -> bool:
+    """Whether a projection of ``m`` rows of fp16 ``a`` [.., K] can take the fused RMSNorm
+    prologue: at most :data:`NORM_ROWS` rows, K a multiple of 8, contiguous."""
+    return 0 < m <= NORM_ROWS and k % 8 == 0 and a.dtype == np.float16 and a.flags.c_contiguous
+
+
+def _norm_args(norm: Norm | None, null) -> tuple:
+    if norm is None:
+        return (null, null, null, np.float32(0))
+    return (null if norm.skip is None else norm.skip, norm.gamma,
+            null if norm.sum_out is None else norm.sum_out, np.float32(norm.eps))
+
+
+def _norm_shared(norm: Norm | None, shared: int, k: int) -> int:
+    return shared if norm is None else shared + 8 * (k + 8) * 2
 
 
 @functools.lru_cache(maxsize=4096)
@@ -124,26 +162,31 @@ def contiguous(ctx, a):
     return buf
 
 
-def dense(a, wp, bias, y, m, n, k, null, glu: bool = False):
+def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = None):
     """y = a @ w (+ bias) for the packed weight ``wp`` (:func:`pack`); with ``glu``: wp packs a
-    gate/up pair and y = silu_mul(a @ w_gate, a @ w_up) (GLU, n = y's width)."""
+    gate/up pair and y = silu_mul(a @ w_gate, a @ w_up) (GLU, n = y's width). With ``norm``
+    (:func:`norm_applies` must hold) the activations are RMSNorm(a + skip) * gamma, computed in
+    the same launch."""
     rows = glu_width(n) if glu else n
     for r0, r1 in row_slices(m, 32):
         nj, grid, block, shared = config(r1 - r0, rows, k)
-        function("linear_mma", f"mma_dense<{nj}, {_BOOL[glu]}>", EXPRS)(
+        function("linear_mma", f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}>", EXPRS)(
             grid, block, (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
-                          np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n)),
-            shared_mem=shared)
+                          np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n), *_norm_args(norm, null)),
+            shared_mem=_norm_shared(norm, shared, k))
 
 
-def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0):
+def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0,
+           norm: Norm | None = None):
     """y = a @ dequant(b)^T (+ bias), n weight rows. ``glu_out`` > 0: b, scales and zp hold
-    gate/up rows in :func:`glu_rows` order and y [m, glu_out] = silu_mul(gate, up)."""
+    gate/up rows in :func:`glu_rows` order and y [m, glu_out] = silu_mul(gate, up). ``norm``
+    as in :func:`dense`."""
     width = glu_out if glu_out > 0 else n
     for r0, r1 in row_slices(m, 32):
         nj, grid, block, shared = config(r1 - r0, n, k)
-        function("linear_mma", f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}>", EXPRS)(
+        function("linear_mma", f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[norm is not None]}>",
+                 EXPRS)(
             grid, block, (rows_of(a, r0, r1, k), b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
                           null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
-                          np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out)),
-            shared_mem=shared)
+                          np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out), *_norm_args(norm, null)),
+            shared_mem=_norm_shared(norm, shared, k))

@@ -1,0 +1,116 @@
+"""lockstep.RMSNormMatMul (core.fusion): a projection (MatMul, MatMulNBits, SiluGatedMatMul or
+SiluGatedMatMulNBits) of an RMSNorm's output (SkipSimplifiedLayerNormalization, or
+SimplifiedLayerNormalization over the last axis), with the norm's other outputs.
+
+One launch where the projection runs on the tensor-core kernels with prepared weights (or
+MatMulNBits' in-place int4 codes), the activations are fp16 and at most 8 rows: the kernel's
+RMSNorm prologue (kernels/linear_mma.cu ``norm_rows``) computes the normalised rows in shared
+memory with exactly kernels/rms_norm.cu's arithmetic and the blocks of column 0 store the
+residual sum, so the result is bitwise the norm kernel followed by the projection kernel.
+Everything else (more rows, fp32, a norm bias, a wanted mean or inv_std_var output) runs the two
+parts in turn (core.fusion.run_parts): the same bits either way, so a row's result never depends
+on the batch size.
+"""
+
+import numpy as np
+
+from core import fusion
+from providers.cuda.module import ctype
+from providers.cuda.ops import (
+    NULL,
+    _mma,
+    matmul,
+    matmul_nbits,
+    silu_gated_matmul,
+    silu_gated_matmul_nbits,
+    simplified_layer_normalization,
+    skip_simplified_layer_normalization,
+)
+
+OP_TYPE = "RMSNormMatMul"
+DOMAIN = "lockstep"
+MODULES = {(getattr(m, "DOMAIN", ""), m.OP_TYPE): m
+           for m in (matmul, matmul_nbits, silu_gated_matmul, silu_gated_matmul_nbits,
+                     simplified_layer_normalization, skip_simplified_layer_normalization)}
+#: Node calls that took the one-launch path (read by the GPU tests: the fused path ran).
+counts = {"fused_launches": 0, "two_part_runs": 0}
+
+
+def supports(node) -> bool:
+    """Both parts are supported by their own modules."""
+    for part in (fusion.norm_part(node), fusion.consumer_part(node)):
+        module = MODULES.get((part.domain, part.op_type))
+        check = getattr(module, "supports", None)
+        if module is None or (check is not None and not check(part)):
+            return False
+    return True
+
+
+def prepare(ctx, x, skip, gamma, bias, *weights):
+    """The projection's own plan-time hook (core.fusion.prepare_parts): packed or interleaved
+    weights, recorded in the shared ctx.cache under the projection module's key."""
+    return fusion.prepare_parts(ctx, MODULES, weights)
+
+
+def _one_launch(ctx, x, skip, gamma, bias):
+    """(K, rows) when the one-launch path applies to this call, else None."""
+    names = list(ctx.node.outputs) + [""] * 4
+    k = x.shape[-1]
+    m = x.size // k if k else 0
+    if (bias is not None or names[1] or names[2] or gamma.dtype != np.float16 or gamma.size != k
+            or not _mma.norm_applies(x, k, m)):
+        return None
+    if skip is not None and (skip.shape != x.shape or skip.dtype != np.float16 or not skip.flags.c_contiguous):
+        return None
+    return k, m
+
+
+def run(ctx, x, skip, gamma, bias, *weights):
+    fast = _one_launch(ctx, x, skip, gamma, bias)
+    consumer = ctx.node.attrs["consumer"]
+    if fast is not None:
+        done = _fused(ctx, consumer, fast, x, skip, gamma, weights)
+        if done is not None:
+            counts["fused_launches"] += 1
+            return done
+    counts["two_part_runs"] += 1
+    return fusion.run_parts(ctx, MODULES, x, skip, gamma, bias, *weights)
+
+
+def _fused(ctx, consumer: str, km: tuple, x, skip, gamma, weights):
+    """The one-launch path for prepared tensor-core weights; None where it does not apply."""
+    k, m = km
+    names = list(ctx.node.outputs) + [""] * 4
+    total = ctx.output(3, x.shape, x.dtype) if names[3] else None
+    norm = _mma.Norm(skip, gamma, total, float(ctx.node.attrs[fusion.NORM_EPSILON]))
+    cache = ctx.cache
+    if consumer in ("MatMul", "SiluGatedMatMul"):
+        prepared = cache.get(_mma.PREPARED)
+        if prepared is None or prepared[0] != k:
+            return None
+        n = prepared[1]
+        y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
+        _mma.dense(x, weights[0], None, y, m, n, k, NULL, glu=consumer == "SiluGatedMatMul", norm=norm)
+    elif consumer == "SiluGatedMatMulNBits":
+        prepared = cache.get(silu_gated_matmul_nbits.PREPARED)
+        if prepared is None or prepared[0] != k:
+            return None
+        _, n, bs, zp_mode, zp_stride = prepared
+        b, scales, zp = weights[0], weights[1], weights[2]
+        y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
+        _mma.nbits4(x, b, scales, NULL if zp is None else zp, zp_mode, zp_stride, None, y, m, _mma.glu_width(n), k,
+                    bs, ctype(scales.dtype), NULL, glu_out=n, norm=norm)
+    elif consumer == "MatMulNBits":
+        b, scales = weights[0], weights[1]
+        zero_points = weights[2] if len(weights) > 2 else None
+        if len(weights) > 3 and any(w is not None for w in weights[3:]):  # g_idx or bias
+            return None
+        kk, n, bits, bs, nb = matmul_nbits.geometry(fusion.consumer_part(ctx.node).attrs, x, b, scales)
+        zp, zp_mode, zp_stride = matmul_nbits.zero_point_mode(zero_points, x.dtype, n, nb)
+        if not matmul_nbits.uses_mma(x, bits, kk, zp_mode, zero_points):
+            return None
+        y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
+        _mma.nbits4(x, b, scales, zp, zp_mode, zp_stride, None, y, m, n, k, bs, ctype(scales.dtype), NULL, norm=norm)
+    else:
+        return None
+    return (y, None, None, total)[:len(ctx.node.outputs)]

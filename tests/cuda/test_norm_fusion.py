@@ -1,0 +1,55 @@
+"""The fused RMSNorm + projection launch (lockstep.RMSNormMatMul, kernels/linear_mma.cu NORM)
+on the GPU: bitwise the unfused norm and projection kernels, at batch sizes that take the
+one-launch path (<= 8 rows) and the two-part path, in prefill and decode; and the one-launch
+path actually ran."""
+
+import numpy as np
+import pytest
+from _gpu import require_gpu
+
+require_gpu()
+
+from core.session import Session  # noqa: E402
+from providers.cuda.ops import rms_norm_matmul  # noqa: E402
+from providers.cuda.provider import CudaProvider  # noqa: E402
+
+
+class Unfused(CudaProvider):
+    """The cuda provider without the RMSNormMatMul pass."""
+
+    def supports(self, node):
+        return node.op_type != "RMSNormMatMul" and super().supports(node)
+
+
+def _decode(model_dir, provider, rows, steps=12, capture=False):
+    s = Session(model_dir, provider, batch=len(rows), capacity=64, capture=capture)
+    tokens, logits = [s.prefill(rows).tokens], [np.asarray(s.last_logits(), np.float32)]
+    for _ in range(steps):
+        tokens.append(s.step().tokens)
+        logits.append(np.asarray(s.last_logits(), np.float32))
+    return np.stack(tokens), np.stack(logits), s
+
+
+@pytest.mark.parametrize("batch", [1, 3, 12])
+def test_fused_norm_projection_is_bitwise_the_unfused_kernels(model_dir, batch):
+    rng = np.random.default_rng(batch)
+    rows = [list(rng.integers(3, 200, int(n))) for n in rng.integers(1, 9, batch)]
+    before = dict(rms_norm_matmul.counts)
+    fused_tokens, fused_logits, session = _decode(model_dir, CudaProvider(), rows)
+    ran = {k: rms_norm_matmul.counts[k] - before[k] for k in before}
+    plain_tokens, plain_logits, plain = _decode(model_dir, Unfused(), rows)
+    assert any(n.op_type == "RMSNormMatMul" for n in session.plan.nodes)
+    assert not any(n.op_type == "RMSNormMatMul" for n in plain.plan.nodes)
+    assert np.array_equal(fused_tokens, plain_tokens)
+    assert np.array_equal(fused_logits, plain_logits)
+    if "fp32" not in str(model_dir):
+        # decode steps of <= 8 rows take the one-launch path; prefill (more rows) the two parts
+        assert ran["fused_launches"] > 0 if batch <= 8 else ran["fused_launches"] == 0
+        assert ran["two_part_runs"] > 0
+
+
+def test_fused_norm_projection_under_capture_is_bitwise_eager(model_dir):
+    rows = [[5, 17, 42], [9], [100, 101, 102, 103, 104]]
+    eager = _decode(model_dir, CudaProvider(), rows, capture=False)
+    captured = _decode(model_dir, CudaProvider(), rows, capture=True)
+    assert np.array_equal(eager[0], captured[0]) and np.array_equal(eager[1], captured[1])
