@@ -23,7 +23,7 @@ GEMMA3 = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hid
 def test_gemma3_checkpoint_gets_the_fields_the_builder_reads(tmp_path):
     config = _loaded(tmp_path, **GEMMA3)
     with pytest.raises(AttributeError):  # what stopped the 0.18 builder
-        config.rope_local_base_freq
+        _ = config.rope_local_base_freq
     changed = compat_config(config)
     assert config.rope_local_base_freq == 10000.0
     rope = config.rope_parameters
