@@ -401,6 +401,7 @@ def _norm_matmul_case(m, consumer, skip=True) -> OpCase:
     k, n = 576, 52
     nbits = consumer.endswith("NBits")
     gated = consumer.startswith("SiluGated")
+    names: tuple[str, ...]
     if gated:
         names = ("b_gate", "scales_gate", "zp_gate", "b_up", "scales_up", "zp_up") if nbits else ("w_gate", "w_up")
     else:

@@ -51,11 +51,11 @@ def stats() -> dict:
 
 
 def supports(node) -> bool:
-    return not gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True)
+    return not gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True, any_norm_dtype=False)
 
 
 def support_reason(node) -> str | None:
-    return "; ".join(gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True)) or None
+    return "; ".join(gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True, any_norm_dtype=False)) or None
 
 
 def replay_key(ctx, *inputs) -> tuple:
