@@ -77,7 +77,7 @@ def test_prepared_gated_matmul_launches_what_the_unprepared_one_does(launches):
     assert set(changes) == {1, 2} and changes[2] is None
     assert np.array_equal(changes[1], _mma.pack(np, wg, wu))
     silu_gated_matmul.run(ctx, x, changes[1], None)
-    assert launches[0][0] == "mma_dense<1, true>"
+    assert launches[0][0] == "mma_dense<1, true, false>"
     _same_launch(launches[0], launches[1])
 
 

@@ -25,7 +25,7 @@
 // hi = q*s, lo = fma(q, s, -hi): both exact or correctly rounded, so bitwise the fp32 route);
 // float zero points or fp32 scales take the fp32 route.
 //
-// NORM = true (NJ = 1, M <= 8): the RMSNorm prologue (norm_rows, below) computes the block's
+// mma_dense NORM = true (NJ = 1): the RMSNorm prologue (norm_rows, below) computes the block's
 // activation rows in shared memory first: one launch for SkipSimplifiedLayerNormalization and the
 // projection that reads its output (lockstep.RMSNormMatMul), bitwise the two launches.
 #include <cuda_fp16.h>
@@ -111,15 +111,18 @@ __device__ __forceinline__ void ld_x16(const __half* x, long long m, int K, int 
     }
 }
 
-// RMSNorm prologue (NORM kernels, lockstep.RMSNormMatMul): the block's rows m0 .. m0 + 7 of
-// v = x (+ skip) are normalised with exactly the arithmetic of kernels/rms_norm.cu, so the
-// fused launch is bitwise SkipSimplifiedLayerNormalization followed by the projection:
+// RMSNorm prologue (NORM kernels, lockstep.RMSNormMatMul): the block's rows m0 .. m0 + R - 1
+// (R = min(8, M - m0)) of v = x (+ skip) are normalised with exactly the arithmetic of
+// kernels/rms_norm.cu, so the fused launch is bitwise SkipSimplifiedLayerNormalization followed
+// by the projection:
 //   sum(v^2): 256 virtual threads t, each an fmaf chain over d = t, t + 256, ... ascending; per
 //     virtual warp the xor-shuffle tree (lane 0's value); the 8 warp sums added in ascending order.
 //   inv = 1 / sqrtf(sum / K + eps); y = fp16((v * inv) * gamma) (v in fp32: x + skip, __fadd_rn).
-// y goes to the shared rows xs [8][K + 8] halves (the pad keeps the 8 rows on distinct banks);
-// rows >= M are zeros.  The blocks of column 0 also store v rounded to fp16 (output 3, the
-// residual sum) into sum_out.  red: 64 floats of scratch.  Needs K % 8 == 0.
+// Virtual warp vw runs on real warp vw % nwarps (same lanes), so the xor trees are the same.
+// Shared memory after the GEMM's partials: x, skip [R][K] and gamma [K] as halves (cp.async, one
+// round trip), inv [8], red [8][8], then xs [R][K + 8] halves (y; the pad keeps the rows on
+// distinct banks; rows >= R are read as zeros, never stored).  The blocks of column 0 also store v rounded to fp16 (output 3, the residual sum)
+// into sum_out.  Needs K % 8 == 0.
 struct NormArgs {
     const __half* skip;   // [M, K] or null
     const __half* gamma;  // [K]
@@ -127,49 +130,80 @@ struct NormArgs {
     float eps;
 };
 
-__device__ __forceinline__ float norm_v(const __half* x, const __half* skip, long long i) {
-    const float t = __half2float(x[i]);
-    return skip ? __fadd_rn(t, __half2float(skip[i])) : t;
+// Shared floats of the prologue before xs: raw x, skip (R rows each) and gamma as halves
+// (rounded up to floats), inv [8], red [64].
+__host__ __device__ constexpr int norm_floats(int rows, int K) { return (2 * rows * K + K + 1) / 2 + 72; }
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
 }
 
 __device__ void norm_rows(const __half* __restrict__ x, const NormArgs& na, int M, int K, int m0,
-                          __half* xs, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, xst = K + 8;
-    for (int p = warp; p < 64; p += nw) {  // (row, virtual warp) pairs
-        const int r = p >> 3, vw = p & 7, m = m0 + r;
-        float s = 0.f;
-        if (m < M)
-            for (int d = vw * 32 + lane; d < K; d += 256) {
-                const float t = norm_v(x, na.skip, (long long)m * K + d);
-                s = fmaf(t, t, s);
-            }
+                          float* sm, __half* xs) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, nt = blockDim.x;
+    const int R = min(8, M - m0), xst = K + 8, u8 = K / 8;
+    __half* xh = reinterpret_cast<__half*>(sm);  // [R][K]
+    __half* sh = xh + R * K;                     // [R][K] (skip)
+    __half* gh = sh + R * K;                     // [K]
+    float* inv = sm + norm_floats(R, K) - 72; float* red = inv + 8;
+    // one memory round trip: every 16-byte piece of x, skip and gamma copied asynchronously
+    const int units = (na.skip ? 2 * R + 1 : R + 1) * u8;
+    for (int u = threadIdx.x; u < units; u += nt) {
+        const int r = u / u8, d0 = (u - r * u8) * 8;
+        if (r < R) cp_async16(xh + r * K + d0, x + (long long)(m0 + r) * K + d0);
+        else if (r == R) cp_async16(gh + d0, na.gamma + d0);
+        else cp_async16(sh + (r - R - 1) * K + d0, na.skip + (long long)(m0 + r - R - 1) * K + d0);
+    }
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();
+    auto v = [&](int r, int d) {
+        const float t = __half2float(xh[r * K + d]);
+        return na.skip ? __fadd_rn(t, __half2float(sh[r * K + d])) : t;
+    };
+    for (int vw = warp; vw < 8; vw += nw) {  // all rows' chains of this virtual warp, then the trees
+        float s[8];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-        s = __shfl_sync(0xffffffffu, s, 0);
-        if (lane == 0) red[p] = s;
+        for (int r = 0; r < 8; ++r) {
+            s[r] = 0.f;
+            if (r < R)
+                for (int d = vw * 32 + lane; d < K; d += 256) { const float t = v(r, d); s[r] = fmaf(t, t, s[r]); }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int r = 0; r < 8; ++r) s[r] = __fadd_rn(s[r], __shfl_xor_sync(0xffffffffu, s[r], o));
+        if (lane == 0)
+#pragma unroll
+            for (int r = 0; r < 8; ++r) red[r * 8 + vw] = s[r];
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < 8 * K; e += blockDim.x) {
-        const int r = e / K, d = e - r * K, m = m0 + r;
-        __half out = __float2half(0.f);
-        if (m < M) {
-            float tot = 0.f;
+    if (threadIdx.x < R) {
+        float tot = 0.f;
 #pragma unroll
-            for (int w = 0; w < 8; ++w) tot = __fadd_rn(tot, red[r * 8 + w]);
-            const float inv = __fdiv_rn(1.f, sqrtf(__fadd_rn(__fdiv_rn(tot, (float)K), na.eps)));
-            const float t = norm_v(x, na.skip, (long long)m * K + d);
-            out = __float2half_rn(__fmul_rn(__fmul_rn(t, inv), __half2float(na.gamma[d])));
-            if (na.sum_out && blockIdx.x == 0) na.sum_out[(long long)m * K + d] = __float2half_rn(t);
+        for (int w = 0; w < 8; ++w) tot = __fadd_rn(tot, red[threadIdx.x * 8 + w]);
+        inv[threadIdx.x] = __fdiv_rn(1.f, sqrtf(__fadd_rn(__fdiv_rn(tot, (float)K), na.eps)));
+    }
+    __syncthreads();
+    const bool store_sum = na.sum_out && na.skip && blockIdx.x == 0;
+    for (int r = 0; r < R; ++r) {
+        const float ir = inv[r];
+        for (int d = threadIdx.x; d < K; d += nt) {
+            const float t = v(r, d);
+            xs[r * xst + d] = __float2half_rn(__fmul_rn(__fmul_rn(t, ir), __half2float(gh[d])));
+            if (store_sum) na.sum_out[(long long)(m0 + r) * K + d] = __float2half_rn(t);
         }
-        xs[r * xst + d] = out;
     }
     __syncthreads();
 }
 
-// Row g's normalised activations xs[g, kl .. kl + 15] (16 halves), zeros past K.
-__device__ __forceinline__ void ld_xs16(const __half* xs, int g, int K, int kl, uint4* out) {
+// Row g's normalised activations xs[g, kl .. kl + 15] (16 halves), zeros past K and for rows
+// g >= R (the block's live rows, never written).
+__device__ __forceinline__ void ld_xs16(const __half* xs, int g, int K, int kl, int R, uint4* out) {
     const __half* row = xs + g * (K + 8);
-    if (kl + 16 <= K) {
+    if (g >= R) {
+        out[0] = make_uint4(0, 0, 0, 0); out[1] = out[0];
+    } else if (kl + 16 <= K) {
         const uint4* p = reinterpret_cast<const uint4*>(row + kl);
         out[0] = p[0]; out[1] = p[1];
     } else {
@@ -208,8 +242,9 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 #pragma unroll
     for (int i = 0; i < 8; ++i) if (i < 4 || kbeg + 64 < kend) a[i] = base[(long long)((kbeg >> 4) + i) * 32];
     PDL_ENTER();
-    __half* xs = reinterpret_cast<__half*>(part + nseg * 16 * 8 * NJ);  // NORM: [8][K + 8]
-    if constexpr (NORM) norm_rows(x, norm, M, K, m0, xs, part);
+    float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
+    __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
+    if constexpr (NORM) norm_rows(x, norm, M, K, m0, nsm, xs);
     for (int k0 = kbeg; k0 < kend; k0 += 128) {
         const bool two = k0 + 64 < kend;
         if (k0 != kbeg) {
@@ -224,7 +259,7 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 const int m = m0 + j * 8 + g;
-                if constexpr (NORM) ld_xs16(xs, j * 8 + g, K, kl, xa[j]);
+                if constexpr (NORM) ld_xs16(xs, j * 8 + g, K, kl, M - m0, xa[j]);
                 else ld_x16(x, m, K, kl, m < M, xa[j]);
             }
 #pragma unroll
@@ -267,15 +302,12 @@ __device__ __forceinline__ void split_f16(unsigned codes, __half2 zq, __half2 s,
 
 // int4 MatMulNBits.  grid/block/shared/GLU as mma_dense (GLU: the rows of q, scales and zero
 // points interleaved as dense's packed rows).  Requires K % 16 == 0 and fp16 X.
-template <int NJ, typename S, bool GLU, bool NORM>
+template <int NJ, typename S, bool GLU>
 __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
                                                   const S* __restrict__ scales, const void* __restrict__ zp,
                                                   int zp_mode, int zp_stride, const __half* __restrict__ bias,
                                                   __half* __restrict__ y, int M, int N, int K, int bs,
-                                                  int n_out, const __half* n_skip, const __half* n_gamma,
-                                                 __half* n_sum, float n_eps) {
-    const NormArgs norm{n_skip, n_gamma, n_sum, n_eps};
-    static_assert(!NORM || NJ == 1, "the RMSNorm prologue holds 8 rows");
+                                                  int n_out) {
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nseg = blockDim.x >> 5;
@@ -314,8 +346,6 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
     };
     load_w(kbeg);  // before PDL_ENTER: overlaps the end of the previous kernel (kernels/pdl.cuh)
     PDL_ENTER();
-    __half* xs = reinterpret_cast<__half*>(part + nseg * 16 * 8 * NJ);  // NORM: [8][K + 8]
-    if constexpr (NORM) norm_rows(x, norm, M, K, m0, xs, part);
     for (int k0 = kbeg; k0 < kend; k0 += 64) {
         const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
         const bool kv = kl < K;
@@ -325,9 +355,7 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
             const int m = m0 + j * 8 + g;
-            if (NORM && kv) {
-                ld_xs16(xs, j * 8 + g, K, kl, xa[j]);
-            } else if (m < M && kv) {
+            if (m < M && kv) {
                 const uint4* p = reinterpret_cast<const uint4*>(x + (long long)m * K + kl);
                 xa[j][0] = p[0]; xa[j][1] = p[1];
             } else {

@@ -23,11 +23,12 @@ MAX_K = 8 * SEG_K  # one warp per K segment, at most 8 warps per block
 _BOOL = ("false", "true")
 EXPRS = (tuple(f"mma_dense<{nj}, {glu}, false>" for nj in (1, 2, 4) for glu in _BOOL)
          + tuple(f"mma_dense<1, {glu}, true>" for glu in _BOOL)
-         + tuple(f"mma_nbits4<{nj}, {s}, {glu}, false>" for nj in (1, 2, 4) for s in ("__half", "float")
-                 for glu in _BOOL)
-         + tuple(f"mma_nbits4<1, {s}, {glu}, true>" for s in ("__half", "float") for glu in _BOOL))
-#: Most rows a fused RMSNorm prologue launch takes (its 8 activation rows live in shared memory).
-NORM_ROWS = 8
+         + tuple(f"mma_nbits4<{nj}, {s}, {glu}>" for nj in (1, 2, 4) for s in ("__half", "float")
+                 for glu in _BOOL))
+#: Most rows a fused RMSNorm prologue launch takes. The kernel holds up to 8, but measured on the
+#: H200 (docs/benchmarks/kernels.md) the prologue's per-row work cost more than the separate norm
+#: launch it saves from 2 rows on, so only single-row (batch-1 decode) calls take it.
+NORM_ROWS = 1
 
 
 class Norm(NamedTuple):
@@ -58,8 +59,26 @@ def _norm_args(norm: Norm | None, null) -> tuple:
             null if norm.sum_out is None else norm.sum_out, np.float32(norm.eps))
 
 
-def _norm_shared(norm: Norm | None, shared: int, k: int) -> int:
-    return shared if norm is None else shared + 8 * (k + 8) * 2
+#: Dynamic shared memory above this needs the kernel's opt-in attribute.
+_DEFAULT_SHARED = 48 * 1024
+_opted: dict = {}
+
+
+def _launch(expr: str, grid, block, args, shared: int) -> None:
+    kern = function("linear_mma", expr, EXPRS)
+    if shared > _DEFAULT_SHARED and _opted.get(expr, 0) < shared:
+        kern.max_dynamic_shared_size_bytes = shared
+        _opted[expr] = shared
+    kern(grid, block, args, shared_mem=shared)
+
+
+def _norm_shared(norm: Norm | None, shared: int, k: int, m: int) -> int:
+    """The GEMM's shared bytes plus the RMSNorm prologue's (kernels/linear_mma.cu norm_rows:
+    x, skip and gamma as fp16, the row statistics, and the padded fp16 rows)."""
+    if norm is None:
+        return shared
+    rows = min(8, m)
+    return shared + ((2 * rows * k + k + 1) // 2 + 72) * 4 + rows * (k + 8) * 2
 
 
 @functools.lru_cache(maxsize=4096)
@@ -170,23 +189,19 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
     rows = glu_width(n) if glu else n
     for r0, r1 in row_slices(m, 32):
         nj, grid, block, shared = config(r1 - r0, rows, k)
-        function("linear_mma", f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}>", EXPRS)(
-            grid, block, (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
-                          np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n), *_norm_args(norm, null)),
-            shared_mem=_norm_shared(norm, shared, k))
+        _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}>", grid, block,
+                (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
+                 np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n), *_norm_args(norm, null)),
+                _norm_shared(norm, shared, k, r1 - r0))
 
 
-def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0,
-           norm: Norm | None = None):
+def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0):
     """y = a @ dequant(b)^T (+ bias), n weight rows. ``glu_out`` > 0: b, scales and zp hold
-    gate/up rows in :func:`glu_rows` order and y [m, glu_out] = silu_mul(gate, up). ``norm``
-    as in :func:`dense`."""
+    gate/up rows in :func:`glu_rows` order and y [m, glu_out] = silu_mul(gate, up)."""
     width = glu_out if glu_out > 0 else n
     for r0, r1 in row_slices(m, 32):
         nj, grid, block, shared = config(r1 - r0, n, k)
-        function("linear_mma", f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[norm is not None]}>",
-                 EXPRS)(
-            grid, block, (rows_of(a, r0, r1, k), b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
-                          null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
-                          np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out), *_norm_args(norm, null)),
-            shared_mem=_norm_shared(norm, shared, k))
+        _launch(f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}>", grid, block,
+                (rows_of(a, r0, r1, k), b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
+                 null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
+                 np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out)), shared)

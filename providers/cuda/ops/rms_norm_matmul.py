@@ -2,20 +2,22 @@
 SiluGatedMatMulNBits) of an RMSNorm's output (SkipSimplifiedLayerNormalization, or
 SimplifiedLayerNormalization over the last axis), with the norm's other outputs.
 
-One launch where the projection runs on the tensor-core kernels with prepared weights (or
-MatMulNBits' in-place int4 codes), the activations are fp16 and at most 8 rows: the kernel's
+One launch where the projection is a dense fp16 MatMul or SiluGatedMatMul on the tensor-core
+kernel with prepared weights and the call has one activation row (a batch-1 decode step): the kernel's
 RMSNorm prologue (kernels/linear_mma.cu ``norm_rows``) computes the normalised rows in shared
 memory with exactly kernels/rms_norm.cu's arithmetic and the blocks of column 0 store the
 residual sum, so the result is bitwise the norm kernel followed by the projection kernel.
-Everything else (more rows, fp32, a norm bias, a wanted mean or inv_std_var output) runs the two
-parts in turn (core.fusion.run_parts): the same bits either way, so a row's result never depends
-on the batch size.
+Everything else (more rows, int4 projections, fp32, a norm bias, a wanted mean or inv_std_var
+output) runs the two parts in turn (core.fusion.run_parts): the same bits either way, so a row's
+result never depends on the batch size. Measured on the H200 (docs/benchmarks/kernels.md), the
+prologue beat the separate norm launch only for one row of fp16 activations.
 """
+
+import os
 
 import numpy as np
 
 from core import fusion
-from providers.cuda.module import ctype
 from providers.cuda.ops import (
     NULL,
     _mma,
@@ -32,12 +34,18 @@ DOMAIN = "lockstep"
 MODULES = {(getattr(m, "DOMAIN", ""), m.OP_TYPE): m
            for m in (matmul, matmul_nbits, silu_gated_matmul, silu_gated_matmul_nbits,
                      simplified_layer_normalization, skip_simplified_layer_normalization)}
+#: Projections the one-launch path serves.
+DENSE = ("MatMul", "SiluGatedMatMul")
 #: Node calls that took the one-launch path (read by the GPU tests: the fused path ran).
 counts = {"fused_launches": 0, "two_part_runs": 0}
 
 
 def supports(node) -> bool:
-    """Both parts are supported by their own modules."""
+    """A dense projection (:data:`DENSE`; the int4 ones never take the one-launch path, so the
+    pass leaves them alone) whose two parts are supported by their own modules, unless
+    LOCKSTEP_CUDA_NORM_FUSION is "0" (the pass then keeps every norm and projection apart)."""
+    if os.environ.get("LOCKSTEP_CUDA_NORM_FUSION", "1") == "0" or node.attrs.get("consumer") not in DENSE:
+        return False
     for part in (fusion.norm_part(node), fusion.consumer_part(node)):
         module = MODULES.get((part.domain, part.op_type))
         check = getattr(module, "supports", None)
@@ -84,33 +92,13 @@ def _fused(ctx, consumer: str, km: tuple, x, skip, gamma, weights):
     total = ctx.output(3, x.shape, x.dtype) if names[3] else None
     norm = _mma.Norm(skip, gamma, total, float(ctx.node.attrs[fusion.NORM_EPSILON]))
     cache = ctx.cache
-    if consumer in ("MatMul", "SiluGatedMatMul"):
+    if consumer in DENSE:
         prepared = cache.get(_mma.PREPARED)
         if prepared is None or prepared[0] != k:
             return None
         n = prepared[1]
         y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
         _mma.dense(x, weights[0], None, y, m, n, k, NULL, glu=consumer == "SiluGatedMatMul", norm=norm)
-    elif consumer == "SiluGatedMatMulNBits":
-        prepared = cache.get(silu_gated_matmul_nbits.PREPARED)
-        if prepared is None or prepared[0] != k:
-            return None
-        _, n, bs, zp_mode, zp_stride = prepared
-        b, scales, zp = weights[0], weights[1], weights[2]
-        y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
-        _mma.nbits4(x, b, scales, NULL if zp is None else zp, zp_mode, zp_stride, None, y, m, _mma.glu_width(n), k,
-                    bs, ctype(scales.dtype), NULL, glu_out=n, norm=norm)
-    elif consumer == "MatMulNBits":
-        b, scales = weights[0], weights[1]
-        zero_points = weights[2] if len(weights) > 2 else None
-        if len(weights) > 3 and any(w is not None for w in weights[3:]):  # g_idx or bias
-            return None
-        kk, n, bits, bs, nb = matmul_nbits.geometry(fusion.consumer_part(ctx.node).attrs, x, b, scales)
-        zp, zp_mode, zp_stride = matmul_nbits.zero_point_mode(zero_points, x.dtype, n, nb)
-        if not matmul_nbits.uses_mma(x, bits, kk, zp_mode, zero_points):
-            return None
-        y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
-        _mma.nbits4(x, b, scales, zp, zp_mode, zp_stride, None, y, m, n, k, bs, ctype(scales.dtype), NULL, norm=norm)
     else:
         return None
     return (y, None, None, total)[:len(ctx.node.outputs)]
