@@ -124,14 +124,18 @@ def gate_view(node) -> SimpleNamespace:
 
 
 # -- GroupQueryAttention (com.microsoft, docs/ops.md 1) -------------------------------------
-def gqa_unsupported(node, interleaved: bool = True, bias: bool = True, qk_norm: bool = False) -> list[str]:
+def gqa_unsupported(node, interleaved: bool = True, bias: bool = True, qk_norm: bool = False,
+                    any_norm_dtype: bool = True) -> list[str]:
     """The attributes, inputs and dtypes of a GroupQueryAttention node outside what the
     built-in kernels run (empty: supported), each as ``what=value (meaning)``.
 
     Args:
         interleaved: the kernel runs ``rotary_interleaved=1``.
         bias: the kernel reads ``position_ids`` and ``attention_bias`` (inputs 9, 10).
-        qk_norm: the kernel applies the fused q/k RMSNorm (inputs 14, 15, ``qk_norm_epsilon``).
+        qk_norm: the kernel applies the fused q/k RMSNorm (inputs 14, 15 given together;
+            ``qk_norm_epsilon``, overridden per side by ``q_norm_epsilon`` / ``k_norm_epsilon``).
+        any_norm_dtype: the q/k norm weights may have another float dtype than the query (else
+            a declared dtype that differs is reported).
     """
     attrs = node.attrs
     ins = list(node.inputs) + [""] * 17
@@ -155,6 +159,19 @@ def gqa_unsupported(node, interleaved: bool = True, bias: bool = True, qk_norm: 
     names = ["k_scale", "v_scale", "q_norm_weight (fused q/k RMSNorm)", "k_norm_weight (fused q/k RMSNorm)",
              "query_seqlens"]
     out += [f"input {names[j - 12]}" for j in range(12, 17) if ins[j] and not (qk_norm and j in (14, 15))]
+    if qk_norm and bool(ins[14]) != bool(ins[15]):
+        out.append("q_norm_weight without k_norm_weight or the reverse (ORT requires both)")
+    dtypes = list(node.input_dtypes or ()) + [None] * 17
+    if qk_norm and ins[14] and not any_norm_dtype:
+        for j, name in ((14, "q_norm_weight"), (15, "k_norm_weight")):
+            if dtypes[j] is not None and dtypes[0] is not None and np.dtype(dtypes[j]) != np.dtype(dtypes[0]):
+                out.append(f"{name} dtype {np.dtype(dtypes[j]).name} (the kernel needs the query's, "
+                           f"{np.dtype(dtypes[0]).name})")
+    if qk_norm and ins[14]:
+        for a in ("qk_norm_epsilon", "q_norm_epsilon", "k_norm_epsilon"):
+            eps = float(attrs.get(a, 1e-6))
+            if not (np.isfinite(eps) and eps > 0):
+                out.append(f"{a}={eps} (must be finite and > 0)")
     if any(node.outputs[3:]):
         out.append("output qk")
     dtype = node.input_dtypes[0] if node.input_dtypes else None

@@ -10,10 +10,12 @@ A *source* is one of:
 
 A GGUF source is first dequantized by transformers (with ``gguf``) into a transformers folder
 (the state dict copied into a fresh ``AutoModelForCausalLM.from_config``: the GGUF-loaded model
-refuses ``save_pretrained``); then ``python -m onnxruntime_genai.models.builder`` writes the
-variant, with ``windowed_kv_cache=false`` (sliding-window layers keep a full-length KV cache and
-the window is a mask, ``local_window_size``; Lockstep has one KV geometry for every layer).
-Nothing is fetched from a hub.
+refuses ``save_pretrained``); then the ONNX Runtime GenAI builder writes the variant, with
+``windowed_kv_cache=false`` (sliding-window layers keep a full-length KV cache and the window is
+a mask, ``local_window_size``; Lockstep has one KV geometry for every layer). The builder runs
+through :mod:`core.models.builder_compat` (:data:`BUILDER_COMMAND`), which derives the rope
+fields the 0.18 builder reads and transformers 5 folds into ``rope_parameters`` (Gemma 3's
+``rope_local_base_freq``). Nothing is fetched from a hub.
 
 Cache. Everything lives under :func:`cache_dir`. A path source is keyed by a content hash of
 its files (:func:`source_digest`; SHA-256 of each file, remembered by path, size and mtime so
@@ -69,6 +71,10 @@ REFUSED_VARIANTS = {
 }
 #: Builder options Lockstep always passes (module docstring).
 BUILDER_OPTIONS = ("windowed_kv_cache=false",)
+#: The builder command before its arguments: ``onnxruntime_genai.models.builder`` run by the
+#: config compatibility shim (core/models/builder_compat.py, run by path: a script that imports
+#: no ``core``, so a user's folder named ``core`` cannot shadow it).
+BUILDER_COMMAND = (sys.executable, str(Path(__file__).resolve().with_name("builder_compat.py")))
 #: Files of a Hugging Face folder left out of its content hash (they do not change the build).
 _UNHASHED_SUFFIXES = (".md", ".lock")
 
@@ -336,7 +342,7 @@ def _run_builder(hf: Path, tmp: Path, variant: Variant, root: Path, progress: Pr
         PrepareError: it failed (the command and the tail of its output).
     """
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
+    cmd = [*BUILDER_COMMAND, "-i", str(hf), "-o", str(tmp),
            "-p", variant.precision, "-e", variant.target, "-c", str(root / "builder-cache"),
            "--extra_options", *BUILDER_OPTIONS]
     lines: list[str] = []

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 #: Geometry shared by every family (the builder's "tiny" scale).
@@ -45,12 +44,11 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         "long_factor": [1.0 + 0.5 * i for i in range(8)]})),
     "gemma2": ("gemma2", dict(sliding_window=24, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                               query_pre_attn_scalar=16, tie_word_embeddings=True)),
-    # the builder reads a flat rope_type and rope_local_base_freq (transformers 5 nests them per
-    # layer type; the flat keys are kept beside the nested ones)
+    # written as a Gemma 3 checkpoint is: rope_theta and rope_local_base_freq, which transformers 5
+    # nests per layer type in rope_parameters (core/models/builder_compat.py restores them)
     "gemma3": ("gemma3_text", dict(sliding_window=24, query_pre_attn_scalar=16, tie_word_embeddings=True,
                                    layer_types=["sliding_attention", "full_attention"],
-                                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                                   rope_local_base_freq=10000.0)),
+                                   rope_theta=1000000.0, rope_local_base_freq=10000.0)),
     # no_rope_layers=[1, 1]: the 0.18 builder cannot build a layer without RoPE (it asks for a
     # position_ids input the graph does not have), so every layer keeps RoPE
     "smollm3": ("smollm3", dict(no_rope_layers=[1, 1], use_sliding_window=True, sliding_window=24,
@@ -107,12 +105,14 @@ def write_checkpoint(family: str, out: str | Path, seed: int = 0, init_std: floa
 
 def run_builder(source: str | Path, out: str | Path, precision: str, target: str, cache: str | Path,
                 extra: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m onnxruntime_genai.models.builder`` offline on ``source`` (a Hugging Face
-    folder, or a .gguf file with its config folder); returns the finished process (not checked)."""
+    """Run the builder offline on ``source`` (a Hugging Face folder, or a .gguf file with its
+    config folder) through the config shim of :mod:`core.models.builder_compat`, as
+    :func:`core.models.prepare.prepare` does; returns the finished process (not checked)."""
+    from core.models.prepare import BUILDER_COMMAND
+
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     src = Path(source)
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-o", str(out), "-p", precision,
-           "-e", target, "-c", str(cache)]
+    cmd = [*BUILDER_COMMAND, "-o", str(out), "-p", precision, "-e", target, "-c", str(cache)]
     if src.suffix == ".gguf":
         cmd += ["-m", str(src.parent), "-i", str(src)]
     else:

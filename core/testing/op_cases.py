@@ -225,24 +225,36 @@ def _kv_buffer(rng, dtype, layout, nkv, head, lengths, cap=CAP):
     return np.ascontiguousarray(buf if layout == "head_major" else buf.transpose(0, 2, 1, 3))
 
 
-def _gqa(layout, seq, pasts, lengths, total, heads, nan_padding, cap=CAP):
-    """Packed-QKV GQA inputs: ``pasts`` rows already cached, ``lengths`` new tokens per row
-    (right padding up to ``seq``, NaN with ``nan_padding``); seqlens_k = past + length - 1."""
+def _gqa(layout, seq, pasts, lengths, total, heads, nan_padding, cap=CAP, qk_norm=False):
+    """GQA inputs: ``pasts`` rows already cached, ``lengths`` new tokens per row (right padding
+    up to ``seq``, NaN with ``nan_padding``); seqlens_k = past + length - 1. Packed QKV, or with
+    ``qk_norm`` separate q/k/v (scaled by 3, which the norm undoes) and q_norm_weight /
+    k_norm_weight [H] (inputs 14, 15), as the builder writes Qwen3 for CUDA."""
     nq, nkv, head = heads
 
     def make(rng, dtype):
         angles = np.arange(max(64, cap))[:, None] / (10000.0 ** (np.arange(0, head, 2) / head))[None, :]
-        query = _normal(rng, (len(pasts), seq, (nq + 2 * nkv) * head), dtype)
+        scale = 3.0 if qk_norm else 1.0
+        query = _normal(rng, (len(pasts), seq, (nq + 2 * nkv) * head), dtype, scale)
         if nan_padding:
             for b, n in enumerate(lengths):
                 query[b, n:] = np.nan
-        return {
-            "query": query, "key": None, "value": None,
+        qkv = {"query": query, "key": None, "value": None}
+        if qk_norm:
+            qkv = {"query": np.ascontiguousarray(query[..., :nq * head]),
+                   "key": np.ascontiguousarray(query[..., nq * head:(nq + nkv) * head]),
+                   "value": np.ascontiguousarray(query[..., (nq + nkv) * head:])}
+        inputs = qkv | {
             "past_key": _kv_buffer(rng, dtype, layout, nkv, head, pasts, cap),
             "past_value": _kv_buffer(rng, dtype, layout, nkv, head, pasts, cap),
             "seqlens_k": np.array([p + n - 1 for p, n in zip(pasts, lengths)], np.int32),
             "total_sequence_length": np.array(total, np.int32),
             "cos_cache": np.cos(angles).astype(dtype), "sin_cache": np.sin(angles).astype(dtype)}
+        if qk_norm:
+            inputs |= {name: None for name in ("position_ids", "attention_bias", "head_sink", "k_scale", "v_scale")}
+            inputs |= {"q_norm_weight": (1 + 0.3 * rng.standard_normal(head)).astype(dtype),
+                       "k_norm_weight": (1 + 0.3 * rng.standard_normal(head)).astype(dtype)}
+        return inputs
     return make
 
 
@@ -278,21 +290,27 @@ def _gqa_alone(inputs: dict[str, Any]) -> Inputs:
     (past, new), = _gqa_spans(inputs)
     if past or new == inputs["query"].shape[1]:
         return inputs
-    return dict(inputs, query=inputs["query"][:, :new], total_sequence_length=np.array(new, np.int32))
+    cut = {k: inputs[k][:, :new] for k in ("query", "key", "value") if inputs.get(k) is not None}
+    return dict(inputs, **cut, total_sequence_length=np.array(new, np.int32))
 
 
 def _gqa_case(name, layout, seq, pasts, lengths, total, heads=(4, 2, 16), scale=None,
-              nan_padding=False, cap=CAP, window=-1) -> OpCase:
+              nan_padding=False, cap=CAP, window=-1, qk_norm=False) -> OpCase:
     nq, nkv, head = heads
+    attributes = {"num_heads": nq, "kv_num_heads": nkv, "scale": head ** -0.5 if scale is None else scale,
+                  "local_window_size": window, "softcap": 0.0, "do_rotary": 1, "rotary_interleaved": 0}
+    constants: tuple[str, ...] = ("cos_cache", "sin_cache")
+    rows: tuple[str, ...] = ("query", "past_key", "past_value", "seqlens_k")
+    if qk_norm:
+        attributes["qk_norm_epsilon"] = 1e-6
+        constants += ("q_norm_weight", "k_norm_weight")
+        rows += ("key", "value")
     return OpCase(
         f"GroupQueryAttention/{name}-{layout}", "GroupQueryAttention",
-        _gqa(layout, seq, pasts, lengths, total, heads, nan_padding, cap), domain="com.microsoft",
-        attributes={"num_heads": nq, "kv_num_heads": nkv, "scale": head ** -0.5 if scale is None else scale,
-                    "local_window_size": window, "softcap": 0.0, "do_rotary": 1, "rotary_interleaved": 0},
-        outputs=("y", "present_key", "present_value"), constants=("cos_cache", "sin_cache"),
+        _gqa(layout, seq, pasts, lengths, total, heads, nan_padding, cap, qk_norm), domain="com.microsoft",
+        attributes=attributes, outputs=("y", "present_key", "present_value"), constants=constants,
         kv_layout=layout, select=_gqa_select(layout),
-        rows=("query", "past_key", "past_value", "seqlens_k") if len(pasts) > 1 else (), alone=_gqa_alone,
-        host=("total_sequence_length",))
+        rows=rows if len(pasts) > 1 else (), alone=_gqa_alone, host=("total_sequence_length",))
 
 
 def _gqa_cases() -> list[OpCase]:
@@ -319,6 +337,12 @@ def _gqa_cases() -> list[OpCase]:
         cases.append(_gqa_case("prompt-split-lengths", layout, 65, [0] * 5, [65, 64, 63, 2, 1], 65, cap=128))
         cases.append(_gqa_case("prompt-1000", layout, 1000, [0, 0], [1000, 300], 1000, cap=1024, **g3))
         cases.append(_gqa_case("append-to-8192", layout, 4, [8188], [4], 8192, cap=8192))
+        # the fused q/k RMSNorm (Qwen3 on CUDA, docs/ops.md 1.3.0): prompt, decode across a chunk
+        # boundary, an append; G = 3 query heads per KV head, H = 128
+        qk = {"qk_norm": True, "heads": (6, 2, 128)}
+        cases.append(_gqa_case("qk-norm-prompt", layout, 6, [0, 0, 0], [6, 3, 1], 6, **qk))
+        cases.append(_gqa_case("qk-norm-decode", layout, 1, [5, 63, 99], [1, 1, 1], 128, cap=128, **qk))
+        cases.append(_gqa_case("qk-norm-append", layout, 4, [3], [4], 7, **qk))
     return cases
 
 

@@ -9,23 +9,9 @@ from core.session import Session
 
 og = pytest.importorskip("onnxruntime_genai")
 
-from _ort import ort_greedy  # noqa: E402
+from _ort import ort_greedy, ort_teacher_forced  # noqa: E402
 
 pytestmark = pytest.mark.model
-
-
-def ort_teacher_forced(model_dir, ids, forced):
-    """Last-position logits [len(forced) + 1, V] after the prompt and after each forced token."""
-    m = og.Model(str(model_dir))
-    params = og.GeneratorParams(m)
-    params.set_search_options(max_length=len(ids) + len(forced) + 1, do_sample=False)
-    gen = og.Generator(m, params)
-    gen.append_tokens(ids)
-    out = [np.asarray(gen.get_logits())[0, -1].astype(np.float32)]
-    for tok in forced:
-        gen.append_tokens([int(tok)])
-        out.append(np.asarray(gen.get_logits())[0, -1].astype(np.float32))
-    return np.stack(out)
 
 
 def test_fp32_greedy_tokens_equal_ort_genai(fp32_model, fp32_model_dir, prompt_ids):

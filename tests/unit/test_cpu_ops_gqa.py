@@ -214,3 +214,72 @@ def test_gqa_quantized_kv_and_qk_output_are_refused():
     assert not gqa.supports(NodeInfo(attrs={"num_heads": 2, "kv_num_heads": 1, "qk_output": 1}, **base))
     scaled = dict(base, inputs=tuple(NAMES) + ("k_scale",))
     assert not gqa.supports(NodeInfo(attrs={"num_heads": 2, "kv_num_heads": 1}, **scaled))
+
+
+
+def _qk_norm_chain(case, one_node, eps):
+    """The GQA of ``case`` after the Reshape -> SimplifiedLayerNormalization -> Reshape chain the
+    builder writes for its CPU graph (what ORT fuses into inputs 14, 15); extra feeds
+    ``<query|key>_shape3``, ``_shape2``, ``_w``."""
+    from onnx import helper
+
+    graph = one_node.model("GroupQueryAttention", case.inputs(case.kv), case.outputs(), "com.microsoft",
+                           **case.attrs).graph
+    nodes = []
+    for name in ("query", "key"):
+        nodes += [helper.make_node("Reshape", [name, f"{name}_shape3"], [f"{name}_heads"]),
+                  helper.make_node("SimplifiedLayerNormalization", [f"{name}_heads", f"{name}_w"],
+                                   [f"{name}_normed"], epsilon=eps, axis=-1, stash_type=1),
+                  helper.make_node("Reshape", [f"{name}_normed", f"{name}_shape2"], [f"{name}_flat"])]
+        graph.input.extend([helper.make_tensor_value_info(f"{name}_{x}", t, None)
+                            for x, t in (("shape3", 7), ("shape2", 7), ("w", 1 if case.dtype == np.float32 else 10))])
+    graph.node[0].input[0], graph.node[0].input[1] = "query_flat", "key_flat"
+    for i, n in enumerate(nodes):
+        graph.node.insert(i, n)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("s,pasts", [(1, (5, 2, 9)), (6, (0, 0, 0))], ids=["decode", "prompt"])
+def test_gqa_fused_qk_norm_is_bitwise_the_builder_cpu_chain(one_node, rng, dtype, s, pasts):
+    """docs/ops.md 1.3.0: inputs 14/15 give the bits of Reshape -> SimplifiedLayerNormalization
+    (over the head size, fp32, rounded to T) -> Reshape before GQA, with RoPE after the norm;
+    a per-side epsilon (k_norm_epsilon) overrides qk_norm_epsilon."""
+    case = Case(rng, b=3, s=s, pasts=pasts, rotary="half", dtype=dtype, cap=16)
+    case.q, case.k = (case.q * 4).astype(dtype), (case.k * 3).astype(dtype)  # scales the norm must undo
+    qw = (1 + 0.3 * rng.standard_normal(case.h)).astype(dtype)
+    kw = (1 + 0.3 * rng.standard_normal(case.h)).astype(dtype)
+    eps = 1e-6
+
+    def fused(**extra):
+        inputs = case.inputs([buf.copy() for buf in case.kv]) | {
+            "k_scale": None, "v_scale": None, "q_norm_weight": qw, "k_norm_weight": kw}
+        model = one_node.model("GroupQueryAttention", inputs, case.outputs(), "com.microsoft",
+                               qk_norm_epsilon=eps, **case.attrs, **extra)
+        return one_node.ref(model, inputs)
+
+    got = fused()
+    feeds = case.inputs([buf.copy() for buf in case.kv]) | {
+        "query_shape3": np.array([0, -1, case.h]), "query_shape2": np.array([0, -1, case.nq * case.h]),
+        "key_shape3": np.array([0, -1, case.h]), "key_shape2": np.array([0, -1, case.nkv * case.h]),
+        "query_w": qw, "key_w": kw}
+    want = one_node.ref(_qk_norm_chain(case, one_node, eps), feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    plain, _ = case.run_ref(one_node)
+    assert not np.allclose(got[0].astype(np.float32), plain[0].astype(np.float32), atol=1e-2), "the norm ran"
+    assert not np.array_equal(fused(k_norm_epsilon=1e3)[0], got[0])
+
+
+def test_gqa_qk_norm_weights_must_come_together():
+    from core.protocol import NodeInfo
+    from providers.cpu_reference.ops import group_query_attention as gqa
+    names = tuple(NAMES) + ("", "")
+    base = dict(name="n", op_type="GroupQueryAttention", domain="com.microsoft", outputs=("o", "pk", "pv"),
+                attrs={"num_heads": 2, "kv_num_heads": 1})
+    assert gqa.supports(NodeInfo(inputs=names + ("qw", "kw"), **base))
+    assert not gqa.supports(NodeInfo(inputs=names + ("qw",), **base))
+    assert "k_norm_weight" in gqa.support_reason(NodeInfo(inputs=names + ("", "kw"), **base))
+    bad = dict(base, attrs={"num_heads": 2, "kv_num_heads": 1, "qk_norm_epsilon": 0.0})
+    assert "qk_norm_epsilon" in gqa.support_reason(NodeInfo(inputs=names + ("qw", "kw"), **bad))

@@ -111,3 +111,29 @@ def test_numpy64_plans_keep_the_projections_unfused(tmp_path, quant):
     reference = [n.op_type for n in Plan(model.graph, model.initializers, CpuReferenceProvider()).nodes]
     assert not any(op.startswith("SiluGated") for op in ops_of) and "SiluMul" in ops_of
     assert any(op.startswith("SiluGated") for op in reference)
+
+
+def test_gqa_fused_qk_norm_is_supported_and_its_bad_forms_are_named():
+    """Inputs 14, 15 (docs/ops.md 1.3.0) run on both built-in providers; one without the other, a
+    non-positive epsilon, and on cuda a weight dtype other than the query's are each named."""
+    from providers.cpu_reference.ops import group_query_attention as ref
+    from providers.cuda.ops import group_query_attention as cuda
+
+    names = ("q", "k", "v", "pk", "pv", "sk", "t", "cos", "sin", "", "", "", "", "")
+    attrs = {"num_heads": 4, "kv_num_heads": 2, "do_rotary": 1}
+
+    def gqa(inputs, dtypes=None, **extra):
+        return NodeInfo(name="attn", op_type="GroupQueryAttention", domain="com.microsoft", attrs=attrs | extra,
+                        inputs=inputs, outputs=("o", "pk2", "pv2"),
+                        input_dtypes=dtypes or (np.float16,) * len(inputs))
+
+    both = gqa(names + ("qw", "kw"))
+    assert ref.supports(both) and cuda.supports(both) and cuda.support_reason(both) is None
+    for kernel in (ref, cuda):
+        assert "q_norm_weight without k_norm_weight" in kernel.support_reason(gqa(names + ("qw",)))
+        assert "qk_norm_epsilon=-1.0" in kernel.support_reason(gqa(names + ("qw", "kw"), qk_norm_epsilon=-1.0))
+    mixed = gqa(names + ("qw", "kw"), (np.float16,) * 14 + (np.float32, np.float16))
+    assert ref.supports(mixed)  # it reads the weights as fp32 whatever their dtype
+    assert cuda.support_reason(mixed) == "q_norm_weight dtype float32 (the kernel needs the query's, float16)"
+    quant = gqa(names[:12] + ("ks", "vs"))
+    assert "input k_scale" in cuda.support_reason(quant) and "input k_scale" in ref.support_reason(quant)

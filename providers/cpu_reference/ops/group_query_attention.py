@@ -5,12 +5,15 @@ key, value [B, S, Nkv*H]; past_key, past_value: the KV buffer, [B, Nkv, P_buf, H
 ctx.kv_layout is "head_major" (the ONNX layout) or [B, P_buf, Nkv, H] when "seq_major";
 seqlens_k int [B] (tokens in row b's cache after this step, minus 1); total_sequence_length
 int scalar / 1-element; cos_cache, sin_cache [max_pos, rotary_dim/2]; position_ids int64 [B, S];
-attention_bias [B|1, Nq|1, S, total]; head_sink [Nq]. Inputs 12..16 (quantized KV, fused
-q/k norm, query_seqlens) are rejected by ``supports``, as are qk_output, causal=0 and
+attention_bias [B|1, Nq|1, S, total]; head_sink [Nq]; q_norm_weight, k_norm_weight [H] (inputs
+14, 15, given together: the fused per-head q/k RMSNorm, docs/ops.md 1.3.0). Inputs 12, 13 and 16
+(quantized KV, query_seqlens) are rejected by ``supports``, as are qk_output, causal=0 and
 sliding_window_cache.
 Outputs: output [B, S, Nq*H]; present_key, present_value.
 
-Per row b: T_b = seqlens_k[b] + 1; P_b = 0 for the first prompt (S == total), else T_b - S
+Per row b: T_b = seqlens_k[b] + 1; with q/k norm weights, every head vector of Q and of the new
+K is first RMS-normalised over its H values (fp32, the bits of SimplifiedLayerNormalization over
+the head axis) and rounded to T; P_b = 0 for the first prompt (S == total), else T_b - S
 (decode: S == 1; subsequent prompt: 1 < S != total, only at B == 1). RoPE (do_rotary) on Q and
 K at positions base + s (first prompt; base = position_ids[0] or 0) or position_ids[b, s] /
 P_b + s. New K/V rows go to cache rows [P_b, P_b + S). For query row s (p = P_b + s) and key
@@ -49,11 +52,36 @@ DOMAIN = "com.microsoft"
 
 
 def supports(node) -> bool:
-    return not gqa_unsupported(node)
+    return not gqa_unsupported(node, qk_norm=True)
 
 
 def support_reason(node) -> str | None:
-    return "; ".join(gqa_unsupported(node)) or None
+    return "; ".join(gqa_unsupported(node, qk_norm=True)) or None
+
+
+def qk_norm(x: np.ndarray, weight, eps: float) -> np.ndarray:
+    """The fused q/k RMSNorm of GroupQueryAttention (docs/ops.md 1.3.0) on head vectors.
+
+    Args:
+        x: [..., H] of T (fp32 or fp16), one head vector per last-axis row.
+        weight: [H], any float dtype (read as fp32).
+        eps: the epsilon (``qk_norm_epsilon`` or its per-side override), added to the mean square.
+
+    Returns:
+        [..., H] of T: ``(x / sqrt(mean(x^2) + eps)) * weight`` computed in fp32 and rounded to
+        T, exactly as SimplifiedLayerNormalization (epsilon=eps, stash_type=1) over the last axis
+        followed by a cast to T: the Reshape -> SimplifiedLayerNormalization -> Reshape chain that
+        ORT fuses into these inputs gives the same bits.
+
+    Raises:
+        ValueError: ``weight`` is not [H].
+    """
+    w = np.asarray(weight, dtype=np.float32)
+    if w.shape != (x.shape[-1],):
+        raise ValueError(f"GroupQueryAttention: q/k norm weight shape {w.shape}, expected ({x.shape[-1]},)")
+    v = np.ascontiguousarray(x, dtype=np.float32)
+    inv = (np.float32(1.0) / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + np.float32(eps))).astype(np.float32)
+    return ((v * inv) * w).astype(x.dtype)
 
 
 def _rows(buf, layout: str, b: int, g: int) -> np.ndarray:
@@ -88,12 +116,15 @@ def _attend(qg, keys, vals, allowed, bias, scale: float, softcap: float, sink):
 
 def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
         total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None,
-        attention_bias=None, head_sink=None, *unsupported):
+        attention_bias=None, head_sink=None, k_scale=None, v_scale=None, q_norm_weight=None,
+        k_norm_weight=None, query_seqlens=None):
     attrs = ctx.node.attrs
     layout = ctx.kv_layout
-    if any(x is not None for x in unsupported):
-        raise ValueError("GroupQueryAttention: inputs 12.. (quantized KV, q/k norm, query_seqlens) "
+    if k_scale is not None or v_scale is not None or query_seqlens is not None:
+        raise ValueError("GroupQueryAttention: inputs k_scale, v_scale (quantized KV) and query_seqlens "
                          "are not supported")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("GroupQueryAttention: q_norm_weight and k_norm_weight must be given together")
     nq, nkv = int(attrs["num_heads"]), int(attrs["kv_num_heads"])
     if nq % nkv:
         raise ValueError(f"GroupQueryAttention: num_heads {nq} not a multiple of kv_num_heads {nkv}")
@@ -125,6 +156,12 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
     pasts = [0 if first else t - s_len for t in totals]
     if min(pasts) < 0:
         raise ValueError(f"GroupQueryAttention: seqlens_k {seqlens} smaller than S {s_len}")
+
+    # 0. The fused q/k RMSNorm, per head vector, rounded to T before RoPE (docs/ops.md 1.3.0).
+    if q_norm_weight is not None:
+        eps = float(attrs.get("qk_norm_epsilon", 1e-6))
+        q = qk_norm(q, q_norm_weight, float(attrs.get("q_norm_epsilon", eps)))
+        k = qk_norm(k, k_norm_weight, float(attrs.get("k_norm_epsilon", eps)))
 
     # 1. RoPE on Q and K (fp32, rounded to T as ORT stores them).
     if attrs.get("do_rotary", 0):

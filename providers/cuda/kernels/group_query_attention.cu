@@ -25,6 +25,11 @@
 //     a = expf(m - m'), b = expf(m_c - m'), l' = l a + l_c b, o' = o a + o_c b (rounded mul, add).
 //   finish: with a sink s (head_sink, or 0 for smooth_softmax): m'' = max(m, s),
 //     a = expf(m - m''), l = l a + expf(s - m''), o = o a; out = o / l (0 when l == 0).
+// Fused q/k RMSNorm (docs/ops.md 1.3.0; qnw/knw non-null): before RoPE, every head vector x of Q and
+//   of the new K: one warp, lane l sums x[d]^2 for d = l, l + 32, ... ascending (fmaf chain),
+//   then the fixed xor tree; r = 1 / sqrt(sum / H + eps) (correctly rounded divisions and sqrt);
+//   y[d] = T(x[d] r w[d]), then RoPE on y as without the norm.  The same function in decode and
+//   prefill, per head vector alone (norm_rope below).
 // Geometry scalars are passed one by one (GEO_ARGS order) and gathered in a Geo struct.
 // Block size is always 128 threads.  Q and K are rotated in fp32 and rounded to T before use
 // (the cache holds T), as cpu_reference does.
@@ -81,6 +86,37 @@ __device__ void rope_t(const T* src, T* dst, const T* cosc, const T* sinc, int p
         }
         dst[d] = from_f<T>(v);
     }
+}
+
+// Fused q/k RMSNorm, then RoPE, of nh adjacent head vectors (H values of T at src, advancing by H)
+// into dst (floats holding values of T, advancing by H): the arithmetic of the header.  A warp per
+// head vector for the norm; RoPE on pairs (i, i + half_rot) in place, rounded to T, with the
+// products and sums of rope().  Every thread of the block must call it (it synchronises).
+template <typename T>
+__device__ void norm_rope(const T* src, float* dst, const T* w, float eps, const T* cosc, const T* sinc, int pos,
+                          int H, int half_rot, int nh, int do_rotary) {
+    const int lane = threadIdx.x & 31;
+    for (int hh = threadIdx.x >> 5; hh < nh; hh += NT / 32) {  // warp-uniform: full-mask shuffles
+        const T* x = src + hh * H;
+        float ss = 0.f;
+        for (int d = lane; d < H; d += 32) { const float v = to_f(x[d]); ss = fmaf(v, v, ss); }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, o));
+        const float r = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)H), eps)));
+        for (int d = lane; d < H; d += 32)
+            dst[hh * H + d] = to_f(from_f<T>(__fmul_rn(__fmul_rn(to_f(x[d]), r), to_f(w[d]))));
+    }
+    __syncthreads();
+    if (!do_rotary) return;
+    for (int e = threadIdx.x; e < nh * half_rot; e += NT) {
+        const int hh = e / half_rot, i = e - hh * half_rot;
+        float* y = dst + hh * H;
+        const float c = to_f(cosc[(long long)pos * half_rot + i]), s = to_f(sinc[(long long)pos * half_rot + i]);
+        const float a = y[i], b = y[i + half_rot];
+        y[i] = to_f(from_f<T>(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s))));
+        y[i + half_rot] = to_f(from_f<T>(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s))));
+    }
+    __syncthreads();
 }
 
 #define CH 64
@@ -187,6 +223,7 @@ __device__ __forceinline__ float finish(float m, float l, float o, bool use_sink
 template <typename T>
 __global__ void gqa_kv_write(const T* __restrict__ kin, const T* __restrict__ vin, T* kc, T* vc,
                              const int* __restrict__ seqlens, const T* cosc, const T* sinc, int do_rotary,
+                             const T* knw, float keps,
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
     PDL_ENTER();
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
@@ -197,7 +234,11 @@ __global__ void gqa_kv_write(const T* __restrict__ kin, const T* __restrict__ vi
     const T* vsrc = vin + (long long)(b * g.S + s) * g.k_row + g.v_off + h * g.H;
     T* kd = kc + b * g.cb + h * g.cg + (long long)row * g.cj;
     T* vd = vc + b * g.cb + h * g.cg + (long long)row * g.cj;
-    if (do_rotary) rope_t<T>(ksrc, kd, cosc, sinc, row, g.H, g.half_rot, threadIdx.x, NT);
+    if (knw != nullptr) {  // fused k norm (block-uniform): normalised and rotated in shared memory
+        __shared__ float kbuf[256];
+        norm_rope<T>(ksrc, kbuf, knw, keps, cosc, sinc, row, g.H, g.half_rot, 1, do_rotary);
+        for (int d = threadIdx.x; d < g.H; d += NT) kd[d] = from_f<T>(kbuf[d]);
+    } else if (do_rotary) rope_t<T>(ksrc, kd, cosc, sinc, row, g.H, g.half_rot, threadIdx.x, NT);
     else for (int d = threadIdx.x; d < g.H; d += NT) kd[d] = ksrc[d];
     for (int d = threadIdx.x; d < g.H; d += NT) vd[d] = vsrc[d];
 }
@@ -218,6 +259,7 @@ __device__ __forceinline__ void query_range(const Geo& g, int past, int tb, int 
 template <typename T>
 __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, const int* __restrict__ seqlens,
                          const T* cosc, const T* sinc, int do_rotary, const T* sinks, T* out, int qb,
+                         const T* qnw, float qeps,
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
     PDL_ENTER();
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
@@ -238,7 +280,9 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
         query_range(g, past, tb, s0 + i, lo, hi);
         if (hi < lo || hi >= g.cap) continue;
         const T* qsrc = qin + (long long)(b * g.S + s0 + i) * g.q_row + h * g.H;
-        if (do_rotary) rope<T, float>(qsrc, qs + i * g.H, cosc, sinc, past + s0 + i, g.H, g.half_rot, tid, NT);
+        if (qnw != nullptr) norm_rope<T>(qsrc, qs + i * g.H, qnw, qeps, cosc, sinc, past + s0 + i, g.H, g.half_rot, 1,
+                                         do_rotary);  // block-uniform (i, the range): it synchronises
+        else if (do_rotary) rope<T, float>(qsrc, qs + i * g.H, cosc, sinc, past + s0 + i, g.H, g.half_rot, tid, NT);
         else for (int d = tid; d < g.H; d += NT) qs[i * g.H + d] = to_f(qsrc[d]);
     }
     if (tid < nqb) { st[6 * tid] = NEG_INF; st[6 * tid + 1] = 0.f; }
@@ -326,6 +370,7 @@ template <typename T>
 __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin, const T* __restrict__ vin,
                            T* kc, T* vc, const int* __restrict__ seqlens, const T* cosc, const T* sinc,
                            int do_rotary, const T* sinks, T* out, float* part, int* tickets,
+                           const T* qnw, const T* knw, float qeps, float keps,
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
     PDL_ENTER();
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
@@ -354,12 +399,17 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
     const int nc = p >= j0 + n ? n : n - 1;  // cache rows of the chunk (row P_b is the new key)
     load_tile<T>(kt, kb + (long long)j0 * g.cj, g.cj, nc, g.H);
     load_tile<T>(vt, vb + (long long)j0 * g.cj, g.cj, nc, g.H);
-    if (do_rotary) rope<T, float>(ksrc, kn, cosc, sinc, p, g.H, g.half_rot, tid, NT);
-    else for (int d = tid; d < g.H; d += NT) kn[d] = to_f(ksrc[d]);
-    for (int d = tid; d < g.H; d += NT) vn[d] = to_f(vsrc[d]);
     const T* qsrc = qin + (long long)b * g.q_row + kvh * G * g.H;  // the group's heads are adjacent
-    if (do_rotary) rope<T, float>(qsrc, qs, cosc, sinc, p, g.H, g.half_rot, tid, NT, G);
-    else for (int i = tid; i < G * g.H; i += NT) qs[i] = to_f(qsrc[i]);
+    for (int d = tid; d < g.H; d += NT) vn[d] = to_f(vsrc[d]);
+    if (qnw != nullptr) {  // fused q/k norm (the block's whole grid takes this branch): synchronises
+        norm_rope<T>(ksrc, kn, knw, keps, cosc, sinc, p, g.H, g.half_rot, 1, do_rotary);
+        norm_rope<T>(qsrc, qs, qnw, qeps, cosc, sinc, p, g.H, g.half_rot, G, do_rotary);
+    } else {
+        if (do_rotary) rope<T, float>(ksrc, kn, cosc, sinc, p, g.H, g.half_rot, tid, NT);
+        else for (int d = tid; d < g.H; d += NT) kn[d] = to_f(ksrc[d]);
+        if (do_rotary) rope<T, float>(qsrc, qs, cosc, sinc, p, g.H, g.half_rot, tid, NT, G);
+        else for (int i = tid; i < G * g.H; i += NT) qs[i] = to_f(qsrc[i]);
+    }
     __syncthreads();
     if (c == c1) {
         for (int d = tid; d < g.H; d += NT) {

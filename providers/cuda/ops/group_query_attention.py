@@ -13,10 +13,15 @@ int32, zero between launches) is one per shape for all layers of a provider (lay
 after the other on one stream).
 
 Supported: packed QKV or separate q/k/v, do_rotary with cos/sin caches (non-interleaved),
-softcap, local_window_size, smooth_softmax, head_sink; KV layout head_major or seq_major
-(ctx.kv_layout). The KV buffer must be shared (past given with >= total rows): new rows are
-written in place and the past arrays are returned as present. Rejected: position_ids,
-attention_bias, rotary_interleaved, quantized KV, inputs 12.., qk_output, causal=0.
+softcap, local_window_size, smooth_softmax, head_sink, the fused q/k RMSNorm (q_norm_weight and
+k_norm_weight [H], inputs 14 and 15, docs/ops.md 1.3.0: every kernel that rotates Q or the new K
+normalises it first with the same device function, so decode and prefill keep giving the same
+bits); KV layout head_major or seq_major (ctx.kv_layout). The KV buffer must be shared (past
+given with >= total rows): new rows are written in place and the past arrays are returned as
+present. Rejected: position_ids, attention_bias, rotary_interleaved, quantized KV (inputs 12,
+13), query_seqlens (16), qk_output, causal=0.
+
+:func:`stats` counts the launcher runs that took the q/k-norm path (tests assert it ran).
 """
 
 import math
@@ -35,12 +40,22 @@ NT = 128
 CH = 64  # positions per KV chunk (the kernel's CH)
 
 
+#: Launcher runs per path since import (replayed launches are not counted): "qk_norm" took the
+#: fused q/k RMSNorm, "plain" did not.
+_counts = {"qk_norm": 0, "plain": 0}
+
+
+def stats() -> dict:
+    """A copy of the launcher-run counters (:data:`_counts`)."""
+    return dict(_counts)
+
+
 def supports(node) -> bool:
-    return not gqa_unsupported(node, interleaved=False, bias=False)
+    return not gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True, any_norm_dtype=False)
 
 
 def support_reason(node) -> str | None:
-    return "; ".join(gqa_unsupported(node, interleaved=False, bias=False)) or None
+    return "; ".join(gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True, any_norm_dtype=False)) or None
 
 
 def replay_key(ctx, *inputs) -> tuple:
@@ -62,11 +77,14 @@ def _exprs(t):
 
 def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
         total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None,
-        attention_bias=None, head_sink=None, *unsupported):
+        attention_bias=None, head_sink=None, k_scale=None, v_scale=None, q_norm_weight=None,
+        k_norm_weight=None, query_seqlens=None):
     attrs = ctx.node.attrs
-    if position_ids is not None or attention_bias is not None or any(x is not None for x in unsupported):
-        raise ValueError("GroupQueryAttention (cuda): position_ids, attention_bias and inputs 12.. "
-                         "are not supported")
+    if any(x is not None for x in (position_ids, attention_bias, k_scale, v_scale, query_seqlens)):
+        raise ValueError("GroupQueryAttention (cuda): position_ids, attention_bias, k_scale, v_scale and "
+                         "query_seqlens are not supported")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("GroupQueryAttention: q_norm_weight and k_norm_weight must be given together")
     if not isinstance(total_sequence_length, (np.ndarray, np.generic, int)):
         raise ValueError("GroupQueryAttention (cuda): total_sequence_length must be a host value")
     total = int(np.asarray(total_sequence_length).reshape(-1)[0])
@@ -113,6 +131,17 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
     if smooth and head_sink is not None:
         raise ValueError("GroupQueryAttention: head_sink cannot be combined with smooth_softmax=1")
     sinks = NULL if head_sink is None else head_sink
+    norm = q_norm_weight is not None
+    if norm:
+        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+            if tuple(w.shape) != (h,) or w.dtype != dtype:
+                raise ValueError(f"GroupQueryAttention (cuda): {name} is {w.dtype}{list(w.shape)}, "
+                                 f"expected {np.dtype(dtype).name}[{h}]")
+    eps = float(attrs.get("qk_norm_epsilon", 1e-6))
+    qeps, keps = np.float32(attrs.get("q_norm_epsilon", eps)), np.float32(attrs.get("k_norm_epsilon", eps))
+    qnw = q_norm_weight if norm else NULL
+    knw = k_norm_weight if norm else NULL
+    _counts["qk_norm" if norm else "plain"] += 1
     scale = float(attrs.get("scale", 0.0)) or 1.0 / math.sqrt(h)
     window = int(attrs.get("local_window_size", -1))
     out = ctx.output(0, (bsz, s_len, nq * h), dtype)
@@ -133,18 +162,18 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         shared = ((group + 2) * h + group * CH + 2 * group + 1) * 4 + 2 * CH * _tile_stride(h, dtype) * dtype.itemsize
         _shared_limit(kern, shared)
         kern((chunks, nkv, bsz), (NT,), (query, kin, vin, past_key, past_value, seqlens, cos, sin,
-                                          i32(rotary), sinks, out, part, tickets) + geo,
+                                          i32(rotary), sinks, out, part, tickets, qnw, knw, qeps, keps) + geo,
              shared_mem=shared)
     else:
         write = function("group_query_attention", f"gqa_kv_write<{t}>", _exprs(t))
         write((s_len, nkv, bsz), (NT,), (kin, vin, past_key, past_value, seqlens, cos, sin,
-                                          i32(rotary)) + geo)
+                                          i32(rotary), knw, keps) + geo)
         attn = function("group_query_attention", f"gqa_attn<{t}>", _exprs(t))
         qb = min(8, 8 * NT // h)  # queries per block: qb * H <= 8 * NT (the kernel's QMAX and acc[8])
         shared = (2 * qb * h + qb * CH + 6 * qb) * 4 + 2 * CH * _tile_stride(h, dtype) * dtype.itemsize
         _shared_limit(attn, shared)
         attn((-(-s_len // qb), nq, bsz), (NT,), (query, past_key, past_value, seqlens, cos, sin, i32(rotary),
-                                                 sinks, out, i32(qb)) + geo, shared_mem=shared)
+                                                 sinks, out, i32(qb), qnw, qeps) + geo, shared_mem=shared)
     names = ctx.node.outputs
     outs = (out, past_key, past_value)
     return tuple(o if i < len(names) and names[i] else None for i, o in enumerate(outs))
