@@ -45,8 +45,8 @@ def test_fused_norm_projection_is_bitwise_the_unfused_kernels(model_dir, batch):
     assert np.array_equal(fused_logits, plain_logits)
     if dense_fp16:
         # batch-1 decode steps take the one-launch path; more rows (and prompts) the two parts
-        assert ran["fused_launches"] > 0 if batch == 1 else ran["fused_launches"] == 0
-        assert ran["two_part_runs"] > 0 or batch == 1
+        # (a prompt group of one 1-token row is a one-row call too)
+        assert ran["fused_launches"] > 0 if batch == 1 else ran["two_part_runs"] > 0
 
 
 def test_fused_norm_projection_under_capture_is_bitwise_eager(model_dir):

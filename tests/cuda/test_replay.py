@@ -58,3 +58,24 @@ def test_every_provider_uses_one_stream():
 
     a, b = CudaProvider(), CudaProvider()
     assert a.stream is b.stream and cupy.cuda.get_current_stream().ptr == a.stream.ptr
+
+
+def test_programmatic_dependent_launch_is_bitwise_the_plain_launch(model_dir):
+    """With LOCKSTEP_CUDA_PDL's path on (replay.set_pdl(True)), every kernel goes out through
+    cuLaunchKernelEx with the programmatic attribute (counted), and tokens and logits are
+    bitwise the plain launches'."""
+    before = replay.set_pdl(True)
+    try:
+        if not replay.pdl_enabled():
+            pytest.skip("programmatic dependent launch needs compute capability 9.0 and cuda-bindings")
+        start = replay.stats()["pdl_launches"]
+        with_pdl = _decode(model_dir, CudaProvider(), steps=12)
+        assert replay.stats()["pdl_launches"] > start
+    finally:
+        replay.set_pdl(before)
+    replay.set_pdl(False)
+    try:
+        plain = _decode(model_dir, CudaProvider(), steps=12)
+    finally:
+        replay.set_pdl(before)
+    assert np.array_equal(with_pdl[0], plain[0]) and np.array_equal(with_pdl[1], plain[1])

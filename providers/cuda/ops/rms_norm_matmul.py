@@ -46,6 +46,9 @@ def supports(node) -> bool:
     LOCKSTEP_CUDA_NORM_FUSION is "0" (the pass then keeps every norm and projection apart)."""
     if os.environ.get("LOCKSTEP_CUDA_NORM_FUSION", "1") == "0" or node.attrs.get("consumer") not in DENSE:
         return False
+    known = [d for d in (node.input_dtypes or ())[:3] if d is not None]
+    if not known or any(d != np.float16 for d in known):
+        return False  # fp32 never takes the one-launch path
     for part in (fusion.norm_part(node), fusion.consumer_part(node)):
         module = MODULES.get((part.domain, part.op_type))
         check = getattr(module, "supports", None)
