@@ -11,7 +11,7 @@
   then pack per call), so preparing changes no output;
 - ``lockstep profile`` accounts its peak: weights + KV + workspace never exceed it.
 
-    pytest -m cuda tests/cuda/test_weight_memory.py -v -s
+    pytest -m cuda tests/cuda/test_cuda_weight_memory.py -v -s
 """
 
 import numpy as np
