@@ -185,6 +185,10 @@ def _linear_cases() -> list[OpCase]:
     for m in ROW_COUNTS:
         cases.append(OpCase(f"MatMul/rows-M{m}", "MatMul", _matmul((m,), 576, 200), constants=("b",), rows=("a",)))
         cases.append(_nbits_case((m,), 576, 200, 32, tag=f"rows-M{m}", rows=True))
+    for m in (1, 17, 40):  # K = 4,864 (19 segments of 256, more than one per warp on cuda)
+        cases.append(OpCase(f"MatMul/K4864-rows-M{m}", "MatMul", _matmul((m,), 4864, 48), constants=("b",),
+                            rows=("a",)))
+        cases.append(_nbits_case((m,), 4864, 48, 32, tag=f"K4864-rows-M{m}", rows=True))
     for m in EXACT_COUNTS:
         cases.append(OpCase(f"MatMul/1e4-M{m}", "MatMul", _matmul_1e4(m, 576, 64), constants=("b",),
                             tolerance=dict(EXACT)))

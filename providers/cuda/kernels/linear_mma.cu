@@ -59,19 +59,25 @@ __device__ __forceinline__ __half silu_mul_h(__half gate, __half up) {
 // Combine the segment partials in ascending order and store.  part: [nseg][16][8*NJ] floats.
 // GLU: the block's 16 weight rows are 8 gate rows (0..7) and the 8 up rows of the same output
 // features (8..15); output feature n0/2 + r (r < 8) is silu_mul(gate, up), y has n_out columns.
-template <int NJ, bool GLU>
-__device__ __forceinline__ void finish(float* part, const float (*acc)[4], int nseg, const __half* bias,
-                                       __half* y, int M, int N, int n0, int m0, int n_out) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+// The accumulators of K segment ``seg`` into part[seg] (one warp's 16 x 8 NJ tile).
+template <int NJ>
+__device__ __forceinline__ void store_partial(float* part, const float (*acc)[4], int seg) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     constexpr int TM = 8 * NJ;
+    float* p = part + seg * 16 * TM;
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
-        float* p = part + warp * 16 * TM;
         p[g * TM + j * 8 + 2 * t] = acc[j][0];
         p[g * TM + j * 8 + 2 * t + 1] = acc[j][1];
         p[(g + 8) * TM + j * 8 + 2 * t] = acc[j][2];
         p[(g + 8) * TM + j * 8 + 2 * t + 1] = acc[j][3];
     }
+}
+
+template <int NJ, bool GLU>
+__device__ __forceinline__ void finish(float* part, int nseg, const __half* bias,
+                                       __half* y, int M, int N, int n0, int m0, int n_out) {
+    constexpr int TM = 8 * NJ;
     __syncthreads();
     if constexpr (GLU) {
         for (int o = threadIdx.x; o < 8 * TM; o += blockDim.x) {
@@ -214,7 +220,8 @@ __device__ __forceinline__ void ld_xs16(const __half* xs, int g, int K, int kl, 
     }
 }
 
-// grid (ceil(N/16), ceil(M/(8 NJ))), block 32 * nseg (nseg = ceil(K / SEG_K)),
+// grid (ceil(N/16), ceil(M/(8 NJ))), block 32 * min(nseg, 8) (nseg = ceil(K / SEG_K); warp w
+// computes segments w, w + 8, ..., each its own chain from 0, kept apart until the fold),
 // shared nseg * 16 * 8 NJ floats.  wp: [N/16][Kp/16][32] uint4, Kp = K rounded up to 64; the
 // 4 tiles of 64-chunk c are virtual tiles v = 0..3 with the nbits4 k-slot map.
 // GLU = false: y [M, N] (n_out unused).  GLU = true: the N packed weight rows are gate and up
@@ -229,49 +236,55 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
     static_assert(!NORM || NJ == 1, "the RMSNorm prologue holds 8 rows");
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int nseg = blockDim.x >> 5, ktiles = ((K + 63) >> 6) << 2;
+    const int nseg = (K + SEG_K - 1) / SEG_K, nwarps = blockDim.x >> 5, ktiles = ((K + 63) >> 6) << 2;
     const int nt = blockIdx.x, m0 = blockIdx.y * 8 * NJ;
-    float acc[NJ][4];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    const int kbeg = warp * SEG_K, kend = min(K, kbeg + SEG_K);
     const uint4* base = wp + ((long long)nt * ktiles) * 32 + lane;
     uint4 a[8];
-    // The segment's first 128 k of weights are loaded before PDL_ENTER (weights are constants
-    // of the step, kernels/pdl.cuh): their latency overlaps the end of the previous kernel.
+    // The first segment's first 128 k of weights are loaded before PDL_ENTER (weights are
+    // constants of the step, kernels/pdl.cuh): their latency overlaps the end of the previous kernel.
+    {
+        const int kbeg = warp * SEG_K, kend = min(K, kbeg + SEG_K);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) if (i < 4 || kbeg + 64 < kend) a[i] = base[(long long)((kbeg >> 4) + i) * 32];
+        for (int i = 0; i < 8; ++i) if (i < 4 || kbeg + 64 < kend) a[i] = base[(long long)((kbeg >> 4) + i) * 32];
+    }
     PDL_ENTER();
     float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
     __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
     if constexpr (NORM) norm_rows(x, norm, M, K, m0, nsm, xs);
-    for (int k0 = kbeg; k0 < kend; k0 += 128) {
-        const bool two = k0 + 64 < kend;
-        if (k0 != kbeg) {
+    for (int seg = warp; seg < nseg; seg += nwarps) {  // K segments: warp w takes w, w + nwarps, ...
+        float acc[NJ][4];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) if (i < 4 || two) a[i] = base[(long long)((k0 >> 4) + i) * 32];
-        }
+        for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+        const int kbeg = seg * SEG_K, kend = min(K, kbeg + SEG_K);
+        for (int k0 = kbeg; k0 < kend; k0 += 128) {
+            const bool two = k0 + 64 < kend;
+            if (k0 != kbeg || seg != warp) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            if (h == 1 && !two) break;
-            const int kl = k0 + 64 * h + 16 * t;
-            uint4 xa[NJ][2];
-#pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                const int m = m0 + j * 8 + g;
-                if constexpr (NORM) ld_xs16(xs, j * 8 + g, K, kl, M - m0, xa[j]);
-                else ld_x16(x, m, K, kl, m < M, xa[j]);
+                for (int i = 0; i < 8; ++i) if (i < 4 || two) a[i] = base[(long long)((k0 >> 4) + i) * 32];
             }
 #pragma unroll
-            for (int v = 0; v < 4; ++v)
+            for (int h = 0; h < 2; ++h) {
+                if (h == 1 && !two) break;
+                const int kl = k0 + 64 * h + 16 * t;
+                uint4 xa[NJ][2];
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
-                    const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);
-                    mma16816(acc[j], reinterpret_cast<const unsigned*>(&a[4 * h + v]), xw[2 * v], xw[2 * v + 1]);
+                    const int m = m0 + j * 8 + g;
+                    if constexpr (NORM) ld_xs16(xs, j * 8 + g, K, kl, M - m0, xa[j]);
+                    else ld_x16(x, m, K, kl, m < M, xa[j]);
                 }
+#pragma unroll
+                for (int v = 0; v < 4; ++v)
+#pragma unroll
+                    for (int j = 0; j < NJ; ++j) {
+                        const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);
+                        mma16816(acc[j], reinterpret_cast<const unsigned*>(&a[4 * h + v]), xw[2 * v], xw[2 * v + 1]);
+                    }
+            }
         }
+        store_partial<NJ>(part, acc, seg);
     }
-    finish<NJ, GLU>(part, acc, nseg, bias, y, M, N, nt * 16, m0, n_out);
+    finish<NJ, GLU>(part, nseg, bias, y, M, N, nt * 16, m0, n_out);
 }
 
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
@@ -310,16 +323,12 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
                                                   int n_out) {
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int nseg = blockDim.x >> 5;
+    const int nseg = (K + SEG_K - 1) / SEG_K, nwarps = blockDim.x >> 5;
     const int nb = (K + bs - 1) / bs;
     const long long rowbytes = (long long)nb * (bs / 2);
     const int n0 = blockIdx.x * 16, m0 = blockIdx.y * 8 * NJ;
     const int na = min(n0 + g, N - 1), nbr = min(n0 + g + 8, N - 1);
     const bool va = n0 + g < N, vb = n0 + g + 8 < N;
-    float acc[NJ][4];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    const int kbeg = warp * SEG_K, kend = min(K, kbeg + SEG_K);
     uint2 ca, cb;
     float sa, sb, za, zb;
     // Codes, scales and zero points of one 64-wide k step (weights: constants of the step).
@@ -344,59 +353,66 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
             }
         }
     };
-    load_w(kbeg);  // before PDL_ENTER: overlaps the end of the previous kernel (kernels/pdl.cuh)
+    load_w(warp * SEG_K);  // before PDL_ENTER: overlaps the end of the previous kernel (kernels/pdl.cuh)
     PDL_ENTER();
-    for (int k0 = kbeg; k0 < kend; k0 += 64) {
-        const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
-        const bool kv = kl < K;
-        if (k0 != kbeg) load_w(k0);
-        // activations: x[m, kl .. kl + 15] (32 bytes) per token tile
-        uint4 xa[NJ][2];
+    for (int seg = warp; seg < nseg; seg += nwarps) {  // K segments: warp w takes w, w + nwarps, ...
+        float acc[NJ][4];
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-            const int m = m0 + j * 8 + g;
-            if (m < M && kv) {
-                const uint4* p = reinterpret_cast<const uint4*>(x + (long long)m * K + kl);
-                xa[j][0] = p[0]; xa[j][1] = p[1];
-            } else {
-                xa[j][0] = make_uint4(0, 0, 0, 0); xa[j][1] = xa[j][0];
-            }
-        }
-        const bool f16 = is_half_t<S>::value && zp_mode != 2;
-        const __half2 zqa = __float2half2_rn(1024.f + za), zqb = __float2half2_rn(1024.f + zb);
-        const __half2 s2a = __float2half2_rn(sa), s2b = __float2half2_rn(sb);
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-            // codes 4v .. 4v + 3 of each row: 16 bits of the lane's 64
-            const unsigned wa = ((v < 2 ? ca.x : ca.y) >> (16 * (v & 1))) & 0xffffu;
-            const unsigned wb = ((v < 2 ? cb.x : cb.y) >> (16 * (v & 1))) & 0xffffu;
-            // a[0]: row g, slots 2t, 2t+1 <- k 4v, 4v+1; a[1]: row g + 8, same slots;
-            // a[2]: row g, slots 2t+8, 2t+9 <- k 4v+2, 4v+3; a[3]: row g + 8, same slots
-            unsigned hi[4], lo[4];
-            if (f16) {
-                split_f16((wa & 0xfu) | ((wa & 0xf0u) << 12), zqa, s2a, hi[0], lo[0]);
-                split_f16((wb & 0xfu) | ((wb & 0xf0u) << 12), zqb, s2b, hi[1], lo[1]);
-                split_f16(((wa >> 8) & 0xfu) | ((wa & 0xf000u) << 4), zqa, s2a, hi[2], lo[2]);
-                split_f16(((wb >> 8) & 0xfu) | ((wb & 0xf000u) << 4), zqb, s2b, hi[3], lo[3]);
-            } else {
-                float fa[4], fb[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    fa[e] = __fmul_rn(__fsub_rn((float)((wa >> (4 * e)) & 15u), za), sa);
-                    fb[e] = __fmul_rn(__fsub_rn((float)((wb >> (4 * e)) & 15u), zb), sb);
-                }
-                split_f32(fa[0], fa[1], hi[0], lo[0]);
-                split_f32(fb[0], fb[1], hi[1], lo[1]);
-                split_f32(fa[2], fa[3], hi[2], lo[2]);
-                split_f32(fb[2], fb[3], hi[3], lo[3]);
-            }
+        for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+        const int kbeg = seg * SEG_K, kend = min(K, kbeg + SEG_K);
+        for (int k0 = kbeg; k0 < kend; k0 += 64) {
+            const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
+            const bool kv = kl < K;
+            if (k0 != kbeg || seg != warp) load_w(k0);
+            // activations: x[m, kl .. kl + 15] (32 bytes) per token tile
+            uint4 xa[NJ][2];
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
-                const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);  // 8 words = 16 halves
-                mma16816(acc[j], hi, xw[2 * v], xw[2 * v + 1]);
-                mma16816(acc[j], lo, xw[2 * v], xw[2 * v + 1]);
+                const int m = m0 + j * 8 + g;
+                if (m < M && kv) {
+                    const uint4* p = reinterpret_cast<const uint4*>(x + (long long)m * K + kl);
+                    xa[j][0] = p[0]; xa[j][1] = p[1];
+                } else {
+                    xa[j][0] = make_uint4(0, 0, 0, 0); xa[j][1] = xa[j][0];
+                }
+            }
+            const bool f16 = is_half_t<S>::value && zp_mode != 2;
+            const __half2 zqa = __float2half2_rn(1024.f + za), zqb = __float2half2_rn(1024.f + zb);
+            const __half2 s2a = __float2half2_rn(sa), s2b = __float2half2_rn(sb);
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                // codes 4v .. 4v + 3 of each row: 16 bits of the lane's 64
+                const unsigned wa = ((v < 2 ? ca.x : ca.y) >> (16 * (v & 1))) & 0xffffu;
+                const unsigned wb = ((v < 2 ? cb.x : cb.y) >> (16 * (v & 1))) & 0xffffu;
+                // a[0]: row g, slots 2t, 2t+1 <- k 4v, 4v+1; a[1]: row g + 8, same slots;
+                // a[2]: row g, slots 2t+8, 2t+9 <- k 4v+2, 4v+3; a[3]: row g + 8, same slots
+                unsigned hi[4], lo[4];
+                if (f16) {
+                    split_f16((wa & 0xfu) | ((wa & 0xf0u) << 12), zqa, s2a, hi[0], lo[0]);
+                    split_f16((wb & 0xfu) | ((wb & 0xf0u) << 12), zqb, s2b, hi[1], lo[1]);
+                    split_f16(((wa >> 8) & 0xfu) | ((wa & 0xf000u) << 4), zqa, s2a, hi[2], lo[2]);
+                    split_f16(((wb >> 8) & 0xfu) | ((wb & 0xf000u) << 4), zqb, s2b, hi[3], lo[3]);
+                } else {
+                    float fa[4], fb[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        fa[e] = __fmul_rn(__fsub_rn((float)((wa >> (4 * e)) & 15u), za), sa);
+                        fb[e] = __fmul_rn(__fsub_rn((float)((wb >> (4 * e)) & 15u), zb), sb);
+                    }
+                    split_f32(fa[0], fa[1], hi[0], lo[0]);
+                    split_f32(fb[0], fb[1], hi[1], lo[1]);
+                    split_f32(fa[2], fa[3], hi[2], lo[2]);
+                    split_f32(fb[2], fb[3], hi[3], lo[3]);
+                }
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+                    const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);  // 8 words = 16 halves
+                    mma16816(acc[j], hi, xw[2 * v], xw[2 * v + 1]);
+                    mma16816(acc[j], lo, xw[2 * v], xw[2 * v + 1]);
+                }
             }
         }
+        store_partial<NJ>(part, acc, seg);
     }
-    finish<NJ, GLU>(part, acc, nseg, bias, y, M, N, n0, m0, n_out);
+    finish<NJ, GLU>(part, nseg, bias, y, M, N, n0, m0, n_out);
 }

@@ -21,7 +21,9 @@ from providers.cuda.module import function
 from providers.cuda.ops import array_module, row_slices, rows_of
 
 SEG_K = 256
-MAX_K = 8 * SEG_K  # one warp per K segment, at most 8 warps per block
+#: Largest K of the tensor-core kernels: 64 segments (a block of at most 8 warps, each walking
+#: every 8th segment; the segment partials, 64 x 16 x 32 floats at NJ = 4, fit shared memory).
+MAX_K = 64 * SEG_K
 _BOOL = ("false", "true")
 EXPRS = (tuple(f"mma_dense<{nj}, {glu}, false>" for nj in (1, 2, 4) for glu in _BOOL)
          + tuple(f"mma_dense<1, {glu}, true>" for glu in _BOOL)
@@ -88,7 +90,7 @@ def config(m: int, n: int, k: int) -> tuple[int, tuple, tuple, int]:
     """(NJ, grid, block, shared bytes)."""
     nj = 1 if m <= 8 else 2 if m <= 16 else 4
     nseg = -(-k // SEG_K)
-    return nj, (-(-n // 16), -(-m // (8 * nj))), (32 * nseg,), nseg * 16 * 8 * nj * 4
+    return nj, (-(-n // 16), -(-m // (8 * nj))), (32 * min(nseg, 8),), nseg * 16 * 8 * nj * 4
 
 
 def glu_width(n: int) -> int:
