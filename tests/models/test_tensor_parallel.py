@@ -1,5 +1,5 @@
 """SmolLM2-135M (9 query heads, 3 KV heads) sharded over 3 simulated ranks against the
-unsharded run on cpu_reference (docs/parallel.md, docs/cases.md 28)."""
+unsharded run on cpu_reference (docs/parallel.md, docs/cases.md 33)."""
 
 import numpy as np
 import pytest
