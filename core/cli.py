@@ -30,6 +30,7 @@ from core.models.prepare import (
     TARGETS,
     VARIANTS,
     Variant,
+    cached_folder,
     default_variant,
     prepare,
     resolve_model,
@@ -86,6 +87,9 @@ def _resolve_model(model: str | None, provider: str):
     if model is not None and source_kind(model) == "builder":
         return model
     precision, target = default_variant(provider)
+    cached = cached_folder(Variant(DEFAULT_MODEL if model is None else str(model), precision, target))
+    if cached is not None:
+        return cached  # no status line: nothing is prepared
     what = "the default model" if model is None else model
     with _status(f"preparing {what} ({precision}/{target}; built once, then cached)") as update:
         return resolve_model(model, precision, target, progress=update)
@@ -156,14 +160,16 @@ def _rate(tokens_per_s: float | None) -> str:
 def cmd_run(a) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from core.generation.generate import check_prompt_texts, run
+    from core.generation.generate import check_prompt_texts, check_request, run
     from core.plugins import get_provider
 
     prompts = _prompts(a)
     check_prompt_texts(prompts)  # before any model build
     provider = get_provider(a.provider)  # a missing provider is reported before any model build
-    model = _resolve_model(a.model, a.provider)
     options = _generation_options(a)
+    check_request(a.max_new_tokens, {k: v for k, v in options.items() if k not in ("stop", "system")},
+                  options.get("stop"), a.weight_budget, a.device_budget)  # before any model build
+    model = _resolve_model(a.model, a.provider)
     if a.stream:
         return _run_streamed(a, prompts, model, provider, options)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -201,13 +207,17 @@ def _report(a, result) -> int:
                       f"({_rate(result.prefill_tokens_per_s)}); decode {c['decode_steps']} steps in "
                       f"{c['decode_s'] * 1e3:.0f} ms ({_rate(result.decode_tokens_per_s)})[/dim]")
         console.print("[dim]finish: " + "; ".join(
-            f"{'' if len(result.rows) == 1 else f'row {i} '}{r.finish_reason} ({len(r.output_ids)} tokens)"
+            f"{'' if len(result.rows) == 1 else f'row {i} '}{r.finish_reason} ({_tokens(len(r.output_ids))})"
             for i, r in enumerate(result.rows)) + "[/dim]")
     failed = [i for i, r in enumerate(result.rows) if r.finish_reason == "error"]
     for i in failed:
         console.print(f"[red]error:[/red] row {i}: the logits became NaN or infinite after "
                       f"{len(result.rows[i].output_ids)} tokens; its text stops there")
     return 1 if failed and len(failed) == len(result.rows) else 0
+
+
+def _tokens(n: int) -> str:
+    return "1 token" if n == 1 else f"{n} tokens"
 
 
 def _generation_options(a) -> dict:

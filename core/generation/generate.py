@@ -184,6 +184,41 @@ def _merge_sampling(sampling: Any, options: dict) -> Any:
     return sampling
 
 
+def check_request(max_new_tokens: Any = 64, sampling: Any = None, stop: Any = None,
+                  weight_budget: Any = None, device_budget: Any = None) -> None:
+    """Check what a request can be checked for without the model: ``max_new_tokens`` (a
+    non-negative int or a list of them), shared sampling options (a dict: every value in
+    range), shared stop strings, and the form of the budgets. :func:`start` and the CLI call
+    it before any model is prepared or loaded.
+
+    Raises:
+        core.session.RequestError: any of those is bad.
+    """
+    from core.generation import sampling as sampling_mod
+    from core.runtime.residency import BudgetError, parse_budget
+
+    news = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens]
+    for m in news:
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0:
+            raise RequestError(f"max_new_tokens must be a non-negative integer, got {m!r}")
+    if isinstance(sampling, dict):
+        try:
+            sampling_mod.make_params(sampling)
+        except sampling_mod.SamplingError as exc:
+            raise RequestError(str(exc)) from None
+    per_row = isinstance(stop, (list, tuple)) and any(x is None or isinstance(x, (list, tuple)) for x in stop)
+    if stop is not None and not per_row:  # one set of stop strings for every row (per-row: at start)
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) and x for x in items):
+            raise RequestError(f"stop must be a non-empty string or a list of them, got {stop!r:.60}")
+    for name, value in (("weight_budget", weight_budget), ("device_budget", device_budget)):
+        if value is not None:
+            try:
+                parse_budget(value, 1 << 40)
+            except BudgetError as exc:
+                raise RequestError(f"{name}: {exc}") from None
+
+
 def start(model: str | Path | Model | Runner | None = None, provider: Any = None,
           prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
           max_new_tokens: Any = 64, chat: bool = True, kv_layout: str | None = None,
@@ -206,10 +241,8 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
         raise RequestError(f"input_ids must be a list of token-id lists, got {type(input_ids).__name__}")
     if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
         messages = [messages]  # one conversation: one row
+    check_request(max_new_tokens, sampling, stop, weight_budget, device_budget)  # before any model work
     news = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens]
-    for m in news:
-        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0:
-            raise RequestError(f"max_new_tokens must be a non-negative integer, got {m!r}")
     if system is not None and not isinstance(system, str):
         raise RequestError(f"system must be a str, got {type(system).__name__}")
     if model is None or isinstance(model, (str, Path)):

@@ -372,6 +372,15 @@ def _destination(variant: Variant, output: str | Path | None, root: Path,
     return root / "models" / f"{stem}-{digest[:16]}-{variant.precision}-{variant.target}", digest
 
 
+def cached_folder(variant: Variant) -> Path | None:
+    """The complete cached builder folder of a named model's variant, or None (not built yet,
+    or a path source, whose cache name needs its content hash)."""
+    if not variant.named:
+        return None
+    out = cache_dir() / "models" / variant.folder_name
+    return out if (out / "genai_config.json").exists() and (out / "model.onnx").exists() else None
+
+
 def prepare(variant: Variant | None = None, output: str | Path | None = None,
             progress: Progress | None = None, force: bool = False) -> Path:
     """Build (or reuse) a builder folder for ``variant`` and return its path.

@@ -294,3 +294,21 @@ def test_parity_refuses_requests_that_cannot_fit_before_any_run(tmp_path, capsys
     monkeypatch.setattr("core.testing.parity._decode", lambda *a, **k: pytest.fail("a gate ran"))
     code, out = run(capsys, "parity", "--provider", "cpu_reference", "--model", str(folder), *argv)
     assert code == 2 and message in out.err
+
+
+@pytest.mark.parametrize("argv", [["--temperature", "-1"], ["--top-p", "0"], ["--top-k", "-3"], ["--min-p", "2"],
+                                  ["--repetition-penalty", "0"], ["--seed", "-1"], ["--max-new-tokens", "-1"],
+                                  ["--stop", ""], ["--weight-budget", "foo"]])
+def test_run_refuses_bad_request_values_before_preparing_the_model(monkeypatch, capsys, argv):
+    """A value that needs no model to check is refused (exit 2, one line) before the default
+    model is prepared: on a cold cache that would be minutes of building first."""
+    import core.cli
+
+    def never(*_args, **_kw):
+        raise AssertionError("the model was prepared before the request was checked")
+
+    monkeypatch.setattr(core.cli, "_resolve_model", never)
+    code, out = run(capsys, "run", "--prompt", "hi", *argv)
+    assert code == 2
+    err = out.err
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1
