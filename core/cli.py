@@ -411,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("run", help="decode prompts as one batch (greedy)")
+    r = sub.add_parser("run", help="decode prompts as one batch (greedy unless --do-sample)")
     r.add_argument("--model", help="builder folder, Hugging Face folder, .gguf file or model name "
                    "(default: smollm2-135m; prepared on first use, then cached)")
     r.add_argument("--provider", default="cpu_reference", help="execution provider (see `lockstep "

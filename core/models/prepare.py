@@ -298,6 +298,17 @@ def _named_gguf(model: str, root: Path, progress: Progress | None) -> Path:
     return target
 
 
+def _new_tmp(out: Path) -> Path:
+    """A fresh temporary sibling of ``out`` (``out.name + ".tmp-*"``), readable like the rest of
+    the cache (mkdtemp makes 0700), after removing the ones an interrupted build left: the
+    caller holds ``out``'s lock, so no live process owns them."""
+    for stale in out.parent.glob(out.name + ".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
+    os.chmod(tmp, 0o755)
+    return tmp
+
+
 def _gguf_to_hf(gguf: Path, out: Path, progress: Progress | None) -> Path:
     """Dequantize a GGUF file into a transformers folder ``out`` (config, safetensors, tokenizer)."""
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
@@ -311,7 +322,7 @@ def _gguf_to_hf(gguf: Path, out: Path, progress: Progress | None) -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=root, prefix=out.name + ".tmp-"))
+        tmp = _new_tmp(out)
         try:
             try:
                 loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
@@ -433,7 +444,7 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
             hf = Path(variant.model).expanduser()
         _status(progress, f"building {out.name} with the ONNX Runtime GenAI model builder")
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
+        tmp = _new_tmp(out)
         try:
             _run_builder(hf, tmp, variant, root, progress)
             if out.exists():

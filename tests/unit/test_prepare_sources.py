@@ -171,3 +171,20 @@ def test_gelu_ops_follow_their_formulas():
     assert np.abs(call(quick_gelu, {"alpha": 1.702}, x) - xd / (1 + np.exp(-1.702 * xd))).max() < 1e-5
     assert not gelu.supports(NodeInfo(name="n", op_type="Gelu", domain="", attrs={"approximate": "erf"},
                                       inputs=("x",), outputs=("y",), input_dtypes=(np.dtype(np.float32),)))
+
+
+def test_a_build_removes_what_an_interrupted_build_left_and_writes_readable_folders(tmp_path):
+    """An interrupted build (SIGTERM skips the cleanup) leaves ``<name>.tmp-*`` beside the
+    cache folder; the next build, holding the folder's lock, removes it, and its own temporary
+    folder (renamed into place when done) is 0755 like the rest of the cache."""
+    from core.models.prepare import _new_tmp
+
+    out = tmp_path / "models" / "m-fp32-cpu"
+    out.parent.mkdir(parents=True)
+    stale = out.parent / "m-fp32-cpu.tmp-dead"
+    (stale / "half").mkdir(parents=True)
+    other = out.parent / "other-fp32-cpu.tmp-x"
+    other.mkdir()
+    tmp = _new_tmp(out)
+    assert not stale.exists() and other.exists() and tmp.is_dir()
+    assert tmp.name.startswith("m-fp32-cpu.tmp-") and (tmp.stat().st_mode & 0o777) == 0o755
