@@ -101,7 +101,8 @@ def encode_prompts(model: Model, prompts: Sequence[str], chat: bool) -> list[lis
     """
     check_prompt_texts(prompts)
     if model.tokenizer is None:
-        raise RequestError(f"model {model.folder} has no tokenizer.json; text prompts need one (the Python API also takes input_ids=)")
+        raise RequestError(f"model {model.folder} has no tokenizer.json; text prompts need one "
+                           "(the Python API also takes input_ids=)")
     out = []
     for text in prompts:
         out.append(model.tokenizer.encode(model.tokenizer.apply_chat_template(text) if chat else text))
@@ -141,7 +142,8 @@ def encode_messages(model: Model, messages: Sequence[Any], system: str | None = 
         core.models.model.ModelError: the model has no chat template.
     """
     if model.tokenizer is None:
-        raise RequestError(f"model {model.folder} has no tokenizer.json; text prompts need one (the Python API also takes input_ids=)")
+        raise RequestError(f"model {model.folder} has no tokenizer.json; text prompts need one "
+                           "(the Python API also takes input_ids=)")
     out = []
     for i, row in enumerate(messages):
         msgs = check_messages(i, row)
