@@ -371,6 +371,22 @@ def consumer_context(ctx) -> PartContext:
     return PartContext(ctx, consumer_part(ctx.node), {0: 0}, "projection")
 
 
+def part_modules(*modules) -> dict:
+    """(domain, op_type) -> module for the op modules an ``RMSNormMatMul`` kernel composes."""
+    return {(getattr(m, "DOMAIN", ""), m.OP_TYPE): m for m in modules}
+
+
+def parts_supported(node: NodeInfo, modules: dict) -> bool:
+    """Whether both parts of an ``RMSNormMatMul`` node (:func:`norm_part`,
+    :func:`consumer_part`) have a module in ``modules`` whose ``supports`` (if any) accepts them."""
+    for part in (norm_part(node), consumer_part(node)):
+        module = modules.get((part.domain, part.op_type))
+        check = getattr(module, "supports", None)
+        if module is None or (check is not None and not check(part)):
+            return False
+    return True
+
+
 def run_parts(ctx, modules: dict, x, skip, gamma, bias, *weights) -> tuple:
     """An ``RMSNormMatMul`` computed as its two parts, with the op modules of ``modules``
     ((domain, op_type) -> module with ``run``): the norm, then the projection on its output.

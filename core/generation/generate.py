@@ -197,22 +197,19 @@ def check_request(max_new_tokens: Any = 64, sampling: Any = None, stop: Any = No
         core.session.RequestError: any of those is bad.
     """
     from core.generation import sampling as sampling_mod
+    from core.generation.stream import _max_new, _stop_strings
     from core.runtime.residency import BudgetError, parse_budget
 
-    news = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens]
-    for m in news:
-        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0:
-            raise RequestError(f"max_new_tokens must be a non-negative integer, got {m!r}")
+    for m in max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens]:
+        _max_new(m)
     if isinstance(sampling, dict):
         try:
             sampling_mod.make_params(sampling)
         except sampling_mod.SamplingError as exc:
             raise RequestError(str(exc)) from None
     per_row = isinstance(stop, (list, tuple)) and any(x is None or isinstance(x, (list, tuple)) for x in stop)
-    if stop is not None and not per_row:  # one set of stop strings for every row (per-row: at start)
-        items = [stop] if isinstance(stop, str) else stop
-        if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) and x for x in items):
-            raise RequestError(f"stop must be a non-empty string or a list of them, got {stop!r:.60}")
+    if not per_row:  # one set of stop strings for every row (per-row lists: checked with the batch)
+        _stop_strings(stop)
     for name, value in (("weight_budget", weight_budget), ("device_budget", device_budget)):
         if value is not None:
             try:

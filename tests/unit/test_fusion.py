@@ -73,6 +73,16 @@ def test_gated_pass_fuses_gate_up_and_silu_mul_per_layer(tmp_path):
         assert sum(n.op_type == "SiluMul" for n in kept) == n_sig
 
 
+def _prefill_and_step(plan, model, prompt):
+    """(prefill logits, one decode step's logits) of ``plan`` for the 2 x 5 ``prompt``."""
+    cfg = model.config
+    kv = {name: np.zeros((2, cfg.num_kv_heads, 16, cfg.head_size), model.io_dtype)
+          for name in plan.input_names if name.startswith("past_key_values")}
+    first = plan.run({"input_ids": prompt, "attention_mask": np.ones((2, 5), np.int64), **kv})
+    step = plan.run({"input_ids": prompt[:, :1], "attention_mask": np.ones((2, 6), np.int64), **kv})
+    return first["logits"], step["logits"]
+
+
 def test_gated_plan_is_bitwise_the_unfused_plan_in_prefill_and_decode(tmp_path):
     class SiluMulOnly(CpuReferenceProvider):
         def supports(self, node):
@@ -89,11 +99,7 @@ def test_gated_plan_is_bitwise_the_unfused_plan_in_prefill_and_decode(tmp_path):
             fused = any(n.op_type.startswith("SiluGated") or str(n.attrs.get("consumer", "")).startswith("SiluGated")
                         for n in plan.nodes)
             assert fused == (not isinstance(provider, SiluMulOnly))
-            kv = {name: np.zeros((2, cfg.num_kv_heads, 16, cfg.head_size), model.io_dtype)
-                  for name in plan.input_names if name.startswith("past_key_values")}
-            first = plan.run({"input_ids": prompt, "attention_mask": np.ones((2, 5), np.int64), **kv})
-            step = plan.run({"input_ids": prompt[:, :1], "attention_mask": np.ones((2, 6), np.int64), **kv})
-            outs.append((first["logits"], step["logits"]))
+            outs.append(_prefill_and_step(plan, model, prompt))
         assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1]), (dtype, quant)
 
 
@@ -177,9 +183,5 @@ def test_norm_fused_plan_is_bitwise_the_unfused_plan_in_prefill_and_decode(tmp_p
         for provider in (CpuReferenceProvider(), NoNorm()):
             plan = Plan(model.graph, model.initializers, provider)
             assert any(n.op_type == "RMSNormMatMul" for n in plan.nodes) == (not isinstance(provider, NoNorm))
-            kv = {name: np.zeros((2, cfg.num_kv_heads, 16, cfg.head_size), model.io_dtype)
-                  for name in plan.input_names if name.startswith("past_key_values")}
-            first = plan.run({"input_ids": prompt, "attention_mask": np.ones((2, 5), np.int64), **kv})
-            step = plan.run({"input_ids": prompt[:, :1], "attention_mask": np.ones((2, 6), np.int64), **kv})
-            outs.append((first["logits"], step["logits"]))
+            outs.append(_prefill_and_step(plan, model, prompt))
         assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1]), (dtype, quant)

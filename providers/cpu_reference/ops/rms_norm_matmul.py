@@ -18,20 +18,13 @@ from providers.cpu_reference.ops import (
 
 OP_TYPE = "RMSNormMatMul"
 DOMAIN = "lockstep"
-MODULES = {(m.DOMAIN if hasattr(m, "DOMAIN") else "", m.OP_TYPE): m
-           for m in (matmul, matmul_nbits, silu_gated_matmul, silu_gated_matmul_nbits,
-                     simplified_layer_normalization, skip_simplified_layer_normalization)}
+MODULES = fusion.part_modules(matmul, matmul_nbits, silu_gated_matmul, silu_gated_matmul_nbits,
+                              simplified_layer_normalization, skip_simplified_layer_normalization)
 
 
 def supports(node) -> bool:
     """Both parts are supported by their own modules."""
-    return all(_supports(part) for part in (fusion.norm_part(node), fusion.consumer_part(node)))
-
-
-def _supports(part) -> bool:
-    module = MODULES.get((part.domain, part.op_type))
-    check = getattr(module, "supports", None)
-    return module is not None and (check is None or bool(check(part)))
+    return fusion.parts_supported(node, MODULES)
 
 
 def prepare(ctx, x, skip, gamma, bias, *weights):

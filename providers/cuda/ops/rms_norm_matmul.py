@@ -31,9 +31,8 @@ from providers.cuda.ops import (
 
 OP_TYPE = "RMSNormMatMul"
 DOMAIN = "lockstep"
-MODULES = {(getattr(m, "DOMAIN", ""), m.OP_TYPE): m
-           for m in (matmul, matmul_nbits, silu_gated_matmul, silu_gated_matmul_nbits,
-                     simplified_layer_normalization, skip_simplified_layer_normalization)}
+MODULES = fusion.part_modules(matmul, matmul_nbits, silu_gated_matmul, silu_gated_matmul_nbits,
+                              simplified_layer_normalization, skip_simplified_layer_normalization)
 #: Projections the one-launch path serves.
 DENSE = ("MatMul", "SiluGatedMatMul")
 #: Node calls that took the one-launch path (read by the GPU tests: the fused path ran).
@@ -49,12 +48,7 @@ def supports(node) -> bool:
     known = [d for d in (node.input_dtypes or ())[:3] if d is not None]
     if not known or any(d != np.float16 for d in known):
         return False  # fp32 never takes the one-launch path
-    for part in (fusion.norm_part(node), fusion.consumer_part(node)):
-        module = MODULES.get((part.domain, part.op_type))
-        check = getattr(module, "supports", None)
-        if module is None or (check is not None and not check(part)):
-            return False
-    return True
+    return fusion.parts_supported(node, MODULES)
 
 
 def prepare(ctx, x, skip, gamma, bias, *weights):
@@ -63,45 +57,31 @@ def prepare(ctx, x, skip, gamma, bias, *weights):
     return fusion.prepare_parts(ctx, MODULES, weights)
 
 
-def _one_launch(ctx, x, skip, gamma, bias):
-    """(K, rows) when the one-launch path applies to this call, else None."""
-    names = list(ctx.node.outputs) + [""] * 4
-    k = x.shape[-1]
-    m = x.size // k if k else 0
-    if (bias is not None or names[1] or names[2] or gamma.dtype != np.float16 or gamma.size != k
-            or not _mma.norm_applies(x, k, m)):
-        return None
-    if skip is not None and (skip.shape != x.shape or skip.dtype != np.float16 or not skip.flags.c_contiguous):
-        return None
-    return k, m
-
-
 def run(ctx, x, skip, gamma, bias, *weights):
-    fast = _one_launch(ctx, x, skip, gamma, bias)
-    consumer = ctx.node.attrs["consumer"]
-    if fast is not None:
-        done = _fused(ctx, consumer, fast, x, skip, gamma, weights)
-        if done is not None:
-            counts["fused_launches"] += 1
-            return done
+    done = _fused(ctx, x, skip, gamma, bias, weights)
+    if done is not None:
+        counts["fused_launches"] += 1
+        return done
     counts["two_part_runs"] += 1
     return fusion.run_parts(ctx, MODULES, x, skip, gamma, bias, *weights)
 
 
-def _fused(ctx, consumer: str, km: tuple, x, skip, gamma, weights):
-    """The one-launch path for prepared tensor-core weights; None where it does not apply."""
-    k, m = km
+def _fused(ctx, x, skip, gamma, bias, weights):
+    """The one-launch path (module docstring) for this call, or None where it does not apply:
+    the projection's weight not prepared for the tensor-core kernel, more than one row, a norm
+    bias, a wanted mean or inv_std_var, or operands of another dtype or layout."""
+    prepared = ctx.cache.get(_mma.PREPARED)  # (K, N) of the packed dense weight
     names = list(ctx.node.outputs) + [""] * 4
+    k = x.shape[-1]
+    m = x.size // k if k else 0
+    if (prepared is None or prepared[0] != k or bias is not None or names[1] or names[2]
+            or gamma.dtype != np.float16 or gamma.size != k or not _mma.norm_applies(x, k, m)):
+        return None
+    if skip is not None and (skip.shape != x.shape or skip.dtype != np.float16 or not skip.flags.c_contiguous):
+        return None
     total = ctx.output(3, x.shape, x.dtype) if names[3] else None
     norm = _mma.Norm(skip, gamma, total, float(ctx.node.attrs[fusion.NORM_EPSILON]))
-    cache = ctx.cache
-    if consumer in DENSE:
-        prepared = cache.get(_mma.PREPARED)
-        if prepared is None or prepared[0] != k:
-            return None
-        n = prepared[1]
-        y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
-        _mma.dense(x, weights[0], None, y, m, n, k, NULL, glu=consumer == "SiluGatedMatMul", norm=norm)
-    else:
-        return None
+    n = prepared[1]
+    y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
+    _mma.dense(x, weights[0], None, y, m, n, k, NULL, glu=ctx.node.attrs["consumer"] == "SiluGatedMatMul", norm=norm)
     return (y, None, None, total)[:len(ctx.node.outputs)]
