@@ -312,3 +312,23 @@ def test_run_refuses_bad_request_values_before_preparing_the_model(monkeypatch, 
     assert code == 2
     err = out.err
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1
+
+
+def test_a_cached_default_model_is_used_without_a_preparing_line(tmp_path, monkeypatch, capsys):
+    """A complete cached variant is returned as is: no "preparing" status line (nothing is
+    built), and no build is started."""
+    import core.cli
+    from core.models.prepare import DEFAULT_MODEL, Variant
+
+    monkeypatch.setenv("LOCKSTEP_CACHE", str(tmp_path))
+    folder = tmp_path / "models" / Variant(DEFAULT_MODEL, "fp32", "cpu").folder_name
+    folder.mkdir(parents=True)
+    (folder / "genai_config.json").write_text("{}")
+    (folder / "model.onnx").write_bytes(b"")
+
+    def never(*_args, **_kw):
+        raise AssertionError("a build was started for a cached model")
+
+    monkeypatch.setattr(core.cli, "resolve_model", never)
+    assert core.cli._resolve_model(None, "cpu_reference") == folder
+    assert "preparing" not in capsys.readouterr().err
