@@ -77,7 +77,7 @@ def test_prepared_gated_matmul_launches_what_the_unprepared_one_does(launches):
     assert set(changes) == {1, 2} and changes[2] is None
     assert np.array_equal(changes[1], _mma.pack(np, wg, wu))
     silu_gated_matmul.run(ctx, x, changes[1], None)
-    assert launches[0][0] == "mma_dense<1, true, false>"
+    assert launches[0][0] == f"mma_dense<1, true, false, {_mma._BOOL[_mma.PIPELINE]}>"
     _same_launch(launches[0], launches[1])
 
 
@@ -108,7 +108,7 @@ def test_prepared_gated_nbits_interleaves_once_and_launches_what_the_unprepared_
         assert np.array_equal(changes[j], _mma.glu_interleave(np, g.reshape(n, -1), u.reshape(n, -1)))
     prepared = [changes.get(j) for j in (1, 2, 3)]
     silu_gated_matmul_nbits.run(ctx, x, *prepared, None, None, None)
-    assert launches[0][0] == "mma_nbits4<1, __half, true>"
+    assert launches[0][0] == f"mma_nbits4<1, __half, true, {_mma._BOOL[_mma.PIPELINE]}>"
     _same_launch(launches[0], launches[1])
 
 
@@ -122,3 +122,20 @@ def test_gated_nbits_prepare_leaves_fed_weights_and_fp32_activations_alone():
     assert silu_gated_matmul_nbits.prepare(_ctx("G", names, attrs, (np.float32,)), None, *gate, *up) is None
     undeclared = silu_gated_matmul_nbits.prepare(_ctx("G", names, attrs), None, *gate, *up)  # fp16 scales
     assert set(undeclared) == {1, 2, 4, 5}
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_the_load_schedule_flag_picks_the_kernel_and_every_launch_is_compiled(launches, monkeypatch, pipeline):
+    monkeypatch.setattr(_mma, "PIPELINE", pipeline)
+    rng = np.random.default_rng(4)
+    for m in (1, 9, 40):  # NJ = 1, 2, 4
+        a = rng.standard_normal((m, 96)).astype(np.float16)
+        matmul.run(_ctx("MatMul", ("a", "w")), a, rng.standard_normal((96, 24)).astype(np.float16))
+        gate, up = _nbits(rng, 24, 128, 32, True), _nbits(rng, 24, 128, 32, True)
+        attrs = {"K": 128, "N": 24, "bits": 4, "block_size": 32}
+        x = rng.standard_normal((m, 128)).astype(np.float16)
+        silu_gated_matmul_nbits.run(_ctx("SiluGatedMatMulNBits", ("x", "bg", "sg", "zg", "bu", "su", "zu"), attrs,
+                                         (np.float16,)), x, *gate, *up)
+    exprs = [launch[0] for launch in launches]
+    assert len(exprs) == 6 and all(e in _mma.EXPRS for e in exprs)
+    assert all(e.endswith(f", {_mma._BOOL[pipeline]}>") for e in exprs)

@@ -220,6 +220,12 @@ __device__ __forceinline__ void ld_xs16(const __half* xs, int g, int K, int kl, 
     }
 }
 
+// 64-wide k chunks of K segment s (SEG_K / 64 but the last one's).
+__device__ __forceinline__ int seg_chunks(int K, int s) { return (min(K, (s + 1) * SEG_K) - s * SEG_K + 63) >> 6; }
+
+// k tile i (16 wide) of segment s of a lane's packed dense weight column (base: tile 0, lane's uint4).
+__device__ __forceinline__ uint4 ld_tile(const uint4* base, int s, int i) { return base[(long long)(s * 16 + i) * 32]; }
+
 // grid (ceil(N/16), ceil(M/(8 NJ))), block 32 * min(nseg, 8) (nseg = ceil(K / SEG_K); warp w
 // computes segments w, w + 8, ..., each its own chain from 0, kept apart until the fold),
 // shared nseg * 16 * 8 NJ floats.  wp: [N/16][Kp/16][32] uint4, Kp = K rounded up to 64; the
@@ -227,7 +233,14 @@ __device__ __forceinline__ void ld_xs16(const __half* xs, int g, int K, int kl, 
 // GLU = false: y [M, N] (n_out unused).  GLU = true: the N packed weight rows are gate and up
 // interleaved in groups of 8 (rows 16b..16b+7: gate features 8b..8b+7; rows 16b+8..16b+15: the
 // up features of the same indices) and y [M, n_out] = silu_mul(x @ gate, x @ up) (see finish).
-template <int NJ, bool GLU, bool NORM>
+//
+// PIPE picks the weight-load schedule only; the mma sequence of every segment, and so every bit
+// of y, is the same for both.  PIPE = false holds 8 k tiles (128 k) of weights per lane: load
+// 8, wait, 8 mmas, load the next 8.  PIPE = true holds a whole segment (16 tiles, 256 bytes per
+// lane, 8 KB per warp in flight) and refills each tile's registers with the same tile of the
+// warp's next segment as soon as its mma has issued, so the loads of segment s + nwarps overlap
+// the mmas of segment s and a warp never waits for more than its first round trip.
+template <int NJ, bool GLU, bool NORM, bool PIPE>
 __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, const uint4* __restrict__ wp,
                                                  const __half* __restrict__ bias, __half* __restrict__ y,
                                                  int M, int N, int K, int n_out, const __half* n_skip, const __half* n_gamma,
@@ -239,47 +252,69 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
     const int nseg = (K + SEG_K - 1) / SEG_K, nwarps = blockDim.x >> 5, ktiles = ((K + 63) >> 6) << 2;
     const int nt = blockIdx.x, m0 = blockIdx.y * 8 * NJ;
     const uint4* base = wp + ((long long)nt * ktiles) * 32 + lane;
-    uint4 a[8];
-    // The first segment's first 128 k of weights are loaded before PDL_ENTER (weights are
+    constexpr int NA = PIPE ? 16 : 8;  // k tiles of weights held per lane
+    uint4 a[NA];
+    // The first weights of the warp's first segment are loaded before PDL_ENTER (weights are
     // constants of the step, kernels/pdl.cuh): their latency overlaps the end of the previous kernel.
     {
-        const int kbeg = warp * SEG_K, kend = min(K, kbeg + SEG_K);
+        const int first = min(NA, 4 * seg_chunks(K, warp));
 #pragma unroll
-        for (int i = 0; i < 8; ++i) if (i < 4 || kbeg + 64 < kend) a[i] = base[(long long)((kbeg >> 4) + i) * 32];
+        for (int i = 0; i < NA; ++i) if (i < first) a[i] = ld_tile(base, warp, i);
     }
     PDL_ENTER();
     float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
     __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
     if constexpr (NORM) norm_rows(x, norm, M, K, m0, nsm, xs);
+    // activations of 64-chunk starting at kc for every token tile: 16 halves per lane
+    auto load_x = [&](uint4 (*xa)[2], int kc) {
+        const int kl = kc + 16 * t;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const int m = m0 + j * 8 + g;
+            if constexpr (NORM) ld_xs16(xs, j * 8 + g, K, kl, M - m0, xa[j]);
+            else ld_x16(x, m, K, kl, m < M, xa[j]);
+        }
+    };
+    auto mma_tile = [&](float (*acc)[4], const uint4& w, uint4 (*xa)[2], int v) {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);
+            mma16816(acc[j], reinterpret_cast<const unsigned*>(&w), xw[2 * v], xw[2 * v + 1]);
+        }
+    };
     for (int seg = warp; seg < nseg; seg += nwarps) {  // K segments: warp w takes w, w + nwarps, ...
         float acc[NJ][4];
 #pragma unroll
         for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-        const int kbeg = seg * SEG_K, kend = min(K, kbeg + SEG_K);
-        for (int k0 = kbeg; k0 < kend; k0 += 128) {
-            const bool two = k0 + 64 < kend;
-            if (k0 != kbeg || seg != warp) {
+        const int tiles = 4 * seg_chunks(K, seg), kbeg = seg * SEG_K;
+        if constexpr (PIPE) {
+            const int next = seg + nwarps, refill = next < nseg ? 4 * seg_chunks(K, next) : 0;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) if (i < 4 || two) a[i] = base[(long long)((k0 >> 4) + i) * 32];
-            }
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if (h == 1 && !two) break;
-                const int kl = k0 + 64 * h + 16 * t;
+            for (int c = 0; c < 4; ++c) {
+                if (4 * c >= tiles) break;
                 uint4 xa[NJ][2];
+                load_x(xa, kbeg + 64 * c);
 #pragma unroll
-                for (int j = 0; j < NJ; ++j) {
-                    const int m = m0 + j * 8 + g;
-                    if constexpr (NORM) ld_xs16(xs, j * 8 + g, K, kl, M - m0, xa[j]);
-                    else ld_x16(x, m, K, kl, m < M, xa[j]);
+                for (int v = 0; v < 4; ++v) {
+                    mma_tile(acc, a[4 * c + v], xa, v);
+                    if (4 * c + v < refill) a[4 * c + v] = ld_tile(base, next, 4 * c + v);
+                }
+            }
+        } else {
+            for (int i0 = 0; i0 < tiles; i0 += 8) {  // 8 tiles (two 64-chunks) at a time
+                const bool two = i0 + 4 < tiles;
+                if (i0 != 0 || seg != warp) {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) if (i < 4 || two) a[i] = ld_tile(base, seg, i0 + i);
                 }
 #pragma unroll
-                for (int v = 0; v < 4; ++v)
+                for (int h = 0; h < 2; ++h) {
+                    if (h == 1 && !two) break;
+                    uint4 xa[NJ][2];
+                    load_x(xa, kbeg + 16 * (i0 + 4 * h));
 #pragma unroll
-                    for (int j = 0; j < NJ; ++j) {
-                        const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);
-                        mma16816(acc[j], reinterpret_cast<const unsigned*>(&a[4 * h + v]), xw[2 * v], xw[2 * v + 1]);
-                    }
+                    for (int v = 0; v < 4; ++v) mma_tile(acc, a[4 * h + v], xa, v);
+                }
             }
         }
         store_partial<NJ>(part, acc, seg);
@@ -313,9 +348,19 @@ __device__ __forceinline__ void split_f16(unsigned codes, __half2 zq, __half2 s,
     lo = *reinterpret_cast<const unsigned*>(&l);
 }
 
+// One 64-wide k chunk of int4 weights as one lane holds it: 16 codes of rows g and g + 8 of
+// the block's tile (ca, cb), their scales and zero points as floats.
+struct Chunk4 {
+    uint2 ca, cb;
+    float sa, sb, za, zb;
+};
+
 // int4 MatMulNBits.  grid/block/shared/GLU as mma_dense (GLU: the rows of q, scales and zero
-// points interleaved as dense's packed rows).  Requires K % 16 == 0 and fp16 X.
-template <int NJ, typename S, bool GLU>
+// points interleaved as dense's packed rows).  Requires K % 16 == 0 and fp16 X.  PIPE as in
+// mma_dense: false holds one 64-chunk of weights per lane (load, wait, 8 mmas); true holds the
+// segment's 4 chunks and refills each with the warp's next segment once its mmas have issued.
+// The mma sequence, and so y, is the same for both.
+template <int NJ, typename S, bool GLU, bool PIPE>
 __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
                                                   const S* __restrict__ scales, const void* __restrict__ zp,
                                                   int zp_mode, int zp_stride, const __half* __restrict__ bias,
@@ -329,87 +374,103 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
     const int n0 = blockIdx.x * 16, m0 = blockIdx.y * 8 * NJ;
     const int na = min(n0 + g, N - 1), nbr = min(n0 + g + 8, N - 1);
     const bool va = n0 + g < N, vb = n0 + g + 8 < N;
-    uint2 ca, cb;
-    float sa, sb, za, zb;
-    // Codes, scales and zero points of one 64-wide k step (weights: constants of the step).
-    auto load_w = [&](int k0) {
+    // Codes, scales and zero points of the 64-wide k chunk at k0 (weights: constants of the step).
+    auto load_w = [&](Chunk4& w, int k0) {
         const int kl = k0 + 16 * t;
-        ca = make_uint2(0, 0); cb = make_uint2(0, 0);
-        sa = 0.f; sb = 0.f; za = 8.f; zb = 8.f;
+        w.ca = make_uint2(0, 0); w.cb = make_uint2(0, 0);
+        w.sa = 0.f; w.sb = 0.f; w.za = 8.f; w.zb = 8.f;
         if (kl < K) {
-            ca = *reinterpret_cast<const uint2*>(q + na * rowbytes + kl / 2);
-            cb = *reinterpret_cast<const uint2*>(q + nbr * rowbytes + kl / 2);
+            w.ca = *reinterpret_cast<const uint2*>(q + na * rowbytes + kl / 2);
+            w.cb = *reinterpret_cast<const uint2*>(q + nbr * rowbytes + kl / 2);
             const int blk = kl / bs;
-            sa = va ? (float)scales[(long long)na * nb + blk] : 0.f;
-            sb = vb ? (float)scales[(long long)nbr * nb + blk] : 0.f;
+            w.sa = va ? (float)scales[(long long)na * nb + blk] : 0.f;
+            w.sb = vb ? (float)scales[(long long)nbr * nb + blk] : 0.f;
             if (zp_mode == 1) {
                 const int e = blk * 4;
                 const unsigned char* z = (const unsigned char*)zp;
-                za = (float)((z[(long long)na * zp_stride + (e >> 3)] >> (e & 7)) & 15u);
-                zb = (float)((z[(long long)nbr * zp_stride + (e >> 3)] >> (e & 7)) & 15u);
+                w.za = (float)((z[(long long)na * zp_stride + (e >> 3)] >> (e & 7)) & 15u);
+                w.zb = (float)((z[(long long)nbr * zp_stride + (e >> 3)] >> (e & 7)) & 15u);
             } else if (zp_mode == 2) {
-                za = __half2float(((const __half*)zp)[(long long)na * nb + blk]);
-                zb = __half2float(((const __half*)zp)[(long long)nbr * nb + blk]);
+                w.za = __half2float(((const __half*)zp)[(long long)na * nb + blk]);
+                w.zb = __half2float(((const __half*)zp)[(long long)nbr * nb + blk]);
             }
         }
     };
-    load_w(warp * SEG_K);  // before PDL_ENTER: overlaps the end of the previous kernel (kernels/pdl.cuh)
+    constexpr int NC = PIPE ? 4 : 1;  // 64-chunks of weights held per lane
+    Chunk4 w[NC];
+    {  // before PDL_ENTER: overlaps the end of the previous kernel (kernels/pdl.cuh)
+        const int first = min(NC, seg_chunks(K, warp));
+#pragma unroll
+        for (int c = 0; c < NC; ++c) if (c < first) load_w(w[c], warp * SEG_K + 64 * c);
+    }
     PDL_ENTER();
+    // the 8 mmas of the chunk at k0 (weights wc) into acc
+    auto mma_chunk = [&](float (*acc)[4], const Chunk4& wc, int k0) {
+        const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
+        const bool kv = kl < K;
+        // activations: x[m, kl .. kl + 15] (32 bytes) per token tile
+        uint4 xa[NJ][2];
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const int m = m0 + j * 8 + g;
+            if (m < M && kv) {
+                const uint4* p = reinterpret_cast<const uint4*>(x + (long long)m * K + kl);
+                xa[j][0] = p[0]; xa[j][1] = p[1];
+            } else {
+                xa[j][0] = make_uint4(0, 0, 0, 0); xa[j][1] = xa[j][0];
+            }
+        }
+        const bool f16 = is_half_t<S>::value && zp_mode != 2;
+        const __half2 zqa = __float2half2_rn(1024.f + wc.za), zqb = __float2half2_rn(1024.f + wc.zb);
+        const __half2 s2a = __float2half2_rn(wc.sa), s2b = __float2half2_rn(wc.sb);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            // codes 4v .. 4v + 3 of each row: 16 bits of the lane's 64
+            const unsigned wa = ((v < 2 ? wc.ca.x : wc.ca.y) >> (16 * (v & 1))) & 0xffffu;
+            const unsigned wb = ((v < 2 ? wc.cb.x : wc.cb.y) >> (16 * (v & 1))) & 0xffffu;
+            // a[0]: row g, slots 2t, 2t+1 <- k 4v, 4v+1; a[1]: row g + 8, same slots;
+            // a[2]: row g, slots 2t+8, 2t+9 <- k 4v+2, 4v+3; a[3]: row g + 8, same slots
+            unsigned hi[4], lo[4];
+            if (f16) {
+                split_f16((wa & 0xfu) | ((wa & 0xf0u) << 12), zqa, s2a, hi[0], lo[0]);
+                split_f16((wb & 0xfu) | ((wb & 0xf0u) << 12), zqb, s2b, hi[1], lo[1]);
+                split_f16(((wa >> 8) & 0xfu) | ((wa & 0xf000u) << 4), zqa, s2a, hi[2], lo[2]);
+                split_f16(((wb >> 8) & 0xfu) | ((wb & 0xf000u) << 4), zqb, s2b, hi[3], lo[3]);
+            } else {
+                float fa[4], fb[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    fa[e] = __fmul_rn(__fsub_rn((float)((wa >> (4 * e)) & 15u), wc.za), wc.sa);
+                    fb[e] = __fmul_rn(__fsub_rn((float)((wb >> (4 * e)) & 15u), wc.zb), wc.sb);
+                }
+                split_f32(fa[0], fa[1], hi[0], lo[0]);
+                split_f32(fb[0], fb[1], hi[1], lo[1]);
+                split_f32(fa[2], fa[3], hi[2], lo[2]);
+                split_f32(fb[2], fb[3], hi[3], lo[3]);
+            }
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);  // 8 words = 16 halves
+                mma16816(acc[j], hi, xw[2 * v], xw[2 * v + 1]);
+                mma16816(acc[j], lo, xw[2 * v], xw[2 * v + 1]);
+            }
+        }
+    };
     for (int seg = warp; seg < nseg; seg += nwarps) {  // K segments: warp w takes w, w + nwarps, ...
         float acc[NJ][4];
 #pragma unroll
         for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-        const int kbeg = seg * SEG_K, kend = min(K, kbeg + SEG_K);
-        for (int k0 = kbeg; k0 < kend; k0 += 64) {
-            const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
-            const bool kv = kl < K;
-            if (k0 != kbeg || seg != warp) load_w(k0);
-            // activations: x[m, kl .. kl + 15] (32 bytes) per token tile
-            uint4 xa[NJ][2];
+        const int chunks = seg_chunks(K, seg), kbeg = seg * SEG_K;
+        const int next = seg + nwarps, refill = PIPE && next < nseg ? seg_chunks(K, next) : 0;
 #pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                const int m = m0 + j * 8 + g;
-                if (m < M && kv) {
-                    const uint4* p = reinterpret_cast<const uint4*>(x + (long long)m * K + kl);
-                    xa[j][0] = p[0]; xa[j][1] = p[1];
-                } else {
-                    xa[j][0] = make_uint4(0, 0, 0, 0); xa[j][1] = xa[j][0];
-                }
-            }
-            const bool f16 = is_half_t<S>::value && zp_mode != 2;
-            const __half2 zqa = __float2half2_rn(1024.f + za), zqb = __float2half2_rn(1024.f + zb);
-            const __half2 s2a = __float2half2_rn(sa), s2b = __float2half2_rn(sb);
-#pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                // codes 4v .. 4v + 3 of each row: 16 bits of the lane's 64
-                const unsigned wa = ((v < 2 ? ca.x : ca.y) >> (16 * (v & 1))) & 0xffffu;
-                const unsigned wb = ((v < 2 ? cb.x : cb.y) >> (16 * (v & 1))) & 0xffffu;
-                // a[0]: row g, slots 2t, 2t+1 <- k 4v, 4v+1; a[1]: row g + 8, same slots;
-                // a[2]: row g, slots 2t+8, 2t+9 <- k 4v+2, 4v+3; a[3]: row g + 8, same slots
-                unsigned hi[4], lo[4];
-                if (f16) {
-                    split_f16((wa & 0xfu) | ((wa & 0xf0u) << 12), zqa, s2a, hi[0], lo[0]);
-                    split_f16((wb & 0xfu) | ((wb & 0xf0u) << 12), zqb, s2b, hi[1], lo[1]);
-                    split_f16(((wa >> 8) & 0xfu) | ((wa & 0xf000u) << 4), zqa, s2a, hi[2], lo[2]);
-                    split_f16(((wb >> 8) & 0xfu) | ((wb & 0xf000u) << 4), zqb, s2b, hi[3], lo[3]);
-                } else {
-                    float fa[4], fb[4];
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        fa[e] = __fmul_rn(__fsub_rn((float)((wa >> (4 * e)) & 15u), za), sa);
-                        fb[e] = __fmul_rn(__fsub_rn((float)((wb >> (4 * e)) & 15u), zb), sb);
-                    }
-                    split_f32(fa[0], fa[1], hi[0], lo[0]);
-                    split_f32(fb[0], fb[1], hi[1], lo[1]);
-                    split_f32(fa[2], fa[3], hi[2], lo[2]);
-                    split_f32(fb[2], fb[3], hi[3], lo[3]);
-                }
-#pragma unroll
-                for (int j = 0; j < NJ; ++j) {
-                    const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);  // 8 words = 16 halves
-                    mma16816(acc[j], hi, xw[2 * v], xw[2 * v + 1]);
-                    mma16816(acc[j], lo, xw[2 * v], xw[2 * v + 1]);
-                }
+        for (int c = 0; c < 4; ++c) {  // SEG_K / 64 chunks, ascending
+            if (c >= chunks) break;
+            if constexpr (PIPE) {
+                mma_chunk(acc, w[c], kbeg + 64 * c);
+                if (c < refill) load_w(w[c], next * SEG_K + 64 * c);
+            } else {
+                if (c != 0 || seg != warp) load_w(w[0], kbeg + 64 * c);
+                mma_chunk(acc, w[0], kbeg + 64 * c);
             }
         }
         store_partial<NJ>(part, acc, seg);

@@ -12,6 +12,7 @@ one resident copy of the weight (the tied embedding's lookup gathers from it too
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -25,10 +26,16 @@ SEG_K = 256
 #: every 8th segment; the segment partials, 64 x 16 x 32 floats at NJ = 4, fit shared memory).
 MAX_K = 64 * SEG_K
 _BOOL = ("false", "true")
-EXPRS = (tuple(f"mma_dense<{nj}, {glu}, false>" for nj in (1, 2, 4) for glu in _BOOL)
-         + tuple(f"mma_dense<1, {glu}, true>" for glu in _BOOL)
-         + tuple(f"mma_nbits4<{nj}, {s}, {glu}>" for nj in (1, 2, 4) for s in ("__half", "float")
-                 for glu in _BOOL))
+EXPRS = (tuple(f"mma_dense<{nj}, {glu}, false, {pipe}>" for nj in (1, 2, 4) for glu in _BOOL for pipe in _BOOL)
+         + tuple(f"mma_dense<1, {glu}, true, {pipe}>" for glu in _BOOL for pipe in _BOOL)
+         + tuple(f"mma_nbits4<{nj}, {s}, {glu}, {pipe}>" for nj in (1, 2, 4) for s in ("__half", "float")
+                 for glu in _BOOL for pipe in _BOOL))
+#: The weight-load schedule of the tensor-core kernels (kernels/linear_mma.cu ``PIPE``): True
+#: holds a whole K segment of weights per lane and loads the warp's next segment while the
+#: current one's mmas issue. The schedule never changes a bit of the output (the mma sequence is
+#: the same); it is opt-in (``LOCKSTEP_CUDA_GEMM_PIPELINE=1``) until it has been measured on the
+#: GPU (docs/benchmarks/kernels.md).
+PIPELINE = os.environ.get("LOCKSTEP_CUDA_GEMM_PIPELINE", "0") == "1"
 #: Most rows a fused RMSNorm prologue launch takes. The kernel holds up to 8, but measured on the
 #: H200 (docs/benchmarks/kernels.md) the prologue's per-row work cost more than the separate norm
 #: launch it saves from 2 rows on, so only single-row (batch-1 decode) calls take it.
@@ -243,7 +250,7 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
     rows = glu_width(n) if glu else n
     for r0, r1 in row_slices(m, 32):
         nj, grid, block, shared = config(r1 - r0, rows, k)
-        _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}>", grid, block,
+        _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[PIPELINE]}>", grid, block,
                 (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
                  np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n), *_norm_args(norm, null)),
                 _norm_shared(norm, shared, k, r1 - r0))
@@ -255,7 +262,7 @@ def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, n
     width = glu_out if glu_out > 0 else n
     for r0, r1 in row_slices(m, 32):
         nj, grid, block, shared = config(r1 - r0, n, k)
-        _launch(f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}>", grid, block,
+        _launch(f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[PIPELINE]}>", grid, block,
                 (rows_of(a, r0, r1, k), b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
                  null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
                  np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out)), shared)
