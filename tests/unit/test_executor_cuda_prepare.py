@@ -130,7 +130,7 @@ def test_the_load_schedule_flag_picks_the_kernel_and_every_launch_is_compiled(la
     rng = np.random.default_rng(4)
     for m in (1, 9, 40):  # NJ = 1, 2, 4
         a = rng.standard_normal((m, 96)).astype(np.float16)
-        matmul.run(_ctx("MatMul", ("a", "w")), a, rng.standard_normal((96, 24)).astype(np.float16))
+        matmul.run(_ctx("MatMul", ("a", "w")), a, rng.standard_normal((96, 48)).astype(np.float16))
         gate, up = _nbits(rng, 24, 128, 32, True), _nbits(rng, 24, 128, 32, True)
         attrs = {"K": 128, "N": 24, "bits": 4, "block_size": 32}
         x = rng.standard_normal((m, 128)).astype(np.float16)
@@ -139,3 +139,5 @@ def test_the_load_schedule_flag_picks_the_kernel_and_every_launch_is_compiled(la
     exprs = [launch[0] for launch in launches]
     assert len(exprs) == 6 and all(e in _mma.EXPRS for e in exprs)
     assert all(e.endswith(f", {_mma._BOOL[pipeline]}>") for e in exprs)
+    # the PIPE grid is (token blocks, feature tiles): 40 rows are 2 blocks of 32, N = 48 is 3 tiles
+    assert launches[4][1] == ((2, 3) if pipeline else (3, 2))

@@ -146,7 +146,7 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 }
 
 __device__ void norm_rows(const __half* __restrict__ x, const NormArgs& na, int M, int K, int m0,
-                          float* sm, __half* xs) {
+                          bool first_tile, float* sm, __half* xs) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, nt = blockDim.x;
     const int R = min(8, M - m0), xst = K + 8, u8 = K / 8;
     __half* xh = reinterpret_cast<__half*>(sm);  // [R][K]
@@ -191,7 +191,7 @@ __device__ void norm_rows(const __half* __restrict__ x, const NormArgs& na, int 
         inv[threadIdx.x] = __fdiv_rn(1.f, sqrtf(__fadd_rn(__fdiv_rn(tot, (float)K), na.eps)));
     }
     __syncthreads();
-    const bool store_sum = na.sum_out && na.skip && blockIdx.x == 0;
+    const bool store_sum = na.sum_out && na.skip && first_tile;
     for (int r = 0; r < R; ++r) {
         const float ir = inv[r];
         for (int d = threadIdx.x; d < K; d += nt) {
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nseg = (K + SEG_K - 1) / SEG_K, nwarps = blockDim.x >> 5, ktiles = ((K + 63) >> 6) << 2;
-    const int nt = blockIdx.x, m0 = blockIdx.y * 8 * NJ;
+    const int nt = PIPE ? blockIdx.y : blockIdx.x, m0 = (PIPE ? blockIdx.x : blockIdx.y) * 8 * NJ;
     const uint4* base = wp + ((long long)nt * ktiles) * 32 + lane;
     constexpr int NA = PIPE ? 16 : 8;  // k tiles of weights held per lane
     uint4 a[NA];
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
     PDL_ENTER();
     float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
     __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
-    if constexpr (NORM) norm_rows(x, norm, M, K, m0, nsm, xs);
+    if constexpr (NORM) norm_rows(x, norm, M, K, m0, nt == 0, nsm, xs);
     // activations of 64-chunk starting at kc for every token tile: 16 halves per lane
     auto load_x = [&](uint4 (*xa)[2], int kc) {
         const int kl = kc + 16 * t;
@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
     const int nseg = (K + SEG_K - 1) / SEG_K, nwarps = blockDim.x >> 5;
     const int nb = (K + bs - 1) / bs;
     const long long rowbytes = (long long)nb * (bs / 2);
-    const int n0 = blockIdx.x * 16, m0 = blockIdx.y * 8 * NJ;
+    const int n0 = (PIPE ? blockIdx.y : blockIdx.x) * 16, m0 = (PIPE ? blockIdx.x : blockIdx.y) * 8 * NJ;
     const int na = min(n0 + g, N - 1), nbr = min(n0 + g + 8, N - 1);
     const bool va = n0 + g < N, vb = n0 + g + 8 < N;
     // Codes, scales and zero points of the 64-wide k chunk at k0 (weights: constants of the step).

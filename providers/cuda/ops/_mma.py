@@ -19,7 +19,7 @@ import numpy as np
 
 from core.ops import PREPARE_SHARED
 from providers.cuda.module import function
-from providers.cuda.ops import array_module, row_slices, rows_of
+from providers.cuda.ops import MAX_GRID_Y, array_module, row_slices, rows_of
 
 SEG_K = 256
 #: Largest K of the tensor-core kernels: 64 segments (a block of at most 8 warps, each walking
@@ -93,11 +93,19 @@ def _norm_shared(norm: Norm | None, shared: int, k: int, m: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def config(m: int, n: int, k: int) -> tuple[int, tuple, tuple, int]:
-    """(NJ, grid, block, shared bytes)."""
+def config(m: int, n: int, k: int, pipe: bool = False) -> tuple[int, tuple, tuple, int]:
+    """(NJ, grid, block, shared bytes); the grid is (feature tiles, token blocks), or (token
+    blocks, feature tiles) for the ``pipe`` schedule (kernels/linear_mma.cu PIPE)."""
     nj = 1 if m <= 8 else 2 if m <= 16 else 4
     nseg = -(-k // SEG_K)
-    return nj, (-(-n // 16), -(-m // (8 * nj))), (32 * min(nseg, 8),), nseg * 16 * 8 * nj * 4
+    tiles, blocks = -(-n // 16), -(-m // (8 * nj))
+    return nj, (blocks, tiles) if pipe else (tiles, blocks), (32 * min(nseg, 8),), nseg * 16 * 8 * nj * 4
+
+
+def pipelined(n: int) -> bool:
+    """Whether a launch over ``n`` weight rows takes the PIPE schedule: :data:`PIPELINE` set and
+    the feature tiles fit the grid's y (at most MAX_GRID_Y)."""
+    return PIPELINE and -(-n // 16) <= MAX_GRID_Y
 
 
 def glu_width(n: int) -> int:
@@ -248,9 +256,10 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
     (:func:`norm_applies` must hold) the activations are RMSNorm(a + skip) * gamma, computed in
     the same launch."""
     rows = glu_width(n) if glu else n
+    pipe = pipelined(rows)
     for r0, r1 in row_slices(m, 32):
-        nj, grid, block, shared = config(r1 - r0, rows, k)
-        _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[PIPELINE]}>", grid, block,
+        nj, grid, block, shared = config(r1 - r0, rows, k, pipe)
+        _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>", grid, block,
                 (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
                  np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n), *_norm_args(norm, null)),
                 _norm_shared(norm, shared, k, r1 - r0))
@@ -260,9 +269,10 @@ def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, n
     """y = a @ dequant(b)^T (+ bias), n weight rows. ``glu_out`` > 0: b, scales and zp hold
     gate/up rows in :func:`glu_rows` order and y [m, glu_out] = silu_mul(gate, up)."""
     width = glu_out if glu_out > 0 else n
+    pipe = pipelined(n)
     for r0, r1 in row_slices(m, 32):
-        nj, grid, block, shared = config(r1 - r0, n, k)
-        _launch(f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[PIPELINE]}>", grid, block,
+        nj, grid, block, shared = config(r1 - r0, n, k, pipe)
+        _launch(f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[pipe]}>", grid, block,
                 (rows_of(a, r0, r1, k), b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
                  null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
                  np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out)), shared)
