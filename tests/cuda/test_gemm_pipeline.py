@@ -1,8 +1,13 @@
-"""The pipelined weight-load schedule of the tensor-core GEMMs (kernels/linear_mma.cu PIPE,
-``_mma.PIPELINE``) on the GPU: bitwise the plain schedule for dense, gate/up (GLU), RMSNorm
-prologue and int4 kernels, at row counts of every token tiling (NJ = 1, 2, 4) and K that end
-inside a segment, fill it, and take several segments per warp; the pipelined kernel actually ran;
-and both agree with a float64 product within fp16 rounding."""
+"""The opt-in GEMM schedules of kernels/linear_mma.cu on the GPU, each bitwise the default kernels
+and each seen to run:
+
+- PIPE (``_mma.PIPELINE``: whole segments of weights in flight, token-major grid) for dense,
+  gate/up (GLU), RMSNorm prologue and int4 kernels, at row counts of every token tiling (NJ = 1,
+  2, 4) and K that end inside a segment, fill it, and take several segments per warp;
+- mma_wide (``_mma.WIDE``: 64-token tiles staged in shared memory) for dense and GLU launches
+  of 64 rows and more, both feature widths (F = 1, 2), rows and features that do not fill a tile;
+
+and all agree with a float64 product within fp16 rounding."""
 
 import numpy as np
 import pytest
@@ -113,3 +118,36 @@ def test_pipelined_int4_is_bitwise_the_plain_schedule(monkeypatch, ran, m, k, n,
     w = ((q - z) * scales.astype(np.float64)[:, :, None]).reshape(n, k)
     ref = a.astype(np.float64) @ w.T
     assert np.allclose(piped, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("f", [1, 2])
+@pytest.mark.parametrize("glu,bias", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("m,k,n", [(64, 64, 16), (100, 576, 200), (256, 2048, 136), (300, 4864, 72)])
+def test_wide_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, glu, bias, f):
+    rng = np.random.default_rng(m + k + n)
+    a = rng.standard_normal((m, k)).astype(np.float16)
+    w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))
+    b = rng.standard_normal(n).astype(np.float16) if bias else None
+    wp = cupy.asarray(_mma.pack(np, w, up if glu else None))
+    da, db = cupy.asarray(a), None if b is None else cupy.asarray(b)
+    # the multiprocessor count decides F; 1 makes every launch F = 2, a huge one F = 1
+    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 1 if f == 2 else 1 << 30)
+    _mma.wide_config.cache_clear()
+    out = []
+    try:
+        for wide in (False, True):
+            monkeypatch.setattr(_mma, "WIDE", wide)
+            del ran[:]
+            y = cupy.full((m, n), np.nan, np.float16)
+            _mma.dense(da, wp, db, y, m, n, k, NULL, glu=glu)
+            out.append(y.get())
+            if wide:
+                assert ran == [f"mma_wide<{f}, {_mma._BOOL[glu]}>"]
+            else:
+                assert ran and all(e.startswith("mma_dense<") for e in ran)
+    finally:
+        _mma.wide_config.cache_clear()
+    assert np.array_equal(out[0].view(np.uint16), out[1].view(np.uint16))
+    if not glu:
+        ref = a.astype(np.float64) @ w.astype(np.float64) + (0 if b is None else b.astype(np.float64))
+        assert np.allclose(out[1], ref, rtol=2e-2, atol=2e-2)

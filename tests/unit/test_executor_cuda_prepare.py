@@ -141,3 +141,20 @@ def test_the_load_schedule_flag_picks_the_kernel_and_every_launch_is_compiled(la
     assert all(e.endswith(f", {_mma._BOOL[pipeline]}>") for e in exprs)
     # the PIPE grid is (token blocks, feature tiles): 40 rows are 2 blocks of 32, N = 48 is 3 tiles
     assert launches[4][1] == ((2, 3) if pipeline else (3, 2))
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_the_wide_flag_routes_launches_of_64_rows_and_more_to_the_tiled_kernel(launches, monkeypatch, glu):
+    monkeypatch.setattr(_mma, "WIDE", True)
+    rng = np.random.default_rng(5)
+    w, up = (rng.standard_normal((96, 40)).astype(np.float16) for _ in range(2))
+    wp = _mma.pack(np, w, up if glu else None)
+    for m in (63, 64, 300):
+        _mma.dense(np.zeros((m, 96), np.float16), wp, None, np.zeros((m, 40), np.float16), m, 40, 96, None, glu=glu)
+    (small, *_), wide64, wide300 = launches
+    assert small.startswith("mma_dense<") and wide64[0] == wide300[0] == f"mma_wide<1, {_mma._BOOL[glu]}>"
+    assert wide64[0] in _mma.EXPRS
+    rows = _mma.glu_width(40) if glu else 40  # weight rows: 80 (GLU: two 64-feature blocks) or 40
+    blocks = -(-rows // 64)
+    assert wide64[1] == (1, blocks) and wide300[1] == (5, blocks) and wide300[2] == (256,)
+    assert int(wide300[3][5]) == rows and wide300[4] == 3 * (4 * 128 + 64 * 72 // 8) * 16

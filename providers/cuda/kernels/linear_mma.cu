@@ -322,6 +322,128 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
     finish<NJ, GLU>(part, nseg, bias, y, M, N, nt * 16, m0, n_out);
 }
 
+// Tiled dense GEMM for many rows (mma_wide): the per-element arithmetic of mma_dense (per K
+// segment one mma chain over the 16-wide k tiles in ascending order, the same k-slot map; the
+// segment partials added in ascending order from 0, then the bias, then fp16), so every row is
+// bitwise its mma_dense result; only the tiling differs.  The segment fold runs in registers:
+// after a segment's last chunk tot = tot + acc (finish's order), then acc restarts from 0.
+// Block: 8 warps = 2 token warps x 4 feature warps; a warp's tile is 32 tokens (4 n8 tiles) x
+// F 16-feature tiles, the block's 64 tokens x 64 F features.  grid (ceil(M / 64),
+// ceil(N / (64 F))): token-major, so the token blocks of one weight tile run together.
+// Per 64-wide k chunk the block's activations x[64 tokens][64 k] and its 4 F packed weight tiles'
+// 4 k tiles are copied to shared memory with cp.async, WIDE_STAGES chunks deep; each weight
+// fragment is then read by both token warps and each activation row by all 4 feature warps.
+// Shared: WIDE_STAGES * (4 F * 128 + 64 * WIDE_XS / 8) uint4.  Needs K % 8 == 0.
+#define WIDE_STAGES 3
+#define WIDE_XS 72  // halves per staged token row: 64 + 8, so the rows fall on distinct banks
+
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool ok) {
+    // 16 bytes, or 16 zero bytes when !ok (src is then not read)
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
+}
+
+__host__ __device__ constexpr int wide_shared_uint4(int F) { return WIDE_STAGES * (4 * F * 128 + 64 * WIDE_XS / 8); }
+
+template <int F, bool GLU>
+__global__ void __launch_bounds__(256, 2) mma_wide(const __half* __restrict__ x, const uint4* __restrict__ wp,
+                                                   const __half* __restrict__ bias, __half* __restrict__ y,
+                                                   int M, int N, int K, int n_out) {
+    extern __shared__ uint4 wsm[];
+    constexpr int TILES = 4 * F, WS = TILES * 128, XS = 64 * WIDE_XS / 8;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int wt = warp >> 2, wf = warp & 3;  // token warp 0..1, feature warp 0..3
+    const int m0 = blockIdx.x * 64, tile0 = blockIdx.y * TILES;
+    const int ntiles = (N + 15) >> 4, ktiles = ((K + 63) >> 6) << 2, nchunks = (K + 63) >> 6;
+    uint4* ws = wsm;                                                    // [STAGES][TILES][4 k tiles][32 lanes]
+    __half* xs = reinterpret_cast<__half*>(wsm + WIDE_STAGES * WS);     // [STAGES][64 tokens][WIDE_XS]
+    PDL_ENTER();
+    // chunk c into stage c % WIDE_STAGES: zeros for tiles past N, tokens past M and k past K
+    auto stage = [&](int c) {
+        uint4* wdst = ws + (c % WIDE_STAGES) * WS;
+        for (int p = threadIdx.x; p < WS; p += blockDim.x) {
+            const int tile = tile0 + (p >> 7);
+            const bool ok = tile < ntiles;
+            cp_async16_zfill(wdst + p, wp + (ok ? ((long long)tile * ktiles + 4 * c) * 32 + (p & 127) : 0), ok);
+        }
+        __half* xdst = xs + (c % WIDE_STAGES) * XS * 8;
+        for (int p = threadIdx.x; p < 64 * 8; p += blockDim.x) {
+            const int r = p >> 3, k = 64 * c + 8 * (p & 7), m = m0 + r;
+            const bool ok = m < M && k < K;
+            cp_async16_zfill(xdst + r * WIDE_XS + 8 * (p & 7), x + (ok ? (long long)m * K + k : 0), ok);
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    };
+    float acc[F][4][4], tot[F][4][4];
+#pragma unroll
+    for (int f = 0; f < F; ++f)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[f][j][e] = tot[f][j][e] = 0.f;
+    stage(0);
+    if (nchunks > 1) stage(1); else asm volatile("cp.async.commit_group;\n" ::: "memory");
+    for (int c = 0; c < nchunks; ++c) {
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's copies of chunk c landed
+        __syncthreads();  // everyone's; and every warp is done with chunk c - 1, whose stage is refilled next
+        if (c + 2 < nchunks) stage(c + 2); else asm volatile("cp.async.commit_group;\n" ::: "memory");
+        const uint4* wst = ws + (c % WIDE_STAGES) * WS + wf * F * 128 + lane;
+        const __half* xst = xs + (c % WIDE_STAGES) * XS * 8 + (wt * 32 + g) * WIDE_XS + 16 * t;
+        uint4 xa[4][2];  // token tile j: row g's x[16 t .. 16 t + 15] of the chunk (the ld_x16 map)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            xa[j][0] = *reinterpret_cast<const uint4*>(xst + j * 8 * WIDE_XS);
+            xa[j][1] = *reinterpret_cast<const uint4*>(xst + j * 8 * WIDE_XS + 8);
+        }
+#pragma unroll
+        for (int v = 0; v < 4; ++v)
+#pragma unroll
+            for (int f = 0; f < F; ++f) {
+                const uint4 w = wst[(f * 4 + v) * 32];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);
+                    mma16816(acc[f][j], reinterpret_cast<const unsigned*>(&w), xw[2 * v], xw[2 * v + 1]);
+                }
+            }
+        if ((c & 3) == 3 || c == nchunks - 1) {  // the end of a K segment (SEG_K = 4 chunks)
+#pragma unroll
+            for (int f = 0; f < F; ++f)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) { tot[f][j][e] = __fadd_rn(tot[f][j][e], acc[f][j][e]); acc[f][j][e] = 0.f; }
+        }
+    }
+    // lane (g, t) holds, per tile and token tile, rows g (e 0, 1) and g + 8 (e 2, 3) at tokens 2t, 2t + 1
+#pragma unroll
+    for (int f = 0; f < F; ++f) {
+        const int tile = tile0 + wf * F + f;
+        if (tile >= ntiles) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int m = m0 + wt * 32 + j * 8 + 2 * t + h;
+                if (m >= M) continue;
+                if constexpr (GLU) {  // row g: gate feature 8 tile + g; row g + 8: its up
+                    const int n = tile * 8 + g;
+                    if (n < n_out)
+                        y[(long long)m * n_out + n] = silu_mul_h(__float2half_rn(tot[f][j][h]), __float2half_rn(tot[f][j][2 + h]));
+                } else {
+#pragma unroll
+                    for (int rr = 0; rr < 2; ++rr) {
+                        const int n = tile * 16 + g + 8 * rr;
+                        if (n >= N) continue;
+                        float s = tot[f][j][2 * rr + h];
+                        if (bias) s = __fadd_rn(s, __half2float(bias[n]));
+                        y[(long long)m * N + n] = __float2half_rn(s);
+                    }
+                }
+            }
+    }
+}
+
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<unsigned*>(&h);

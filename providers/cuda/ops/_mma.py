@@ -29,13 +29,21 @@ _BOOL = ("false", "true")
 EXPRS = (tuple(f"mma_dense<{nj}, {glu}, false, {pipe}>" for nj in (1, 2, 4) for glu in _BOOL for pipe in _BOOL)
          + tuple(f"mma_dense<1, {glu}, true, {pipe}>" for glu in _BOOL for pipe in _BOOL)
          + tuple(f"mma_nbits4<{nj}, {s}, {glu}, {pipe}>" for nj in (1, 2, 4) for s in ("__half", "float")
-                 for glu in _BOOL for pipe in _BOOL))
+                 for glu in _BOOL for pipe in _BOOL)
+         + tuple(f"mma_wide<{f}, {glu}>" for f in (1, 2) for glu in _BOOL))
 #: The weight-load schedule of the tensor-core kernels (kernels/linear_mma.cu ``PIPE``): True
 #: holds a whole K segment of weights per lane and loads the warp's next segment while the
 #: current one's mmas issue. The schedule never changes a bit of the output (the mma sequence is
 #: the same); it is opt-in (``LOCKSTEP_CUDA_GEMM_PIPELINE=1``) until it has been measured on the
 #: GPU (docs/benchmarks/kernels.md).
 PIPELINE = os.environ.get("LOCKSTEP_CUDA_GEMM_PIPELINE", "0") == "1"
+#: The tiled kernel for launches of at least :data:`WIDE_ROWS` rows of a dense layer
+#: (kernels/linear_mma.cu ``mma_wide``: 64-token x 64/128-feature block tiles staged in shared
+#: memory), bitwise mma_dense's rows; opt-in (``LOCKSTEP_CUDA_GEMM_WIDE=1``) until measured.
+WIDE = os.environ.get("LOCKSTEP_CUDA_GEMM_WIDE", "0") == "1"
+WIDE_ROWS = 64
+#: kernels/linear_mma.cu WIDE_STAGES and WIDE_XS (shared memory of mma_wide).
+_WIDE_STAGES, _WIDE_XS = 3, 72
 #: Most rows a fused RMSNorm prologue launch takes. The kernel holds up to 8, but measured on the
 #: H200 (docs/benchmarks/kernels.md) the prologue's per-row work cost more than the separate norm
 #: launch it saves from 2 rows on, so only single-row (batch-1 decode) calls take it.
@@ -100,6 +108,29 @@ def config(m: int, n: int, k: int, pipe: bool = False) -> tuple[int, tuple, tupl
     nseg = -(-k // SEG_K)
     tiles, blocks = -(-n // 16), -(-m // (8 * nj))
     return nj, (blocks, tiles) if pipe else (tiles, blocks), (32 * min(nseg, 8),), nseg * 16 * 8 * nj * 4
+
+
+@functools.cache
+def _multiprocessors() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    except Exception:  # noqa: BLE001 - no device (host-side tests): an H200's count
+        return 132
+
+
+@functools.lru_cache(maxsize=4096)
+def wide_config(m: int, n: int) -> tuple[int, tuple, tuple, int] | None:
+    """(F, grid, block, shared bytes) of ``mma_wide`` for m rows and n weight rows: F = 2
+    (128-feature blocks) when that still gives two blocks per multiprocessor, else F = 1;
+    None when the feature blocks exceed the grid's y."""
+    tokens = -(-m // 64)
+    f = 2 if tokens * -(-n // 128) >= 2 * _multiprocessors() else 1
+    features = -(-n // (64 * f))
+    if features > MAX_GRID_Y:
+        return None
+    return f, (tokens, features), (256,), _WIDE_STAGES * (4 * f * 128 + 64 * _WIDE_XS // 8) * 16
 
 
 def pipelined(n: int) -> bool:
@@ -258,6 +289,13 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
     rows = glu_width(n) if glu else n
     pipe = pipelined(rows)
     for r0, r1 in row_slices(m, 32):
+        wide = wide_config(r1 - r0, rows) if WIDE and norm is None and r1 - r0 >= WIDE_ROWS and k % 8 == 0 else None
+        if wide is not None:
+            f, grid, block, shared = wide
+            _launch(f"mma_wide<{f}, {_BOOL[glu]}>", grid, block,
+                    (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
+                     np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n)), shared)
+            continue
         nj, grid, block, shared = config(r1 - r0, rows, k, pipe)
         _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>", grid, block,
                 (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
