@@ -26,11 +26,22 @@ SEG_K = 256
 #: every 8th segment; the segment partials, 64 x 16 x 32 floats at NJ = 4, fit shared memory).
 MAX_K = 64 * SEG_K
 _BOOL = ("false", "true")
-EXPRS = (tuple(f"mma_dense<{nj}, {glu}, false, {pipe}>" for nj in (1, 2, 4) for glu in _BOOL for pipe in _BOOL)
-         + tuple(f"mma_dense<1, {glu}, true, {pipe}>" for glu in _BOOL for pipe in _BOOL)
-         + tuple(f"mma_nbits4<{nj}, {s}, {glu}, {pipe}>" for nj in (1, 2, 4) for s in ("__half", "float")
-                 for glu in _BOOL for pipe in _BOOL)
-         + tuple(f"mma_wide<{f}, {glu}>" for f in (1, 2) for glu in _BOOL))
+
+
+def _schedule_exprs(pipe: str) -> tuple[str, ...]:
+    return (tuple(f"mma_dense<{nj}, {glu}, false, {pipe}>" for nj in (1, 2, 4) for glu in _BOOL)
+            + tuple(f"mma_dense<1, {glu}, true, {pipe}>" for glu in _BOOL)
+            + tuple(f"mma_nbits4<{nj}, {s}, {glu}, {pipe}>" for nj in (1, 2, 4) for s in ("__half", "float")
+                    for glu in _BOOL))
+
+
+#: The kernels' instantiations in three modules of kernels/linear_mma.cu, each compiled on its
+#: first launch: the default schedule, the PIPE schedule and the tiled kernel (so the opt-in
+#: schedules cost no compile time unless used).
+MODULES = (_schedule_exprs("false"), _schedule_exprs("true"),
+           tuple(f"mma_wide<{f}, {glu}>" for f in (1, 2) for glu in _BOOL))
+EXPRS = tuple(e for module in MODULES for e in module)
+_MODULE_OF = {e: module for module in MODULES for e in module}
 #: The weight-load schedule of the tensor-core kernels (kernels/linear_mma.cu ``PIPE``): True
 #: holds a whole K segment of weights per lane and loads the warp's next segment while the
 #: current one's mmas issue. The schedule never changes a bit of the output (the mma sequence is
@@ -84,7 +95,7 @@ _opted: dict = {}
 
 
 def _launch(expr: str, grid, block, args, shared: int) -> None:
-    kern = function("linear_mma", expr, EXPRS)
+    kern = function("linear_mma", expr, _MODULE_OF[expr])
     if shared > _DEFAULT_SHARED and _opted.get(expr, 0) < shared:
         kern.max_dynamic_shared_size_bytes = shared
         _opted[expr] = shared
