@@ -3,10 +3,11 @@
 # .before/before.tar is carried), and the streaming sweep. Logs land in /tmp/gpu_suite and are
 # packed into $OUT/gpu_suite.tgz at the end (the device tool brings back at most 8 files).
 #   carry: [".whl", ".before"]   (the onnxruntime-genai cp312 wheel for the builder; see README)
-#   STAGE=models|tests|profile|sampling|stream|context|kernels|ort|all (comma list), TEST_TIMEOUT, SWEEP
+#   STAGE=models|tests|profile|sampling|stream|context|kernels|ort|schedules|all (comma list), TEST_TIMEOUT, SWEEP
 #   context: the batch x prompt-length sweep (CSWEEP, LENS); kernels: --kernels at KSWEEP;
 #   ort: ONNX Runtime GenAI CUDA on the same grid (needs it importable from /tmp/ort, or the
 #   onnxruntime-gpu and onnxruntime-genai-cuda wheels in $ORT_WHEELS), then the sweep with --anchor
+#   schedules: the opt-in GEMM schedules (LOCKSTEP_CUDA_GEMM_PIPELINE / _WIDE) tested, profiled off/on, ncu
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 FINAL_OUT=$OUT; LOG=/tmp/gpu_suite; mkdir -p $LOG
@@ -78,5 +79,25 @@ if has kernels; then
   for v in ${KERNEL_MODELS:-fp16 int4}; do
     python3 -m core profile $M/$v --provider cuda --kernels --batch-sweep ${KSWEEP:-1,8,32,256} --prompt-len 32 \
       --tokens 16 --tensor-tflops ${TFLOPS:-989} --json $LOG/kernels_$v.json 2>&1 | tee $LOG/kernels_$v.txt | tail -40
+  done
+fi
+if has schedules; then  # the opt-in GEMM schedules (docs/benchmarks/kernels.md sections 5-6): tests, then A/B
+  for v in ${SCHED_MODELS:-llama-fp16 llama-int4}; do  # the 1B architecture, built on first use
+    [ -f $M/$v/model.onnx ] || python3 benchmarks/build_test_model.py $M/$v --arch llama-3.2-1b \
+      --precision ${v#llama-} --target cuda > $LOG/build_$v.txt 2>&1
+  done
+  timeout ${TEST_TIMEOUT:-600} python3 -m pytest -q -p no:cacheprovider tests/cuda/test_gemm_pipeline.py 2>&1 \
+    | tee $LOG/tests_schedules.log | tail -5
+  for flags in "0 0" "1 0" "0 1" "1 1"; do
+    set -- $flags
+    for v in fp16 int4 ${SCHED_MODELS:-llama-fp16 llama-int4}; do
+      LOCKSTEP_CUDA_GEMM_PIPELINE=$1 LOCKSTEP_CUDA_GEMM_WIDE=$2 python3 -m core profile $M/$v --provider cuda \
+        --batch-sweep ${SCHED_SWEEP:-1,8,32,256} --prompt-len 32 --tokens 64 --json $LOG/sched_${v}_p$1w$2.json \
+        2>&1 | tail -6 | tee -a $LOG/schedules.txt
+    done
+  done
+  command -v ncu >/dev/null && for b in 1 256; do
+    LOCKSTEP_CUDA_GEMM_PIPELINE=1 LOCKSTEP_CUDA_GEMM_WIDE=1 timeout 300 python3 benchmarks/ncu_step.py \
+      $M/llama-fp16 --batch $b 2>&1 | tee $LOG/ncu_llama_b$b.txt | head -30
   done
 fi
