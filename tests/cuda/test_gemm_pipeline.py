@@ -4,8 +4,10 @@ and each seen to run:
 - PIPE (``_mma.PIPELINE``: whole segments of weights in flight, token-major grid) for dense,
   gate/up (GLU), RMSNorm prologue and int4 kernels, at row counts of every token tiling (NJ = 1,
   2, 4) and K that end inside a segment, fill it, and take several segments per warp;
-- mma_wide (``_mma.WIDE``: 64-token tiles staged in shared memory) for dense and GLU launches
-  of 64 rows and more, both feature widths (F = 1, 2), rows and features that do not fill a tile;
+- mma_wide / mma_wide4 (``_mma.WIDE``: 64-token tiles staged in shared memory) for dense, GLU
+  and int4 launches of 64 rows and more (int4: every zero-point layout, fp16 and fp32 scales,
+  quantisation blocks of 32 to 128), both feature widths (F = 1, 2), rows and features that do
+  not fill a tile;
 
 and all agree with a float64 product within fp16 rounding."""
 
@@ -87,37 +89,51 @@ def test_pipelined_norm_prologue_is_bitwise_the_plain_schedule(monkeypatch, ran,
     assert all(e.startswith("mma_dense<1, false, true, ") for e in ran)  # the RMSNorm prologue ran
 
 
+class Int4Case:
+    """Random MatMulNBits operands (codes 2 per byte, low nibble first; scales; zero points
+    absent = 8, packed 2 per byte, or fp16 per block) on the device, and ``a @ w^T`` in float64."""
+
+    def __init__(self, rng, m, k, n, bs, scale_dtype, zp_mode):
+        nb = -(-k // bs)
+        codes = rng.integers(0, 256, (n, nb, bs // 2), dtype=np.uint8)
+        scales = (rng.random((n, nb)) * 0.02).astype(scale_dtype)
+        q = np.stack([codes & 15, codes >> 4], -1).reshape(n, nb, bs).astype(np.float64)
+        if zp_mode == 0:
+            zps, z = None, np.full((n, nb, 1), 8.0)
+        elif zp_mode == 1:
+            zps = rng.integers(0, 256, (n, -(-nb // 2)), dtype=np.uint8)
+            z = np.stack([zps & 15, zps >> 4], -1).reshape(n, -1)[:, :nb, None].astype(np.float64)
+        else:
+            zps = (rng.random((n, nb)) * 15).astype(np.float16)
+            z = zps.astype(np.float64)[:, :, None]
+        w = ((q - z) * scales.astype(np.float64)[:, :, None]).reshape(n, -1)[:, :k]
+        a = rng.standard_normal((m, k)).astype(np.float16)
+        self.ref = a.astype(np.float64) @ w.T
+        self.m, self.k, self.n, self.bs, self.zp_mode = m, k, n, bs, zp_mode
+        self.a, self.codes, self.scales = cupy.asarray(a), cupy.asarray(codes), cupy.asarray(scales)
+        self.zp = NULL if zps is None else cupy.asarray(zps)
+        self.stride = 0 if zps is None else (zps.shape[1] if zp_mode == 1 else nb)
+        self.s_type = "__half" if scale_dtype == np.float16 else "float"
+
+    def __call__(self):
+        """y = a @ dequant(codes)^T through ``_mma.nbits4`` (fp16 [m, n], NaN-poisoned first)."""
+        y = cupy.full((self.m, self.n), np.nan, np.float16)
+        _mma.nbits4(self.a, self.codes, self.scales, self.zp, self.zp_mode, self.stride, None, y, self.m, self.n,
+                    self.k, self.bs, self.s_type, NULL)
+        return y
+
+    def close(self, y) -> bool:
+        return np.allclose(y, self.ref, rtol=2e-2, atol=2e-2 * np.abs(self.ref).max())
+
+
 @pytest.mark.parametrize("zp", [0, 1])
 @pytest.mark.parametrize("scale_dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_pipelined_int4_is_bitwise_the_plain_schedule(monkeypatch, ran, m, k, n, scale_dtype, zp):
-    rng = np.random.default_rng(k * 3 + n)
-    bs = 32
-    nb = k // bs
-    codes = rng.integers(0, 256, (n, nb, bs // 2), dtype=np.uint8)
-    scales = (rng.random((n, nb)) * 0.02).astype(scale_dtype)
-    zps = rng.integers(0, 256, (n, -(-nb // 2)), dtype=np.uint8) if zp else None
-    a = rng.standard_normal((m, k)).astype(np.float16)
-    da, db, ds = cupy.asarray(a), cupy.asarray(codes), cupy.asarray(scales)
-    dz = NULL if zps is None else cupy.asarray(zps)
-    stride = 0 if zps is None else zps.shape[1]
-    s_type = "__half" if scale_dtype == np.float16 else "float"
-
-    def call():
-        y = cupy.full((m, n), np.nan, np.float16)
-        _mma.nbits4(da, db, ds, dz, zp, stride, None, y, m, n, k, bs, s_type, NULL)
-        return y
-
-    plain, piped = _both(monkeypatch, ran, call)
+    case = Int4Case(np.random.default_rng(k * 3 + n), m, k, n, 32, scale_dtype, zp)
+    plain, piped = _both(monkeypatch, ran, case)
     assert np.array_equal(plain.view(np.uint16), piped.view(np.uint16))
-    q = np.stack([codes & 15, codes >> 4], -1).reshape(n, nb, bs).astype(np.float64)
-    if zps is None:
-        z = np.full((n, nb, 1), 8.0)
-    else:
-        z = np.stack([zps & 15, zps >> 4], -1).reshape(n, -1)[:, :nb, None].astype(np.float64)
-    w = ((q - z) * scales.astype(np.float64)[:, :, None]).reshape(n, k)
-    ref = a.astype(np.float64) @ w.T
-    assert np.allclose(piped, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+    assert case.close(piped)
 
 
 @pytest.mark.parametrize("f", [1, 2])
@@ -151,3 +167,27 @@ def test_wide_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, glu, b
     if not glu:
         ref = a.astype(np.float64) @ w.astype(np.float64) + (0 if b is None else b.astype(np.float64))
         assert np.allclose(out[1], ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("f", [1, 2])
+@pytest.mark.parametrize("zp,scale_dtype", [(0, np.float16), (1, np.float16), (1, np.float32), (2, np.float16)])
+@pytest.mark.parametrize("m,k,n,bs", [(64, 64, 16, 32), (100, 576, 200, 128), (256, 2048, 136, 32),
+                                      (300, 4864, 72, 64)])
+def test_wide_int4_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, bs, zp, scale_dtype, f):
+    case = Int4Case(np.random.default_rng(m + k + n + zp), m, k, n, bs, scale_dtype, zp)
+    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 1 if f == 2 else 1 << 30)
+    _mma.wide_config.cache_clear()
+    out = []
+    try:
+        for wide in (False, True):
+            monkeypatch.setattr(_mma, "WIDE", wide)
+            del ran[:]
+            out.append(case().get())
+            if wide:
+                assert ran == [f"mma_wide4<{f}, {case.s_type}, false>"]
+            else:
+                assert ran and all(e.startswith("mma_nbits4<") for e in ran)
+    finally:
+        _mma.wide_config.cache_clear()
+    assert np.array_equal(out[0].view(np.uint16), out[1].view(np.uint16))
+    assert case.close(out[1])

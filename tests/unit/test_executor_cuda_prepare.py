@@ -158,3 +158,20 @@ def test_the_wide_flag_routes_launches_of_64_rows_and_more_to_the_tiled_kernel(l
     blocks = -(-rows // 64)
     assert wide64[1] == (1, blocks) and wide300[1] == (5, blocks) and wide300[2] == (256,)
     assert int(wide300[3][5]) == rows and wide300[4] == 3 * (4 * 128 + 64 * 72 // 8) * 16
+
+
+def test_the_wide_flag_routes_int4_launches_that_fit_the_tiled_kernel(launches, monkeypatch):
+    monkeypatch.setattr(_mma, "WIDE", True)
+    rng = np.random.default_rng(6)
+
+    def launch(m, k, bs):
+        b, s, _ = _nbits(rng, 40, k, bs, False)
+        _mma.nbits4(np.zeros((m, k), np.float16), b, s, None, 0, 0, None, np.zeros((m, 40), np.float16),
+                    m, 40, k, bs, "__half", None)
+        return launches[-1]
+
+    assert launch(63, 128, 32)[0].startswith("mma_nbits4<")
+    wide = launch(64, 128, 32)
+    assert wide[0] == "mma_wide4<1, __half, false>" and wide[0] in _mma.EXPRS
+    assert wide[1] == (1, 1) and wide[4] == 3 * (2 * 64 + 64 * 72 // 8) * 16
+    assert launch(64, 48, 16)[0].startswith("mma_nbits4<")  # K % 32 != 0

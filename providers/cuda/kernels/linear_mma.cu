@@ -345,86 +345,53 @@ __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, boo
 
 __host__ __device__ constexpr int wide_shared_uint4(int F) { return WIDE_STAGES * (4 * F * 128 + 64 * WIDE_XS / 8); }
 
-template <int F, bool GLU>
-__global__ void __launch_bounds__(256, 2) mma_wide(const __half* __restrict__ x, const uint4* __restrict__ wp,
-                                                   const __half* __restrict__ bias, __half* __restrict__ y,
-                                                   int M, int N, int K, int n_out) {
-    extern __shared__ uint4 wsm[];
-    constexpr int TILES = 4 * F, WS = TILES * 128, XS = 64 * WIDE_XS / 8;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int wt = warp >> 2, wf = warp & 3;  // token warp 0..1, feature warp 0..3
-    const int m0 = blockIdx.x * 64, tile0 = blockIdx.y * TILES;
-    const int ntiles = (N + 15) >> 4, ktiles = ((K + 63) >> 6) << 2, nchunks = (K + 63) >> 6;
-    uint4* ws = wsm;                                                    // [STAGES][TILES][4 k tiles][32 lanes]
-    __half* xs = reinterpret_cast<__half*>(wsm + WIDE_STAGES * WS);     // [STAGES][64 tokens][WIDE_XS]
-    PDL_ENTER();
-    // chunk c into stage c % WIDE_STAGES: zeros for tiles past N, tokens past M and k past K
-    auto stage = [&](int c) {
-        uint4* wdst = ws + (c % WIDE_STAGES) * WS;
-        for (int p = threadIdx.x; p < WS; p += blockDim.x) {
-            const int tile = tile0 + (p >> 7);
-            const bool ok = tile < ntiles;
-            cp_async16_zfill(wdst + p, wp + (ok ? ((long long)tile * ktiles + 4 * c) * 32 + (p & 127) : 0), ok);
-        }
-        __half* xdst = xs + (c % WIDE_STAGES) * XS * 8;
-        for (int p = threadIdx.x; p < 64 * 8; p += blockDim.x) {
-            const int r = p >> 3, k = 64 * c + 8 * (p & 7), m = m0 + r;
-            const bool ok = m < M && k < K;
-            cp_async16_zfill(xdst + r * WIDE_XS + 8 * (p & 7), x + (ok ? (long long)m * K + k : 0), ok);
-        }
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
-    };
-    float acc[F][4][4], tot[F][4][4];
+// Activations of 64-wide k chunk c for the block's 64 tokens (from m0) into xdst [64][WIDE_XS]
+// halves, zeros for tokens past M and k past K (K % 8 == 0: a 16-byte piece is all in or all out).
+__device__ __forceinline__ void wide_stage_x(__half* xdst, const __half* __restrict__ x, int M, int K, int m0, int c) {
+    for (int p = threadIdx.x; p < 64 * 8; p += blockDim.x) {
+        const int r = p >> 3, k = 64 * c + 8 * (p & 7), m = m0 + r;
+        const bool ok = m < M && k < K;
+        cp_async16_zfill(xdst + r * WIDE_XS + 8 * (p & 7), x + (ok ? (long long)m * K + k : 0), ok);
+    }
+}
+
+// A token warp's B fragments for chunk stage xst (the block's staged activations): token tile j,
+// row g's halves 16 t .. 16 t + 15 of the chunk, as ld_x16 gives them to mma_dense.
+__device__ __forceinline__ void wide_load_x(uint4 (*xa)[2], const __half* xst, int wt, int g, int t) {
+    const __half* row = xst + (wt * 32 + g) * WIDE_XS + 16 * t;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        xa[j][0] = *reinterpret_cast<const uint4*>(row + j * 8 * WIDE_XS);
+        xa[j][1] = *reinterpret_cast<const uint4*>(row + j * 8 * WIDE_XS + 8);
+    }
+}
+
+// After a K segment's last chunk: tot = tot + acc (finish's fold order), acc restarts from 0.
+template <int F>
+__device__ __forceinline__ void wide_fold(float (*acc)[4][4], float (*tot)[4][4]) {
 #pragma unroll
     for (int f = 0; f < F; ++f)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[f][j][e] = tot[f][j][e] = 0.f;
-    stage(0);
-    if (nchunks > 1) stage(1); else asm volatile("cp.async.commit_group;\n" ::: "memory");
-    for (int c = 0; c < nchunks; ++c) {
-        asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's copies of chunk c landed
-        __syncthreads();  // everyone's; and every warp is done with chunk c - 1, whose stage is refilled next
-        if (c + 2 < nchunks) stage(c + 2); else asm volatile("cp.async.commit_group;\n" ::: "memory");
-        const uint4* wst = ws + (c % WIDE_STAGES) * WS + wf * F * 128 + lane;
-        const __half* xst = xs + (c % WIDE_STAGES) * XS * 8 + (wt * 32 + g) * WIDE_XS + 16 * t;
-        uint4 xa[4][2];  // token tile j: row g's x[16 t .. 16 t + 15] of the chunk (the ld_x16 map)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            xa[j][0] = *reinterpret_cast<const uint4*>(xst + j * 8 * WIDE_XS);
-            xa[j][1] = *reinterpret_cast<const uint4*>(xst + j * 8 * WIDE_XS + 8);
-        }
-#pragma unroll
-        for (int v = 0; v < 4; ++v)
-#pragma unroll
-            for (int f = 0; f < F; ++f) {
-                const uint4 w = wst[(f * 4 + v) * 32];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);
-                    mma16816(acc[f][j], reinterpret_cast<const unsigned*>(&w), xw[2 * v], xw[2 * v + 1]);
-                }
-            }
-        if ((c & 3) == 3 || c == nchunks - 1) {  // the end of a K segment (SEG_K = 4 chunks)
-#pragma unroll
-            for (int f = 0; f < F; ++f)
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) { tot[f][j][e] = __fadd_rn(tot[f][j][e], acc[f][j][e]); acc[f][j][e] = 0.f; }
-        }
-    }
-    // lane (g, t) holds, per tile and token tile, rows g (e 0, 1) and g + 8 (e 2, 3) at tokens 2t, 2t + 1
+            for (int e = 0; e < 4; ++e) { tot[f][j][e] = __fadd_rn(tot[f][j][e], acc[f][j][e]); acc[f][j][e] = 0.f; }
+}
+
+// The epilogue of finish() for a warp's tiles: lane (g, t) holds, per 16-row weight tile
+// tile0 + f and token tile j, rows g (e 0, 1) and g + 8 (e 2, 3) at tokens 2t, 2t + 1.
+template <int F, bool GLU>
+__device__ __forceinline__ void wide_store(float (*tot)[4][4], const __half* __restrict__ bias, __half* __restrict__ y,
+                                           int M, int N, int n_out, int m0, int tile0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, ntiles = (N + 15) >> 4;
 #pragma unroll
     for (int f = 0; f < F; ++f) {
-        const int tile = tile0 + wf * F + f;
+        const int tile = tile0 + f;
         if (tile >= ntiles) continue;
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int m = m0 + wt * 32 + j * 8 + 2 * t + h;
+                const int m = m0 + j * 8 + 2 * t + h;
                 if (m >= M) continue;
                 if constexpr (GLU) {  // row g: gate feature 8 tile + g; row g + 8: its up
                     const int n = tile * 8 + g;
@@ -442,6 +409,62 @@ __global__ void __launch_bounds__(256, 2) mma_wide(const __half* __restrict__ x,
                 }
             }
     }
+}
+
+template <int F, bool GLU>
+__global__ void __launch_bounds__(256, 2) mma_wide(const __half* __restrict__ x, const uint4* __restrict__ wp,
+                                                   const __half* __restrict__ bias, __half* __restrict__ y,
+                                                   int M, int N, int K, int n_out) {
+    extern __shared__ uint4 wsm[];
+    constexpr int TILES = 4 * F, WS = TILES * 128, XS = 64 * WIDE_XS / 8;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int wt = warp >> 2, wf = warp & 3;  // token warp 0..1, feature warp 0..3
+    const int m0 = blockIdx.x * 64, tile0 = blockIdx.y * TILES;
+    const int ntiles = (N + 15) >> 4, ktiles = ((K + 63) >> 6) << 2, nchunks = (K + 63) >> 6;
+    uint4* ws = wsm;                                                    // [STAGES][TILES][4 k tiles][32 lanes]
+    __half* xs = reinterpret_cast<__half*>(wsm + WIDE_STAGES * WS);     // [STAGES][64 tokens][WIDE_XS]
+    PDL_ENTER();
+    // chunk c into stage c % WIDE_STAGES: zeros for tiles past N (and the activations' zeros)
+    auto stage = [&](int c) {
+        uint4* wdst = ws + (c % WIDE_STAGES) * WS;
+        for (int p = threadIdx.x; p < WS; p += blockDim.x) {
+            const int tile = tile0 + (p >> 7);
+            const bool ok = tile < ntiles;
+            cp_async16_zfill(wdst + p, wp + (ok ? ((long long)tile * ktiles + 4 * c) * 32 + (p & 127) : 0), ok);
+        }
+        wide_stage_x(xs + (c % WIDE_STAGES) * XS * 8, x, M, K, m0, c);
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    };
+    float acc[F][4][4], tot[F][4][4];
+#pragma unroll
+    for (int f = 0; f < F; ++f)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[f][j][e] = tot[f][j][e] = 0.f;
+    stage(0);
+    if (nchunks > 1) stage(1); else asm volatile("cp.async.commit_group;\n" ::: "memory");
+    for (int c = 0; c < nchunks; ++c) {
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's copies of chunk c landed
+        __syncthreads();  // everyone's; and every warp is done with chunk c - 1, whose stage is refilled next
+        if (c + 2 < nchunks) stage(c + 2); else asm volatile("cp.async.commit_group;\n" ::: "memory");
+        const uint4* wst = ws + (c % WIDE_STAGES) * WS + wf * F * 128 + lane;
+        uint4 xa[4][2];
+        wide_load_x(xa, xs + (c % WIDE_STAGES) * XS * 8, wt, g, t);
+#pragma unroll
+        for (int v = 0; v < 4; ++v)
+#pragma unroll
+            for (int f = 0; f < F; ++f) {
+                const uint4 w = wst[(f * 4 + v) * 32];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);
+                    mma16816(acc[f][j], reinterpret_cast<const unsigned*>(&w), xw[2 * v], xw[2 * v + 1]);
+                }
+            }
+        if ((c & 3) == 3 || c == nchunks - 1) wide_fold<F>(acc, tot);  // the end of a K segment (4 chunks)
+    }
+    wide_store<F, GLU>(tot, bias, y, M, N, n_out, m0 + wt * 32, tile0 + wf * F);
 }
 
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
@@ -477,6 +500,50 @@ struct Chunk4 {
     float sa, sb, za, zb;
 };
 
+// Scale s and zero point z (floats) of weight row ``row`` (a valid index) for quantisation block
+// blk; s = 0 for rows past N (``valid`` false).  zp_mode: 0 none (8), 1 packed uint8 nibbles
+// [N, zp_stride], 2 fp16 [N, nb].
+template <typename S>
+__device__ __forceinline__ void scale_zp(const S* __restrict__ scales, const void* __restrict__ zp, int zp_mode,
+                                         int zp_stride, int nb, int row, bool valid, int blk, float& s, float& z) {
+    s = valid ? (float)scales[(long long)row * nb + blk] : 0.f;
+    z = 8.f;
+    if (zp_mode == 1) {
+        const int e = blk * 4;
+        z = (float)((((const unsigned char*)zp)[(long long)row * zp_stride + (e >> 3)] >> (e & 7)) & 15u);
+    } else if (zp_mode == 2) {
+        z = __half2float(((const __half*)zp)[(long long)row * nb + blk]);
+    }
+}
+
+// The hi and lo A fragments of virtual k tile v (codes 4v .. 4v + 3 of each row) of a lane's chunk.
+// a[0]: row g, slots 2t, 2t+1 <- k 4v, 4v+1; a[1]: row g + 8, same slots;
+// a[2]: row g, slots 2t+8, 2t+9 <- k 4v+2, 4v+3; a[3]: row g + 8, same slots.
+// f16: the fp16 route (fp16 scales, integer zero points), else fp32 (see the file header).
+__device__ __forceinline__ void dequant4(const Chunk4& w, int v, bool f16, unsigned* hi, unsigned* lo) {
+    const unsigned wa = ((v < 2 ? w.ca.x : w.ca.y) >> (16 * (v & 1))) & 0xffffu;
+    const unsigned wb = ((v < 2 ? w.cb.x : w.cb.y) >> (16 * (v & 1))) & 0xffffu;
+    if (f16) {
+        const __half2 zqa = __float2half2_rn(1024.f + w.za), zqb = __float2half2_rn(1024.f + w.zb);
+        const __half2 s2a = __float2half2_rn(w.sa), s2b = __float2half2_rn(w.sb);
+        split_f16((wa & 0xfu) | ((wa & 0xf0u) << 12), zqa, s2a, hi[0], lo[0]);
+        split_f16((wb & 0xfu) | ((wb & 0xf0u) << 12), zqb, s2b, hi[1], lo[1]);
+        split_f16(((wa >> 8) & 0xfu) | ((wa & 0xf000u) << 4), zqa, s2a, hi[2], lo[2]);
+        split_f16(((wb >> 8) & 0xfu) | ((wb & 0xf000u) << 4), zqb, s2b, hi[3], lo[3]);
+    } else {
+        float fa[4], fb[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            fa[e] = __fmul_rn(__fsub_rn((float)((wa >> (4 * e)) & 15u), w.za), w.sa);
+            fb[e] = __fmul_rn(__fsub_rn((float)((wb >> (4 * e)) & 15u), w.zb), w.sb);
+        }
+        split_f32(fa[0], fa[1], hi[0], lo[0]);
+        split_f32(fb[0], fb[1], hi[1], lo[1]);
+        split_f32(fa[2], fa[3], hi[2], lo[2]);
+        split_f32(fb[2], fb[3], hi[3], lo[3]);
+    }
+}
+
 // int4 MatMulNBits.  grid/block/shared/GLU as mma_dense (GLU: the rows of q, scales and zero
 // points interleaved as dense's packed rows).  Requires K % 16 == 0 and fp16 X.  PIPE as in
 // mma_dense: false holds one 64-chunk of weights per lane (load, wait, 8 mmas); true holds the
@@ -504,18 +571,8 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
         if (kl < K) {
             w.ca = *reinterpret_cast<const uint2*>(q + na * rowbytes + kl / 2);
             w.cb = *reinterpret_cast<const uint2*>(q + nbr * rowbytes + kl / 2);
-            const int blk = kl / bs;
-            w.sa = va ? (float)scales[(long long)na * nb + blk] : 0.f;
-            w.sb = vb ? (float)scales[(long long)nbr * nb + blk] : 0.f;
-            if (zp_mode == 1) {
-                const int e = blk * 4;
-                const unsigned char* z = (const unsigned char*)zp;
-                w.za = (float)((z[(long long)na * zp_stride + (e >> 3)] >> (e & 7)) & 15u);
-                w.zb = (float)((z[(long long)nbr * zp_stride + (e >> 3)] >> (e & 7)) & 15u);
-            } else if (zp_mode == 2) {
-                w.za = __half2float(((const __half*)zp)[(long long)na * nb + blk]);
-                w.zb = __half2float(((const __half*)zp)[(long long)nbr * nb + blk]);
-            }
+            scale_zp(scales, zp, zp_mode, zp_stride, nb, na, va, kl / bs, w.sa, w.za);
+            scale_zp(scales, zp, zp_mode, zp_stride, nb, nbr, vb, kl / bs, w.sb, w.zb);
         }
     };
     constexpr int NC = PIPE ? 4 : 1;  // 64-chunks of weights held per lane
@@ -543,33 +600,10 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
             }
         }
         const bool f16 = is_half_t<S>::value && zp_mode != 2;
-        const __half2 zqa = __float2half2_rn(1024.f + wc.za), zqb = __float2half2_rn(1024.f + wc.zb);
-        const __half2 s2a = __float2half2_rn(wc.sa), s2b = __float2half2_rn(wc.sb);
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
-            // codes 4v .. 4v + 3 of each row: 16 bits of the lane's 64
-            const unsigned wa = ((v < 2 ? wc.ca.x : wc.ca.y) >> (16 * (v & 1))) & 0xffffu;
-            const unsigned wb = ((v < 2 ? wc.cb.x : wc.cb.y) >> (16 * (v & 1))) & 0xffffu;
-            // a[0]: row g, slots 2t, 2t+1 <- k 4v, 4v+1; a[1]: row g + 8, same slots;
-            // a[2]: row g, slots 2t+8, 2t+9 <- k 4v+2, 4v+3; a[3]: row g + 8, same slots
             unsigned hi[4], lo[4];
-            if (f16) {
-                split_f16((wa & 0xfu) | ((wa & 0xf0u) << 12), zqa, s2a, hi[0], lo[0]);
-                split_f16((wb & 0xfu) | ((wb & 0xf0u) << 12), zqb, s2b, hi[1], lo[1]);
-                split_f16(((wa >> 8) & 0xfu) | ((wa & 0xf000u) << 4), zqa, s2a, hi[2], lo[2]);
-                split_f16(((wb >> 8) & 0xfu) | ((wb & 0xf000u) << 4), zqb, s2b, hi[3], lo[3]);
-            } else {
-                float fa[4], fb[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    fa[e] = __fmul_rn(__fsub_rn((float)((wa >> (4 * e)) & 15u), wc.za), wc.sa);
-                    fb[e] = __fmul_rn(__fsub_rn((float)((wb >> (4 * e)) & 15u), wc.zb), wc.sb);
-                }
-                split_f32(fa[0], fa[1], hi[0], lo[0]);
-                split_f32(fb[0], fb[1], hi[1], lo[1]);
-                split_f32(fa[2], fa[3], hi[2], lo[2]);
-                split_f32(fb[2], fb[3], hi[3], lo[3]);
-            }
+            dequant4(wc, v, f16, hi, lo);
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);  // 8 words = 16 halves
@@ -598,4 +632,99 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
         store_partial<NJ>(part, acc, seg);
     }
     finish<NJ, GLU>(part, nseg, bias, y, M, N, n0, m0, n_out);
+}
+
+// Tiled int4 GEMM for many rows (mma_wide4): mma_wide's tiling with mma_nbits4's arithmetic (per
+// k tile the hi then the lo mma of the exact dequantised weight, dequant4), so every row is
+// bitwise its mma_nbits4 result.  Per chunk the block's 64 F weight rows' 32 code bytes and the
+// activations are staged by cp.async; each lane's scales and zero points of the next chunk are
+// loaded into registers while the current chunk computes.  grid (ceil(M / 64), ceil(N / (64 F))),
+// shared WIDE_STAGES * (128 F + 64 * WIDE_XS / 8) uint4.  Needs K % 32 == 0 and row bytes
+// (n_blocks * bs / 2) % 16 == 0.
+template <int F, typename S, bool GLU>
+__global__ void __launch_bounds__(256) mma_wide4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
+                                                 const S* __restrict__ scales, const void* __restrict__ zp,
+                                                 int zp_mode, int zp_stride, const __half* __restrict__ bias,
+                                                 __half* __restrict__ y, int M, int N, int K, int bs, int n_out) {
+    extern __shared__ uint4 wsm[];
+    constexpr int ROWS = 64 * F, CS = 2 * ROWS, XS = 64 * WIDE_XS / 8;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int wt = warp >> 2, wf = warp & 3;
+    const int m0 = blockIdx.x * 64, r0 = blockIdx.y * ROWS, nchunks = (K + 63) >> 6;
+    const int nb = (K + bs - 1) / bs;
+    const long long rowbytes = (long long)nb * (bs / 2);
+    uint4* cs = wsm;                                                 // [STAGES][ROWS][32 bytes]
+    __half* xs = reinterpret_cast<__half*>(wsm + WIDE_STAGES * CS);  // [STAGES][64 tokens][WIDE_XS]
+    PDL_ENTER();
+    auto stage = [&](int c) {
+        uint4* cdst = cs + (c % WIDE_STAGES) * CS;
+        for (int p = threadIdx.x; p < CS; p += blockDim.x) {
+            const int row = r0 + (p >> 1), k = 64 * c + 32 * (p & 1);
+            const bool ok = row < N && k < K;
+            cp_async16_zfill(cdst + p, q + (ok ? row * rowbytes + k / 2 : 0), ok);
+        }
+        wide_stage_x(xs + (c % WIDE_STAGES) * XS * 8, x, M, K, m0, c);
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    };
+    // scales and zero points of chunk c for the lane's rows g and g + 8 of each of its tiles
+    auto load_sz = [&](float (*sz)[4], int c) {
+        const int kl = 64 * c + 16 * t;
+#pragma unroll
+        for (int f = 0; f < F; ++f) {
+            sz[f][0] = 0.f; sz[f][1] = 0.f; sz[f][2] = 8.f; sz[f][3] = 8.f;
+            if (kl < K) {
+                const int ra = r0 + (wf * F + f) * 16 + g, rb = ra + 8;
+                scale_zp(scales, zp, zp_mode, zp_stride, nb, min(ra, N - 1), ra < N, kl / bs, sz[f][0], sz[f][2]);
+                scale_zp(scales, zp, zp_mode, zp_stride, nb, min(rb, N - 1), rb < N, kl / bs, sz[f][1], sz[f][3]);
+            }
+        }
+    };
+    const bool f16 = is_half_t<S>::value && zp_mode != 2;
+    float acc[F][4][4], tot[F][4][4], cur[F][4], nxt[F][4];
+#pragma unroll
+    for (int f = 0; f < F; ++f)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[f][j][e] = tot[f][j][e] = 0.f;
+    load_sz(cur, 0);
+    stage(0);
+    if (nchunks > 1) stage(1); else asm volatile("cp.async.commit_group;\n" ::: "memory");
+    for (int c = 0; c < nchunks; ++c) {
+        if (c + 1 < nchunks) load_sz(nxt, c + 1);
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        __syncthreads();
+        if (c + 2 < nchunks) stage(c + 2); else asm volatile("cp.async.commit_group;\n" ::: "memory");
+        const unsigned char* cst = reinterpret_cast<const unsigned char*>(cs + (c % WIDE_STAGES) * CS);
+        const bool kv = 64 * c + 16 * t < K;
+        uint4 xa[4][2];
+        wide_load_x(xa, xs + (c % WIDE_STAGES) * XS * 8, wt, g, t);
+        Chunk4 w[F];
+#pragma unroll
+        for (int f = 0; f < F; ++f) {  // codes 16 t .. 16 t + 15 of rows g and g + 8 (zeros past K)
+            const int la = (wf * F + f) * 16 + g;
+            w[f].ca = kv ? *reinterpret_cast<const uint2*>(cst + la * 32 + 8 * t) : make_uint2(0, 0);
+            w[f].cb = kv ? *reinterpret_cast<const uint2*>(cst + (la + 8) * 32 + 8 * t) : make_uint2(0, 0);
+            w[f].sa = cur[f][0]; w[f].sb = cur[f][1]; w[f].za = cur[f][2]; w[f].zb = cur[f][3];
+        }
+#pragma unroll
+        for (int v = 0; v < 4; ++v)
+#pragma unroll
+            for (int f = 0; f < F; ++f) {
+                unsigned hi[4], lo[4];
+                dequant4(w[f], v, f16, hi, lo);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);
+                    mma16816(acc[f][j], hi, xw[2 * v], xw[2 * v + 1]);
+                    mma16816(acc[f][j], lo, xw[2 * v], xw[2 * v + 1]);
+                }
+            }
+        if ((c & 3) == 3 || c == nchunks - 1) wide_fold<F>(acc, tot);
+#pragma unroll
+        for (int f = 0; f < F; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) cur[f][e] = nxt[f][e];
+    }
+    wide_store<F, GLU>(tot, bias, y, M, N, n_out, m0 + wt * 32, r0 / 16 + wf * F);
 }

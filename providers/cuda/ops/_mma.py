@@ -39,7 +39,8 @@ def _schedule_exprs(pipe: str) -> tuple[str, ...]:
 #: first launch: the default schedule, the PIPE schedule and the tiled kernel (so the opt-in
 #: schedules cost no compile time unless used).
 MODULES = (_schedule_exprs("false"), _schedule_exprs("true"),
-           tuple(f"mma_wide<{f}, {glu}>" for f in (1, 2) for glu in _BOOL))
+           tuple(f"mma_wide<{f}, {glu}>" for f in (1, 2) for glu in _BOOL)
+           + tuple(f"mma_wide4<{f}, {s}, {glu}>" for f in (1, 2) for s in ("__half", "float") for glu in _BOOL))
 EXPRS = tuple(e for module in MODULES for e in module)
 _MODULE_OF = {e: module for module in MODULES for e in module}
 #: The weight-load schedule of the tensor-core kernels (kernels/linear_mma.cu ``PIPE``): True
@@ -48,9 +49,10 @@ _MODULE_OF = {e: module for module in MODULES for e in module}
 #: the same); it is opt-in (``LOCKSTEP_CUDA_GEMM_PIPELINE=1``) until it has been measured on the
 #: GPU (docs/benchmarks/kernels.md).
 PIPELINE = os.environ.get("LOCKSTEP_CUDA_GEMM_PIPELINE", "0") == "1"
-#: The tiled kernel for launches of at least :data:`WIDE_ROWS` rows of a dense layer
-#: (kernels/linear_mma.cu ``mma_wide``: 64-token x 64/128-feature block tiles staged in shared
-#: memory), bitwise mma_dense's rows; opt-in (``LOCKSTEP_CUDA_GEMM_WIDE=1``) until measured.
+#: The tiled kernels for launches of at least :data:`WIDE_ROWS` rows (kernels/linear_mma.cu
+#: ``mma_wide`` for dense fp16, ``mma_wide4`` for int4: 64-token x 64/128-feature block tiles
+#: staged in shared memory), bitwise the row kernels' results; opt-in
+#: (``LOCKSTEP_CUDA_GEMM_WIDE=1``) until measured.
 WIDE = os.environ.get("LOCKSTEP_CUDA_GEMM_WIDE", "0") == "1"
 WIDE_ROWS = 64
 #: kernels/linear_mma.cu WIDE_STAGES and WIDE_XS (shared memory of mma_wide).
@@ -132,16 +134,26 @@ def _multiprocessors() -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def wide_config(m: int, n: int) -> tuple[int, tuple, tuple, int] | None:
-    """(F, grid, block, shared bytes) of ``mma_wide`` for m rows and n weight rows: F = 2
-    (128-feature blocks) when that still gives two blocks per multiprocessor, else F = 1;
-    None when the feature blocks exceed the grid's y."""
+def wide_config(m: int, n: int, int4: bool = False) -> tuple[int, tuple, tuple, int] | None:
+    """(F, grid, block, shared bytes) of ``mma_wide`` (``mma_wide4`` with ``int4``) for m rows
+    and n weight rows: F = 2 (128-feature blocks) when that still gives two blocks per
+    multiprocessor, else F = 1; None when the feature blocks exceed the grid's y. Shared memory:
+    WIDE_STAGES chunks of the activations (64 rows of WIDE_XS halves) and of the weights (the
+    packed fragments of 4 F tiles, or 32 code bytes of 64 F rows)."""
     tokens = -(-m // 64)
     f = 2 if tokens * -(-n // 128) >= 2 * _multiprocessors() else 1
     features = -(-n // (64 * f))
     if features > MAX_GRID_Y:
         return None
-    return f, (tokens, features), (256,), _WIDE_STAGES * (4 * f * 128 + 64 * _WIDE_XS // 8) * 16
+    weights = 2 * 64 * f if int4 else 4 * f * 128
+    return f, (tokens, features), (256,), _WIDE_STAGES * (weights + 64 * _WIDE_XS // 8) * 16
+
+
+def wide_int4_applies(m: int, k: int, bs: int) -> bool:
+    """Whether an int4 launch of m rows takes ``mma_wide4``: :data:`WIDE` set, at least
+    :data:`WIDE_ROWS` rows, K a multiple of 32 and a row of codes a multiple of 16 bytes (its
+    16-byte copies stay inside the row)."""
+    return WIDE and m >= WIDE_ROWS and k % 32 == 0 and (-(-k // bs) * bs // 2) % 16 == 0
 
 
 def pipelined(n: int) -> bool:
@@ -320,8 +332,13 @@ def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, n
     width = glu_out if glu_out > 0 else n
     pipe = pipelined(n)
     for r0, r1 in row_slices(m, 32):
-        nj, grid, block, shared = config(r1 - r0, n, k, pipe)
-        _launch(f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[pipe]}>", grid, block,
-                (rows_of(a, r0, r1, k), b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
-                 null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
-                 np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out)), shared)
+        args = (rows_of(a, r0, r1, k), b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
+                null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
+                np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out))
+        wide = wide_config(r1 - r0, n, True) if wide_int4_applies(r1 - r0, k, bs) else None
+        if wide is not None:
+            f, grid, block, shared = wide
+            _launch(f"mma_wide4<{f}, {s_type}, {_BOOL[glu_out > 0]}>", grid, block, args, shared)
+        else:
+            nj, grid, block, shared = config(r1 - r0, n, k, pipe)
+            _launch(f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[pipe]}>", grid, block, args, shared)
