@@ -20,11 +20,18 @@ cupy = require_gpu()
 from providers.cuda.ops import NULL, _mma  # noqa: E402
 
 SHAPES = [(1, 64, 40), (3, 576, 72), (8, 2048, 48), (9, 2304, 32), (17, 4864, 16), (40, 8192, 24), (256, 1024, 80)]
+#: K that end inside a 64-wide chunk (the dense kernels' zero tails; int4 needs K % 16 == 0 and
+#: takes 352 = 11 x 32: a partial chunk and an odd number of quantisation blocks)
+DENSE_TAILS = [(5, 200, 24), (2, 40, 16), (130, 328, 40)]
+INT4_TAILS = [(5, 352, 24), (70, 352, 40)]
 
 
 @pytest.fixture
 def ran(monkeypatch):
-    """Expressions of the tensor-core kernels launched, in order."""
+    """Expressions of the tensor-core kernels launched, in order; the opt-in schedules start off
+    whatever the environment says (each test turns on the one it checks)."""
+    monkeypatch.setattr(_mma, "PIPELINE", False)
+    monkeypatch.setattr(_mma, "WIDE", False)
     seen = []
     launch = _mma._launch
 
@@ -48,7 +55,7 @@ def _both(monkeypatch, ran, call):
 
 
 @pytest.mark.parametrize("glu", [False, True])
-@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("m,k,n", SHAPES + DENSE_TAILS)
 def test_pipelined_dense_is_bitwise_the_plain_schedule(monkeypatch, ran, m, k, n, glu):
     rng = np.random.default_rng(k + n)
     a = rng.standard_normal((m, k)).astype(np.float16)
@@ -68,7 +75,7 @@ def test_pipelined_dense_is_bitwise_the_plain_schedule(monkeypatch, ran, m, k, n
         assert np.allclose(piped, ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("k", [64, 576, 2048])
+@pytest.mark.parametrize("k", [64, 200, 576, 2048])
 def test_pipelined_norm_prologue_is_bitwise_the_plain_schedule(monkeypatch, ran, k):
     rng = np.random.default_rng(k)
     n = 48
@@ -86,6 +93,8 @@ def test_pipelined_norm_prologue_is_bitwise_the_plain_schedule(monkeypatch, ran,
     plain, piped = _both(monkeypatch, ran, call)
     assert np.array_equal(plain.view(np.uint16), piped.view(np.uint16))
     assert np.array_equal(sums[0].view(np.uint16), sums[1].view(np.uint16))
+    # the residual sum (output 3) was written: x + skip rounded to fp16
+    assert np.array_equal(sums[1], (x.get().astype(np.float32) + skip.get().astype(np.float32)).astype(np.float16))
     assert all(e.startswith("mma_dense<1, false, true, ") for e in ran)  # the RMSNorm prologue ran
 
 
@@ -128,7 +137,7 @@ class Int4Case:
 
 @pytest.mark.parametrize("zp", [0, 1])
 @pytest.mark.parametrize("scale_dtype", [np.float16, np.float32])
-@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("m,k,n", SHAPES + INT4_TAILS)
 def test_pipelined_int4_is_bitwise_the_plain_schedule(monkeypatch, ran, m, k, n, scale_dtype, zp):
     case = Int4Case(np.random.default_rng(k * 3 + n), m, k, n, 32, scale_dtype, zp)
     plain, piped = _both(monkeypatch, ran, case)
@@ -138,7 +147,7 @@ def test_pipelined_int4_is_bitwise_the_plain_schedule(monkeypatch, ran, m, k, n,
 
 @pytest.mark.parametrize("f", [1, 2])
 @pytest.mark.parametrize("glu,bias", [(False, False), (False, True), (True, False)])
-@pytest.mark.parametrize("m,k,n", [(64, 64, 16), (100, 576, 200), (256, 2048, 136), (300, 4864, 72)])
+@pytest.mark.parametrize("m,k,n", [(64, 64, 16), (100, 576, 200), (256, 2048, 136), (300, 4864, 72), (130, 328, 40)])
 def test_wide_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, glu, bias, f):
     rng = np.random.default_rng(m + k + n)
     a = rng.standard_normal((m, k)).astype(np.float16)
@@ -146,8 +155,8 @@ def test_wide_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, glu, b
     b = rng.standard_normal(n).astype(np.float16) if bias else None
     wp = cupy.asarray(_mma.pack(np, w, up if glu else None))
     da, db = cupy.asarray(a), None if b is None else cupy.asarray(b)
-    # the multiprocessor count decides F; 1 makes every launch F = 2, a huge one F = 1
-    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 1 if f == 2 else 1 << 30)
+    # the multiprocessor count decides F; 0 makes every launch F = 2, a huge one F = 1
+    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 0 if f == 2 else 1 << 30)
     _mma.wide_config.cache_clear()
     out = []
     try:
@@ -172,10 +181,10 @@ def test_wide_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, glu, b
 @pytest.mark.parametrize("f", [1, 2])
 @pytest.mark.parametrize("zp,scale_dtype", [(0, np.float16), (1, np.float16), (1, np.float32), (2, np.float16)])
 @pytest.mark.parametrize("m,k,n,bs", [(64, 64, 16, 32), (100, 576, 200, 128), (256, 2048, 136, 32),
-                                      (300, 4864, 72, 64)])
+                                      (300, 4864, 72, 64), (70, 352, 40, 32)])
 def test_wide_int4_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, bs, zp, scale_dtype, f):
     case = Int4Case(np.random.default_rng(m + k + n + zp), m, k, n, bs, scale_dtype, zp)
-    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 1 if f == 2 else 1 << 30)
+    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 0 if f == 2 else 1 << 30)
     _mma.wide_config.cache_clear()
     out = []
     try:

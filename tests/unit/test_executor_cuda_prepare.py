@@ -157,7 +157,8 @@ def test_the_wide_flag_routes_launches_of_64_rows_and_more_to_the_tiled_kernel(l
     rows = _mma.glu_width(40) if glu else 40  # weight rows: 80 (GLU: two 64-feature blocks) or 40
     blocks = -(-rows // 64)
     assert wide64[1] == (1, blocks) and wide300[1] == (5, blocks) and wide300[2] == (256,)
-    assert int(wide300[3][5]) == rows and wide300[4] == 3 * (4 * 128 + 64 * 72 // 8) * 16
+    assert [int(v) for v in wide300[3][4:]] == [300, rows, 96, 40] and wide300[3][0].shape == (300, 96)
+    assert wide300[4] == 3 * (4 * 128 + 64 * 72 // 8) * 16
 
 
 def test_the_wide_flag_routes_int4_launches_that_fit_the_tiled_kernel(launches, monkeypatch):

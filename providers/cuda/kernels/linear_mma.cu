@@ -226,7 +226,7 @@ __device__ __forceinline__ int seg_chunks(int K, int s) { return (min(K, (s + 1)
 // k tile i (16 wide) of segment s of a lane's packed dense weight column (base: tile 0, lane's uint4).
 __device__ __forceinline__ uint4 ld_tile(const uint4* base, int s, int i) { return base[(long long)(s * 16 + i) * 32]; }
 
-// grid (ceil(N/16), ceil(M/(8 NJ))), block 32 * min(nseg, 8) (nseg = ceil(K / SEG_K); warp w
+// grid (ceil(N/16), ceil(M/(8 NJ))) (swapped under PIPE, below), block 32 * min(nseg, 8) (nseg = ceil(K / SEG_K); warp w
 // computes segments w, w + 8, ..., each its own chain from 0, kept apart until the fold),
 // shared nseg * 16 * 8 NJ floats.  wp: [N/16][Kp/16][32] uint4, Kp = K rounded up to 64; the
 // 4 tiles of 64-chunk c are virtual tiles v = 0..3 with the nbits4 k-slot map.
