@@ -96,6 +96,13 @@ if has schedules; then  # the opt-in GEMM schedules (docs/benchmarks/kernels.md 
         2>&1 | tail -6 | tee -a $LOG/schedules.txt
     done
   done
+  for trig in entry late; do  # PDL with the GEMMs' trigger at entry and after their main loop
+    for v in fp16 ${SCHED_MODELS:-llama-fp16}; do
+      LOCKSTEP_CUDA_PDL=1 LOCKSTEP_CUDA_PDL_TRIGGER=$trig python3 -m core profile $M/$v --provider cuda \
+        --batch-sweep 1,8,32 --prompt-len 32 --tokens 64 --json $LOG/pdl_${v}_$trig.json 2>&1 | tail -5 \
+        | tee -a $LOG/schedules.txt
+    done
+  done
   command -v ncu >/dev/null && for b in 1 256; do
     LOCKSTEP_CUDA_GEMM_PIPELINE=1 LOCKSTEP_CUDA_GEMM_WIDE=1 timeout 300 python3 benchmarks/ncu_step.py \
       $M/llama-fp16 --batch $b 2>&1 | tee $LOG/ncu_llama_b$b.txt | head -30

@@ -9,6 +9,7 @@ text) covers everything.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 from providers.cuda import replay
@@ -16,14 +17,34 @@ from providers.cuda import replay
 KERNELS = Path(__file__).parent / "kernels"
 
 
+def pdl_trigger() -> str:
+    """Where the tensor-core GEMMs let the next kernel launch under programmatic dependent launch
+    (kernels/pdl.cuh): "entry" (default) or "late", after their main loop; from
+    ``LOCKSTEP_CUDA_PDL_TRIGGER``.
+
+    Raises:
+        ValueError: another value.
+    """
+    value = os.environ.get("LOCKSTEP_CUDA_PDL_TRIGGER", "entry")
+    if value not in ("entry", "late"):
+        raise ValueError(f"LOCKSTEP_CUDA_PDL_TRIGGER must be 'entry' or 'late', not {value!r}")
+    return value
+
+
+def source(name: str, trigger: str = "entry") -> str:
+    """The CUDA C source compiled for ``kernels/<name>.cu``: kernels/pdl.cuh (the PDL_ENTER macros
+    every kernel uses), preceded by ``#define PDL_LATE`` for the "late" trigger, then the file.
+    Prepended rather than included, so the source text CuPy keys its disk cache on covers it."""
+    late = "#define PDL_LATE\n" if trigger == "late" else ""
+    return late + (KERNELS / "pdl.cuh").read_text() + (KERNELS / f"{name}.cu").read_text()
+
+
 @functools.cache
 def _module(name: str, expressions: tuple[str, ...]):
     import cupy
 
-    # kernels/pdl.cuh (the PDL_ENTER macros every kernel uses) is prepended, not included, so
-    # the source text CuPy keys its disk cache on covers it
-    source = (KERNELS / "pdl.cuh").read_text() + (KERNELS / f"{name}.cu").read_text()
-    return cupy.RawModule(code=source, options=("--std=c++17",), name_expressions=list(expressions))
+    return cupy.RawModule(code=source(name, pdl_trigger()), options=("--std=c++17",),
+                          name_expressions=list(expressions))
 
 
 class Kernel:

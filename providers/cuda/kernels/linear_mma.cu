@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 #pragma unroll
         for (int i = 0; i < NA; ++i) if (i < first) a[i] = ld_tile(base, warp, i);
     }
-    PDL_ENTER();
+    PDL_ENTER_GEMM();
     float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
     __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
     if constexpr (NORM) norm_rows(x, norm, M, K, m0, nt == 0, nsm, xs);
@@ -319,6 +319,7 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
         }
         store_partial<NJ>(part, acc, seg);
     }
+    PDL_LATE_TRIGGER();
     finish<NJ, GLU>(part, nseg, bias, y, M, N, nt * 16, m0, n_out);
 }
 
@@ -423,7 +424,7 @@ __global__ void __launch_bounds__(256, 2) mma_wide(const __half* __restrict__ x,
     const int ntiles = (N + 15) >> 4, ktiles = ((K + 63) >> 6) << 2, nchunks = (K + 63) >> 6;
     uint4* ws = wsm;                                                    // [STAGES][TILES][4 k tiles][32 lanes]
     __half* xs = reinterpret_cast<__half*>(wsm + WIDE_STAGES * WS);     // [STAGES][64 tokens][WIDE_XS]
-    PDL_ENTER();
+    PDL_ENTER_GEMM();
     // chunk c into stage c % WIDE_STAGES: zeros for tiles past N (and the activations' zeros)
     auto stage = [&](int c) {
         uint4* wdst = ws + (c % WIDE_STAGES) * WS;
@@ -464,6 +465,7 @@ __global__ void __launch_bounds__(256, 2) mma_wide(const __half* __restrict__ x,
             }
         if ((c & 3) == 3 || c == nchunks - 1) wide_fold<F>(acc, tot);  // the end of a K segment (4 chunks)
     }
+    PDL_LATE_TRIGGER();
     wide_store<F, GLU>(tot, bias, y, M, N, n_out, m0 + wt * 32, tile0 + wf * F);
 }
 
@@ -582,7 +584,7 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
 #pragma unroll
         for (int c = 0; c < NC; ++c) if (c < first) load_w(w[c], warp * SEG_K + 64 * c);
     }
-    PDL_ENTER();
+    PDL_ENTER_GEMM();
     // the 8 mmas of the chunk at k0 (weights wc) into acc
     auto mma_chunk = [&](float (*acc)[4], const Chunk4& wc, int k0) {
         const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
@@ -631,6 +633,7 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
         }
         store_partial<NJ>(part, acc, seg);
     }
+    PDL_LATE_TRIGGER();
     finish<NJ, GLU>(part, nseg, bias, y, M, N, n0, m0, n_out);
 }
 
@@ -655,7 +658,7 @@ __global__ void __launch_bounds__(256) mma_wide4(const __half* __restrict__ x, c
     const long long rowbytes = (long long)nb * (bs / 2);
     uint4* cs = wsm;                                                 // [STAGES][ROWS][32 bytes]
     __half* xs = reinterpret_cast<__half*>(wsm + WIDE_STAGES * CS);  // [STAGES][64 tokens][WIDE_XS]
-    PDL_ENTER();
+    PDL_ENTER_GEMM();
     auto stage = [&](int c) {
         uint4* cdst = cs + (c % WIDE_STAGES) * CS;
         for (int p = threadIdx.x; p < CS; p += blockDim.x) {
@@ -726,5 +729,6 @@ __global__ void __launch_bounds__(256) mma_wide4(const __half* __restrict__ x, c
 #pragma unroll
             for (int e = 0; e < 4; ++e) cur[f][e] = nxt[f][e];
     }
+    PDL_LATE_TRIGGER();
     wide_store<F, GLU>(tot, bias, y, M, N, n_out, m0 + wt * 32, r0 / 16 + wf * F);
 }
