@@ -145,6 +145,27 @@ def test_pipelined_int4_is_bitwise_the_plain_schedule(monkeypatch, ran, m, k, n,
     assert case.close(piped)
 
 
+def _rows_and_wide(monkeypatch, ran, f, call, wide_expr, row_prefix):
+    """``call()``'s result by the row kernels and by the tiled one at feature width ``f``,
+    checking which kernels ran: the multiprocessor count decides F (0 makes every launch F = 2,
+    a huge count F = 1)."""
+    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 0 if f == 2 else 1 << 30)
+    _mma.wide_config.cache_clear()
+    out = []
+    try:
+        for wide in (False, True):
+            monkeypatch.setattr(_mma, "WIDE", wide)
+            del ran[:]
+            out.append(call().get())
+            if wide:
+                assert ran == [wide_expr]
+            else:
+                assert ran and all(e.startswith(row_prefix) for e in ran)
+    finally:
+        _mma.wide_config.cache_clear()
+    return out
+
+
 @pytest.mark.parametrize("f", [1, 2])
 @pytest.mark.parametrize("glu,bias", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("m,k,n", [(64, 64, 16), (100, 576, 200), (256, 2048, 136), (300, 4864, 72), (130, 328, 40)])
@@ -155,23 +176,13 @@ def test_wide_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, glu, b
     b = rng.standard_normal(n).astype(np.float16) if bias else None
     wp = cupy.asarray(_mma.pack(np, w, up if glu else None))
     da, db = cupy.asarray(a), None if b is None else cupy.asarray(b)
-    # the multiprocessor count decides F; 0 makes every launch F = 2, a huge one F = 1
-    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 0 if f == 2 else 1 << 30)
-    _mma.wide_config.cache_clear()
-    out = []
-    try:
-        for wide in (False, True):
-            monkeypatch.setattr(_mma, "WIDE", wide)
-            del ran[:]
-            y = cupy.full((m, n), np.nan, np.float16)
-            _mma.dense(da, wp, db, y, m, n, k, NULL, glu=glu)
-            out.append(y.get())
-            if wide:
-                assert ran == [f"mma_wide<{f}, {_mma._BOOL[glu]}>"]
-            else:
-                assert ran and all(e.startswith("mma_dense<") for e in ran)
-    finally:
-        _mma.wide_config.cache_clear()
+
+    def call():
+        y = cupy.full((m, n), np.nan, np.float16)
+        _mma.dense(da, wp, db, y, m, n, k, NULL, glu=glu)
+        return y
+
+    out = _rows_and_wide(monkeypatch, ran, f, call, f"mma_wide<{f}, {_mma._BOOL[glu]}>", "mma_dense<")
     assert np.array_equal(out[0].view(np.uint16), out[1].view(np.uint16))
     if not glu:
         ref = a.astype(np.float64) @ w.astype(np.float64) + (0 if b is None else b.astype(np.float64))
@@ -184,19 +195,6 @@ def test_wide_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, glu, b
                                       (300, 4864, 72, 64), (70, 352, 40, 32)])
 def test_wide_int4_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, bs, zp, scale_dtype, f):
     case = Int4Case(np.random.default_rng(m + k + n + zp), m, k, n, bs, scale_dtype, zp)
-    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 0 if f == 2 else 1 << 30)
-    _mma.wide_config.cache_clear()
-    out = []
-    try:
-        for wide in (False, True):
-            monkeypatch.setattr(_mma, "WIDE", wide)
-            del ran[:]
-            out.append(case().get())
-            if wide:
-                assert ran == [f"mma_wide4<{f}, {case.s_type}, false>"]
-            else:
-                assert ran and all(e.startswith("mma_nbits4<") for e in ran)
-    finally:
-        _mma.wide_config.cache_clear()
+    out = _rows_and_wide(monkeypatch, ran, f, case, f"mma_wide4<{f}, {case.s_type}, false>", "mma_nbits4<")
     assert np.array_equal(out[0].view(np.uint16), out[1].view(np.uint16))
     assert case.close(out[1])
