@@ -23,11 +23,14 @@ def pdl_trigger() -> str:
     ``LOCKSTEP_CUDA_PDL_TRIGGER``.
 
     Raises:
-        ValueError: another value.
+        ProviderError: another value (the provider compiles a module when it is created, so a
+            bad value stops it before any model work).
     """
     value = os.environ.get("LOCKSTEP_CUDA_PDL_TRIGGER", "entry")
     if value not in ("entry", "late"):
-        raise ValueError(f"LOCKSTEP_CUDA_PDL_TRIGGER must be 'entry' or 'late', not {value!r}")
+        from core.plugins import ProviderError
+
+        raise ProviderError(f"LOCKSTEP_CUDA_PDL_TRIGGER must be 'entry' or 'late', not {value!r}")
     return value
 
 

@@ -135,7 +135,7 @@ class Int4Case:
         return np.allclose(y, self.ref, rtol=2e-2, atol=2e-2 * np.abs(self.ref).max())
 
 
-@pytest.mark.parametrize("zp", [0, 1])
+@pytest.mark.parametrize("zp", [0, 1, 2])
 @pytest.mark.parametrize("scale_dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("m,k,n", SHAPES + INT4_TAILS)
 def test_pipelined_int4_is_bitwise_the_plain_schedule(monkeypatch, ran, m, k, n, scale_dtype, zp):
@@ -198,3 +198,23 @@ def test_wide_int4_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, b
     out = _rows_and_wide(monkeypatch, ran, f, case, f"mma_wide4<{f}, {case.s_type}, false>", "mma_nbits4<")
     assert np.array_equal(out[0].view(np.uint16), out[1].view(np.uint16))
     assert case.close(out[1])
+
+
+@pytest.mark.parametrize("f", [1, 2])
+@pytest.mark.parametrize("glu", [False, True])
+def test_wide_int4_gate_up_and_bias_are_bitwise_the_row_kernel(monkeypatch, ran, f, glu):
+    m, k, n, bs = 100, 576, 40, 32
+    rows = _mma.glu_width(n) if glu else n  # GLU: gate and up rows interleaved, as prepared
+    case = Int4Case(np.random.default_rng(11 + glu), m, k, rows, bs, np.float16, 1)
+    bias = None if glu else cupy.asarray(np.random.default_rng(3).standard_normal(n).astype(np.float16))
+
+    def call():
+        y = cupy.full((m, n), np.nan, np.float16)
+        _mma.nbits4(case.a, case.codes, case.scales, case.zp, 1, case.stride, bias, y, m, rows, k, bs,
+                    "__half", NULL, glu_out=n if glu else 0)
+        return y
+
+    out = _rows_and_wide(monkeypatch, ran, f, call, f"mma_wide4<{f}, __half, {_mma._BOOL[glu]}>", "mma_nbits4<")
+    assert np.array_equal(out[0].view(np.uint16), out[1].view(np.uint16))
+    if not glu:
+        assert case.close(out[1] - bias.get().astype(np.float64))

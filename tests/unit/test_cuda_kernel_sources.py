@@ -53,6 +53,7 @@ def test_every_kernel_enters_pdl_before_any_store_or_return(name):
 
 
 def test_the_late_trigger_is_a_define_before_the_macros(monkeypatch):
+    from core.plugins import ProviderError
     from providers.cuda import module
 
     assert module.source("linear_mma").startswith("// Programmatic dependent launch")
@@ -61,5 +62,5 @@ def test_the_late_trigger_is_a_define_before_the_macros(monkeypatch):
     monkeypatch.setenv("LOCKSTEP_CUDA_PDL_TRIGGER", "late")
     assert module.pdl_trigger() == "late"
     monkeypatch.setenv("LOCKSTEP_CUDA_PDL_TRIGGER", "early")
-    with pytest.raises(ValueError, match="'entry' or 'late'"):
+    with pytest.raises(ProviderError, match="'entry' or 'late'"):
         module.pdl_trigger()
