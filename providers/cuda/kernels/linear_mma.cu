@@ -367,6 +367,17 @@ __device__ __forceinline__ void wide_load_x(uint4 (*xa)[2], const __half* xst, i
     }
 }
 
+// A warp's accumulators (the current segment's chain) and segment totals, from 0.
+template <int F>
+__device__ __forceinline__ void wide_zero(float (*acc)[4][4], float (*tot)[4][4]) {
+#pragma unroll
+    for (int f = 0; f < F; ++f)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[f][j][e] = tot[f][j][e] = 0.f;
+}
+
 // After a K segment's last chunk: tot = tot + acc (finish's fold order), acc restarts from 0.
 template <int F>
 __device__ __forceinline__ void wide_fold(float (*acc)[4][4], float (*tot)[4][4]) {
@@ -437,12 +448,7 @@ __global__ void __launch_bounds__(256, 2) mma_wide(const __half* __restrict__ x,
         asm volatile("cp.async.commit_group;\n" ::: "memory");
     };
     float acc[F][4][4], tot[F][4][4];
-#pragma unroll
-    for (int f = 0; f < F; ++f)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[f][j][e] = tot[f][j][e] = 0.f;
+    wide_zero<F>(acc, tot);
     stage(0);
     if (nchunks > 1) stage(1); else asm volatile("cp.async.commit_group;\n" ::: "memory");
     for (int c = 0; c < nchunks; ++c) {
@@ -684,12 +690,7 @@ __global__ void __launch_bounds__(256) mma_wide4(const __half* __restrict__ x, c
     };
     const bool f16 = is_half_t<S>::value && zp_mode != 2;
     float acc[F][4][4], tot[F][4][4], cur[F][4], nxt[F][4];
-#pragma unroll
-    for (int f = 0; f < F; ++f)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[f][j][e] = tot[f][j][e] = 0.f;
+    wide_zero<F>(acc, tot);
     load_sz(cur, 0);
     stage(0);
     if (nchunks > 1) stage(1); else asm volatile("cp.async.commit_group;\n" ::: "memory");
