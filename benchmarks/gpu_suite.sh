@@ -96,6 +96,10 @@ if has schedules; then  # the opt-in GEMM schedules (docs/benchmarks/kernels.md 
         2>&1 | tail -6 | tee -a $LOG/schedules.txt
     done
   done
+  for w in 0 1; do  # prefill: 8 x 1,024 prompt tokens are GEMMs of 8,192 rows
+    LOCKSTEP_CUDA_GEMM_WIDE=$w python3 -m core profile $M/${SCHED_MODELS%% *} --provider cuda --batch-sweep 8 \
+      --prompt-len 1024 --tokens 16 --json $LOG/prefill_w$w.json 2>&1 | tail -4 | tee -a $LOG/schedules.txt
+  done
   for trig in entry late; do  # PDL with the GEMMs' trigger at entry and after their main loop
     for v in fp16 ${SCHED_MODELS:-llama-fp16}; do
       LOCKSTEP_CUDA_PDL=1 LOCKSTEP_CUDA_PDL_TRIGGER=$trig python3 -m core profile $M/$v --provider cuda \
