@@ -82,7 +82,8 @@ if has kernels; then
   done
 fi
 if has schedules; then  # the opt-in GEMM schedules (docs/benchmarks/kernels.md sections 5-6): tests, then A/B
-  for v in ${SCHED_MODELS:-llama-fp16 llama-int4}; do  # the 1B architecture, built on first use
+  SCHED_MODELS=${SCHED_MODELS:-llama-fp16 llama-int4}
+  for v in $SCHED_MODELS; do  # the 1B architecture, built on first use
     [ -f $M/$v/model.onnx ] || python3 benchmarks/build_test_model.py $M/$v --arch llama-3.2-1b \
       --precision ${v#llama-} --target cuda > $LOG/build_$v.txt 2>&1
   done
@@ -90,7 +91,7 @@ if has schedules; then  # the opt-in GEMM schedules (docs/benchmarks/kernels.md 
     | tee $LOG/tests_schedules.log | tail -5
   for flags in "0 0" "1 0" "0 1" "1 1"; do
     set -- $flags
-    for v in fp16 int4 ${SCHED_MODELS:-llama-fp16 llama-int4}; do
+    for v in fp16 int4 $SCHED_MODELS; do
       LOCKSTEP_CUDA_GEMM_PIPELINE=$1 LOCKSTEP_CUDA_GEMM_WIDE=$2 python3 -m core profile $M/$v --provider cuda \
         --batch-sweep ${SCHED_SWEEP:-1,8,32,256} --prompt-len 32 --tokens 64 --json $LOG/sched_${v}_p$1w$2.json \
         2>&1 | tail -6 | tee -a $LOG/schedules.txt
@@ -101,7 +102,7 @@ if has schedules; then  # the opt-in GEMM schedules (docs/benchmarks/kernels.md 
       --prompt-len 1024 --tokens 16 --json $LOG/prefill_w$w.json 2>&1 | tail -4 | tee -a $LOG/schedules.txt
   done
   for trig in entry late; do  # PDL with the GEMMs' trigger at entry and after their main loop
-    for v in fp16 ${SCHED_MODELS:-llama-fp16}; do
+    for v in fp16 ${SCHED_MODELS%% *}; do
       LOCKSTEP_CUDA_PDL=1 LOCKSTEP_CUDA_PDL_TRIGGER=$trig python3 -m core profile $M/$v --provider cuda \
         --batch-sweep 1,8,32 --prompt-len 32 --tokens 64 --json $LOG/pdl_${v}_$trig.json 2>&1 | tail -5 \
         | tee -a $LOG/schedules.txt
