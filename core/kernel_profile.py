@@ -255,7 +255,7 @@ def profile_kernels(model_dir, provider, batches: list[int], args, progress=None
     """
     from core.generation.loop import decode
     from core.models.model import load_model
-    from core.profile import capacity_for, prompt_lengths
+    from core.profile import capacity_for, prompt_lengths, provider_settings
     from core.runtime.runner import Runner
     from core.session import RequestError, Session
 
@@ -304,7 +304,7 @@ def profile_kernels(model_dir, provider, batches: list[int], args, progress=None
             out.append({"prompt_len": length, "batch": batch, "capacity": capacity, "steps": args.tokens,
                         "step_ms": float(np.median(walls)) * 1e3, "bandwidth": bandwidth, "tensor_flops": rate,
                         "kernels": [attrs.asdict(r) for r in kernels],
-                        "total": attrs.asdict(totals(kernels, bandwidth, rate))})
+                        "total": attrs.asdict(totals(kernels, bandwidth, rate)), "settings": provider_settings(p)})
             session.close()
             if progress is not None:
                 progress(len(out), len(lengths) * len(batches))
@@ -383,6 +383,10 @@ def kernels_main(args, console, table_console) -> int:
         task = bar.add_task("timing nodes", total=len(batches))
         results = profile_kernels(args.model, args.provider, batches, args,
                                   progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if results and results[0]["settings"]:
+        from core.profile import settings_text
+
+        title += f"; {settings_text(results[0]['settings'])}"
     for result in results:
         table_console.print(render(result, title))
     bw = results[0]["bandwidth"] if results else None

@@ -68,6 +68,7 @@ class ProfileRow:
     weight_device_bytes: int = 0  # resident weights + staging ring (Runner.memory)
     kv_device_bytes: int = 0
     workspace_bytes: int = 0
+    settings: dict = attrs.field(factory=dict)  # the provider's switches (ExecutionProvider settings())
 
     @property
     def other_bytes(self) -> int | None:
@@ -75,6 +76,18 @@ class ProfileRow:
         if self.peak_device_bytes is None:
             return None
         return self.peak_device_bytes - self.weight_device_bytes - self.kv_device_bytes - self.workspace_bytes
+
+
+def provider_settings(provider) -> dict[str, str]:
+    """``provider.settings()`` (the switches that change how it runs) as strings, or {} for a
+    provider without the member."""
+    get = getattr(provider, "settings", None)
+    return {str(k): str(v) for k, v in get().items()} if callable(get) else {}
+
+
+def settings_text(settings: dict[str, str]) -> str:
+    """``"name=value, ..."`` for a title, or "" without settings."""
+    return ", ".join(f"{k}={v}" for k, v in settings.items())
 
 
 def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capacity=None):
@@ -98,7 +111,7 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capac
                      False, list(c.fallbacks), streamed, c.htod_bytes_per_token, c.page_ins_per_token,
                      c.hit_rate, c.byte_hit_rate, None if not (h2d and streamed) else streamed / h2d * 1e3,
                      len(prompt), capacity, trace.seconds[0] * 1e3, weight_device_bytes=memory.weights + memory.staging,
-                     kv_device_bytes=memory.kv, workspace_bytes=memory.workspace)
+                     kv_device_bytes=memory.kv, workspace_bytes=memory.workspace, settings=provider_settings(p))
     session.close()
     return row, trace.tokens[:, 0].tolist()
 
@@ -323,6 +336,9 @@ def profile_main(args, console, table_console) -> int:
         rows = profile(args.model, args.provider, batches, args, progress=progress)
     if anchor is not None:
         rows = with_anchor(rows, anchor)
+    settings = next((r.settings for r in rows if r.settings), {})
+    if settings:
+        title += f"; {settings_text(settings)}"
     table_console.print(render(rows, title))
     if args.json_out:
         with open(Path(args.json_out).expanduser(), "w") as f:

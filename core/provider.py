@@ -226,6 +226,12 @@ class ProviderBase:
         :mod:`core.kernel_profile`), or None: this provider cannot time its nodes."""
         return None
 
+    def settings(self) -> dict[str, str]:
+        """The switches, set outside the code (environment variables), that change how this
+        provider runs: name -> value, for reports (``lockstep profile`` prints them in its title
+        and JSON, so a measurement says what it measured). Empty by default."""
+        return {}
+
     def host_to_device_bandwidth(self) -> float | None:
         """Measured host-to-device copy bandwidth from staged (pinned) memory in bytes/s, or None."""
         return None

@@ -192,6 +192,18 @@ class CudaProvider(ProviderBase):
             del a, b
         return self._bandwidth
 
+    def settings(self) -> dict[str, str]:
+        """The cuda provider's switches (docs/cuda.md): programmatic dependent launch and its
+        GEMM trigger, the GEMM schedule (PIPE) and tiled kernels, the RMSNorm-projection fusion,
+        eager launch replay."""
+        from providers.cuda import module, replay
+        from providers.cuda.ops import _mma, rms_norm_matmul
+
+        on = ("off", "on")
+        return {"pdl": on[replay.pdl_enabled()], "pdl_trigger": module.pdl_trigger(),
+                "gemm_pipeline": on[_mma.PIPELINE], "gemm_wide": on[_mma.WIDE],
+                "norm_fusion": on[rms_norm_matmul.enabled()], "eager_replay": on[self.eager_replay]}
+
     def node_timer(self):
         """CUDA events recorded on the provider stream around each node (``lockstep profile
         --kernels``, core.kernel_profile): ``mark()`` records a new event, ``seconds(a, b)``

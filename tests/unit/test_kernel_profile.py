@@ -80,3 +80,19 @@ def test_cli_kernels_prints_the_table_and_writes_json(model_dir, tmp_path, capsy
     assert data["results"][0]["batch"] == 2 and np.isfinite(data["results"][0]["total"]["us"])
     code = main(["profile", str(model_dir), "--kernels", "--tensor-tflops", "-1"])
     assert code == 2 and "tensor-tflops" in capsys.readouterr().err
+
+
+def test_profiles_say_which_provider_settings_they_measured(model_dir, tmp_path, capsys, monkeypatch):
+    assert CpuReferenceProvider().settings() == {}  # no switches: nothing added to the titles
+    monkeypatch.setattr(CpuReferenceProvider, "settings", lambda self: {"gemm_pipeline": "on", "pdl": "off"})
+    out = tmp_path / "p.json"
+    code = main(["profile", str(model_dir), "--batch-sweep", "1", "--tokens", "2", "--warmup", "1",
+                 "--context", "32", "--json", str(out)])
+    assert code == 0 and "gemm_pipeline=on, pdl=off" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["title"].endswith("; gemm_pipeline=on, pdl=off")
+    assert data["rows"][0]["settings"] == {"gemm_pipeline": "on", "pdl": "off"}
+    code = main(["profile", str(model_dir), "--kernels", "--batch-sweep", "1", "--tokens", "2", "--warmup", "1",
+                 "--context", "32", "--prompt-len", "4", "--json", str(out)])
+    assert code == 0 and "gemm_pipeline=on, pdl=off" in capsys.readouterr().out
+    assert json.loads(out.read_text())["results"][0]["settings"] == {"gemm_pipeline": "on", "pdl": "off"}

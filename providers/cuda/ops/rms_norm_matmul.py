@@ -39,11 +39,17 @@ DENSE = ("MatMul", "SiluGatedMatMul")
 counts = {"fused_launches": 0, "two_part_runs": 0}
 
 
+def enabled() -> bool:
+    """False when LOCKSTEP_CUDA_NORM_FUSION is "0" (the pass then keeps every norm and
+    projection apart)."""
+    return os.environ.get("LOCKSTEP_CUDA_NORM_FUSION", "1") != "0"
+
+
 def supports(node) -> bool:
     """A dense projection (:data:`DENSE`; the int4 ones never take the one-launch path, so the
-    pass leaves them alone) whose two parts are supported by their own modules, unless
-    LOCKSTEP_CUDA_NORM_FUSION is "0" (the pass then keeps every norm and projection apart)."""
-    if os.environ.get("LOCKSTEP_CUDA_NORM_FUSION", "1") == "0" or node.attrs.get("consumer") not in DENSE:
+    pass leaves them alone) whose two parts are supported by their own modules, unless the
+    fusion is turned off (:func:`enabled`)."""
+    if not enabled() or node.attrs.get("consumer") not in DENSE:
         return False
     known = [d for d in (node.input_dtypes or ())[:3] if d is not None]
     if not known or any(d != np.float16 for d in known):
