@@ -69,13 +69,17 @@ def test_programmatic_dependent_launch_is_bitwise_the_plain_launch(model_dir):
         if not replay.pdl_enabled():
             pytest.skip("programmatic dependent launch needs compute capability 9.0 and cuda-bindings")
         start = replay.stats()["pdl_launches"]
-        with_pdl = _decode(model_dir, CudaProvider(), steps=12)
+        provider = CudaProvider()
+        assert provider.settings()["pdl"] == "on"  # what lockstep profile reports
+        with_pdl = _decode(model_dir, provider, steps=12)
         assert replay.stats()["pdl_launches"] > start
     finally:
         replay.set_pdl(before)
     replay.set_pdl(False)
     try:
-        plain = _decode(model_dir, CudaProvider(), steps=12)
+        provider = CudaProvider()
+        assert provider.settings()["pdl"] == "off"
+        plain = _decode(model_dir, provider, steps=12)
     finally:
         replay.set_pdl(before)
     assert np.array_equal(with_pdl[0], plain[0]) and np.array_equal(with_pdl[1], plain[1])
