@@ -28,6 +28,11 @@
 // mma_dense NORM = true (NJ = 1): the RMSNorm prologue (norm_rows, below) computes the block's
 // activation rows in shared memory first: one launch for SkipSimplifiedLayerNormalization and the
 // projection that reads its output (lockstep.RMSNormMatMul), bitwise the two launches.
+//
+// Kernels, all with the arithmetic above, so the choice between them never changes a bit:
+//   mma_dense / mma_nbits4  one 16-feature tile per block, 8 NJ tokens, a warp per K segment
+//                           (PIPE: the opt-in load schedule and token-major grid, see mma_dense);
+//   mma_wide / mma_wide4    the opt-in tiled kernels for 64 rows and more (see mma_wide).
 #include <cuda_fp16.h>
 
 #define SEG_K 256
