@@ -9,7 +9,6 @@ text) covers everything.
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 from providers.cuda import replay
@@ -26,12 +25,9 @@ def pdl_trigger() -> str:
         ProviderError: another value (the provider compiles a module when it is created, so a
             bad value stops it before any model work).
     """
-    value = os.environ.get("LOCKSTEP_CUDA_PDL_TRIGGER", "entry")
-    if value not in ("entry", "late"):
-        from core.plugins import ProviderError
+    from providers.cuda import env
 
-        raise ProviderError(f"LOCKSTEP_CUDA_PDL_TRIGGER must be 'entry' or 'late', not {value!r}")
-    return value
+    return env.choice("LOCKSTEP_CUDA_PDL_TRIGGER", "entry", ("entry", "late"))
 
 
 def source(name: str, trigger: str = "entry") -> str:

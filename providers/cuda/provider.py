@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any, Sequence
 
@@ -11,6 +10,7 @@ import numpy as np
 from core.ops import OpTable
 from core.protocol import Capabilities, KVRequest, NodeInfo
 from core.provider import ProviderBase
+from providers.cuda import env
 from providers.cuda.replay import ReplayKernel
 
 _MISSING_CUPY = ("the 'cuda' provider needs CuPy: install lockstep[cuda13] (CUDA 13) or "
@@ -61,7 +61,7 @@ class CudaProvider(ProviderBase):
     name = "cuda"
     #: Eager launch replay for plans made from now on (providers/cuda/replay.py); off with
     #: LOCKSTEP_CUDA_REPLAY=0 (every node then runs its Python launcher every step).
-    eager_replay: bool = os.environ.get("LOCKSTEP_CUDA_REPLAY", "1") != "0"
+    eager_replay: bool = env.flag("LOCKSTEP_CUDA_REPLAY", True)
 
     def __init__(self):
         super().__init__()

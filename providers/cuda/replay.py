@@ -118,16 +118,16 @@ _functions: dict = {}
 def pdl_enabled() -> bool:
     """Whether kernels launch with the programmatic stream-serialization attribute: the device
     is compute capability 9.0 or later, cuda-bindings is importable and ``LOCKSTEP_CUDA_PDL``
-    is "1" (off by default: measured on the H200 it bought 10% on SmolLM2-135M and cost 28-45%
+    is on (off by default: measured on the H200 it bought 10% on SmolLM2-135M and cost 28-45%
     on Llama-3.2-1B, docs/benchmarks/kernels.md). Decided once per process (:func:`set_pdl`
     changes it)."""
     global _pdl
     if _pdl is None:
-        import os
-
         import cupy
 
-        wanted = os.environ.get("LOCKSTEP_CUDA_PDL", "0") == "1"
+        from providers.cuda import env
+
+        wanted = env.flag("LOCKSTEP_CUDA_PDL", False)
         major = int(cupy.cuda.Device().compute_capability) // 10
         try:
             from cuda.bindings import driver  # noqa: F401

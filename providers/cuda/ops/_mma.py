@@ -12,12 +12,12 @@ one resident copy of the weight (the tied embedding's lookup gathers from it too
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from core.ops import PREPARE_SHARED
+from providers.cuda import env
 from providers.cuda.module import function
 from providers.cuda.ops import MAX_GRID_Y, array_module, row_slices, rows_of
 
@@ -48,12 +48,12 @@ _MODULE_OF = {e: module for module in MODULES for e in module}
 #: current one's mmas issue. The schedule never changes a bit of the output (the mma sequence is
 #: the same); it is opt-in (``LOCKSTEP_CUDA_GEMM_PIPELINE=1``) until it has been measured on the
 #: GPU (docs/benchmarks/kernels.md).
-PIPELINE = os.environ.get("LOCKSTEP_CUDA_GEMM_PIPELINE", "0") == "1"
+PIPELINE = env.flag("LOCKSTEP_CUDA_GEMM_PIPELINE", False)
 #: The tiled kernels for launches of at least :data:`WIDE_ROWS` rows (kernels/linear_mma.cu
 #: ``mma_wide`` for dense fp16, ``mma_wide4`` for int4: 64-token x 64/128-feature block tiles
 #: staged in shared memory), bitwise the row kernels' results; opt-in
 #: (``LOCKSTEP_CUDA_GEMM_WIDE=1``) until measured.
-WIDE = os.environ.get("LOCKSTEP_CUDA_GEMM_WIDE", "0") == "1"
+WIDE = env.flag("LOCKSTEP_CUDA_GEMM_WIDE", False)
 WIDE_ROWS = 64
 #: kernels/linear_mma.cu WIDE_STAGES and WIDE_XS (shared memory of mma_wide).
 _WIDE_STAGES, _WIDE_XS = 3, 72

@@ -13,11 +13,11 @@ result never depends on the batch size. Measured on the H200 (docs/benchmarks/ke
 prologue beat the separate norm launch only for one row of fp16 activations.
 """
 
-import os
 
 import numpy as np
 
 from core import fusion
+from providers.cuda import env
 from providers.cuda.ops import (
     NULL,
     _mma,
@@ -40,9 +40,9 @@ counts = {"fused_launches": 0, "two_part_runs": 0}
 
 
 def enabled() -> bool:
-    """False when LOCKSTEP_CUDA_NORM_FUSION is "0" (the pass then keeps every norm and
+    """False when LOCKSTEP_CUDA_NORM_FUSION is off (the pass then keeps every norm and
     projection apart)."""
-    return os.environ.get("LOCKSTEP_CUDA_NORM_FUSION", "1") != "0"
+    return env.flag("LOCKSTEP_CUDA_NORM_FUSION", True)
 
 
 def supports(node) -> bool:

@@ -1,0 +1,48 @@
+"""The cuda provider's environment switches (providers/cuda/env.py), without a GPU: the accepted
+spellings, the defaults for unset and empty, and a clear error for anything else."""
+
+import pytest
+
+from core.plugins import ProviderError
+from providers.cuda import env
+
+
+@pytest.mark.parametrize("raw,expected", [("1", True), ("TRUE", True), (" yes ", True), ("On", True),
+                                          ("0", False), ("false", False), ("No", False), ("off", False)])
+def test_a_switch_takes_the_usual_spellings(monkeypatch, raw, expected):
+    monkeypatch.setenv("LOCKSTEP_TEST_SWITCH", raw)
+    assert env.flag("LOCKSTEP_TEST_SWITCH", not expected) is expected
+
+
+@pytest.mark.parametrize("default", [False, True])
+def test_unset_or_empty_is_the_default(monkeypatch, default):
+    monkeypatch.delenv("LOCKSTEP_TEST_SWITCH", raising=False)
+    assert env.flag("LOCKSTEP_TEST_SWITCH", default) is default
+    monkeypatch.setenv("LOCKSTEP_TEST_SWITCH", "")
+    assert env.flag("LOCKSTEP_TEST_SWITCH", default) is default
+
+
+def test_anything_else_is_an_error_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("LOCKSTEP_CUDA_GEMM_WIDE", "2")
+    with pytest.raises(ProviderError, match="LOCKSTEP_CUDA_GEMM_WIDE must be 1 or 0.*not '2'"):
+        env.flag("LOCKSTEP_CUDA_GEMM_WIDE", False)
+
+
+def test_a_choice_is_one_of_its_values(monkeypatch):
+    monkeypatch.setenv("LOCKSTEP_CUDA_PDL_TRIGGER", "Late")
+    assert env.choice("LOCKSTEP_CUDA_PDL_TRIGGER", "entry", ("entry", "late")) == "late"
+    monkeypatch.setenv("LOCKSTEP_CUDA_PDL_TRIGGER", "")
+    assert env.choice("LOCKSTEP_CUDA_PDL_TRIGGER", "entry", ("entry", "late")) == "entry"
+    monkeypatch.setenv("LOCKSTEP_CUDA_PDL_TRIGGER", "early")
+    with pytest.raises(ProviderError, match="'entry' or 'late', not 'early'"):
+        env.choice("LOCKSTEP_CUDA_PDL_TRIGGER", "entry", ("entry", "late"))
+
+
+def test_the_switches_read_through_it(monkeypatch):
+    from providers.cuda.ops import rms_norm_matmul
+
+    monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION", "off")
+    assert rms_norm_matmul.enabled() is False
+    monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION", "maybe")
+    with pytest.raises(ProviderError, match="LOCKSTEP_CUDA_NORM_FUSION"):
+        rms_norm_matmul.enabled()
