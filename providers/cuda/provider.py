@@ -201,7 +201,7 @@ class CudaProvider(ProviderBase):
 
         on = ("off", "on")
         return {"pdl": on[replay.pdl_enabled()], "pdl_trigger": module.pdl_trigger(),
-                "gemm_pipeline": on[_mma.PIPELINE], "gemm_wide": on[_mma.WIDE],
+                "gemm_pipeline": _mma.PIPELINE, "gemm_wide": _mma.WIDE,
                 "norm_fusion": on[rms_norm_matmul.enabled()], "eager_replay": on[self.eager_replay]}
 
     def node_timer(self):

@@ -1,10 +1,10 @@
 """The opt-in GEMM schedules of kernels/linear_mma.cu on the GPU, each bitwise the default kernels
 and each seen to run:
 
-- PIPE (``_mma.PIPELINE``: whole segments of weights in flight, token-major grid) for dense,
+- PIPE (``_mma.PIPELINE``, set to "all": whole segments of weights in flight, token-major grid) for dense,
   gate/up (GLU), RMSNorm prologue and int4 kernels, at row counts of every token tiling (NJ = 1,
   2, 4) and K that end inside a segment, fill it, and take several segments per warp;
-- mma_wide / mma_wide4 (``_mma.WIDE``: 64-token tiles staged in shared memory) for dense, GLU
+- mma_wide / mma_wide4 (``_mma.WIDE``, set to "all": 64-token tiles staged in shared memory) for dense, GLU
   and int4 launches of 64 rows and more (int4: every zero-point layout, fp16 and fp32 scales,
   quantisation blocks of 32 to 128), both feature widths (F = 1, 2), rows and features that do
   not fill a tile;
@@ -30,8 +30,8 @@ INT4_TAILS = [(5, 352, 24), (70, 352, 40)]
 def ran(monkeypatch):
     """Expressions of the tensor-core kernels launched, in order; the opt-in schedules start off
     whatever the environment says (each test turns on the one it checks)."""
-    monkeypatch.setattr(_mma, "PIPELINE", False)
-    monkeypatch.setattr(_mma, "WIDE", False)
+    monkeypatch.setattr(_mma, "PIPELINE", "off")
+    monkeypatch.setattr(_mma, "WIDE", "off")
     seen = []
     launch = _mma._launch
 
@@ -47,7 +47,7 @@ def _both(monkeypatch, ran, call):
     """``call()``'s result under the plain and the pipelined schedule, checking which ran."""
     out = []
     for pipe in (False, True):
-        monkeypatch.setattr(_mma, "PIPELINE", pipe)
+        monkeypatch.setattr(_mma, "PIPELINE", "all" if pipe else "off")
         del ran[:]
         out.append(call().get())
         assert ran and all(e.endswith(f", {_mma._BOOL[pipe]}>") for e in ran)
@@ -154,7 +154,7 @@ def _rows_and_wide(monkeypatch, ran, f, call, wide_expr, row_prefix):
     out = []
     try:
         for wide in (False, True):
-            monkeypatch.setattr(_mma, "WIDE", wide)
+            monkeypatch.setattr(_mma, "WIDE", "all" if wide else "off")
             del ran[:]
             out.append(call().get())
             if wide:

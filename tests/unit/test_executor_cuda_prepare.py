@@ -77,7 +77,7 @@ def test_prepared_gated_matmul_launches_what_the_unprepared_one_does(launches):
     assert set(changes) == {1, 2} and changes[2] is None
     assert np.array_equal(changes[1], _mma.pack(np, wg, wu))
     silu_gated_matmul.run(ctx, x, changes[1], None)
-    assert launches[0][0] == f"mma_dense<1, true, false, {_mma._BOOL[_mma.PIPELINE]}>"
+    assert launches[0][0] == f"mma_dense<1, true, false, {_mma._BOOL[_mma.pipelined(_mma.glu_width(52), False)]}>"
     _same_launch(launches[0], launches[1])
 
 
@@ -108,7 +108,7 @@ def test_prepared_gated_nbits_interleaves_once_and_launches_what_the_unprepared_
         assert np.array_equal(changes[j], _mma.glu_interleave(np, g.reshape(n, -1), u.reshape(n, -1)))
     prepared = [changes.get(j) for j in (1, 2, 3)]
     silu_gated_matmul_nbits.run(ctx, x, *prepared, None, None, None)
-    assert launches[0][0] == f"mma_nbits4<1, __half, true, {_mma._BOOL[_mma.PIPELINE]}>"
+    assert launches[0][0] == f"mma_nbits4<1, __half, true, {_mma._BOOL[_mma.pipelined(2 * n, True)]}>"
     _same_launch(launches[0], launches[1])
 
 
@@ -126,7 +126,7 @@ def test_gated_nbits_prepare_leaves_fed_weights_and_fp32_activations_alone():
 
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_the_load_schedule_flag_picks_the_kernel_and_every_launch_is_compiled(launches, monkeypatch, pipeline):
-    monkeypatch.setattr(_mma, "PIPELINE", pipeline)
+    monkeypatch.setattr(_mma, "PIPELINE", "all" if pipeline else "off")
     rng = np.random.default_rng(4)
     for m in (1, 9, 40):  # NJ = 1, 2, 4
         a = rng.standard_normal((m, 96)).astype(np.float16)
@@ -145,7 +145,7 @@ def test_the_load_schedule_flag_picks_the_kernel_and_every_launch_is_compiled(la
 
 @pytest.mark.parametrize("glu", [False, True])
 def test_the_wide_flag_routes_launches_of_64_rows_and_more_to_the_tiled_kernel(launches, monkeypatch, glu):
-    monkeypatch.setattr(_mma, "WIDE", True)
+    monkeypatch.setattr(_mma, "WIDE", "all")
     rng = np.random.default_rng(5)
     w, up = (rng.standard_normal((96, 40)).astype(np.float16) for _ in range(2))
     wp = _mma.pack(np, w, up if glu else None)
@@ -162,7 +162,7 @@ def test_the_wide_flag_routes_launches_of_64_rows_and_more_to_the_tiled_kernel(l
 
 
 def test_the_wide_flag_routes_int4_launches_that_fit_the_tiled_kernel(launches, monkeypatch):
-    monkeypatch.setattr(_mma, "WIDE", True)
+    monkeypatch.setattr(_mma, "WIDE", "all")
     rng = np.random.default_rng(6)
 
     def launch(m, k, bs):
@@ -176,3 +176,27 @@ def test_the_wide_flag_routes_int4_launches_that_fit_the_tiled_kernel(launches, 
     assert wide[0] == "mma_wide4<1, __half, false>" and wide[0] in _mma.EXPRS
     assert wide[1] == (1, 1) and wide[4] == 3 * (2 * 64 + 64 * 72 // 8) * 16
     assert launch(64, 48, 16)[0].startswith("mma_nbits4<")  # K % 32 != 0
+
+
+
+def test_the_default_switches_pipeline_int4_only_and_tile_dense_only(launches, monkeypatch):
+    """The measured defaults (docs/benchmarks/kernels.md section 7): PIPE for int4 projections,
+    the tiled kernels for dense ones; "off" and "all" cover both."""
+    monkeypatch.setattr(_mma, "PIPELINE", "int4")
+    monkeypatch.setattr(_mma, "WIDE", "dense")
+    rng = np.random.default_rng(7)
+    wp = _mma.pack(np, rng.standard_normal((96, 40)).astype(np.float16))
+    b, sc, _ = _nbits(rng, 40, 128, 32, False)
+    for m in (8, 64):
+        _mma.dense(np.zeros((m, 96), np.float16), wp, None, np.zeros((m, 40), np.float16), m, 40, 96, None)
+        _mma.nbits4(np.zeros((m, 128), np.float16), b, sc, None, 0, 0, None, np.zeros((m, 40), np.float16),
+                    m, 40, 128, 32, "__half", None)
+    assert [launch[0] for launch in launches] == [
+        "mma_dense<1, false, false, false>", "mma_nbits4<1, __half, false, true>",
+        "mma_wide<1, false>", "mma_nbits4<4, __half, false, true>"]
+    for value, dense, int4 in (("off", False, False), ("all", True, True), ("int4", False, True)):
+        monkeypatch.setattr(_mma, "PIPELINE", value)
+        assert (_mma.pipelined(40, False), _mma.pipelined(40, True)) == (dense, int4)
+    for value, dense, int4 in (("off", False, False), ("all", True, True), ("dense", True, False)):
+        monkeypatch.setattr(_mma, "WIDE", value)
+        assert (_mma.wide_dense_applies(64, 96), _mma.wide_int4_applies(64, 128, 32)) == (dense, int4)

@@ -43,17 +43,19 @@ MODULES = (_schedule_exprs("false"), _schedule_exprs("true"),
            + tuple(f"mma_wide4<{f}, {s}, {glu}>" for f in (1, 2) for s in ("__half", "float") for glu in _BOOL))
 EXPRS = tuple(e for module in MODULES for e in module)
 _MODULE_OF = {e: module for module in MODULES for e in module}
-#: The weight-load schedule of the tensor-core kernels (kernels/linear_mma.cu ``PIPE``): True
-#: holds a whole K segment of weights per lane and loads the warp's next segment while the
-#: current one's mmas issue. The schedule never changes a bit of the output (the mma sequence is
-#: the same); it is opt-in (``LOCKSTEP_CUDA_GEMM_PIPELINE=1``) until it has been measured on the
-#: GPU (docs/benchmarks/kernels.md).
-PIPELINE = env.flag("LOCKSTEP_CUDA_GEMM_PIPELINE", False)
-#: The tiled kernels for launches of at least :data:`WIDE_ROWS` rows (kernels/linear_mma.cu
-#: ``mma_wide`` for dense fp16, ``mma_wide4`` for int4: 64-token x 64/128-feature block tiles
-#: staged in shared memory), bitwise the row kernels' results; opt-in
-#: (``LOCKSTEP_CUDA_GEMM_WIDE=1``) until measured.
-WIDE = env.flag("LOCKSTEP_CUDA_GEMM_WIDE", False)
+#: Which projections take the PIPE weight-load schedule (kernels/linear_mma.cu ``PIPE``: a
+#: whole K segment of weights in flight per lane, the warp's next segment loaded while the
+#: current one's mmas issue, token-major grid): "int4" (default), "all" or "off"
+#: (``LOCKSTEP_CUDA_GEMM_PIPELINE``). The schedule never changes an output bit. Measured on the
+#: H200 (docs/benchmarks/kernels.md section 7) it made int4 2-12% faster up to batch 32 and
+#: dense fp16 up to 15% slower, hence the default.
+PIPELINE = env.choice("LOCKSTEP_CUDA_GEMM_PIPELINE", "int4", ("int4", "all", "off"))
+#: Which projections take the tiled kernels for launches of at least :data:`WIDE_ROWS` rows
+#: (kernels/linear_mma.cu ``mma_wide`` for dense fp16, ``mma_wide4`` for int4: 64-token x
+#: 64/128-feature block tiles staged in shared memory), bitwise the row kernels' results:
+#: "dense" (default), "all" or "off" (``LOCKSTEP_CUDA_GEMM_WIDE``). Measured, the dense tiles
+#: made batch 256 1.2-1.6x faster, and the int4 ones were slower than ``mma_nbits4``.
+WIDE = env.choice("LOCKSTEP_CUDA_GEMM_WIDE", "dense", ("dense", "all", "off"))
 WIDE_ROWS = 64
 #: kernels/linear_mma.cu WIDE_STAGES and WIDE_XS (shared memory of mma_wide).
 _WIDE_STAGES, _WIDE_XS = 3, 72
@@ -149,17 +151,23 @@ def wide_config(m: int, n: int, int4: bool = False) -> tuple[int, tuple, tuple, 
     return f, (tokens, features), (256,), _WIDE_STAGES * (weights + 64 * _WIDE_XS // 8) * 16
 
 
+def wide_dense_applies(m: int, k: int) -> bool:
+    """Whether a dense launch of m rows takes ``mma_wide``: :data:`WIDE` "dense" or "all", at
+    least :data:`WIDE_ROWS` rows and K a multiple of 8."""
+    return WIDE != "off" and m >= WIDE_ROWS and k % 8 == 0
+
+
 def wide_int4_applies(m: int, k: int, bs: int) -> bool:
-    """Whether an int4 launch of m rows takes ``mma_wide4``: :data:`WIDE` set, at least
+    """Whether an int4 launch of m rows takes ``mma_wide4``: :data:`WIDE` "all", at least
     :data:`WIDE_ROWS` rows, K a multiple of 32 and a row of codes a multiple of 16 bytes (its
     16-byte copies stay inside the row)."""
-    return WIDE and m >= WIDE_ROWS and k % 32 == 0 and (-(-k // bs) * bs // 2) % 16 == 0
+    return WIDE == "all" and m >= WIDE_ROWS and k % 32 == 0 and (-(-k // bs) * bs // 2) % 16 == 0
 
 
-def pipelined(n: int) -> bool:
-    """Whether a launch over ``n`` weight rows takes the PIPE schedule: :data:`PIPELINE` set and
-    the feature tiles fit the grid's y (at most MAX_GRID_Y)."""
-    return PIPELINE and -(-n // 16) <= MAX_GRID_Y
+def pipelined(n: int, int4: bool) -> bool:
+    """Whether a launch over ``n`` weight rows takes the PIPE schedule: :data:`PIPELINE` covers
+    the projection (``int4`` or dense) and the feature tiles fit the grid's y (MAX_GRID_Y)."""
+    return PIPELINE in ("all", "int4" if int4 else "all") and -(-n // 16) <= MAX_GRID_Y
 
 
 def glu_width(n: int) -> int:
@@ -310,9 +318,9 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
     (:func:`norm_applies` must hold) the activations are RMSNorm(a + skip) * gamma, computed in
     the same launch."""
     rows = glu_width(n) if glu else n
-    pipe = pipelined(rows)
+    pipe = pipelined(rows, False)
     for r0, r1 in row_slices(m, 32):
-        wide = wide_config(r1 - r0, rows) if WIDE and norm is None and r1 - r0 >= WIDE_ROWS and k % 8 == 0 else None
+        wide = wide_config(r1 - r0, rows) if norm is None and wide_dense_applies(r1 - r0, k) else None
         if wide is not None:
             f, grid, block, shared = wide
             _launch(f"mma_wide<{f}, {_BOOL[glu]}>", grid, block,
@@ -330,7 +338,7 @@ def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, n
     """y = a @ dequant(b)^T (+ bias), n weight rows. ``glu_out`` > 0: b, scales and zp hold
     gate/up rows in :func:`glu_rows` order and y [m, glu_out] = silu_mul(gate, up)."""
     width = glu_out if glu_out > 0 else n
-    pipe = pipelined(n)
+    pipe = pipelined(n, True)
     for r0, r1 in row_slices(m, 32):
         args = (rows_of(a, r0, r1, k), b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
                 null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
