@@ -7,7 +7,7 @@
 #   context: the batch x prompt-length sweep (CSWEEP, LENS); kernels: --kernels at KSWEEP;
 #   ort: ONNX Runtime GenAI CUDA on the same grid (needs it importable from /tmp/ort, or the
 #   onnxruntime-gpu and onnxruntime-genai-cuda wheels in $ORT_WHEELS), then the sweep with --anchor
-#   schedules: the opt-in GEMM schedules (LOCKSTEP_CUDA_GEMM_PIPELINE / _WIDE) tested, profiled off/on, ncu
+#   schedules: the GEMM schedules (LOCKSTEP_CUDA_GEMM_PIPELINE / _WIDE) tested, profiled off / all / default, ncu
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 FINAL_OUT=$OUT; LOG=/tmp/gpu_suite; mkdir -p $LOG
@@ -81,7 +81,7 @@ if has kernels; then
       --tokens 16 --tensor-tflops ${TFLOPS:-989} --json $LOG/kernels_$v.json 2>&1 | tee $LOG/kernels_$v.txt | tail -40
   done
 fi
-if has schedules; then  # the opt-in GEMM schedules (docs/benchmarks/kernels.md sections 5-6): tests, then A/B
+if has schedules; then  # the GEMM schedules (docs/benchmarks/kernels.md sections 5-7): tests, then A/B
   SCHED_MODELS=${SCHED_MODELS:-llama-fp16 llama-int4}
   for v in $SCHED_MODELS; do  # the 1B architecture, built on first use
     [ -f $M/$v/model.onnx ] || python3 benchmarks/build_test_model.py $M/$v --arch llama-3.2-1b \
@@ -89,7 +89,7 @@ if has schedules; then  # the opt-in GEMM schedules (docs/benchmarks/kernels.md 
   done
   timeout ${TEST_TIMEOUT:-600} python3 -m pytest -q -p no:cacheprovider tests/cuda/test_gemm_pipeline.py 2>&1 \
     | tee $LOG/tests_schedules.log | tail -5
-  for flags in "0 0" "1 0" "0 1" "1 1"; do
+  for flags in "off off" "all off" "off all" "all all" "int4 dense"; do
     set -- $flags
     for v in fp16 int4 $SCHED_MODELS; do
       LOCKSTEP_CUDA_GEMM_PIPELINE=$1 LOCKSTEP_CUDA_GEMM_WIDE=$2 python3 -m core profile $M/$v --provider cuda \
@@ -97,7 +97,7 @@ if has schedules; then  # the opt-in GEMM schedules (docs/benchmarks/kernels.md 
         2>&1 | tail -6 | tee -a $LOG/schedules.txt
     done
   done
-  for w in 0 1; do  # prefill: 8 x 1,024 prompt tokens are GEMMs of 8,192 rows
+  for w in off dense; do  # prefill: 8 x 1,024 prompt tokens are GEMMs of 8,192 rows
     LOCKSTEP_CUDA_GEMM_WIDE=$w python3 -m core profile $M/${SCHED_MODELS%% *} --provider cuda --batch-sweep 8 \
       --prompt-len 1024 --tokens 16 --json $LOG/prefill_w$w.json 2>&1 | tail -4 | tee -a $LOG/schedules.txt
   done
@@ -109,7 +109,7 @@ if has schedules; then  # the opt-in GEMM schedules (docs/benchmarks/kernels.md 
     done
   done
   command -v ncu >/dev/null && for b in 1 256; do
-    LOCKSTEP_CUDA_GEMM_PIPELINE=1 LOCKSTEP_CUDA_GEMM_WIDE=1 timeout 300 python3 benchmarks/ncu_step.py \
+    timeout 300 python3 benchmarks/ncu_step.py \
       $M/llama-fp16 --batch $b 2>&1 | tee $LOG/ncu_llama_b$b.txt | head -30
   done
 fi

@@ -31,8 +31,9 @@
 //
 // Kernels, all with the arithmetic above, so the choice between them never changes a bit:
 //   mma_dense / mma_nbits4  one 16-feature tile per block, 8 NJ tokens, a warp per K segment
-//                           (PIPE: the opt-in load schedule and token-major grid, see mma_dense);
-//   mma_wide / mma_wide4    the opt-in tiled kernels for 64 rows and more (see mma_wide).
+//                           (PIPE: the pipelined load schedule and token-major grid, see mma_dense);
+//   mma_wide / mma_wide4    the tiled kernels for 64 rows and more (see mma_wide).
+// Which one runs is the launcher's choice (providers/cuda/ops/_mma.py, measured defaults).
 #include <cuda_fp16.h>
 
 #define SEG_K 256

@@ -36,8 +36,8 @@ def _schedule_exprs(pipe: str) -> tuple[str, ...]:
 
 
 #: The kernels' instantiations in three modules of kernels/linear_mma.cu, each compiled on its
-#: first launch: the default schedule, the PIPE schedule and the tiled kernel (so the opt-in
-#: schedules cost no compile time unless used).
+#: first launch: the plain schedule, the PIPE schedule and the tiled kernels (so a schedule no
+#: launch uses costs no compile time).
 MODULES = (_schedule_exprs("false"), _schedule_exprs("true"),
            tuple(f"mma_wide<{f}, {glu}>" for f in (1, 2) for glu in _BOOL)
            + tuple(f"mma_wide4<{f}, {s}, {glu}>" for f in (1, 2) for s in ("__half", "float") for glu in _BOOL))
