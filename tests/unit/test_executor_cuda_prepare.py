@@ -144,12 +144,14 @@ def test_the_load_schedule_flag_picks_the_kernel_and_every_launch_is_compiled(la
 
 
 @pytest.mark.parametrize("glu", [False, True])
-def test_the_wide_flag_routes_launches_of_64_rows_and_more_to_the_tiled_kernel(launches, monkeypatch, glu):
+def test_the_wide_flag_routes_launches_of_32_rows_and_more_to_the_tiled_kernel(launches, monkeypatch, glu):
     monkeypatch.setattr(_mma, "WIDE", "all")
+    monkeypatch.setattr(_mma, "wide_worth", lambda m, blocks: True)
+    _mma.wide_config.cache_clear()
     rng = np.random.default_rng(5)
     w, up = (rng.standard_normal((96, 40)).astype(np.float16) for _ in range(2))
     wp = _mma.pack(np, w, up if glu else None)
-    for m in (63, 64, 300):
+    for m in (31, 64, 300):
         _mma.dense(np.zeros((m, 96), np.float16), wp, None, np.zeros((m, 40), np.float16), m, 40, 96, None, glu=glu)
     (small, *_), wide64, wide300 = launches
     assert small.startswith("mma_dense<") and wide64[0] == wide300[0] == f"mma_wide<1, {_mma._BOOL[glu]}>"
@@ -163,6 +165,8 @@ def test_the_wide_flag_routes_launches_of_64_rows_and_more_to_the_tiled_kernel(l
 
 def test_the_wide_flag_routes_int4_launches_that_fit_the_tiled_kernel(launches, monkeypatch):
     monkeypatch.setattr(_mma, "WIDE", "all")
+    monkeypatch.setattr(_mma, "wide_worth", lambda m, blocks: True)
+    _mma.wide_config.cache_clear()
     rng = np.random.default_rng(6)
 
     def launch(m, k, bs):
@@ -171,7 +175,7 @@ def test_the_wide_flag_routes_int4_launches_that_fit_the_tiled_kernel(launches, 
                     m, 40, k, bs, "__half", None)
         return launches[-1]
 
-    assert launch(63, 128, 32)[0].startswith("mma_nbits4<")
+    assert launch(31, 128, 32)[0].startswith("mma_nbits4<")
     wide = launch(64, 128, 32)
     assert wide[0] == "mma_wide4<1, __half, false>" and wide[0] in _mma.EXPRS
     assert wide[1] == (1, 1) and wide[4] == 3 * (2 * 64 + 64 * 72 // 8) * 16
@@ -184,6 +188,8 @@ def test_the_default_switches_pipeline_int4_only_and_tile_dense_only(launches, m
     the tiled kernels for dense ones; "off" and "all" cover both."""
     monkeypatch.setattr(_mma, "PIPELINE", "int4")
     monkeypatch.setattr(_mma, "WIDE", "dense")
+    monkeypatch.setattr(_mma, "wide_worth", lambda m, blocks: True)
+    _mma.wide_config.cache_clear()
     rng = np.random.default_rng(7)
     wp = _mma.pack(np, rng.standard_normal((96, 40)).astype(np.float16))
     b, sc, _ = _nbits(rng, 40, 128, 32, False)
@@ -200,3 +206,19 @@ def test_the_default_switches_pipeline_int4_only_and_tile_dense_only(launches, m
     for value, dense, int4 in (("off", False, False), ("all", True, True), ("dense", True, False)):
         monkeypatch.setattr(_mma, "WIDE", value)
         assert (_mma.wide_dense_applies(64, 96), _mma.wide_int4_applies(64, 128, 32)) == (dense, int4)
+
+
+
+@pytest.mark.parametrize("name,m,n,wide", [
+    # measured per launch on the H200 (docs/benchmarks/kernels.md section 7): row kernel vs tiles
+    ("Llama qkv", 64, 3072, False), ("Llama qkv", 128, 3072, True), ("Llama o", 128, 2048, False),
+    ("Llama o", 256, 2048, True), ("Llama gate/up", 32, 16384, False), ("Llama gate/up", 64, 16384, True),
+    ("Llama down", 128, 2048, False), ("Llama lm_head", 32, 128256, True), ("SmolLM2 o", 256, 576, False),
+    ("SmolLM2 gate/up", 128, 3072, True), ("SmolLM2 down", 256, 576, False), ("SmolLM2 lm_head", 32, 49152, True)])
+def test_the_tiles_are_taken_where_they_measured_faster(monkeypatch, name, m, n, wide):
+    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 132)
+    _mma.wide_config.cache_clear()
+    try:
+        assert (_mma.wide_config(m, n) is not None) == wide, name
+    finally:
+        _mma.wide_config.cache_clear()

@@ -56,7 +56,7 @@ PIPELINE = env.choice("LOCKSTEP_CUDA_GEMM_PIPELINE", "int4", ("int4", "all", "of
 #: "dense" (default), "all" or "off" (``LOCKSTEP_CUDA_GEMM_WIDE``). Measured, the dense tiles
 #: made batch 256 1.2-1.6x faster, and the int4 ones were slower than ``mma_nbits4``.
 WIDE = env.choice("LOCKSTEP_CUDA_GEMM_WIDE", "dense", ("dense", "all", "off"))
-WIDE_ROWS = 64
+WIDE_ROWS = 32
 #: kernels/linear_mma.cu WIDE_STAGES and WIDE_XS (shared memory of mma_wide).
 _WIDE_STAGES, _WIDE_XS = 3, 72
 #: Most rows a fused RMSNorm prologue launch takes. The kernel holds up to 8, but measured on the
@@ -135,17 +135,28 @@ def _multiprocessors() -> int:
         return 132
 
 
+def wide_worth(m: int, blocks: int) -> bool:
+    """Whether a tiled launch of m rows over ``blocks`` blocks beats the row kernels. Measured on
+    the H200 per launch (docs/benchmarks/kernels.md section 7): a tiled block walks all of K
+    with about 0.6 us per 64-wide chunk, so the tiles need most of the multiprocessors busy (at
+    least 0.7 blocks each), and under 64 rows only a very wide projection (2.25 blocks each,
+    the lm_head) gains from reading its weights once per 64 rows instead of once per 32."""
+    sms = _multiprocessors()
+    return blocks >= 0.7 * sms and (m >= 64 or blocks >= 2.25 * sms)
+
+
 @functools.lru_cache(maxsize=4096)
 def wide_config(m: int, n: int, int4: bool = False) -> tuple[int, tuple, tuple, int] | None:
     """(F, grid, block, shared bytes) of ``mma_wide`` (``mma_wide4`` with ``int4``) for m rows
     and n weight rows: F = 2 (128-feature blocks) when that still gives two blocks per
-    multiprocessor, else F = 1; None when the feature blocks exceed the grid's y. Shared memory:
-    WIDE_STAGES chunks of the activations (64 rows of WIDE_XS halves) and of the weights (the
-    packed fragments of 4 F tiles, or 32 code bytes of 64 F rows)."""
+    multiprocessor, else F = 1; None when the tiles would not beat the row kernels
+    (:func:`wide_worth`) or the feature blocks exceed the grid's y. Shared memory: WIDE_STAGES
+    chunks of the activations (64 rows of WIDE_XS halves) and of the weights (the packed
+    fragments of 4 F tiles, or 32 code bytes of 64 F rows)."""
     tokens = -(-m // 64)
     f = 2 if tokens * -(-n // 128) >= 2 * _multiprocessors() else 1
     features = -(-n // (64 * f))
-    if features > MAX_GRID_Y:
+    if features > MAX_GRID_Y or not wide_worth(m, tokens * features):
         return None
     weights = 2 * 64 * f if int4 else 4 * f * 128
     return f, (tokens, features), (256,), _WIDE_STAGES * (weights + 64 * _WIDE_XS // 8) * 16
