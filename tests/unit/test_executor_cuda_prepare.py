@@ -160,7 +160,7 @@ def test_the_wide_flag_routes_launches_of_32_rows_and_more_to_the_tiled_kernel(l
     blocks = -(-rows // 64)
     assert wide64[1] == (1, blocks) and wide300[1] == (5, blocks) and wide300[2] == (256,)
     assert [int(v) for v in wide300[3][4:]] == [300, rows, 96, 40] and wide300[3][0].shape == (300, 96)
-    assert wide300[4] == 3 * (4 * 128 + 64 * 72 // 8) * 16
+    assert wide300[4] == _mma._WIDE_STAGES * (4 * 128 + 64 * 72 // 8) * 16
 
 
 def test_the_wide_flag_routes_int4_launches_that_fit_the_tiled_kernel(launches, monkeypatch):
@@ -178,7 +178,7 @@ def test_the_wide_flag_routes_int4_launches_that_fit_the_tiled_kernel(launches, 
     assert launch(31, 128, 32)[0].startswith("mma_nbits4<")
     wide = launch(64, 128, 32)
     assert wide[0] == "mma_wide4<1, __half, false>" and wide[0] in _mma.EXPRS
-    assert wide[1] == (1, 1) and wide[4] == 3 * (2 * 64 + 64 * 72 // 8) * 16
+    assert wide[1] == (1, 1) and wide[4] == _mma._WIDE_STAGES * (2 * 64 + 64 * 72 // 8) * 16
     assert launch(64, 48, 16)[0].startswith("mma_nbits4<")  # K % 32 != 0
 
 
@@ -222,3 +222,13 @@ def test_the_tiles_are_taken_where_they_measured_faster(monkeypatch, name, m, n,
         assert (_mma.wide_config(m, n) is not None) == wide, name
     finally:
         _mma.wide_config.cache_clear()
+
+
+
+def test_the_launcher_sizes_shared_memory_with_the_kernel_constants():
+    import re
+    from pathlib import Path
+
+    src = (Path(_mma.__file__).parents[1] / "kernels" / "linear_mma.cu").read_text()
+    assert int(re.search(r"#define WIDE_STAGES (\d+)", src).group(1)) == _mma._WIDE_STAGES
+    assert int(re.search(r"#define WIDE_XS (\d+)", src).group(1)) == _mma._WIDE_XS

@@ -338,7 +338,8 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 // F 16-feature tiles, the block's 64 tokens x 64 F features.  grid (ceil(M / 64),
 // ceil(N / (64 F))): token-major, so the token blocks of one weight tile run together.
 // Per 64-wide k chunk the block's activations x[64 tokens][64 k] and its 4 F packed weight tiles'
-// 4 k tiles are copied to shared memory with cp.async, WIDE_STAGES chunks deep; each weight
+// 4 k tiles are copied to shared memory with cp.async, WIDE_STAGES chunks deep (WIDE_STAGES - 1
+// in flight while one computes); each weight
 // fragment is then read by both token warps and each activation row by all 4 feature warps.
 // Shared: WIDE_STAGES * (4 F * 128 + 64 * WIDE_XS / 8) uint4.  Needs K % 8 == 0.
 #define WIDE_STAGES 3
@@ -455,12 +456,17 @@ __global__ void __launch_bounds__(256, 2) mma_wide(const __half* __restrict__ x,
     };
     float acc[F][4][4], tot[F][4][4];
     wide_zero<F>(acc, tot);
-    stage(0);
-    if (nchunks > 1) stage(1); else asm volatile("cp.async.commit_group;\n" ::: "memory");
+    // chunks 0 .. WIDE_STAGES - 2 in flight; one commit group per chunk (empty past K), so
+    // waiting for all but the newest WIDE_STAGES - 2 groups means chunk c has landed
+#pragma unroll
+    for (int c = 0; c < WIDE_STAGES - 1; ++c) {
+        if (c < nchunks) stage(c); else asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
     for (int c = 0; c < nchunks; ++c) {
-        asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's copies of chunk c landed
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(WIDE_STAGES - 2) : "memory");  // this thread's chunk c landed
         __syncthreads();  // everyone's; and every warp is done with chunk c - 1, whose stage is refilled next
-        if (c + 2 < nchunks) stage(c + 2); else asm volatile("cp.async.commit_group;\n" ::: "memory");
+        if (c + WIDE_STAGES - 1 < nchunks) stage(c + WIDE_STAGES - 1);
+        else asm volatile("cp.async.commit_group;\n" ::: "memory");
         const uint4* wst = ws + (c % WIDE_STAGES) * WS + wf * F * 128 + lane;
         uint4 xa[4][2];
         wide_load_x(xa, xs + (c % WIDE_STAGES) * XS * 8, wt, g, t);
@@ -698,13 +704,18 @@ __global__ void __launch_bounds__(256) mma_wide4(const __half* __restrict__ x, c
     float acc[F][4][4], tot[F][4][4], cur[F][4], nxt[F][4];
     wide_zero<F>(acc, tot);
     load_sz(cur, 0);
-    stage(0);
-    if (nchunks > 1) stage(1); else asm volatile("cp.async.commit_group;\n" ::: "memory");
+    // chunks 0 .. WIDE_STAGES - 2 in flight; one commit group per chunk (empty past K), so
+    // waiting for all but the newest WIDE_STAGES - 2 groups means chunk c has landed
+#pragma unroll
+    for (int c = 0; c < WIDE_STAGES - 1; ++c) {
+        if (c < nchunks) stage(c); else asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
     for (int c = 0; c < nchunks; ++c) {
         if (c + 1 < nchunks) load_sz(nxt, c + 1);
-        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-        __syncthreads();
-        if (c + 2 < nchunks) stage(c + 2); else asm volatile("cp.async.commit_group;\n" ::: "memory");
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(WIDE_STAGES - 2) : "memory");  // this thread's chunk c landed
+        __syncthreads();  // everyone's; and every warp is done with chunk c - 1, whose stage is refilled next
+        if (c + WIDE_STAGES - 1 < nchunks) stage(c + WIDE_STAGES - 1);
+        else asm volatile("cp.async.commit_group;\n" ::: "memory");
         const unsigned char* cst = reinterpret_cast<const unsigned char*>(cs + (c % WIDE_STAGES) * CS);
         const bool kv = 64 * c + 16 * t < K;
         uint4 xa[4][2];
