@@ -1,0 +1,76 @@
+"""Microseconds per launch of the dense tensor-core GEMMs: the row kernel (``mma_dense``) against
+the tiled one (``mma_wide``, forced wherever it applies), at the projections of Llama-3.2-1B and
+SmolLM2-135M, for 8 to 256 rows. Each time is a replay of a captured graph of 20 launches, so
+it holds no host cost. The table behind ``_mma.wide_worth`` (docs/benchmarks/kernels.md
+section 7); outputs are also checked bitwise equal.
+
+    python benchmarks/gemm_launch.py [--rows 8,16,32,64,128,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+SHAPES = {"Llama qkv": (2048, 3072, False), "Llama o": (2048, 2048, False), "Llama gate/up": (2048, 8192, True),
+          "Llama down": (8192, 2048, False), "Llama lm_head": (2048, 128256, False),
+          "SmolLM2 qkv": (576, 960, False), "SmolLM2 o": (576, 576, False), "SmolLM2 gate/up": (576, 1536, True),
+          "SmolLM2 down": (1536, 576, False), "SmolLM2 lm_head": (576, 49152, False)}
+
+
+def graph_us(stream, fn, reps: int = 20) -> float:
+    """Microseconds per call of ``fn``: a graph of ``reps`` calls captured on ``stream``, replayed 5 times."""
+    import cupy as cp
+
+    fn()
+    stream.synchronize()
+    stream.begin_capture()
+    for _ in range(reps):
+        fn()
+    graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(stream)
+    for _ in range(5):
+        graph.launch(stream)
+    end.record(stream)
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / (5 * reps) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="8,16,32,64,128,256", type=lambda t: [int(x) for x in t.split(",")])
+    args = ap.parse_args()
+    import cupy as cp
+
+    from providers.cuda.ops import NULL, _mma
+    from providers.cuda.provider import CudaProvider
+
+    stream = CudaProvider().stream
+    _mma.WIDE_ROWS = 1
+    _mma.wide_worth = lambda m, blocks: True  # time the tiles wherever they apply
+    rng = np.random.default_rng(0)
+    print(f"{'projection':16s} " + "  ".join(f"{m:>5d} rows: row/tiled us" for m in args.rows))
+    for name, (k, n, glu) in SHAPES.items():
+        w = cp.asarray((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float16))
+        up = cp.asarray((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float16)) if glu else None
+        wp = _mma.pack(cp, w, up)
+        cells = []
+        for m in args.rows:
+            a = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
+            y = cp.empty((m, n), np.float16)
+            times, outs = [], []
+            for mode in ("off", "dense"):
+                _mma.WIDE = mode
+                times.append(graph_us(stream, lambda: _mma.dense(a, wp, None, y, m, n, k, NULL, glu=glu)))
+                outs.append(y.get().view(np.uint16).copy())
+            same = "" if np.array_equal(outs[0], outs[1]) else " (bits differ!)"
+            cells.append(f"{times[0]:9.1f} / {times[1]:7.1f}{same}")
+        print(f"{name:16s} " + "  ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
