@@ -10,6 +10,7 @@ section 7); outputs are also checked bitwise equal.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import numpy as np
 
@@ -65,7 +66,7 @@ def main() -> None:
             times, outs = [], []
             for mode in ("off", "dense"):
                 _mma.WIDE = mode
-                times.append(graph_us(stream, lambda: _mma.dense(a, wp, None, y, m, n, k, NULL, glu=glu)))
+                times.append(graph_us(stream, functools.partial(_mma.dense, a, wp, None, y, m, n, k, NULL, glu=glu)))
                 outs.append(y.get().view(np.uint16).copy())
             same = "" if np.array_equal(outs[0], outs[1]) else " (bits differ!)"
             cells.append(f"{times[0]:9.1f} / {times[1]:7.1f}{same}")
