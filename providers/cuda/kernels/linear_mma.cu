@@ -295,11 +295,19 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
         const int tiles = 4 * seg_chunks(K, seg), kbeg = seg * SEG_K;
         if constexpr (PIPE) {
             const int next = seg + nwarps, refill = next < nseg ? 4 * seg_chunks(K, next) : 0;
+            // one token tile (NJ = 1): the segment's activations are loaded up front (32 bytes
+            // per lane per chunk), so no chunk waits for its own activation round trip
+            constexpr int XC = NJ == 1 ? 4 : 1;
+            uint4 xall[XC][NJ][2];
+            if constexpr (NJ == 1) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) if (4 * c < tiles) load_x(xall[c], kbeg + 64 * c);
+            }
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 if (4 * c >= tiles) break;
-                uint4 xa[NJ][2];
-                load_x(xa, kbeg + 64 * c);
+                uint4 (*xa)[2] = xall[NJ == 1 ? c : 0];
+                if constexpr (NJ != 1) load_x(xa, kbeg + 64 * c);
 #pragma unroll
                 for (int v = 0; v < 4; ++v) {
                     mma_tile(acc, a[4 * c + v], xa, v);
