@@ -77,7 +77,7 @@ def test_prepared_gated_matmul_launches_what_the_unprepared_one_does(launches):
     assert set(changes) == {1, 2} and changes[2] is None
     assert np.array_equal(changes[1], _mma.pack(np, wg, wu))
     silu_gated_matmul.run(ctx, x, changes[1], None)
-    assert launches[0][0] == f"mma_dense<1, true, false, {_mma._BOOL[_mma.pipelined(_mma.glu_width(52), False)]}>"
+    assert launches[0][0] == f"mma_dense<1, true, false, {_mma._BOOL[_mma.pipelined(_mma.glu_width(52), False, 3)]}>"
     _same_launch(launches[0], launches[1])
 
 
@@ -183,10 +183,11 @@ def test_the_wide_flag_routes_int4_launches_that_fit_the_tiled_kernel(launches, 
 
 
 
-def test_the_default_switches_pipeline_int4_only_and_tile_dense_only(launches, monkeypatch):
-    """The measured defaults (docs/benchmarks/kernels.md section 7): PIPE for int4 projections,
-    the tiled kernels for dense ones; "off" and "all" cover both."""
-    monkeypatch.setattr(_mma, "PIPELINE", "int4")
+def test_the_default_switches_pick_the_measured_schedules(launches, monkeypatch):
+    """The measured defaults (docs/benchmarks/kernels.md section 7): PIPE for int4 launches and
+    one-tile dense ones without the prologue, the tiled kernels for dense launches; "off" and
+    "all" cover both."""
+    monkeypatch.setattr(_mma, "PIPELINE", "auto")
     monkeypatch.setattr(_mma, "WIDE", "dense")
     monkeypatch.setattr(_mma, "wide_worth", lambda m, blocks: True)
     _mma.wide_config.cache_clear()
@@ -198,11 +199,13 @@ def test_the_default_switches_pipeline_int4_only_and_tile_dense_only(launches, m
         _mma.nbits4(np.zeros((m, 128), np.float16), b, sc, None, 0, 0, None, np.zeros((m, 40), np.float16),
                     m, 40, 128, 32, "__half", None)
     assert [launch[0] for launch in launches] == [
-        "mma_dense<1, false, false, false>", "mma_nbits4<1, __half, false, true>",
+        "mma_dense<1, false, false, true>", "mma_nbits4<1, __half, false, true>",
         "mma_wide<1, false>", "mma_nbits4<4, __half, false, true>"]
-    for value, dense, int4 in (("off", False, False), ("all", True, True), ("int4", False, True)):
+    for value, one_row, prologue, tiles4, int4 in (("off", False, False, False, False), ("all", True, True, True, True),
+                                                   ("auto", True, False, False, True)):
         monkeypatch.setattr(_mma, "PIPELINE", value)
-        assert (_mma.pipelined(40, False), _mma.pipelined(40, True)) == (dense, int4)
+        assert (_mma.pipelined(40, False, 8), _mma.pipelined(40, False, 1, norm=True), _mma.pipelined(40, False, 32),
+                _mma.pipelined(40, True, 32)) == (one_row, prologue, tiles4, int4)
     for value, dense, int4 in (("off", False, False), ("all", True, True), ("dense", True, False)):
         monkeypatch.setattr(_mma, "WIDE", value)
         assert (_mma.wide_dense_applies(64, 96), _mma.wide_int4_applies(64, 128, 32)) == (dense, int4)

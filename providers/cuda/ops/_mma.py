@@ -43,13 +43,15 @@ MODULES = (_schedule_exprs("false"), _schedule_exprs("true"),
            + tuple(f"mma_wide4<{f}, {s}, {glu}>" for f in (1, 2) for s in ("__half", "float") for glu in _BOOL))
 EXPRS = tuple(e for module in MODULES for e in module)
 _MODULE_OF = {e: module for module in MODULES for e in module}
-#: Which projections take the PIPE weight-load schedule (kernels/linear_mma.cu ``PIPE``: a
-#: whole K segment of weights in flight per lane, the warp's next segment loaded while the
-#: current one's mmas issue, token-major grid): "int4" (default), "all" or "off"
-#: (``LOCKSTEP_CUDA_GEMM_PIPELINE``). The schedule never changes an output bit. Measured on the
-#: H200 (docs/benchmarks/kernels.md section 7) it made int4 2-12% faster up to batch 32 and
-#: dense fp16 up to 15% slower, hence the default.
-PIPELINE = env.choice("LOCKSTEP_CUDA_GEMM_PIPELINE", "int4", ("int4", "all", "off"))
+#: Which launches take the PIPE weight-load schedule (kernels/linear_mma.cu ``PIPE``: a whole K
+#: segment of weights in flight per lane, the warp's next segment loaded while the current one's
+#: mmas issue, token-major grid; one-tile kernels also load the segment's activations up front):
+#: "auto" (default: every int4 launch, and dense launches of one token tile, at most 8 rows,
+#: without the RMSNorm prologue), "all" or "off" (``LOCKSTEP_CUDA_GEMM_PIPELINE``). The schedule
+#: never changes an output bit. Measured on the H200 (docs/benchmarks/kernels.md section 7) it
+#: made int4 2-12% faster up to batch 32 and the one-row dense GEMMs 6% faster, and the dense
+#: prologue and multi-tile kernels slower (registers), hence "auto".
+PIPELINE = env.choice("LOCKSTEP_CUDA_GEMM_PIPELINE", "auto", ("auto", "all", "off"))
 #: Which projections take the tiled kernels for launches of at least :data:`WIDE_ROWS` rows
 #: (kernels/linear_mma.cu ``mma_wide`` for dense fp16, ``mma_wide4`` for int4: 64-token x
 #: 64/128-feature block tiles staged in shared memory), bitwise the row kernels' results:
@@ -175,10 +177,13 @@ def wide_int4_applies(m: int, k: int, bs: int) -> bool:
     return WIDE == "all" and m >= WIDE_ROWS and k % 32 == 0 and (-(-k // bs) * bs // 2) % 16 == 0
 
 
-def pipelined(n: int, int4: bool) -> bool:
-    """Whether a launch over ``n`` weight rows takes the PIPE schedule: :data:`PIPELINE` covers
-    the projection (``int4`` or dense) and the feature tiles fit the grid's y (MAX_GRID_Y)."""
-    return PIPELINE in ("all", "int4" if int4 else "all") and -(-n // 16) <= MAX_GRID_Y
+def pipelined(n: int, int4: bool, m: int = 1, norm: bool = False) -> bool:
+    """Whether a launch of ``m`` rows over ``n`` weight rows takes the PIPE schedule:
+    :data:`PIPELINE` covers it ("auto": int4, or dense with at most 8 rows and no RMSNorm
+    prologue) and the feature tiles fit the grid's y (MAX_GRID_Y)."""
+    if PIPELINE == "off" or -(-n // 16) > MAX_GRID_Y:
+        return False
+    return PIPELINE == "all" or int4 or (m <= 8 and not norm)
 
 
 def glu_width(n: int) -> int:
@@ -329,8 +334,8 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
     (:func:`norm_applies` must hold) the activations are RMSNorm(a + skip) * gamma, computed in
     the same launch."""
     rows = glu_width(n) if glu else n
-    pipe = pipelined(rows, False)
     for r0, r1 in row_slices(m, 32):
+        pipe = pipelined(rows, False, r1 - r0, norm is not None)
         wide = wide_config(r1 - r0, rows) if norm is None and wide_dense_applies(r1 - r0, k) else None
         if wide is not None:
             f, grid, block, shared = wide
