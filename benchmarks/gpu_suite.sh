@@ -89,7 +89,7 @@ if has schedules; then  # the GEMM schedules (docs/benchmarks/kernels.md section
   done
   timeout ${TEST_TIMEOUT:-600} python3 -m pytest -q -p no:cacheprovider tests/cuda/test_gemm_pipeline.py 2>&1 \
     | tee $LOG/tests_schedules.log | tail -5
-  for flags in "off off" "all off" "off all" "all all" "int4 dense"; do
+  for flags in "off off" "all off" "off all" "all all" "auto dense"; do
     set -- $flags
     for v in fp16 int4 $SCHED_MODELS; do
       LOCKSTEP_CUDA_GEMM_PIPELINE=$1 LOCKSTEP_CUDA_GEMM_WIDE=$2 python3 -m core profile $M/$v --provider cuda \
