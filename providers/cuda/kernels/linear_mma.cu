@@ -359,7 +359,6 @@ __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, boo
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
 }
 
-__host__ __device__ constexpr int wide_shared_uint4(int F) { return WIDE_STAGES * (4 * F * 128 + 64 * WIDE_XS / 8); }
 
 // Activations of 64-wide k chunk c for the block's 64 tokens (from m0) into xdst [64][WIDE_XS]
 // halves, zeros for tokens past M and k past K (K % 8 == 0: a 16-byte piece is all in or all out).

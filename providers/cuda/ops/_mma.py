@@ -335,19 +335,17 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
     the same launch."""
     rows = glu_width(n) if glu else n
     for r0, r1 in row_slices(m, 32):
-        pipe = pipelined(rows, False, r1 - r0, norm is not None)
+        args = (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
+                np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n))
         wide = wide_config(r1 - r0, rows) if norm is None and wide_dense_applies(r1 - r0, k) else None
         if wide is not None:
             f, grid, block, shared = wide
-            _launch(f"mma_wide<{f}, {_BOOL[glu]}>", grid, block,
-                    (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
-                     np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n)), shared)
+            _launch(f"mma_wide<{f}, {_BOOL[glu]}>", grid, block, args, shared)
             continue
+        pipe = pipelined(rows, False, r1 - r0, norm is not None)
         nj, grid, block, shared = config(r1 - r0, rows, k, pipe)
         _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>", grid, block,
-                (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
-                 np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n), *_norm_args(norm, null)),
-                _norm_shared(norm, shared, k, r1 - r0))
+                (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0))
 
 
 def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0):

@@ -13,7 +13,6 @@ result never depends on the batch size. Measured on the H200 (docs/benchmarks/ke
 prologue beat the separate norm launch only for one row of fp16 activations.
 """
 
-
 import numpy as np
 
 from core import fusion
