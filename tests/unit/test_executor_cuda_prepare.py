@@ -28,10 +28,20 @@ def launches(monkeypatch):
     """Launches of _mma kernels as (expression, grid, block, args, shared)."""
     record = []
 
+    class Recorder:
+        ptr = 0  # no CUfunction: resident_blocks is 0, so persistent launches keep their full grid
+
+        def __init__(self, expression):
+            self.expression = expression
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            record.append((self.expression, grid, block, args, shared_mem))
+
     def function(name, expression, expressions):
-        return lambda grid, block, args, shared_mem=0: record.append((expression, grid, block, args, shared_mem))
+        return Recorder(expression)
 
     monkeypatch.setattr(_mma, "function", function)
+    monkeypatch.setattr(_mma, "resident_blocks", lambda fn, threads, shared: 0)
     monkeypatch.setattr(silu_gated_matmul, "is_host", lambda x: x is None)  # numpy stands in for device arrays
     return record
 
@@ -108,7 +118,7 @@ def test_prepared_gated_nbits_interleaves_once_and_launches_what_the_unprepared_
         assert np.array_equal(changes[j], _mma.glu_interleave(np, g.reshape(n, -1), u.reshape(n, -1)))
     prepared = [changes.get(j) for j in (1, 2, 3)]
     silu_gated_matmul_nbits.run(ctx, x, *prepared, None, None, None)
-    assert launches[0][0] == f"mma_nbits4<1, __half, true, {_mma._BOOL[_mma.pipelined(2 * n, True)]}>"
+    assert launches[0][0] == f"mma_nbits4<1, __half, true, false, {_mma._BOOL[_mma.pipelined(2 * n, True)]}>"
     _same_launch(launches[0], launches[1])
 
 
@@ -199,8 +209,8 @@ def test_the_default_switches_pick_the_measured_schedules(launches, monkeypatch)
         _mma.nbits4(np.zeros((m, 128), np.float16), b, sc, None, 0, 0, None, np.zeros((m, 40), np.float16),
                     m, 40, 128, 32, "__half", None)
     assert [launch[0] for launch in launches] == [
-        "mma_dense<1, false, false, true>", "mma_nbits4<1, __half, false, true>",
-        "mma_wide<1, false>", "mma_nbits4<4, __half, false, true>"]
+        "mma_dense<1, false, false, true>", "mma_nbits4<1, __half, false, false, true>",
+        "mma_wide<1, false>", "mma_nbits4<4, __half, false, false, true>"]
     for value, one_row, prologue, tiles4, int4 in (("off", False, False, False, False), ("all", True, True, True, True),
                                                    ("auto", True, False, False, True)):
         monkeypatch.setattr(_mma, "PIPELINE", value)
@@ -235,3 +245,23 @@ def test_the_launcher_sizes_shared_memory_with_the_kernel_constants():
     src = (Path(_mma.__file__).parents[1] / "kernels" / "linear_mma.cu").read_text()
     assert int(re.search(r"#define WIDE_STAGES (\d+)", src).group(1)) == _mma._WIDE_STAGES
     assert int(re.search(r"#define WIDE_XS (\d+)", src).group(1)) == _mma._WIDE_XS
+
+
+@pytest.mark.parametrize("persist", [True, False])
+def test_persistent_tiles_cap_pipe_grids_at_the_resident_blocks(launches, monkeypatch, persist):
+    """A PIPE row launch (grid (token blocks, feature tiles)) runs at most as many blocks as the
+    GPU holds at once when PERSIST is on; the plain schedule and PERSIST off keep a block per tile."""
+    monkeypatch.setattr(_mma, "PERSIST", persist)
+    monkeypatch.setattr(_mma, "resident_blocks", lambda fn, threads, shared: 2)
+    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 132)
+    rng = np.random.default_rng(8)
+    k, n = 64, 16 * 1000
+    wp = _mma.pack(np, rng.standard_normal((k, n)).astype(np.float16))
+    for pipe in ("all", "off"):
+        monkeypatch.setattr(_mma, "PIPELINE", pipe)
+        _mma.dense(np.zeros((1, k), np.float16), wp, None, np.zeros((1, n), np.float16), 1, n, k, None)
+    (pipe_expr, pipe_grid, *_), (plain_expr, plain_grid, *_) = launches
+    assert pipe_expr.endswith("true>") and plain_expr.endswith("false>")
+    assert pipe_grid == ((1, 264) if persist else (1, 1000))
+    assert plain_grid == (1000, 1)
+    assert _mma.persistent_tiles(100, 1, 2) == 100 and _mma.persistent_tiles(1000, 1, 0) == 1000

@@ -246,6 +246,11 @@ __device__ __forceinline__ uint4 ld_tile(const uint4* base, int s, int i) { retu
 // lane, 8 KB per warp in flight) and refills each tile's registers with the same tile of the
 // warp's next segment as soon as its mma has issued, so the loads of segment s + nwarps overlap
 // the mmas of segment s and a warp never waits for more than its first round trip.
+// Persistent tiles (PIPE): the grid is (token blocks, T) with T <= ceil(N / 16) feature tiles
+// chosen by the host (as many blocks as the GPU holds at once, providers/cuda/ops/_mma.py); block
+// y walks tiles y, y + T, ..., and a warp's last segment of one tile refills with its first
+// segment of the block's next tile, so the weight stream never stops at a tile's fold.  The
+// RMSNorm prologue runs once per block.  Which block computes a tile never changes its bits.
 template <int NJ, bool GLU, bool NORM, bool PIPE>
 __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, const uint4* __restrict__ wp,
                                                  const __half* __restrict__ bias, __half* __restrict__ y,
@@ -256,21 +261,24 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nseg = (K + SEG_K - 1) / SEG_K, nwarps = blockDim.x >> 5, ktiles = ((K + 63) >> 6) << 2;
-    const int nt = PIPE ? blockIdx.y : blockIdx.x, m0 = (PIPE ? blockIdx.x : blockIdx.y) * 8 * NJ;
-    const uint4* base = wp + ((long long)nt * ktiles) * 32 + lane;
+    const int ntiles = (N + 15) >> 4;
+    const int nt0 = PIPE ? blockIdx.y : blockIdx.x, tstep = PIPE ? gridDim.y : gridDim.x;
+    const int m0 = (PIPE ? blockIdx.x : blockIdx.y) * 8 * NJ;
+    const long long tile_stride = (long long)ktiles * 32;  // uint4 of one 16-feature tile
     constexpr int NA = PIPE ? 16 : 8;  // k tiles of weights held per lane
     uint4 a[NA];
     // The first weights of the warp's first segment are loaded before PDL_ENTER (weights are
     // constants of the step, kernels/pdl.cuh): their latency overlaps the end of the previous kernel.
     {
         const int first = min(NA, 4 * seg_chunks(K, warp));
+        const uint4* base = wp + nt0 * tile_stride + lane;
 #pragma unroll
         for (int i = 0; i < NA; ++i) if (i < first) a[i] = ld_tile(base, warp, i);
     }
     PDL_ENTER_GEMM();
     float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
     __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
-    if constexpr (NORM) norm_rows(x, norm, M, K, m0, nt == 0, nsm, xs);
+    if constexpr (NORM) norm_rows(x, norm, M, K, m0, nt0 == 0, nsm, xs);
     // activations of 64-chunk starting at kc for every token tile: 16 halves per lane
     auto load_x = [&](uint4 (*xa)[2], int kc) {
         const int kl = kc + 16 * t;
@@ -288,53 +296,66 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
             mma16816(acc[j], reinterpret_cast<const unsigned*>(&w), xw[2 * v], xw[2 * v + 1]);
         }
     };
-    for (int seg = warp; seg < nseg; seg += nwarps) {  // K segments: warp w takes w, w + nwarps, ...
-        float acc[NJ][4];
+    for (int nt = nt0; nt < ntiles; nt += tstep) {  // the block's feature tiles (one unless PIPE)
+        const uint4* base = wp + nt * tile_stride + lane;
+        const bool more = nt + tstep < ntiles;
+        for (int seg = warp; seg < nseg; seg += nwarps) {  // K segments: warp w takes w, w + nwarps, ...
+            float acc[NJ][4];
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-        const int tiles = 4 * seg_chunks(K, seg), kbeg = seg * SEG_K;
-        if constexpr (PIPE) {
-            const int next = seg + nwarps, refill = next < nseg ? 4 * seg_chunks(K, next) : 0;
-            // one token tile (NJ = 1): the segment's activations are loaded up front (32 bytes
-            // per lane per chunk), so no chunk waits for its own activation round trip
-            constexpr int XC = NJ == 1 ? 4 : 1;
-            uint4 xall[XC][NJ][2];
-            if constexpr (NJ == 1) {
+            for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+            const int tiles = 4 * seg_chunks(K, seg), kbeg = seg * SEG_K;
+            if constexpr (PIPE) {
+                // the weights that refill this segment's registers: the warp's next segment of this
+                // tile, else its first segment of the block's next tile, else none
+                int next = seg + nwarps;
+                const uint4* nbase = base;
+                if (next >= nseg) { next = warp; nbase = more ? base + tstep * tile_stride : nullptr; }
+                const int refill = nbase != nullptr ? 4 * seg_chunks(K, next) : 0;
+                // one token tile (NJ = 1): the segment's activations are loaded up front (32 bytes
+                // per lane per chunk), so no chunk waits for its own activation round trip
+                constexpr int XC = NJ == 1 ? 4 : 1;
+                uint4 xall[XC][NJ][2];
+                if constexpr (NJ == 1) {
 #pragma unroll
-                for (int c = 0; c < 4; ++c) if (4 * c < tiles) load_x(xall[c], kbeg + 64 * c);
-            }
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                if (4 * c >= tiles) break;
-                uint4 (*xa)[2] = xall[NJ == 1 ? c : 0];
-                if constexpr (NJ != 1) load_x(xa, kbeg + 64 * c);
-#pragma unroll
-                for (int v = 0; v < 4; ++v) {
-                    mma_tile(acc, a[4 * c + v], xa, v);
-                    if (4 * c + v < refill) a[4 * c + v] = ld_tile(base, next, 4 * c + v);
-                }
-            }
-        } else {
-            for (int i0 = 0; i0 < tiles; i0 += 8) {  // 8 tiles (two 64-chunks) at a time
-                const bool two = i0 + 4 < tiles;
-                if (i0 != 0 || seg != warp) {
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) if (i < 4 || two) a[i] = ld_tile(base, seg, i0 + i);
+                    for (int c = 0; c < 4; ++c) if (4 * c < tiles) load_x(xall[c], kbeg + 64 * c);
                 }
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    if (h == 1 && !two) break;
-                    uint4 xa[NJ][2];
-                    load_x(xa, kbeg + 16 * (i0 + 4 * h));
+                for (int c = 0; c < 4; ++c) {
+                    if (4 * c >= tiles) break;
+                    uint4 (*xa)[2] = xall[NJ == 1 ? c : 0];
+                    if constexpr (NJ != 1) load_x(xa, kbeg + 64 * c);
 #pragma unroll
-                    for (int v = 0; v < 4; ++v) mma_tile(acc, a[4 * h + v], xa, v);
+                    for (int v = 0; v < 4; ++v) {
+                        mma_tile(acc, a[4 * c + v], xa, v);
+                        if (4 * c + v < refill) a[4 * c + v] = ld_tile(nbase, next, 4 * c + v);
+                    }
+                }
+                // a short last segment (K % SEG_K) refilled by a longer one of the next tile
+#pragma unroll
+                for (int i = 0; i < NA; ++i) if (i >= tiles && i < refill) a[i] = ld_tile(nbase, next, i);
+            } else {
+                for (int i0 = 0; i0 < tiles; i0 += 8) {  // 8 tiles (two 64-chunks) at a time
+                    const bool two = i0 + 4 < tiles;
+                    if (i0 != 0 || seg != warp || nt != nt0) {
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) if (i < 4 || two) a[i] = ld_tile(base, seg, i0 + i);
+                    }
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        if (h == 1 && !two) break;
+                        uint4 xa[NJ][2];
+                        load_x(xa, kbeg + 16 * (i0 + 4 * h));
+#pragma unroll
+                        for (int v = 0; v < 4; ++v) mma_tile(acc, a[4 * h + v], xa, v);
+                    }
                 }
             }
+            store_partial<NJ>(part, acc, seg);
         }
-        store_partial<NJ>(part, acc, seg);
+        if (!more) PDL_LATE_TRIGGER();
+        finish<NJ, GLU>(part, nseg, bias, y, M, N, nt * 16, m0, n_out);
+        if (more) __syncthreads();  // every thread has read part before the next tile's partials
     }
-    PDL_LATE_TRIGGER();
-    finish<NJ, GLU>(part, nseg, bias, y, M, N, nt * 16, m0, n_out);
 }
 
 // Tiled dense GEMM for many rows (mma_wide): the per-element arithmetic of mma_dense (per K
@@ -574,32 +595,37 @@ __device__ __forceinline__ void dequant4(const Chunk4& w, int v, bool f16, unsig
 // int4 MatMulNBits.  grid/block/shared/GLU as mma_dense (GLU: the rows of q, scales and zero
 // points interleaved as dense's packed rows).  Requires K % 16 == 0 and fp16 X.  PIPE as in
 // mma_dense: false holds one 64-chunk of weights per lane (load, wait, 8 mmas); true holds the
-// segment's 4 chunks and refills each with the warp's next segment once its mmas have issued.
-// The mma sequence, and so y, is the same for both.
-template <int NJ, typename S, bool GLU, bool PIPE>
+// segment's 4 chunks and refills each with the warp's next segment (or its first segment of the
+// block's next tile: persistent tiles as in mma_dense) once its mmas have issued.  NORM (NJ = 1):
+// mma_dense's RMSNorm prologue (norm_rows), the activations then read from shared memory.
+// The mma sequence, and so y, is the same for every schedule.
+template <int NJ, typename S, bool GLU, bool NORM, bool PIPE>
 __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
                                                   const S* __restrict__ scales, const void* __restrict__ zp,
                                                   int zp_mode, int zp_stride, const __half* __restrict__ bias,
                                                   __half* __restrict__ y, int M, int N, int K, int bs,
-                                                  int n_out) {
+                                                  int n_out, const __half* n_skip, const __half* n_gamma,
+                                                  __half* n_sum, float n_eps) {
+    static_assert(!NORM || NJ == 1, "the RMSNorm prologue holds 8 rows");
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nseg = (K + SEG_K - 1) / SEG_K, nwarps = blockDim.x >> 5;
-    const int nb = (K + bs - 1) / bs;
+    const int nb = (K + bs - 1) / bs, ntiles = (N + 15) >> 4;
     const long long rowbytes = (long long)nb * (bs / 2);
-    const int n0 = (PIPE ? blockIdx.y : blockIdx.x) * 16, m0 = (PIPE ? blockIdx.x : blockIdx.y) * 8 * NJ;
-    const int na = min(n0 + g, N - 1), nbr = min(n0 + g + 8, N - 1);
-    const bool va = n0 + g < N, vb = n0 + g + 8 < N;
-    // Codes, scales and zero points of the 64-wide k chunk at k0 (weights: constants of the step).
-    auto load_w = [&](Chunk4& w, int k0) {
-        const int kl = k0 + 16 * t;
+    const int nt0 = PIPE ? blockIdx.y : blockIdx.x, tstep = PIPE ? gridDim.y : gridDim.x;
+    const int m0 = (PIPE ? blockIdx.x : blockIdx.y) * 8 * NJ;
+    // Codes, scales and zero points of the 64-wide k chunk at k0 of feature tile nt (weights:
+    // constants of the step).
+    auto load_w = [&](Chunk4& w, int nt, int k0) {
+        const int kl = k0 + 16 * t, n0 = nt * 16;
+        const int na = min(n0 + g, N - 1), nbr = min(n0 + g + 8, N - 1);
         w.ca = make_uint2(0, 0); w.cb = make_uint2(0, 0);
         w.sa = 0.f; w.sb = 0.f; w.za = 8.f; w.zb = 8.f;
         if (kl < K) {
             w.ca = *reinterpret_cast<const uint2*>(q + na * rowbytes + kl / 2);
             w.cb = *reinterpret_cast<const uint2*>(q + nbr * rowbytes + kl / 2);
-            scale_zp(scales, zp, zp_mode, zp_stride, nb, na, va, kl / bs, w.sa, w.za);
-            scale_zp(scales, zp, zp_mode, zp_stride, nb, nbr, vb, kl / bs, w.sb, w.zb);
+            scale_zp(scales, zp, zp_mode, zp_stride, nb, na, n0 + g < N, kl / bs, w.sa, w.za);
+            scale_zp(scales, zp, zp_mode, zp_stride, nb, nbr, n0 + g + 8 < N, kl / bs, w.sb, w.zb);
         }
     };
     constexpr int NC = PIPE ? 4 : 1;  // 64-chunks of weights held per lane
@@ -607,9 +633,12 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
     {  // before PDL_ENTER: overlaps the end of the previous kernel (kernels/pdl.cuh)
         const int first = min(NC, seg_chunks(K, warp));
 #pragma unroll
-        for (int c = 0; c < NC; ++c) if (c < first) load_w(w[c], warp * SEG_K + 64 * c);
+        for (int c = 0; c < NC; ++c) if (c < first) load_w(w[c], nt0, warp * SEG_K + 64 * c);
     }
     PDL_ENTER_GEMM();
+    float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
+    __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
+    if constexpr (NORM) norm_rows(x, NormArgs{n_skip, n_gamma, n_sum, n_eps}, M, K, m0, nt0 == 0, nsm, xs);
     // the 8 mmas of the chunk at k0 (weights wc) into acc
     auto mma_chunk = [&](float (*acc)[4], const Chunk4& wc, int k0) {
         const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
@@ -619,7 +648,9 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
             const int m = m0 + j * 8 + g;
-            if (m < M && kv) {
+            if constexpr (NORM) {
+                ld_xs16(xs, j * 8 + g, K, kl, M - m0, xa[j]);
+            } else if (m < M && kv) {
                 const uint4* p = reinterpret_cast<const uint4*>(x + (long long)m * K + kl);
                 xa[j][0] = p[0]; xa[j][1] = p[1];
             } else {
@@ -639,27 +670,38 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
             }
         }
     };
-    for (int seg = warp; seg < nseg; seg += nwarps) {  // K segments: warp w takes w, w + nwarps, ...
-        float acc[NJ][4];
+    for (int nt = nt0; nt < ntiles; nt += tstep) {  // the block's feature tiles (one unless PIPE)
+        const bool more = nt + tstep < ntiles;
+        for (int seg = warp; seg < nseg; seg += nwarps) {  // K segments: warp w takes w, w + nwarps, ...
+            float acc[NJ][4];
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-        const int chunks = seg_chunks(K, seg), kbeg = seg * SEG_K;
-        const int next = seg + nwarps, refill = PIPE && next < nseg ? seg_chunks(K, next) : 0;
+            for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+            const int chunks = seg_chunks(K, seg), kbeg = seg * SEG_K;
+            // PIPE refill: the warp's next segment of this tile, else its first of the next tile
+            int next = seg + nwarps, nnt = nt;
+            if (next >= nseg) { next = warp; nnt = more ? nt + tstep : -1; }
+            const int refill = PIPE && nnt >= 0 ? seg_chunks(K, next) : 0;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {  // SEG_K / 64 chunks, ascending
-            if (c >= chunks) break;
-            if constexpr (PIPE) {
-                mma_chunk(acc, w[c], kbeg + 64 * c);
-                if (c < refill) load_w(w[c], next * SEG_K + 64 * c);
-            } else {
-                if (c != 0 || seg != warp) load_w(w[0], kbeg + 64 * c);
-                mma_chunk(acc, w[0], kbeg + 64 * c);
+            for (int c = 0; c < 4; ++c) {  // SEG_K / 64 chunks, ascending
+                if (c >= chunks) break;
+                if constexpr (PIPE) {
+                    mma_chunk(acc, w[c], kbeg + 64 * c);
+                    if (c < refill) load_w(w[c], nnt, next * SEG_K + 64 * c);
+                } else {
+                    if (c != 0 || seg != warp || nt != nt0) load_w(w[0], nt, kbeg + 64 * c);
+                    mma_chunk(acc, w[0], kbeg + 64 * c);
+                }
             }
+            if constexpr (PIPE) {  // a short last segment refilled by a longer one of the next tile
+#pragma unroll
+                for (int c = 0; c < NC; ++c) if (c >= chunks && c < refill) load_w(w[c], nnt, next * SEG_K + 64 * c);
+            }
+            store_partial<NJ>(part, acc, seg);
         }
-        store_partial<NJ>(part, acc, seg);
+        if (!more) PDL_LATE_TRIGGER();
+        finish<NJ, GLU>(part, nseg, bias, y, M, N, nt * 16, m0, n_out);
+        if (more) __syncthreads();  // every thread has read part before the next tile's partials
     }
-    PDL_LATE_TRIGGER();
-    finish<NJ, GLU>(part, nseg, bias, y, M, N, n0, m0, n_out);
 }
 
 // Tiled int4 GEMM for many rows (mma_wide4): mma_wide's tiling with mma_nbits4's arithmetic (per

@@ -31,8 +31,9 @@ _BOOL = ("false", "true")
 def _schedule_exprs(pipe: str) -> tuple[str, ...]:
     return (tuple(f"mma_dense<{nj}, {glu}, false, {pipe}>" for nj in (1, 2, 4) for glu in _BOOL)
             + tuple(f"mma_dense<1, {glu}, true, {pipe}>" for glu in _BOOL)
-            + tuple(f"mma_nbits4<{nj}, {s}, {glu}, {pipe}>" for nj in (1, 2, 4) for s in ("__half", "float")
-                    for glu in _BOOL))
+            + tuple(f"mma_nbits4<{nj}, {s}, {glu}, false, {pipe}>" for nj in (1, 2, 4) for s in ("__half", "float")
+                    for glu in _BOOL)
+            + tuple(f"mma_nbits4<1, __half, {glu}, true, {pipe}>" for glu in _BOOL))
 
 
 #: The kernels' instantiations in three modules of kernels/linear_mma.cu, each compiled on its
@@ -58,6 +59,11 @@ PIPELINE = env.choice("LOCKSTEP_CUDA_GEMM_PIPELINE", "auto", ("auto", "all", "of
 #: "dense" (default), "all" or "off" (``LOCKSTEP_CUDA_GEMM_WIDE``). Measured, the dense tiles
 #: made batch 256 1.2-1.6x faster, and the int4 ones were slower than ``mma_nbits4``.
 WIDE = env.choice("LOCKSTEP_CUDA_GEMM_WIDE", "dense", ("dense", "all", "off"))
+#: Persistent tiles for PIPE launches (kernels/linear_mma.cu, mma_dense): at most as many blocks
+#: as the GPU holds at once (:func:`resident_blocks`), each walking feature tiles y, y + grid, ...
+#: with its weight stream running on across tiles and its RMSNorm prologue computed once;
+#: ``LOCKSTEP_CUDA_GEMM_PERSIST=0`` gives one block per tile. Never changes an output bit.
+PERSIST = env.flag("LOCKSTEP_CUDA_GEMM_PERSIST", True)
 WIDE_ROWS = 32
 #: kernels/linear_mma.cu WIDE_STAGES and WIDE_XS (shared memory of mma_wide).
 _WIDE_STAGES, _WIDE_XS = 3, 72
@@ -100,12 +106,38 @@ _DEFAULT_SHARED = 48 * 1024
 _opted: dict = {}
 
 
-def _launch(expr: str, grid, block, args, shared: int) -> None:
+def _launch(expr: str, grid, block, args, shared: int, persist: bool = False) -> None:
+    """Launch ``expr``; ``persist`` (a PIPE row kernel, grid (token blocks, feature tiles)) caps
+    the feature tiles of the grid at the blocks the GPU holds at once (:data:`PERSIST`)."""
     kern = function("linear_mma", expr, _MODULE_OF[expr])
     if shared > _DEFAULT_SHARED and _opted.get(expr, 0) < shared:
         kern.max_dynamic_shared_size_bytes = shared
         _opted[expr] = shared
+    if persist and PERSIST:
+        grid = (grid[0], persistent_tiles(grid[1], grid[0], resident_blocks(kern.ptr, block[0], shared)))
     kern(grid, block, args, shared_mem=shared)
+
+
+@functools.lru_cache(maxsize=1024)
+def resident_blocks(fn: int, threads: int, shared: int) -> int:
+    """Blocks of kernel ``fn`` (CUfunction handle) one multiprocessor holds at once with
+    ``threads`` threads and ``shared`` dynamic shared bytes (cuOccupancyMaxActiveBlocksPerMultiprocessor);
+    0 when the driver API cannot say (no cuda-bindings): then no cap."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return 0
+    err, blocks = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(driver.CUfunction(fn), threads, shared)
+    return int(blocks) if err == driver.CUresult.CUDA_SUCCESS else 0
+
+
+def persistent_tiles(tiles: int, token_blocks: int, per_sm: int) -> int:
+    """The grid's feature-tile extent for ``tiles`` feature tiles: every block resident at once
+    (``per_sm`` blocks on each multiprocessor, shared by ``token_blocks`` blocks of tokens),
+    ``tiles`` itself when they fit or ``per_sm`` is 0 (unknown)."""
+    if per_sm <= 0:
+        return tiles
+    return max(1, min(tiles, per_sm * _multiprocessors() // max(1, token_blocks)))
 
 
 def _norm_shared(norm: Norm | None, shared: int, k: int, m: int) -> int:
@@ -345,22 +377,28 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
         pipe = pipelined(rows, False, r1 - r0, norm is not None)
         nj, grid, block, shared = config(r1 - r0, rows, k, pipe)
         _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>", grid, block,
-                (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0))
+                (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0), persist=pipe)
 
 
-def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0):
+def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0,
+           norm: Norm | None = None):
     """y = a @ dequant(b)^T (+ bias), n weight rows. ``glu_out`` > 0: b, scales and zp hold
-    gate/up rows in :func:`glu_rows` order and y [m, glu_out] = silu_mul(gate, up)."""
+    gate/up rows in :func:`glu_rows` order and y [m, glu_out] = silu_mul(gate, up). With ``norm``
+    (:func:`norm_applies` must hold, fp16 scales) the activations are RMSNorm(a + skip) * gamma,
+    computed in the same launch."""
     width = glu_out if glu_out > 0 else n
     pipe = pipelined(n, True)
     for r0, r1 in row_slices(m, 32):
         args = (rows_of(a, r0, r1, k), b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
                 null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
                 np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out))
-        wide = wide_config(r1 - r0, n, True) if wide_int4_applies(r1 - r0, k, bs) else None
+        wide = (wide_config(r1 - r0, n, True) if norm is None and wide_int4_applies(r1 - r0, k, bs)
+                else None)
         if wide is not None:
             f, grid, block, shared = wide
             _launch(f"mma_wide4<{f}, {s_type}, {_BOOL[glu_out > 0]}>", grid, block, args, shared)
         else:
             nj, grid, block, shared = config(r1 - r0, n, k, pipe)
-            _launch(f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[pipe]}>", grid, block, args, shared)
+            _launch(f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>",
+                    grid, block, (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0),
+                    persist=pipe)

@@ -2,15 +2,16 @@
 SiluGatedMatMulNBits) of an RMSNorm's output (SkipSimplifiedLayerNormalization, or
 SimplifiedLayerNormalization over the last axis), with the norm's other outputs.
 
-One launch where the projection is a dense fp16 MatMul or SiluGatedMatMul on the tensor-core
-kernel with prepared weights and the call has one activation row (a batch-1 decode step): the kernel's
-RMSNorm prologue (kernels/linear_mma.cu ``norm_rows``) computes the normalised rows in shared
-memory with exactly kernels/rms_norm.cu's arithmetic and the blocks of column 0 store the
-residual sum, so the result is bitwise the norm kernel followed by the projection kernel.
-Everything else (more rows, int4 projections, fp32, a norm bias, a wanted mean or inv_std_var
-output) runs the two parts in turn (core.fusion.run_parts): the same bits either way, so a row's
-result never depends on the batch size. Measured on the H200 (docs/benchmarks/kernels.md), the
-prologue beat the separate norm launch only for one row of fp16 activations.
+One launch where the projection runs on a tensor-core kernel (a dense fp16 MatMul or
+SiluGatedMatMul with prepared weights, or an int4 MatMulNBits or SiluGatedMatMulNBits with fp16
+scales) and the call has one activation row (a batch-1 decode step): the kernel's RMSNorm
+prologue (kernels/linear_mma.cu ``norm_rows``) computes the normalised rows in shared memory
+with exactly kernels/rms_norm.cu's arithmetic and the blocks of column 0 store the residual sum,
+so the result is bitwise the norm kernel followed by the projection kernel. Everything else
+(more rows, fp32, a norm bias, a wanted mean or inv_std_var output) runs the two parts in turn
+(core.fusion.run_parts): the same bits either way, so a row's result never depends on the batch
+size. Measured on the H200 (docs/benchmarks/kernels.md), the prologue beat the separate norm
+launch only for one row of fp16 activations.
 """
 
 import numpy as np
@@ -32,8 +33,9 @@ OP_TYPE = "RMSNormMatMul"
 DOMAIN = "lockstep"
 MODULES = fusion.part_modules(matmul, matmul_nbits, silu_gated_matmul, silu_gated_matmul_nbits,
                               simplified_layer_normalization, skip_simplified_layer_normalization)
-#: Projections the one-launch path serves.
+#: Projections the one-launch path serves: dense fp16 and int4.
 DENSE = ("MatMul", "SiluGatedMatMul")
+INT4 = ("MatMulNBits", "SiluGatedMatMulNBits")
 #: Node calls that took the one-launch path (read by the GPU tests: the fused path ran).
 counts = {"fused_launches": 0, "two_part_runs": 0}
 
@@ -45,10 +47,9 @@ def enabled() -> bool:
 
 
 def supports(node) -> bool:
-    """A dense projection (:data:`DENSE`; the int4 ones never take the one-launch path, so the
-    pass leaves them alone) whose two parts are supported by their own modules, unless the
-    fusion is turned off (:func:`enabled`)."""
-    if not enabled() or node.attrs.get("consumer") not in DENSE:
+    """A dense or int4 projection (:data:`DENSE`, :data:`INT4`) of fp16 activations whose two
+    parts are supported by their own modules, unless the fusion is turned off (:func:`enabled`)."""
+    if not enabled() or node.attrs.get("consumer") not in DENSE + INT4:
         return False
     known = [d for d in (node.input_dtypes or ())[:3] if d is not None]
     if not known or any(d != np.float16 for d in known):
@@ -73,20 +74,58 @@ def run(ctx, x, skip, gamma, bias, *weights):
 
 def _fused(ctx, x, skip, gamma, bias, weights):
     """The one-launch path (module docstring) for this call, or None where it does not apply:
-    the projection's weight not prepared for the tensor-core kernel, more than one row, a norm
-    bias, a wanted mean or inv_std_var, or operands of another dtype or layout."""
-    prepared = ctx.cache.get(_mma.PREPARED)  # (K, N) of the packed dense weight
+    the projection not on a tensor-core kernel, more than one row, a norm bias, a wanted mean or
+    inv_std_var, or operands of another dtype or layout."""
     names = list(ctx.node.outputs) + [""] * 4
     k = x.shape[-1]
     m = x.size // k if k else 0
-    if (prepared is None or prepared[0] != k or bias is not None or names[1] or names[2]
-            or gamma.dtype != np.float16 or gamma.size != k or not _mma.norm_applies(x, k, m)):
+    if (bias is not None or names[1] or names[2] or gamma.dtype != np.float16 or gamma.size != k
+            or not _mma.norm_applies(x, k, m)):
         return None
     if skip is not None and (skip.shape != x.shape or skip.dtype != np.float16 or not skip.flags.c_contiguous):
         return None
+    consumer = ctx.node.attrs["consumer"]
+    launch = _dense_launch(ctx, k, weights) if consumer in DENSE else _int4_launch(ctx, x, weights)
+    if launch is None:
+        return None
     total = ctx.output(3, x.shape, x.dtype) if names[3] else None
     norm = _mma.Norm(skip, gamma, total, float(ctx.node.attrs[fusion.NORM_EPSILON]))
-    n = prepared[1]
-    y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
-    _mma.dense(x, weights[0], None, y, m, n, k, NULL, glu=ctx.node.attrs["consumer"] == "SiluGatedMatMul", norm=norm)
+    y = ctx.output(0, (*x.shape[:-1], launch[0]), x.dtype)
+    launch[1](x, y, m, norm)
     return (y, None, None, total)[:len(ctx.node.outputs)]
+
+
+def _dense_launch(ctx, k: int, weights):
+    """(N, launch(x, y, m, norm)) of a dense projection whose weight prepare() packed, else None."""
+    prepared = ctx.cache.get(_mma.PREPARED)  # (K, N) of the packed dense weight
+    if prepared is None or prepared[0] != k:
+        return None
+    n, glu = prepared[1], ctx.node.attrs["consumer"] == "SiluGatedMatMul"
+    return n, lambda x, y, m, norm: _mma.dense(x, weights[0], None, y, m, n, k, NULL, glu=glu, norm=norm)
+
+
+def _int4_launch(ctx, x, weights):
+    """(N, launch(x, y, m, norm)) of an int4 projection on the tensor-core kernel with fp16
+    scales (MatMulNBits without g_idx or bias; SiluGatedMatMulNBits with prepared, interleaved
+    weights), else None (the two parts then run, and raise on bad inputs)."""
+    attrs, k = ctx.node.attrs, x.shape[-1]
+    if attrs["consumer"] == "SiluGatedMatMulNBits":
+        prepared = ctx.cache.get(silu_gated_matmul_nbits.PREPARED)
+        if prepared is None or prepared[0] != k or weights[1].dtype != np.float16:
+            return None
+        _, n, bs, zp_mode, zp_stride = prepared
+        b, s, z = weights[:3]
+        return n, lambda x, y, m, norm: _mma.nbits4(x, b, s, NULL if z is None else z, zp_mode, zp_stride, None, y, m,
+                                                    _mma.glu_width(n), k, bs, "__half", NULL, glu_out=n, norm=norm)
+    b, s, z, g_idx, proj_bias = (list(weights) + [None] * 5)[:5]
+    if g_idx is not None or proj_bias is not None or s.dtype != np.float16:
+        return None
+    try:
+        k, n, bits, bs, nb = matmul_nbits.geometry(attrs, x, b, s)
+        zp, zp_mode, zp_stride = matmul_nbits.zero_point_mode(z, x.dtype, n, nb)
+    except ValueError:
+        return None
+    if not matmul_nbits.uses_mma(x, bits, k, zp_mode, z):
+        return None
+    return n, lambda x, y, m, norm: _mma.nbits4(x, b, s, zp, zp_mode, zp_stride, None, y, m, n, k, bs, "__half", NULL,
+                                                norm=norm)
