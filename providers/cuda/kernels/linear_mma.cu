@@ -595,12 +595,14 @@ __device__ __forceinline__ void dequant4(const Chunk4& w, int v, bool f16, unsig
 // int4 MatMulNBits.  grid/block/shared/GLU as mma_dense (GLU: the rows of q, scales and zero
 // points interleaved as dense's packed rows).  Requires K % 16 == 0 and fp16 X.  PIPE as in
 // mma_dense: false holds one 64-chunk of weights per lane (load, wait, 8 mmas); true holds the
-// segment's 4 chunks and refills each with the warp's next segment (or its first segment of the
-// block's next tile: persistent tiles as in mma_dense) once its mmas have issued.  NORM (NJ = 1):
+// segment's 4 chunks and refills each with the warp's next segment once its mmas have issued;
+// persistent tiles as in mma_dense, but a tile's first chunks load when the tile starts (the
+// cross-tile refill cost the int4 kernel a third more registers: half the blocks per SM).  One-tile
+// launches are held to 4 blocks per SM (64 registers; a few bytes spill).  NORM (NJ = 1):
 // mma_dense's RMSNorm prologue (norm_rows), the activations then read from shared memory.
 // The mma sequence, and so y, is the same for every schedule.
 template <int NJ, typename S, bool GLU, bool NORM, bool PIPE>
-__global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
+__global__ void __launch_bounds__(256, NJ == 1 ? 4 : 1) mma_nbits4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
                                                   const S* __restrict__ scales, const void* __restrict__ zp,
                                                   int zp_mode, int zp_stride, const __half* __restrict__ bias,
                                                   __half* __restrict__ y, int M, int N, int K, int bs,
@@ -614,27 +616,36 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
     const long long rowbytes = (long long)nb * (bs / 2);
     const int nt0 = PIPE ? blockIdx.y : blockIdx.x, tstep = PIPE ? gridDim.y : gridDim.x;
     const int m0 = (PIPE ? blockIdx.x : blockIdx.y) * 8 * NJ;
-    // Codes, scales and zero points of the 64-wide k chunk at k0 of feature tile nt (weights:
-    // constants of the step).
-    auto load_w = [&](Chunk4& w, int nt, int k0) {
-        const int kl = k0 + 16 * t, n0 = nt * 16;
-        const int na = min(n0 + g, N - 1), nbr = min(n0 + g + 8, N - 1);
+    // Codes, scales and zero points of the 64-wide k chunk at k0 of the current feature tile
+    // (rows na, nbr; weights: constants of the step).
+    int na, nbr;
+    bool va, vb;
+    auto set_tile = [&](int nt) {
+        const int n0 = nt * 16;
+        na = min(n0 + g, N - 1); nbr = min(n0 + g + 8, N - 1); va = n0 + g < N; vb = n0 + g + 8 < N;
+    };
+    auto load_w = [&](Chunk4& w, int k0) {
+        const int kl = k0 + 16 * t;
         w.ca = make_uint2(0, 0); w.cb = make_uint2(0, 0);
         w.sa = 0.f; w.sb = 0.f; w.za = 8.f; w.zb = 8.f;
         if (kl < K) {
             w.ca = *reinterpret_cast<const uint2*>(q + na * rowbytes + kl / 2);
             w.cb = *reinterpret_cast<const uint2*>(q + nbr * rowbytes + kl / 2);
-            scale_zp(scales, zp, zp_mode, zp_stride, nb, na, n0 + g < N, kl / bs, w.sa, w.za);
-            scale_zp(scales, zp, zp_mode, zp_stride, nb, nbr, n0 + g + 8 < N, kl / bs, w.sb, w.zb);
+            scale_zp(scales, zp, zp_mode, zp_stride, nb, na, va, kl / bs, w.sa, w.za);
+            scale_zp(scales, zp, zp_mode, zp_stride, nb, nbr, vb, kl / bs, w.sb, w.zb);
         }
     };
     constexpr int NC = PIPE ? 4 : 1;  // 64-chunks of weights held per lane
     Chunk4 w[NC];
-    {  // before PDL_ENTER: overlaps the end of the previous kernel (kernels/pdl.cuh)
+    // the first chunks of the warp's first segment of the tile (for the block's first tile before
+    // PDL_ENTER: overlaps the end of the previous kernel, kernels/pdl.cuh)
+    auto first_chunks = [&]() {
         const int first = min(NC, seg_chunks(K, warp));
 #pragma unroll
-        for (int c = 0; c < NC; ++c) if (c < first) load_w(w[c], nt0, warp * SEG_K + 64 * c);
-    }
+        for (int c = 0; c < NC; ++c) if (c < first) load_w(w[c], warp * SEG_K + 64 * c);
+    };
+    set_tile(nt0);
+    first_chunks();
     PDL_ENTER_GEMM();
     float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
     __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
@@ -672,29 +683,23 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
     };
     for (int nt = nt0; nt < ntiles; nt += tstep) {  // the block's feature tiles (one unless PIPE)
         const bool more = nt + tstep < ntiles;
+        if (nt != nt0) { set_tile(nt); if constexpr (PIPE) first_chunks(); }
         for (int seg = warp; seg < nseg; seg += nwarps) {  // K segments: warp w takes w, w + nwarps, ...
             float acc[NJ][4];
 #pragma unroll
             for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
             const int chunks = seg_chunks(K, seg), kbeg = seg * SEG_K;
-            // PIPE refill: the warp's next segment of this tile, else its first of the next tile
-            int next = seg + nwarps, nnt = nt;
-            if (next >= nseg) { next = warp; nnt = more ? nt + tstep : -1; }
-            const int refill = PIPE && nnt >= 0 ? seg_chunks(K, next) : 0;
+            const int next = seg + nwarps, refill = PIPE && next < nseg ? seg_chunks(K, next) : 0;
 #pragma unroll
             for (int c = 0; c < 4; ++c) {  // SEG_K / 64 chunks, ascending
                 if (c >= chunks) break;
                 if constexpr (PIPE) {
                     mma_chunk(acc, w[c], kbeg + 64 * c);
-                    if (c < refill) load_w(w[c], nnt, next * SEG_K + 64 * c);
+                    if (c < refill) load_w(w[c], next * SEG_K + 64 * c);
                 } else {
-                    if (c != 0 || seg != warp || nt != nt0) load_w(w[0], nt, kbeg + 64 * c);
+                    if (c != 0 || seg != warp || nt != nt0) load_w(w[0], kbeg + 64 * c);
                     mma_chunk(acc, w[0], kbeg + 64 * c);
                 }
-            }
-            if constexpr (PIPE) {  // a short last segment refilled by a longer one of the next tile
-#pragma unroll
-                for (int c = 0; c < NC; ++c) if (c >= chunks && c < refill) load_w(w[c], nnt, next * SEG_K + 64 * c);
             }
             store_partial<NJ>(part, acc, seg);
         }
