@@ -202,7 +202,8 @@ class CudaProvider(ProviderBase):
         on = ("off", "on")
         return {"pdl": on[replay.pdl_enabled()], "pdl_trigger": module.pdl_trigger(),
                 "gemm_pipeline": _mma.PIPELINE, "gemm_persist": on[_mma.PERSIST], "gemm_wide": _mma.WIDE,
-                "norm_fusion": on[rms_norm_matmul.enabled()], "eager_replay": on[self.eager_replay]}
+                "norm_fusion": on[rms_norm_matmul.enabled()],
+                "norm_fusion_int4": on[rms_norm_matmul.int4_enabled()], "eager_replay": on[self.eager_replay]}
 
     def node_timer(self):
         """CUDA events recorded on the provider stream around each node (``lockstep profile

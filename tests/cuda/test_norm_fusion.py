@@ -31,7 +31,8 @@ def _decode(model_dir, provider, rows, steps=12, capture=False):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_fused_norm_projection_is_bitwise_the_unfused_kernels(model_dir, batch):
+def test_fused_norm_projection_is_bitwise_the_unfused_kernels(model_dir, batch, monkeypatch):
+    monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION_INT4", "1")  # the opt-in int4 path is checked too
     rng = np.random.default_rng(batch)
     rows = [list(rng.integers(3, 200, int(n))) for n in rng.integers(1, 9, batch)]
     before = dict(rms_norm_matmul.counts)

@@ -4,7 +4,8 @@ SimplifiedLayerNormalization over the last axis), with the norm's other outputs.
 
 One launch where the projection runs on a tensor-core kernel (a dense fp16 MatMul or
 SiluGatedMatMul with prepared weights, or an int4 MatMulNBits or SiluGatedMatMulNBits with fp16
-scales) and the call has one activation row (a batch-1 decode step): the kernel's RMSNorm
+scales, opt-in: :func:`int4_enabled`) and the call has one activation row (a batch-1 decode
+step): the kernel's RMSNorm
 prologue (kernels/linear_mma.cu ``norm_rows``) computes the normalised rows in shared memory
 with exactly kernels/rms_norm.cu's arithmetic and the blocks of column 0 store the residual sum,
 so the result is bitwise the norm kernel followed by the projection kernel. Everything else
@@ -46,10 +47,19 @@ def enabled() -> bool:
     return env.flag("LOCKSTEP_CUDA_NORM_FUSION", True)
 
 
+def int4_enabled() -> bool:
+    """Whether int4 projections join the pass (LOCKSTEP_CUDA_NORM_FUSION_INT4, default off):
+    measured on the H200 (docs/benchmarks/kernels.md section 8) the int4 kernel with the
+    prologue was slower at batch 1 than the norm launch and the projection apart."""
+    return env.flag("LOCKSTEP_CUDA_NORM_FUSION_INT4", False)
+
+
 def supports(node) -> bool:
-    """A dense or int4 projection (:data:`DENSE`, :data:`INT4`) of fp16 activations whose two
-    parts are supported by their own modules, unless the fusion is turned off (:func:`enabled`)."""
-    if not enabled() or node.attrs.get("consumer") not in DENSE + INT4:
+    """A dense projection (:data:`DENSE`), or an int4 one (:data:`INT4`) where
+    :func:`int4_enabled`, of fp16 activations whose two parts are supported by their own
+    modules, unless the fusion is turned off (:func:`enabled`)."""
+    consumer = node.attrs.get("consumer")
+    if not enabled() or not (consumer in DENSE or (consumer in INT4 and int4_enabled())):
         return False
     known = [d for d in (node.input_dtypes or ())[:3] if d is not None]
     if not known or any(d != np.float16 for d in known):
