@@ -37,14 +37,34 @@ __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ skip, lo
     float* v = sm + 32;
     const long long row = blockIdx.x;
     const long long base = row * D;
+    // skip rows: skip_size a multiple of D (a [.., D] skip broadcast over rows) puts row r's skip
+    // at (r D) % skip_size, one 64-bit modulo per row; any other size takes it per element
+    const long long sbase = skip_size > 0 && skip_size % D == 0 ? base % skip_size : -1;
+    // Each thread's values v[d], d = t + 256 u, are loaded U at a time before any is used (one
+    // memory round trip per U of them, not one each); the fmaf chain still walks d ascending.
+    constexpr int U = 8;
     float ss = 0.f;
-    for (int d = threadIdx.x; d < D; d += NT) {
-        float t = to_f(x[base + d]);
-        if (skip) t = __fadd_rn(t, to_f(skip[(base + d) % skip_size]));
-        if (bias) t = __fadd_rn(t, to_f(bias[d]));
-        v[d] = t;
-        ss = fmaf(t, t, ss);
-        if (sum_out) store(sum_out + base + d, t);
+    for (int d0 = threadIdx.x; d0 < D; d0 += NT * U) {
+        float t[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int d = d0 + u * NT;
+            t[u] = 0.f;
+            if (d < D) {
+                t[u] = to_f(x[base + d]);
+                if (skip) t[u] = __fadd_rn(t[u], to_f(skip[sbase >= 0 ? sbase + d : (base + d) % skip_size]));
+                if (bias) t[u] = __fadd_rn(t[u], to_f(bias[d]));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int d = d0 + u * NT;
+            if (d < D) {
+                v[d] = t[u];
+                ss = fmaf(t[u], t[u], ss);
+                if (sum_out) store(sum_out + base + d, t[u]);
+            }
+        }
     }
     const float total = block_sum(ss, red);
     const float inv = __fdiv_rn(1.f, sqrtf(__fadd_rn(__fdiv_rn(total, (float)D), eps)));

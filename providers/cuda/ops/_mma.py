@@ -59,11 +59,13 @@ PIPELINE = env.choice("LOCKSTEP_CUDA_GEMM_PIPELINE", "auto", ("auto", "all", "of
 #: "dense" (default), "all" or "off" (``LOCKSTEP_CUDA_GEMM_WIDE``). Measured, the dense tiles
 #: made batch 256 1.2-1.6x faster, and the int4 ones were slower than ``mma_nbits4``.
 WIDE = env.choice("LOCKSTEP_CUDA_GEMM_WIDE", "dense", ("dense", "all", "off"))
-#: Persistent tiles for PIPE launches (kernels/linear_mma.cu, mma_dense): at most as many blocks
-#: as the GPU holds at once (:func:`resident_blocks`), each walking feature tiles y, y + grid, ...
-#: with its weight stream running on across tiles and its RMSNorm prologue computed once;
-#: ``LOCKSTEP_CUDA_GEMM_PERSIST=0`` gives one block per tile. Never changes an output bit.
-PERSIST = env.flag("LOCKSTEP_CUDA_GEMM_PERSIST", True)
+#: Persistent tiles for PIPE launches (kernels/linear_mma.cu, mma_dense), opt-in
+#: (``LOCKSTEP_CUDA_GEMM_PERSIST=1``): at most as many blocks as the GPU holds at once
+#: (:func:`resident_blocks`), each walking feature tiles y, y + grid, ... with its dense weight
+#: stream running on across tiles and its RMSNorm prologue computed once. Never changes an output
+#: bit. Measured on the H200 (docs/benchmarks/kernels.md section 8) it was within the run-to-run
+#: spread end to end, so the default stays one block per tile.
+PERSIST = env.flag("LOCKSTEP_CUDA_GEMM_PERSIST", False)
 WIDE_ROWS = 32
 #: kernels/linear_mma.cu WIDE_STAGES and WIDE_XS (shared memory of mma_wide).
 _WIDE_STAGES, _WIDE_XS = 3, 72
