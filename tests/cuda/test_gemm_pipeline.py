@@ -9,9 +9,6 @@ and each seen to run:
   quantisation blocks of 32 to 128), both feature widths (F = 1, 2), rows and features that do
   not fill a tile;
 
-- persistent tiles (``_mma.PERSIST``: PIPE grids capped at the resident blocks, here forced to a
-  few so every block walks several feature tiles) for dense, GLU, RMSNorm prologue and int4
-  kernels, with K whose last segment is shorter than a warp's first (the cross-tile refill);
 - the int4 RMSNorm prologue (``mma_nbits4`` NORM), bitwise the norm kernel followed by the
   projection kernel, under every schedule;
 
@@ -227,73 +224,8 @@ def test_wide_int4_gate_up_and_bias_are_bitwise_the_row_kernel(monkeypatch, ran,
         assert case.close(out[1] - bias.get().astype(np.float64))
 
 
-@pytest.fixture
-def few_blocks(monkeypatch):
-    """Persistent PIPE grids capped at 2 resident blocks on each of 3 multiprocessors (6 blocks
-    of feature tiles), so a block walks several tiles; records (tiles, capped extent) per launch."""
-    caps = []
-    monkeypatch.setattr(_mma, "resident_blocks", lambda fn, threads, shared: 2)
-    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 3)
-    real = _mma.persistent_tiles
-
-    def spy(tiles, token_blocks, per_sm):
-        out = real(tiles, token_blocks, per_sm)
-        caps.append((tiles, out))
-        return out
-
-    monkeypatch.setattr(_mma, "persistent_tiles", spy)
-    return caps
-
-
-def _schedules(monkeypatch, ran, caps, call):
-    """``call()``'s result under the plain schedule, PIPE with a block per tile, and PIPE with
-    persistent tiles; checks that each ran (the last with fewer blocks than tiles)."""
-    out = []
-    for pipe, persist in (("off", False), ("all", False), ("all", True)):
-        monkeypatch.setattr(_mma, "PIPELINE", pipe)
-        monkeypatch.setattr(_mma, "PERSIST", persist)
-        del ran[:], caps[:]
-        out.append(call().get())
-        assert ran and all(e.endswith(f", {_mma._BOOL[pipe == 'all']}>") for e in ran)
-        assert bool(caps) == persist and all(extent < tiles for tiles, extent in caps)
-    return out
-
-
 def _bitwise(outs) -> bool:
     return all(np.array_equal(outs[0].view(np.uint16), o.view(np.uint16)) for o in outs[1:])
-
-
-#: K = 2,144 and 4,400 end in a short segment (96 and 48 wide) after full ones, so a warp's last
-#: segment of a tile refills with a longer first segment of the next tile.
-PERSIST_DENSE = [(1, 200, 200), (1, 2144, 104), (3, 5000, 136), (17, 2144, 200), (9, 576, 392)]
-PERSIST_INT4 = [(1, 2144, 104), (1, 4400, 200), (3, 352, 136), (17, 2144, 200)]
-
-
-@pytest.mark.parametrize("glu", [False, True])
-@pytest.mark.parametrize("m,k,n", PERSIST_DENSE)
-def test_persistent_dense_tiles_are_bitwise_a_block_per_tile(monkeypatch, ran, few_blocks, m, k, n, glu):
-    rng = np.random.default_rng(m * k + n)
-    a = rng.standard_normal((m, k)).astype(np.float16)
-    w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))
-    wp, da = cupy.asarray(_mma.pack(np, w, up if glu else None)), cupy.asarray(a)
-
-    def call():
-        y = cupy.full((m, n), np.nan, np.float16)
-        _mma.dense(da, wp, None, y, m, n, k, NULL, glu=glu)
-        return y
-
-    outs = _schedules(monkeypatch, ran, few_blocks, call)
-    assert _bitwise(outs)
-    if not glu:
-        assert np.allclose(outs[-1], a.astype(np.float64) @ w.astype(np.float64), rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("zp,scale_dtype", [(0, np.float16), (1, np.float16), (1, np.float32)])
-@pytest.mark.parametrize("m,k,n", PERSIST_INT4)
-def test_persistent_int4_tiles_are_bitwise_a_block_per_tile(monkeypatch, ran, few_blocks, m, k, n, zp, scale_dtype):
-    case = Int4Case(np.random.default_rng(m * k + n + zp), m, k, n, 32, scale_dtype, zp)
-    outs = _schedules(monkeypatch, ran, few_blocks, case)
-    assert _bitwise(outs) and case.close(outs[-1])
 
 
 class NormCase:
@@ -316,7 +248,7 @@ class NormCase:
 
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("k", [352, 2144, 4400])
-def test_int4_norm_prologue_is_bitwise_the_norm_then_the_projection(monkeypatch, ran, few_blocks, k, glu):
+def test_int4_norm_prologue_is_bitwise_the_norm_then_the_projection(monkeypatch, ran, k, glu):
     n = 104
     rows = _mma.glu_width(n) if glu else n  # GLU: gate and up rows interleaved, as prepared
     rng = np.random.default_rng(k + glu)
@@ -330,7 +262,7 @@ def test_int4_norm_prologue_is_bitwise_the_norm_then_the_projection(monkeypatch,
                     glu_out=n if glu else 0, norm=norm)
         return y
 
-    outs = _schedules(monkeypatch, ran, few_blocks, lambda: project(nc.x, nc.norm(sums)))
+    outs = _both(monkeypatch, ran, lambda: project(nc.x, nc.norm(sums)))
     assert all(e.startswith(f"mma_nbits4<1, __half, {_mma._BOOL[glu]}, true, ") for e in ran)  # the prologue ran
     monkeypatch.setattr(_mma, "PIPELINE", "off")
     two_part = project(nc.normed).get()
@@ -341,7 +273,7 @@ def test_int4_norm_prologue_is_bitwise_the_norm_then_the_projection(monkeypatch,
 
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("k", [200, 2144, 4400])
-def test_persistent_dense_norm_prologue_is_bitwise_the_norm_then_the_projection(monkeypatch, ran, few_blocks, k, glu):
+def test_dense_norm_prologue_is_bitwise_the_norm_then_the_projection(monkeypatch, ran, k, glu):
     n = 104
     rng = np.random.default_rng(k * 7 + glu)
     w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))
@@ -353,7 +285,7 @@ def test_persistent_dense_norm_prologue_is_bitwise_the_norm_then_the_projection(
         _mma.dense(x, wp, None, y, 1, n, k, NULL, glu=glu, norm=norm)
         return y
 
-    outs = _schedules(monkeypatch, ran, few_blocks, lambda: project(nc.x, nc.norm(sums)))
+    outs = _both(monkeypatch, ran, lambda: project(nc.x, nc.norm(sums)))
     assert all(e.startswith(f"mma_dense<1, {_mma._BOOL[glu]}, true, ") for e in ran)
     monkeypatch.setattr(_mma, "PIPELINE", "off")
     assert _bitwise([project(nc.normed).get(), *outs])

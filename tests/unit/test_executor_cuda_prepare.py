@@ -28,20 +28,10 @@ def launches(monkeypatch):
     """Launches of _mma kernels as (expression, grid, block, args, shared)."""
     record = []
 
-    class Recorder:
-        ptr = 0  # no CUfunction: resident_blocks is 0, so persistent launches keep their full grid
-
-        def __init__(self, expression):
-            self.expression = expression
-
-        def __call__(self, grid, block, args, shared_mem=0):
-            record.append((self.expression, grid, block, args, shared_mem))
-
     def function(name, expression, expressions):
-        return Recorder(expression)
+        return lambda grid, block, args, shared_mem=0: record.append((expression, grid, block, args, shared_mem))
 
     monkeypatch.setattr(_mma, "function", function)
-    monkeypatch.setattr(_mma, "resident_blocks", lambda fn, threads, shared: 0)
     monkeypatch.setattr(silu_gated_matmul, "is_host", lambda x: x is None)  # numpy stands in for device arrays
     return record
 
@@ -246,22 +236,3 @@ def test_the_launcher_sizes_shared_memory_with_the_kernel_constants():
     assert int(re.search(r"#define WIDE_STAGES (\d+)", src).group(1)) == _mma._WIDE_STAGES
     assert int(re.search(r"#define WIDE_XS (\d+)", src).group(1)) == _mma._WIDE_XS
 
-
-@pytest.mark.parametrize("persist", [True, False])
-def test_persistent_tiles_cap_pipe_grids_at_the_resident_blocks(launches, monkeypatch, persist):
-    """A PIPE row launch (grid (token blocks, feature tiles)) runs at most as many blocks as the
-    GPU holds at once when PERSIST is on; the plain schedule and PERSIST off keep a block per tile."""
-    monkeypatch.setattr(_mma, "PERSIST", persist)
-    monkeypatch.setattr(_mma, "resident_blocks", lambda fn, threads, shared: 2)
-    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 132)
-    rng = np.random.default_rng(8)
-    k, n = 64, 16 * 1000
-    wp = _mma.pack(np, rng.standard_normal((k, n)).astype(np.float16))
-    for pipe in ("all", "off"):
-        monkeypatch.setattr(_mma, "PIPELINE", pipe)
-        _mma.dense(np.zeros((1, k), np.float16), wp, None, np.zeros((1, n), np.float16), 1, n, k, None)
-    (pipe_expr, pipe_grid, *_), (plain_expr, plain_grid, *_) = launches
-    assert pipe_expr.endswith("true>") and plain_expr.endswith("false>")
-    assert pipe_grid == ((1, 264) if persist else (1, 1000))
-    assert plain_grid == (1000, 1)
-    assert _mma.persistent_tiles(100, 1, 2) == 100 and _mma.persistent_tiles(1000, 1, 0) == 1000

@@ -246,11 +246,6 @@ __device__ __forceinline__ uint4 ld_tile(const uint4* base, int s, int i) { retu
 // lane, 8 KB per warp in flight) and refills each tile's registers with the same tile of the
 // warp's next segment as soon as its mma has issued, so the loads of segment s + nwarps overlap
 // the mmas of segment s and a warp never waits for more than its first round trip.
-// Persistent tiles (PIPE): the grid is (token blocks, T) with T <= ceil(N / 16) feature tiles
-// chosen by the host (as many blocks as the GPU holds at once, providers/cuda/ops/_mma.py); block
-// y walks tiles y, y + T, ..., and a warp's last segment of one tile refills with its first
-// segment of the block's next tile, so the weight stream never stops at a tile's fold.  The
-// RMSNorm prologue runs once per block.  Which block computes a tile never changes its bits.
 template <int NJ, bool GLU, bool NORM, bool PIPE>
 __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, const uint4* __restrict__ wp,
                                                  const __half* __restrict__ bias, __half* __restrict__ y,
@@ -261,24 +256,21 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nseg = (K + SEG_K - 1) / SEG_K, nwarps = blockDim.x >> 5, ktiles = ((K + 63) >> 6) << 2;
-    const int ntiles = (N + 15) >> 4;
-    const int nt0 = PIPE ? blockIdx.y : blockIdx.x, tstep = PIPE ? gridDim.y : gridDim.x;
-    const int m0 = (PIPE ? blockIdx.x : blockIdx.y) * 8 * NJ;
-    const long long tile_stride = (long long)ktiles * 32;  // uint4 of one 16-feature tile
+    const int nt = PIPE ? blockIdx.y : blockIdx.x, m0 = (PIPE ? blockIdx.x : blockIdx.y) * 8 * NJ;
+    const uint4* base = wp + ((long long)nt * ktiles) * 32 + lane;
     constexpr int NA = PIPE ? 16 : 8;  // k tiles of weights held per lane
     uint4 a[NA];
     // The first weights of the warp's first segment are loaded before PDL_ENTER (weights are
     // constants of the step, kernels/pdl.cuh): their latency overlaps the end of the previous kernel.
     {
         const int first = min(NA, 4 * seg_chunks(K, warp));
-        const uint4* base = wp + nt0 * tile_stride + lane;
 #pragma unroll
         for (int i = 0; i < NA; ++i) if (i < first) a[i] = ld_tile(base, warp, i);
     }
     PDL_ENTER_GEMM();
     float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
     __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
-    if constexpr (NORM) norm_rows(x, norm, M, K, m0, nt0 == 0, nsm, xs);
+    if constexpr (NORM) norm_rows(x, norm, M, K, m0, nt == 0, nsm, xs);
     // activations of 64-chunk starting at kc for every token tile: 16 halves per lane
     auto load_x = [&](uint4 (*xa)[2], int kc) {
         const int kl = kc + 16 * t;
@@ -296,66 +288,53 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
             mma16816(acc[j], reinterpret_cast<const unsigned*>(&w), xw[2 * v], xw[2 * v + 1]);
         }
     };
-    for (int nt = nt0; nt < ntiles; nt += tstep) {  // the block's feature tiles (one unless PIPE)
-        const uint4* base = wp + nt * tile_stride + lane;
-        const bool more = nt + tstep < ntiles;
-        for (int seg = warp; seg < nseg; seg += nwarps) {  // K segments: warp w takes w, w + nwarps, ...
-            float acc[NJ][4];
+    for (int seg = warp; seg < nseg; seg += nwarps) {  // K segments: warp w takes w, w + nwarps, ...
+        float acc[NJ][4];
 #pragma unroll
-            for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-            const int tiles = 4 * seg_chunks(K, seg), kbeg = seg * SEG_K;
-            if constexpr (PIPE) {
-                // the weights that refill this segment's registers: the warp's next segment of this
-                // tile, else its first segment of the block's next tile, else none
-                int next = seg + nwarps;
-                const uint4* nbase = base;
-                if (next >= nseg) { next = warp; nbase = more ? base + tstep * tile_stride : nullptr; }
-                const int refill = nbase != nullptr ? 4 * seg_chunks(K, next) : 0;
-                // one token tile (NJ = 1): the segment's activations are loaded up front (32 bytes
-                // per lane per chunk), so no chunk waits for its own activation round trip
-                constexpr int XC = NJ == 1 ? 4 : 1;
-                uint4 xall[XC][NJ][2];
-                if constexpr (NJ == 1) {
+        for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+        const int tiles = 4 * seg_chunks(K, seg), kbeg = seg * SEG_K;
+        if constexpr (PIPE) {
+            const int next = seg + nwarps, refill = next < nseg ? 4 * seg_chunks(K, next) : 0;
+            // one token tile (NJ = 1): the segment's activations are loaded up front (32 bytes
+            // per lane per chunk), so no chunk waits for its own activation round trip
+            constexpr int XC = NJ == 1 ? 4 : 1;
+            uint4 xall[XC][NJ][2];
+            if constexpr (NJ == 1) {
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) if (4 * c < tiles) load_x(xall[c], kbeg + 64 * c);
-                }
+                for (int c = 0; c < 4; ++c) if (4 * c < tiles) load_x(xall[c], kbeg + 64 * c);
+            }
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    if (4 * c >= tiles) break;
-                    uint4 (*xa)[2] = xall[NJ == 1 ? c : 0];
-                    if constexpr (NJ != 1) load_x(xa, kbeg + 64 * c);
+            for (int c = 0; c < 4; ++c) {
+                if (4 * c >= tiles) break;
+                uint4 (*xa)[2] = xall[NJ == 1 ? c : 0];
+                if constexpr (NJ != 1) load_x(xa, kbeg + 64 * c);
 #pragma unroll
-                    for (int v = 0; v < 4; ++v) {
-                        mma_tile(acc, a[4 * c + v], xa, v);
-                        if (4 * c + v < refill) a[4 * c + v] = ld_tile(nbase, next, 4 * c + v);
-                    }
-                }
-                // a short last segment (K % SEG_K) refilled by a longer one of the next tile
-#pragma unroll
-                for (int i = 0; i < NA; ++i) if (i >= tiles && i < refill) a[i] = ld_tile(nbase, next, i);
-            } else {
-                for (int i0 = 0; i0 < tiles; i0 += 8) {  // 8 tiles (two 64-chunks) at a time
-                    const bool two = i0 + 4 < tiles;
-                    if (i0 != 0 || seg != warp || nt != nt0) {
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) if (i < 4 || two) a[i] = ld_tile(base, seg, i0 + i);
-                    }
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        if (h == 1 && !two) break;
-                        uint4 xa[NJ][2];
-                        load_x(xa, kbeg + 16 * (i0 + 4 * h));
-#pragma unroll
-                        for (int v = 0; v < 4; ++v) mma_tile(acc, a[4 * h + v], xa, v);
-                    }
+                for (int v = 0; v < 4; ++v) {
+                    mma_tile(acc, a[4 * c + v], xa, v);
+                    if (4 * c + v < refill) a[4 * c + v] = ld_tile(base, next, 4 * c + v);
                 }
             }
-            store_partial<NJ>(part, acc, seg);
+        } else {
+            for (int i0 = 0; i0 < tiles; i0 += 8) {  // 8 tiles (two 64-chunks) at a time
+                const bool two = i0 + 4 < tiles;
+                if (i0 != 0 || seg != warp) {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) if (i < 4 || two) a[i] = ld_tile(base, seg, i0 + i);
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    if (h == 1 && !two) break;
+                    uint4 xa[NJ][2];
+                    load_x(xa, kbeg + 16 * (i0 + 4 * h));
+#pragma unroll
+                    for (int v = 0; v < 4; ++v) mma_tile(acc, a[4 * h + v], xa, v);
+                }
+            }
         }
-        if (!more) PDL_LATE_TRIGGER();
-        finish<NJ, GLU>(part, nseg, bias, y, M, N, nt * 16, m0, n_out);
-        if (more) __syncthreads();  // every thread has read part before the next tile's partials
+        store_partial<NJ>(part, acc, seg);
     }
+    PDL_LATE_TRIGGER();
+    finish<NJ, GLU>(part, nseg, bias, y, M, N, nt * 16, m0, n_out);
 }
 
 // Tiled dense GEMM for many rows (mma_wide): the per-element arithmetic of mma_dense (per K
@@ -595,14 +574,12 @@ __device__ __forceinline__ void dequant4(const Chunk4& w, int v, bool f16, unsig
 // int4 MatMulNBits.  grid/block/shared/GLU as mma_dense (GLU: the rows of q, scales and zero
 // points interleaved as dense's packed rows).  Requires K % 16 == 0 and fp16 X.  PIPE as in
 // mma_dense: false holds one 64-chunk of weights per lane (load, wait, 8 mmas); true holds the
-// segment's 4 chunks and refills each with the warp's next segment once its mmas have issued;
-// persistent tiles as in mma_dense, but a tile's first chunks load when the tile starts (the
-// cross-tile refill cost the int4 kernel a third more registers: half the blocks per SM).  One-tile
-// launches are held to 4 blocks per SM (64 registers; a few bytes spill).  NORM (NJ = 1):
-// mma_dense's RMSNorm prologue (norm_rows), the activations then read from shared memory.
-// The mma sequence, and so y, is the same for every schedule.
+// segment's 4 chunks and refills each with the warp's next segment once its mmas have issued.
+// NORM (NJ = 1): mma_dense's RMSNorm prologue (norm_rows), the activations then read from shared
+// memory (lockstep.RMSNormMatMul, opt-in: measured slower than the two launches, see
+// providers/cuda/ops/rms_norm_matmul.py).  The mma sequence, and so y, is the same for every schedule.
 template <int NJ, typename S, bool GLU, bool NORM, bool PIPE>
-__global__ void __launch_bounds__(256, NJ == 1 ? 4 : 1) mma_nbits4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
+__global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
                                                   const S* __restrict__ scales, const void* __restrict__ zp,
                                                   int zp_mode, int zp_stride, const __half* __restrict__ bias,
                                                   __half* __restrict__ y, int M, int N, int K, int bs,
@@ -612,18 +589,12 @@ __global__ void __launch_bounds__(256, NJ == 1 ? 4 : 1) mma_nbits4(const __half*
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nseg = (K + SEG_K - 1) / SEG_K, nwarps = blockDim.x >> 5;
-    const int nb = (K + bs - 1) / bs, ntiles = (N + 15) >> 4;
+    const int nb = (K + bs - 1) / bs;
     const long long rowbytes = (long long)nb * (bs / 2);
-    const int nt0 = PIPE ? blockIdx.y : blockIdx.x, tstep = PIPE ? gridDim.y : gridDim.x;
-    const int m0 = (PIPE ? blockIdx.x : blockIdx.y) * 8 * NJ;
-    // Codes, scales and zero points of the 64-wide k chunk at k0 of the current feature tile
-    // (rows na, nbr; weights: constants of the step).
-    int na, nbr;
-    bool va, vb;
-    auto set_tile = [&](int nt) {
-        const int n0 = nt * 16;
-        na = min(n0 + g, N - 1); nbr = min(n0 + g + 8, N - 1); va = n0 + g < N; vb = n0 + g + 8 < N;
-    };
+    const int n0 = (PIPE ? blockIdx.y : blockIdx.x) * 16, m0 = (PIPE ? blockIdx.x : blockIdx.y) * 8 * NJ;
+    const int na = min(n0 + g, N - 1), nbr = min(n0 + g + 8, N - 1);
+    const bool va = n0 + g < N, vb = n0 + g + 8 < N;
+    // Codes, scales and zero points of the 64-wide k chunk at k0 (weights: constants of the step).
     auto load_w = [&](Chunk4& w, int k0) {
         const int kl = k0 + 16 * t;
         w.ca = make_uint2(0, 0); w.cb = make_uint2(0, 0);
@@ -637,19 +608,15 @@ __global__ void __launch_bounds__(256, NJ == 1 ? 4 : 1) mma_nbits4(const __half*
     };
     constexpr int NC = PIPE ? 4 : 1;  // 64-chunks of weights held per lane
     Chunk4 w[NC];
-    // the first chunks of the warp's first segment of the tile (for the block's first tile before
-    // PDL_ENTER: overlaps the end of the previous kernel, kernels/pdl.cuh)
-    auto first_chunks = [&]() {
+    {  // before PDL_ENTER: overlaps the end of the previous kernel (kernels/pdl.cuh)
         const int first = min(NC, seg_chunks(K, warp));
 #pragma unroll
         for (int c = 0; c < NC; ++c) if (c < first) load_w(w[c], warp * SEG_K + 64 * c);
-    };
-    set_tile(nt0);
-    first_chunks();
+    }
     PDL_ENTER_GEMM();
     float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
     __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
-    if constexpr (NORM) norm_rows(x, NormArgs{n_skip, n_gamma, n_sum, n_eps}, M, K, m0, nt0 == 0, nsm, xs);
+    if constexpr (NORM) norm_rows(x, NormArgs{n_skip, n_gamma, n_sum, n_eps}, M, K, m0, n0 == 0, nsm, xs);
     // the 8 mmas of the chunk at k0 (weights wc) into acc
     auto mma_chunk = [&](float (*acc)[4], const Chunk4& wc, int k0) {
         const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
@@ -681,32 +648,27 @@ __global__ void __launch_bounds__(256, NJ == 1 ? 4 : 1) mma_nbits4(const __half*
             }
         }
     };
-    for (int nt = nt0; nt < ntiles; nt += tstep) {  // the block's feature tiles (one unless PIPE)
-        const bool more = nt + tstep < ntiles;
-        if (nt != nt0) { set_tile(nt); if constexpr (PIPE) first_chunks(); }
-        for (int seg = warp; seg < nseg; seg += nwarps) {  // K segments: warp w takes w, w + nwarps, ...
-            float acc[NJ][4];
+    for (int seg = warp; seg < nseg; seg += nwarps) {  // K segments: warp w takes w, w + nwarps, ...
+        float acc[NJ][4];
 #pragma unroll
-            for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-            const int chunks = seg_chunks(K, seg), kbeg = seg * SEG_K;
-            const int next = seg + nwarps, refill = PIPE && next < nseg ? seg_chunks(K, next) : 0;
+        for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+        const int chunks = seg_chunks(K, seg), kbeg = seg * SEG_K;
+        const int next = seg + nwarps, refill = PIPE && next < nseg ? seg_chunks(K, next) : 0;
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {  // SEG_K / 64 chunks, ascending
-                if (c >= chunks) break;
-                if constexpr (PIPE) {
-                    mma_chunk(acc, w[c], kbeg + 64 * c);
-                    if (c < refill) load_w(w[c], next * SEG_K + 64 * c);
-                } else {
-                    if (c != 0 || seg != warp || nt != nt0) load_w(w[0], kbeg + 64 * c);
-                    mma_chunk(acc, w[0], kbeg + 64 * c);
-                }
+        for (int c = 0; c < 4; ++c) {  // SEG_K / 64 chunks, ascending
+            if (c >= chunks) break;
+            if constexpr (PIPE) {
+                mma_chunk(acc, w[c], kbeg + 64 * c);
+                if (c < refill) load_w(w[c], next * SEG_K + 64 * c);
+            } else {
+                if (c != 0 || seg != warp) load_w(w[0], kbeg + 64 * c);
+                mma_chunk(acc, w[0], kbeg + 64 * c);
             }
-            store_partial<NJ>(part, acc, seg);
         }
-        if (!more) PDL_LATE_TRIGGER();
-        finish<NJ, GLU>(part, nseg, bias, y, M, N, nt * 16, m0, n_out);
-        if (more) __syncthreads();  // every thread has read part before the next tile's partials
+        store_partial<NJ>(part, acc, seg);
     }
+    PDL_LATE_TRIGGER();
+    finish<NJ, GLU>(part, nseg, bias, y, M, N, n0, m0, n_out);
 }
 
 // Tiled int4 GEMM for many rows (mma_wide4): mma_wide's tiling with mma_nbits4's arithmetic (per

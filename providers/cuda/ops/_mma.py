@@ -59,13 +59,6 @@ PIPELINE = env.choice("LOCKSTEP_CUDA_GEMM_PIPELINE", "auto", ("auto", "all", "of
 #: "dense" (default), "all" or "off" (``LOCKSTEP_CUDA_GEMM_WIDE``). Measured, the dense tiles
 #: made batch 256 1.2-1.6x faster, and the int4 ones were slower than ``mma_nbits4``.
 WIDE = env.choice("LOCKSTEP_CUDA_GEMM_WIDE", "dense", ("dense", "all", "off"))
-#: Persistent tiles for PIPE launches (kernels/linear_mma.cu, mma_dense), opt-in
-#: (``LOCKSTEP_CUDA_GEMM_PERSIST=1``): at most as many blocks as the GPU holds at once
-#: (:func:`resident_blocks`), each walking feature tiles y, y + grid, ... with its dense weight
-#: stream running on across tiles and its RMSNorm prologue computed once. Never changes an output
-#: bit. Measured on the H200 (docs/benchmarks/kernels.md section 8) it was within the run-to-run
-#: spread end to end, so the default stays one block per tile.
-PERSIST = env.flag("LOCKSTEP_CUDA_GEMM_PERSIST", False)
 WIDE_ROWS = 32
 #: kernels/linear_mma.cu WIDE_STAGES and WIDE_XS (shared memory of mma_wide).
 _WIDE_STAGES, _WIDE_XS = 3, 72
@@ -108,38 +101,12 @@ _DEFAULT_SHARED = 48 * 1024
 _opted: dict = {}
 
 
-def _launch(expr: str, grid, block, args, shared: int, persist: bool = False) -> None:
-    """Launch ``expr``; ``persist`` (a PIPE row kernel, grid (token blocks, feature tiles)) caps
-    the feature tiles of the grid at the blocks the GPU holds at once (:data:`PERSIST`)."""
+def _launch(expr: str, grid, block, args, shared: int) -> None:
     kern = function("linear_mma", expr, _MODULE_OF[expr])
     if shared > _DEFAULT_SHARED and _opted.get(expr, 0) < shared:
         kern.max_dynamic_shared_size_bytes = shared
         _opted[expr] = shared
-    if persist and PERSIST:
-        grid = (grid[0], persistent_tiles(grid[1], grid[0], resident_blocks(kern.ptr, block[0], shared)))
     kern(grid, block, args, shared_mem=shared)
-
-
-@functools.lru_cache(maxsize=1024)
-def resident_blocks(fn: int, threads: int, shared: int) -> int:
-    """Blocks of kernel ``fn`` (CUfunction handle) one multiprocessor holds at once with
-    ``threads`` threads and ``shared`` dynamic shared bytes (cuOccupancyMaxActiveBlocksPerMultiprocessor);
-    0 when the driver API cannot say (no cuda-bindings): then no cap."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        return 0
-    err, blocks = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(driver.CUfunction(fn), threads, shared)
-    return int(blocks) if err == driver.CUresult.CUDA_SUCCESS else 0
-
-
-def persistent_tiles(tiles: int, token_blocks: int, per_sm: int) -> int:
-    """The grid's feature-tile extent for ``tiles`` feature tiles: every block resident at once
-    (``per_sm`` blocks on each multiprocessor, shared by ``token_blocks`` blocks of tokens),
-    ``tiles`` itself when they fit or ``per_sm`` is 0 (unknown)."""
-    if per_sm <= 0:
-        return tiles
-    return max(1, min(tiles, per_sm * _multiprocessors() // max(1, token_blocks)))
 
 
 def _norm_shared(norm: Norm | None, shared: int, k: int, m: int) -> int:
@@ -379,7 +346,7 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
         pipe = pipelined(rows, False, r1 - r0, norm is not None)
         nj, grid, block, shared = config(r1 - r0, rows, k, pipe)
         _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>", grid, block,
-                (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0), persist=pipe)
+                (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0))
 
 
 def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0,
@@ -402,5 +369,4 @@ def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, n
         else:
             nj, grid, block, shared = config(r1 - r0, n, k, pipe)
             _launch(f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>",
-                    grid, block, (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0),
-                    persist=pipe)
+                    grid, block, (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0))
