@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from core.protocol import KernelContext, NodeInfo
-from providers.cuda.ops import _mma, matmul, silu_gated_matmul, silu_gated_matmul_nbits
+from providers.cuda.ops import _mma, matmul, rms_norm_matmul, silu_gated_matmul, silu_gated_matmul_nbits
 
 
 class HostMemory:
@@ -236,3 +236,43 @@ def test_the_launcher_sizes_shared_memory_with_the_kernel_constants():
     assert int(re.search(r"#define WIDE_STAGES (\d+)", src).group(1)) == _mma._WIDE_STAGES
     assert int(re.search(r"#define WIDE_XS (\d+)", src).group(1)) == _mma._WIDE_XS
 
+
+
+def _norm_node(consumer, attrs):
+    """An RMSNormMatMul node (x, skip, gamma fp16) over a MatMulNBits (codes, scales) or a MatMul (W)."""
+    weights = (("b", "s", ""), (np.uint8, np.float16, None)) if consumer == "MatMulNBits" else (("w",), (np.float16,))
+    return NodeInfo(name="n", op_type="RMSNormMatMul", domain="lockstep",
+                    attrs={**attrs, "consumer": consumer, "norm_epsilon": 1e-5},
+                    inputs=("x", "skip", "gamma", "", *weights[0]), outputs=("y", "", "", "total"),
+                    input_dtypes=(np.float16, np.float16, np.float16, None, *weights[1]))
+
+
+@pytest.mark.parametrize("flag", ["", "1"])
+def test_int4_projections_join_the_norm_pass_only_when_opted_in(monkeypatch, flag):
+    monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION_INT4", flag)
+    attrs = {"K": 64, "N": 16, "bits": 4, "block_size": 32}
+    assert rms_norm_matmul.supports(_norm_node("MatMulNBits", attrs)) == (flag == "1")
+    assert rms_norm_matmul.supports(_norm_node("MatMul", {}))  # dense always (the default pass)
+    monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION", "0")
+    assert not rms_norm_matmul.supports(_norm_node("MatMulNBits", attrs))
+
+
+def test_one_int4_row_with_the_prologue_is_one_launch_and_other_scales_are_not(launches, monkeypatch):
+    monkeypatch.setattr(_mma, "PIPELINE", "auto")
+    rng = np.random.default_rng(9)
+    k, n, bs = 64, 40, 32
+    b, s, _ = _nbits(rng, n, k, bs, False)
+    attrs = {"K": k, "N": n, "bits": 4, "block_size": bs}
+    ctx = KernelContext(_norm_node("MatMulNBits", attrs), HostMemory(), "head_major")
+    x, skip = (rng.standard_normal((1, k)).astype(np.float16) for _ in range(2))
+    gamma = rng.standard_normal(k).astype(np.float16)
+    y, _, _, total = rms_norm_matmul._fused(ctx, x, skip, gamma, None, (b, s))
+    assert y.shape == (1, n) and total.shape == (1, k)
+    (expr, grid, block, args, shared), = launches
+    assert expr == "mma_nbits4<1, __half, false, true, true>"  # the prologue, PIPE (auto: every int4 launch)
+    assert args[-4] is skip and args[-3] is gamma and args[-2] is total
+    assert shared > _mma.config(1, n, k, True)[3]  # the prologue's shared memory on top of the GEMM's
+    assert rms_norm_matmul._fused(ctx, x, skip, gamma, None, (b, s.astype(np.float32))) is None  # fp32 scales
+    assert rms_norm_matmul._fused(ctx, np.concatenate([x, x]), np.concatenate([skip, skip]), gamma, None,
+                                  (b, s)) is None  # two rows: the two parts run
+    assert len(launches) == 1

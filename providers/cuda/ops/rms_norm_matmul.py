@@ -3,16 +3,16 @@ SiluGatedMatMulNBits) of an RMSNorm's output (SkipSimplifiedLayerNormalization, 
 SimplifiedLayerNormalization over the last axis), with the norm's other outputs.
 
 One launch where the projection runs on a tensor-core kernel (a dense fp16 MatMul or
-SiluGatedMatMul with prepared weights, or an int4 MatMulNBits or SiluGatedMatMulNBits with fp16
-scales, opt-in: :func:`int4_enabled`) and the call has one activation row (a batch-1 decode
-step): the kernel's RMSNorm
-prologue (kernels/linear_mma.cu ``norm_rows``) computes the normalised rows in shared memory
-with exactly kernels/rms_norm.cu's arithmetic and the blocks of column 0 store the residual sum,
-so the result is bitwise the norm kernel followed by the projection kernel. Everything else
-(more rows, fp32, a norm bias, a wanted mean or inv_std_var output) runs the two parts in turn
-(core.fusion.run_parts): the same bits either way, so a row's result never depends on the batch
-size. Measured on the H200 (docs/benchmarks/kernels.md), the prologue beat the separate norm
-launch only for one row of fp16 activations.
+SiluGatedMatMul with prepared weights, or, opt-in (:func:`int4_enabled`), an int4 MatMulNBits or
+SiluGatedMatMulNBits with fp16 scales) and the call has one activation row (a batch-1 decode
+step): the kernel's RMSNorm prologue (kernels/linear_mma.cu ``norm_rows``) computes the
+normalised rows in shared memory with exactly kernels/rms_norm.cu's arithmetic and the blocks of
+column 0 store the residual sum, so the result is bitwise the norm kernel followed by the
+projection kernel. Everything else (more rows, fp32, a norm bias, a wanted mean or inv_std_var
+output) runs the two parts in turn (core.fusion.run_parts): the same bits either way, so a row's
+result never depends on the batch size. Measured on the H200 (docs/benchmarks/kernels.md
+sections 2 and 8), the prologue beat the separate norm launch only for one row of dense fp16
+activations.
 """
 
 import numpy as np
