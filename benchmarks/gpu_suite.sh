@@ -7,7 +7,8 @@
 #   context: the batch x prompt-length sweep (CSWEEP, LENS); kernels: --kernels at KSWEEP;
 #   ort: ONNX Runtime GenAI CUDA on the same grid (needs it importable from /tmp/ort, or the
 #   onnxruntime-gpu and onnxruntime-genai-cuda wheels in $ORT_WHEELS), then the sweep with --anchor
-#   schedules: the GEMM schedules (LOCKSTEP_CUDA_GEMM_PIPELINE / _WIDE) tested, profiled off / all / default, ncu
+#   schedules: the GEMM schedules (LOCKSTEP_CUDA_GEMM_PIPELINE / _WIDE) tested, profiled off / all / default,
+#     the int4 RMSNorm prologue off / on, ncu
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 FINAL_OUT=$OUT; LOG=/tmp/gpu_suite; mkdir -p $LOG
@@ -108,8 +109,18 @@ if has schedules; then  # the GEMM schedules (docs/benchmarks/kernels.md section
         | tee -a $LOG/schedules.txt
     done
   done
+  for n in 0 1; do  # the int4 RMSNorm prologue (opt-in; section 8): batch 1 takes it, batch 8 does not
+    for v in int4 llama-int4; do
+      LOCKSTEP_CUDA_NORM_FUSION_INT4=$n python3 -m core profile $M/$v --provider cuda --batch-sweep 1,8 \
+        --prompt-len 32 --tokens 64 --json $LOG/norm_int4_${v}_$n.json 2>&1 | tail -4 | tee -a $LOG/schedules.txt
+    done
+  done
   command -v ncu >/dev/null && for b in 1 256; do
     timeout 300 python3 benchmarks/ncu_step.py \
       $M/llama-fp16 --batch $b 2>&1 | tee $LOG/ncu_llama_b$b.txt | head -30
+  done
+  command -v ncu >/dev/null && for n in 0 1; do
+    LOCKSTEP_CUDA_NORM_FUSION_INT4=$n timeout 300 python3 benchmarks/ncu_step.py \
+      $M/llama-int4 --batch 1 2>&1 | tee $LOG/ncu_llama_int4_b1_n$n.txt | head -14
   done
 fi
