@@ -2,7 +2,8 @@
 a value that is not a switch is an error that names the variable, never a silent default.
 
 On/off switches take 1/0, true/false, yes/no or on/off (any case); unset or empty means the
-default.
+default. :data:`SWITCHES` lists every one with its default; :func:`check_all` parses them all, so
+the provider refuses a bad value before it imports CuPy (the reason a user sees first).
 """
 
 from __future__ import annotations
@@ -45,3 +46,37 @@ def choice(name: str, default: str, choices: tuple[str, ...]) -> str:
         raise ProviderError(f"{name} must be {' or '.join(repr(c) for c in choices)}, not "
                             f"{os.environ.get(name)!r}")
     return value
+
+
+#: Every switch of the cuda provider (docs/cuda.md): name -> (default, choices), choices None for
+#: an on/off switch.
+SWITCHES: dict[str, tuple] = {
+    "LOCKSTEP_CUDA_REPLAY": (True, None),
+    "LOCKSTEP_CUDA_NORM_FUSION": (True, None),
+    "LOCKSTEP_CUDA_NORM_FUSION_INT4": (False, None),
+    "LOCKSTEP_CUDA_PDL": (False, None),
+    "LOCKSTEP_CUDA_PDL_TRIGGER": ("entry", ("entry", "late")),
+    "LOCKSTEP_CUDA_GEMM_PIPELINE": ("auto", ("auto", "all", "off")),
+    "LOCKSTEP_CUDA_GEMM_WIDE": ("dense", ("dense", "all", "off")),
+}
+
+
+def switch(name: str):
+    """The value of switch ``name`` of :data:`SWITCHES` (a bool, or one of its choices).
+
+    Raises:
+        KeyError: ``name`` is not a cuda switch.
+        core.plugins.ProviderError: its value is not accepted (:func:`flag`, :func:`choice`).
+    """
+    default, choices = SWITCHES[name]
+    return flag(name, default) if choices is None else choice(name, default, choices)
+
+
+def check_all() -> None:
+    """Parse every switch of :data:`SWITCHES`.
+
+    Raises:
+        core.plugins.ProviderError: the first one whose value is not accepted, named.
+    """
+    for name in SWITCHES:
+        switch(name)

@@ -27,7 +27,7 @@ def pdl_trigger() -> str:
     """
     from providers.cuda import env
 
-    return env.choice("LOCKSTEP_CUDA_PDL_TRIGGER", "entry", ("entry", "late"))
+    return env.switch("LOCKSTEP_CUDA_PDL_TRIGGER")
 
 
 def source(name: str, trigger: str = "entry") -> str:

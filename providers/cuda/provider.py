@@ -61,10 +61,11 @@ class CudaProvider(ProviderBase):
     name = "cuda"
     #: Eager launch replay for plans made from now on (providers/cuda/replay.py); off with
     #: LOCKSTEP_CUDA_REPLAY=0 (every node then runs its Python launcher every step).
-    eager_replay: bool = env.flag("LOCKSTEP_CUDA_REPLAY", True)
+    eager_replay: bool = env.switch("LOCKSTEP_CUDA_REPLAY")
 
     def __init__(self):
         super().__init__()
+        env.check_all()  # a bad switch is named before anything else can fail
         cupy = _import_cupy()
         self.cupy = cupy
         self.stream = _shared_stream(cupy)

@@ -127,7 +127,7 @@ def pdl_enabled() -> bool:
 
         from providers.cuda import env
 
-        wanted = env.flag("LOCKSTEP_CUDA_PDL", False)
+        wanted = env.switch("LOCKSTEP_CUDA_PDL")
         major = int(cupy.cuda.Device().compute_capability) // 10
         try:
             from cuda.bindings import driver  # noqa: F401

@@ -46,3 +46,22 @@ def test_the_switches_read_through_it(monkeypatch):
     monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION", "maybe")
     with pytest.raises(ProviderError, match="LOCKSTEP_CUDA_NORM_FUSION"):
         rms_norm_matmul.enabled()
+
+
+@pytest.mark.parametrize("name", sorted(set(env.SWITCHES) - {"LOCKSTEP_CUDA_REPLAY"}))
+def test_the_provider_names_a_bad_switch_before_anything_else(monkeypatch, name):
+    """CudaProvider() refuses a bad value of any switch first: without CuPy (as here on CI) the
+    reason a user sees names the variable, not the missing CuPy. (LOCKSTEP_CUDA_REPLAY is read
+    when the module loads, so it fails earlier still.)"""
+    from providers.cuda.provider import CudaProvider
+
+    monkeypatch.setenv(name, "maybe")
+    with pytest.raises(ProviderError, match=name):
+        CudaProvider()
+
+
+def test_every_switch_has_a_default_that_parses(monkeypatch):
+    for name in env.SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    env.check_all()
+    assert {name: env.switch(name) for name in env.SWITCHES}["LOCKSTEP_CUDA_GEMM_WIDE"] == "dense"

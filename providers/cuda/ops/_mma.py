@@ -52,13 +52,13 @@ _MODULE_OF = {e: module for module in MODULES for e in module}
 #: never changes an output bit. Measured on the H200 (docs/benchmarks/kernels.md section 7) it
 #: made int4 2-12% faster up to batch 32 and the one-row dense GEMMs 6% faster, and the dense
 #: prologue and multi-tile kernels slower (registers), hence "auto".
-PIPELINE = env.choice("LOCKSTEP_CUDA_GEMM_PIPELINE", "auto", ("auto", "all", "off"))
+PIPELINE = env.switch("LOCKSTEP_CUDA_GEMM_PIPELINE")
 #: Which projections take the tiled kernels for launches of at least :data:`WIDE_ROWS` rows
 #: (kernels/linear_mma.cu ``mma_wide`` for dense fp16, ``mma_wide4`` for int4: 64-token x
 #: 64/128-feature block tiles staged in shared memory), bitwise the row kernels' results:
 #: "dense" (default), "all" or "off" (``LOCKSTEP_CUDA_GEMM_WIDE``). Measured, the dense tiles
 #: made batch 256 1.2-1.6x faster, and the int4 ones were slower than ``mma_nbits4``.
-WIDE = env.choice("LOCKSTEP_CUDA_GEMM_WIDE", "dense", ("dense", "all", "off"))
+WIDE = env.switch("LOCKSTEP_CUDA_GEMM_WIDE")
 WIDE_ROWS = 32
 #: kernels/linear_mma.cu WIDE_STAGES and WIDE_XS (shared memory of mma_wide).
 _WIDE_STAGES, _WIDE_XS = 3, 72

@@ -44,14 +44,14 @@ counts = {"fused_launches": 0, "two_part_runs": 0}
 def enabled() -> bool:
     """False when LOCKSTEP_CUDA_NORM_FUSION is off (the pass then keeps every norm and
     projection apart)."""
-    return env.flag("LOCKSTEP_CUDA_NORM_FUSION", True)
+    return env.switch("LOCKSTEP_CUDA_NORM_FUSION")
 
 
 def int4_enabled() -> bool:
     """Whether int4 projections join the pass (LOCKSTEP_CUDA_NORM_FUSION_INT4, default off):
     measured on the H200 (docs/benchmarks/kernels.md section 8) the int4 kernel with the
     prologue was slower at batch 1 than the norm launch and the projection apart."""
-    return env.flag("LOCKSTEP_CUDA_NORM_FUSION_INT4", False)
+    return env.switch("LOCKSTEP_CUDA_NORM_FUSION_INT4")
 
 
 def supports(node) -> bool:
