@@ -95,13 +95,14 @@ def _fused(ctx, x, skip, gamma, bias, weights):
     if skip is not None and (skip.shape != x.shape or skip.dtype != np.float16 or not skip.flags.c_contiguous):
         return None
     consumer = ctx.node.attrs["consumer"]
-    launch = _dense_launch(ctx, k, weights) if consumer in DENSE else _int4_launch(ctx, x, weights)
-    if launch is None:
+    found = _dense_launch(ctx, k, weights) if consumer in DENSE else _int4_launch(ctx, x, weights)
+    if found is None:
         return None
+    n, launch = found
     total = ctx.output(3, x.shape, x.dtype) if names[3] else None
     norm = _mma.Norm(skip, gamma, total, float(ctx.node.attrs[fusion.NORM_EPSILON]))
-    y = ctx.output(0, (*x.shape[:-1], launch[0]), x.dtype)
-    launch[1](x, y, m, norm)
+    y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
+    launch(x, y, m, norm)
     return (y, None, None, total)[:len(ctx.node.outputs)]
 
 
