@@ -131,16 +131,50 @@ __device__ __forceinline__ float scaled(float s, const Geo& g) {
 // reading one element of different rows hit different banks.
 template <typename T> __host__ __device__ constexpr int tile_stride(int H) { return sizeof(T) == 2 ? H + 2 : H + 1; }
 
-// One chunk's K or V rows [j0, j0 + n) (n <= CH) from the cache into a shared tile [n, TS] of T:
-// every thread issues its 16-byte loads at once (one memory round trip for the whole chunk).
+// One chunk's K and V rows [j0, j0 + n) (n <= CH) from the cache into shared tiles [n, TS] of T,
+// in rounds of TU 16-byte units of each tile per thread: a round issues all of its loads before
+// it stores any (a store through the tile pointer could alias the rows, so a load-store loop
+// would wait out one memory round trip per unit).  H = 64 in fp16 is one round for both tiles.
+#define TU 4
+struct TileRound { uint4 k[TU], v[TU]; };
 template <typename T>
-__device__ __forceinline__ void load_tile(T* tile, const T* rows, long long cj, int n, int H) {
-    const int upr = H * (int)sizeof(T) / 16, ts = tile_stride<T>(H);  // H % 8 == 0: whole units
-    for (int u = threadIdx.x; u < n * upr; u += NT) {
-        const int jj = u / upr, x = u - jj * upr;
-        const uint4 v = reinterpret_cast<const uint4*>(rows + (long long)jj * cj)[x];
-        unsigned* dst = reinterpret_cast<unsigned*>(tile + jj * ts) + x * 4;
-        dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+__device__ __forceinline__ void tiles_issue(TileRound& r, const T* krows, const T* vrows, long long cj, int n, int H,
+                                            int u0) {
+    const int upr = H * (int)sizeof(T) / 16, total = n * upr;  // H % 8 == 0: whole units
+#pragma unroll
+    for (int i = 0; i < TU; ++i) {
+        const int u = u0 + i * NT;
+        if (u < total) {
+            const int jj = u / upr, x = u - jj * upr;
+            r.k[i] = reinterpret_cast<const uint4*>(krows + (long long)jj * cj)[x];
+            r.v[i] = reinterpret_cast<const uint4*>(vrows + (long long)jj * cj)[x];
+        }
+    }
+}
+template <typename T>
+__device__ __forceinline__ void tiles_store(const TileRound& r, T* kt, T* vt, int n, int H, int u0) {
+    const int upr = H * (int)sizeof(T) / 16, ts = tile_stride<T>(H), total = n * upr;
+#pragma unroll
+    for (int i = 0; i < TU; ++i) {
+        const int u = u0 + i * NT;
+        if (u < total) {
+            const int jj = u / upr, x = u - jj * upr;
+            unsigned* kd = reinterpret_cast<unsigned*>(kt + jj * ts) + x * 4;
+            unsigned* vd = reinterpret_cast<unsigned*>(vt + jj * ts) + x * 4;
+            kd[0] = r.k[i].x; kd[1] = r.k[i].y; kd[2] = r.k[i].z; kd[3] = r.k[i].w;
+            vd[0] = r.v[i].x; vd[1] = r.v[i].y; vd[2] = r.v[i].z; vd[3] = r.v[i].w;
+        }
+    }
+}
+// The rounds from unit u0 on (u0 = threadIdx.x: the whole chunk).
+template <typename T>
+__device__ __forceinline__ void load_tiles(T* kt, const T* krows, T* vt, const T* vrows, long long cj, int n, int H,
+                                           int u0 = threadIdx.x) {
+    const int total = n * (H * (int)sizeof(T) / 16);
+    for (; u0 < total; u0 += TU * NT) {
+        TileRound r;
+        tiles_issue<T>(r, krows, vrows, cj, n, H, u0);
+        tiles_store<T>(r, kt, vt, n, H, u0);
     }
 }
 
@@ -294,8 +328,7 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
     __syncthreads();
     for (int c = hi_max < 0 ? 1 : lo_min / CH; c <= (hi_max < 0 ? 0 : hi_max / CH); ++c) {
         const int u0 = max(lo_min, c * CH), nu = min(hi_max, c * CH + CH - 1) - u0 + 1;
-        load_tile<T>(kt, kb + (long long)u0 * g.cj, g.cj, nu, g.H);
-        load_tile<T>(vt, vb + (long long)u0 * g.cj, g.cj, nu, g.H);
+        load_tiles<T>(kt, kb + (long long)u0 * g.cj, vt, vb + (long long)u0 * g.cj, g.cj, nu, g.H);
         __syncthreads();
         for (int e = tid; e < nqb * CH; e += NT) {  // scores: one thread per (query, key)
             const int i = e / CH, jj = e - i * CH;
@@ -397,8 +430,8 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
     const T* ksrc = kin + (long long)b * g.k_row + g.k_off + kvh * g.H;
     const T* vsrc = vin + (long long)b * g.k_row + g.v_off + kvh * g.H;
     const int nc = p >= j0 + n ? n : n - 1;  // cache rows of the chunk (row P_b is the new key)
-    load_tile<T>(kt, kb + (long long)j0 * g.cj, g.cj, nc, g.H);
-    load_tile<T>(vt, vb + (long long)j0 * g.cj, g.cj, nc, g.H);
+    TileRound round0;  // the first round's loads stay in flight while q and the new k are rotated
+    tiles_issue<T>(round0, kb + (long long)j0 * g.cj, vb + (long long)j0 * g.cj, g.cj, nc, g.H, tid);
     const T* qsrc = qin + (long long)b * g.q_row + kvh * G * g.H;  // the group's heads are adjacent
     for (int d = tid; d < g.H; d += NT) vn[d] = to_f(vsrc[d]);
     if (qnw != nullptr) {  // fused q/k norm (the block's whole grid takes this branch): synchronises
@@ -410,6 +443,8 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
         if (do_rotary) rope<T, float>(qsrc, qs, cosc, sinc, p, g.H, g.half_rot, tid, NT, G);
         else for (int i = tid; i < G * g.H; i += NT) qs[i] = to_f(qsrc[i]);
     }
+    tiles_store<T>(round0, kt, vt, nc, g.H, tid);
+    load_tiles<T>(kt, kb + (long long)j0 * g.cj, vt, vb + (long long)j0 * g.cj, g.cj, nc, g.H, tid + TU * NT);
     __syncthreads();
     if (c == c1) {
         for (int d = tid; d < g.H; d += NT) {
