@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from core.protocol import KernelContext, NodeInfo
-from providers.cuda.ops import _mma, matmul, rms_norm_matmul, silu_gated_matmul, silu_gated_matmul_nbits
+from providers.cuda.ops import _mma, matmul, matmul_nbits, rms_norm_matmul, silu_gated_matmul, silu_gated_matmul_nbits
 
 
 class HostMemory:
@@ -178,9 +178,25 @@ def test_the_wide_flag_routes_int4_launches_that_fit_the_tiled_kernel(launches, 
     assert launch(31, 128, 32)[0].startswith("mma_nbits4<")
     wide = launch(64, 128, 32)
     assert wide[0] == "mma_wide4<1, __half, false>" and wide[0] in _mma.EXPRS
-    assert wide[1] == (1, 1) and wide[4] == _mma._WIDE_STAGES * (2 * 64 + 64 * 72 // 8) * 16
-    assert launch(64, 48, 16)[0].startswith("mma_nbits4<")  # K % 32 != 0
+    assert wide[1] == (1, 1) and wide[4] == _mma._WIDE_STAGES * (2 * 64 + 64 * 80 // 8) * 16
+    assert launch(64, 48, 32)[0].startswith("mma_nbits4<")  # K % 32 != 0
 
+
+
+def test_int4_tensor_core_kernels_take_integer_zero_points_and_blocks_of_32_or_more(launches):
+    """The tensor-core int4 arithmetic (q - z exact in fp16, one scale per 16-wide k tile) holds
+    for zero points absent or packed and block_size >= 32; fp16 zero points and 16-wide blocks
+    take the CUDA-core kernel, and a direct launch of them is refused before any work."""
+    f16 = np.dtype(np.float16)
+    assert matmul_nbits.mma_config(f16, 4, 128, 32, 0) and matmul_nbits.mma_config(f16, 4, 128, 128, 1)
+    assert not matmul_nbits.mma_config(f16, 4, 128, 16, 0)
+    assert not matmul_nbits.mma_config(f16, 4, 128, 32, 2)
+    b, s, _ = _nbits(np.random.default_rng(8), 40, 128, 16, False)
+    for bs, zp_mode in ((16, 0), (32, 2)):
+        with pytest.raises(ValueError, match="int4 tensor-core kernel"):
+            _mma.nbits4(np.zeros((1, 128), np.float16), b, s, None, zp_mode, 0, None, np.zeros((1, 40), np.float16),
+                        1, 40, 128, bs, "__half", None)
+    assert not launches
 
 
 def test_the_default_switches_pick_the_measured_schedules(launches, monkeypatch):

@@ -360,13 +360,14 @@ __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, boo
 }
 
 
-// Activations of 64-wide k chunk c for the block's 64 tokens (from m0) into xdst [64][WIDE_XS]
+// Activations of 64-wide k chunk c for the block's 64 tokens (from m0) into xdst [64][XS]
 // halves, zeros for tokens past M and k past K (K % 8 == 0: a 16-byte piece is all in or all out).
+template <int XS = WIDE_XS>
 __device__ __forceinline__ void wide_stage_x(__half* xdst, const __half* __restrict__ x, int M, int K, int m0, int c) {
     for (int p = threadIdx.x; p < 64 * 8; p += blockDim.x) {
         const int r = p >> 3, k = 64 * c + 8 * (p & 7), m = m0 + r;
         const bool ok = m < M && k < K;
-        cp_async16_zfill(xdst + r * WIDE_XS + 8 * (p & 7), x + (ok ? (long long)m * K + k : 0), ok);
+        cp_async16_zfill(xdst + r * XS + 8 * (p & 7), x + (ok ? (long long)m * K + k : 0), ok);
     }
 }
 
@@ -494,92 +495,156 @@ __global__ void __launch_bounds__(256, 2) mma_wide(const __half* __restrict__ x,
     wide_store<F, GLU>(tot, bias, y, M, N, n_out, m0 + wt * 32, tile0 + wf * F);
 }
 
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
-}
+// ---- int4 (MatMulNBits) ------------------------------------------------------------------------
+// k-slot map: virtual k tile v (0..3) of the 64-wide chunk at k0 is the natural tile
+// k0 + 16 v .. k0 + 16 v + 15, which lies in one quantisation block (block_size >= 32); lane
+// (g, t)'s slots (2t, 2t+1, 2t+8, 2t+9) hold k0 + 16 v + 4 t + (0, 1, 2, 3), for the weights
+// and the activations alike.  A lane loads the 16 contiguous codes k0 + 16 t .. + 15 of rows g
+// and g + 8 (8 bytes each, 4 pieces of 4 codes); quad_transpose hands piece t of lane v to lane
+// t as its piece v, so lane t then holds its 4 codes of every tile.
+//
+// Arithmetic of output (m, n) ("scale after", exact products): per 32-wide k group (tiles
+// 2h, 2h + 1 of a chunk, inside one quantisation block),
+//   T = mma(q - z, x) over the group's 32 k: two mmas, the first from 0 (fp32 accumulation),
+//       q - z an exact fp16 integer (q the code, z the zero point: 8 when absent, else the
+//       packed nibble);
+//   acc = fmaf(T, s, acc), s = float(scale[n, the group's block]);
+// acc runs over a K segment's groups in ascending order from 0; segments fold as in finish().
+// Every product (q - z) x is exact in fp32, so the one rounding of the weight side is the
+// fmaf by s.  mma_nbits4 (every schedule) and mma_wide4 run this same sequence per element.
 
 template <typename S> struct is_half_t { static constexpr bool value = false; };
 template <> struct is_half_t<__half> { static constexpr bool value = true; };
 
-// fp32 route: weights w0, w1 (fp32) -> hi = fp16(w), lo = fp16(w - hi), as packed half2 words.
-__device__ __forceinline__ void split_f32(float w0, float w1, unsigned& hi, unsigned& lo) {
-    __half2 h = __floats2half2_rn(w0, w1);
-    const float2 hf = __half22float2(h);
-    hi = *reinterpret_cast<unsigned*>(&h);
-    lo = pack2(__fsub_rn(w0, hf.x), __fsub_rn(w1, hf.y));
-}
+// The two scales of a lane's rows (g, g + 8) for one quantisation block, as the scale type holds them.
+template <typename S> struct ScalePair { using type = float2; };
+template <> struct ScalePair<__half> { using type = __half2; };
 
-// fp16 route: two codes at bits 0-3 and 16-19 of ``codes``; zq = 1024 + zp, s = scale (half2).
-__device__ __forceinline__ void split_f16(unsigned codes, __half2 zq, __half2 s, unsigned& hi, unsigned& lo) {
-    const unsigned biased = codes | 0x64006400u;  // halves 1024 + q (exact)
-    const __half2 q = __hsub2(*reinterpret_cast<const __half2*>(&biased), zq);  // q - zp, exact
-    const __half2 h = __hmul2_rn(q, s);
-    const __half2 l = __hfma2(q, s, __hneg2(h));
-    hi = *reinterpret_cast<const unsigned*>(&h);
-    lo = *reinterpret_cast<const unsigned*>(&l);
-}
-
-// One 64-wide k chunk of int4 weights as one lane holds it: 16 codes of rows g and g + 8 of
-// the block's tile (ca, cb), their scales and zero points as floats.
-struct Chunk4 {
+// One 64-wide k chunk of int4 weights as one lane holds it: its 16 codes of rows g and g + 8
+// (ca, cb, before quad_transpose), and the scales and zero points (zq = 1024 + z, as halves)
+// of the quantisation block of its own codes (k0 + 16 t).
+template <typename S> struct Chunk4 {
     uint2 ca, cb;
-    float sa, sb, za, zb;
+    typename ScalePair<S>::type s;
+    __half2 zq;
 };
 
-// Scale s and zero point z (floats) of weight row ``row`` (a valid index) for quantisation block
-// blk; s = 0 for rows past N (``valid`` false).  zp_mode: 0 none (8), 1 packed uint8 nibbles
-// [N, zp_stride], 2 fp16 [N, nb].
+// Lane t of each quad receives piece t (16 bits) of lane v as its piece v (v = 0..3): a 4 x 4
+// transpose of 16-bit pieces across the quad, two xor shuffles.  Every lane of the warp calls it.
+__device__ __forceinline__ uint2 quad_transpose(uint2 w) {
+    const int t = threadIdx.x & 3;
+    const bool hi = t & 2, odd = t & 1;
+    const unsigned r = __shfl_xor_sync(0xffffffffu, hi ? w.x : w.y, 2);
+    const unsigned w0 = hi ? r : w.x, w1 = hi ? w.y : r;  // pieces 2(t>>1), +1 of lanes t & 1 and (t & 1) + 2
+    const unsigned r2 = __shfl_xor_sync(0xffffffffu, odd ? __byte_perm(w0, w1, 0x5410) : __byte_perm(w0, w1, 0x7632), 1);
+    uint2 o;
+    o.x = odd ? __byte_perm(r2, w0, 0x7610) : __byte_perm(w0, r2, 0x5410);
+    o.y = odd ? __byte_perm(r2, w1, 0x7632) : __byte_perm(w1, r2, 0x7610);
+    return o;
+}
+
+// The scale pair (row g, row g + 8) and zq pair of block (row, k) loaded into ``w`` (scales 0 for
+// rows past N, ``valid`` false).  zp_mode: 0 none (z = 8), 1 packed uint8 nibbles [N, zp_stride].
 template <typename S>
-__device__ __forceinline__ void scale_zp(const S* __restrict__ scales, const void* __restrict__ zp, int zp_mode,
-                                         int zp_stride, int nb, int row, bool valid, int blk, float& s, float& z) {
-    s = valid ? (float)scales[(long long)row * nb + blk] : 0.f;
-    z = 8.f;
+__device__ __forceinline__ void load_scales(Chunk4<S>& w, const S* __restrict__ scales, const void* __restrict__ zp,
+                                            int zp_mode, int zp_stride, int nb, int ra, bool va, int rb, bool vb,
+                                            int blk) {
+    const S sa = va ? scales[(long long)ra * nb + blk] : S(0.f), sb = vb ? scales[(long long)rb * nb + blk] : S(0.f);
+    if constexpr (is_half_t<S>::value) w.s = __halves2half2(sa, sb);
+    else w.s = make_float2(sa, sb);
+    float za = 8.f, zb = 8.f;
     if (zp_mode == 1) {
         const int e = blk * 4;
-        z = (float)((((const unsigned char*)zp)[(long long)row * zp_stride + (e >> 3)] >> (e & 7)) & 15u);
-    } else if (zp_mode == 2) {
-        z = __half2float(((const __half*)zp)[(long long)row * nb + blk]);
+        const unsigned char* z = (const unsigned char*)zp;
+        za = (float)((z[(long long)ra * zp_stride + (e >> 3)] >> (e & 7)) & 15u);
+        zb = (float)((z[(long long)rb * zp_stride + (e >> 3)] >> (e & 7)) & 15u);
+    }
+    w.zq = __floats2half2_rn(1024.f + za, 1024.f + zb);
+}
+
+__device__ __forceinline__ float2 scale_f2(__half2 s) { return __half22float2(s); }
+__device__ __forceinline__ float2 scale_f2(float2 s) { return s; }
+template <typename T> __device__ __forceinline__ T shfl_from(T v, int src) {
+    return __shfl_sync(0xffffffffu, v, src);
+}
+template <> __device__ __forceinline__ float2 shfl_from<float2>(float2 v, int src) {
+    return make_float2(__shfl_sync(0xffffffffu, v.x, src), __shfl_sync(0xffffffffu, v.y, src));
+}
+
+// q - z of the 4 codes of a 16-bit piece (k + 0 .. + 3, low nibble first) as the halves
+// (k + 0, k + 1) in lo and (k + 2, k + 3) in hi: 1024 + q by the 0x6400 exponent bits, minus zq (exact).
+__device__ __forceinline__ void codes_minus_z(unsigned p, __half2 zq, unsigned& lo, unsigned& hi) {
+    const unsigned bl = (p & 0xfu) | ((p & 0xf0u) << 12) | 0x64006400u;
+    const unsigned bh = ((p >> 8) & 0xfu) | ((p & 0xf000u) << 4) | 0x64006400u;
+    const __half2 l = __hsub2(*reinterpret_cast<const __half2*>(&bl), zq);
+    const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&bh), zq);
+    lo = *reinterpret_cast<const unsigned*>(&l);
+    hi = *reinterpret_cast<const unsigned*>(&h);
+}
+
+// d = A B (C = 0): the tile's products summed by the tensor core, from zero.
+__device__ __forceinline__ void mma16816_zero(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
+}
+
+// The 2 k groups of one chunk (weights ``w`` as loaded, activations xq[j][v]: token tile j's B
+// fragment of tile v) into acc[j] with the arithmetic above.  Every lane of the warp calls it.
+template <int NJ, typename S>
+__device__ __forceinline__ void mma4_chunk(float (*acc)[4], const Chunk4<S>& w, uint2 (*xq)[4]) {
+    const int base = threadIdx.x & 28;  // lane 0 of this lane's quad
+    const uint2 ta = quad_transpose(w.ca), tb = quad_transpose(w.cb);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // tiles 2h, 2h + 1: the block of lanes t = 2h, 2h + 1's own codes
+        const float2 s = scale_f2(shfl_from(w.s, base | 2 * h));
+        const __half2 zq = shfl_from(w.zq, base | 2 * h);
+        const __half2 zqa = __low2half2(zq), zqb = __high2half2(zq);
+        float d[NJ][4];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int v = 2 * h + u;
+            const unsigned pa = ((v < 2 ? ta.x : ta.y) >> (16 * u)) & 0xffffu;
+            const unsigned pb = ((v < 2 ? tb.x : tb.y) >> (16 * u)) & 0xffffu;
+            unsigned a[4];  // rows g (a[0], a[2]) and g + 8 (a[1], a[3]) at k (+0, +1) and (+2, +3)
+            codes_minus_z(pa, zqa, a[0], a[2]);
+            codes_minus_z(pb, zqb, a[1], a[3]);
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                if (u == 0) mma16816_zero(d[j], a, xq[j][v].x, xq[j][v].y);
+                else mma16816(d[j], a, xq[j][v].x, xq[j][v].y);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            acc[j][0] = fmaf(d[j][0], s.x, acc[j][0]);
+            acc[j][1] = fmaf(d[j][1], s.x, acc[j][1]);
+            acc[j][2] = fmaf(d[j][2], s.y, acc[j][2]);
+            acc[j][3] = fmaf(d[j][3], s.y, acc[j][3]);
+        }
     }
 }
 
-// The hi and lo A fragments of virtual k tile v (codes 4v .. 4v + 3 of each row) of a lane's chunk.
-// a[0]: row g, slots 2t, 2t+1 <- k 4v, 4v+1; a[1]: row g + 8, same slots;
-// a[2]: row g, slots 2t+8, 2t+9 <- k 4v+2, 4v+3; a[3]: row g + 8, same slots.
-// f16: the fp16 route (fp16 scales, integer zero points), else fp32 (see the file header).
-__device__ __forceinline__ void dequant4(const Chunk4& w, int v, bool f16, unsigned* hi, unsigned* lo) {
-    const unsigned wa = ((v < 2 ? w.ca.x : w.ca.y) >> (16 * (v & 1))) & 0xffffu;
-    const unsigned wb = ((v < 2 ? w.cb.x : w.cb.y) >> (16 * (v & 1))) & 0xffffu;
-    if (f16) {
-        const __half2 zqa = __float2half2_rn(1024.f + w.za), zqb = __float2half2_rn(1024.f + w.zb);
-        const __half2 s2a = __float2half2_rn(w.sa), s2b = __float2half2_rn(w.sb);
-        split_f16((wa & 0xfu) | ((wa & 0xf0u) << 12), zqa, s2a, hi[0], lo[0]);
-        split_f16((wb & 0xfu) | ((wb & 0xf0u) << 12), zqb, s2b, hi[1], lo[1]);
-        split_f16(((wa >> 8) & 0xfu) | ((wa & 0xf000u) << 4), zqa, s2a, hi[2], lo[2]);
-        split_f16(((wb >> 8) & 0xfu) | ((wb & 0xf000u) << 4), zqb, s2b, hi[3], lo[3]);
-    } else {
-        float fa[4], fb[4];
+// Activations of row m for the chunk at k0 in the int4 slot map: xq[v] = x[m, k0 + 16 v + 4 t .. + 3]
+// (zeros for an invalid row or tiles past K; K % 16 == 0, so a piece is all in or all out).
+__device__ __forceinline__ void ld_x4q(const __half* x, long long m, int K, int k0, int t, bool ok, uint2* xq) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            fa[e] = __fmul_rn(__fsub_rn((float)((wa >> (4 * e)) & 15u), w.za), w.sa);
-            fb[e] = __fmul_rn(__fsub_rn((float)((wb >> (4 * e)) & 15u), w.zb), w.sb);
-        }
-        split_f32(fa[0], fa[1], hi[0], lo[0]);
-        split_f32(fb[0], fb[1], hi[1], lo[1]);
-        split_f32(fa[2], fa[3], hi[2], lo[2]);
-        split_f32(fb[2], fb[3], hi[3], lo[3]);
+    for (int v = 0; v < 4; ++v) {
+        const int k = k0 + 16 * v + 4 * t;
+        xq[v] = ok && k < K ? *reinterpret_cast<const uint2*>(x + m * K + k) : make_uint2(0, 0);
     }
 }
 
 // int4 MatMulNBits.  grid/block/shared/GLU as mma_dense (GLU: the rows of q, scales and zero
-// points interleaved as dense's packed rows).  Requires K % 16 == 0 and fp16 X.  PIPE as in
-// mma_dense: false holds one 64-chunk of weights per lane (load, wait, 8 mmas); true holds the
-// segment's 4 chunks and refills each with the warp's next segment once its mmas have issued.
-// NORM (NJ = 1): mma_dense's RMSNorm prologue (norm_rows), the activations then read from shared
-// memory (lockstep.RMSNormMatMul, opt-in: measured slower than the two launches, see
-// providers/cuda/ops/rms_norm_matmul.py).  The mma sequence, and so y, is the same for every schedule.
+// points interleaved as dense's packed rows).  Requires K % 16 == 0, block_size >= 32, fp16 X and
+// zero points absent or packed.  PIPE as in mma_dense: false holds one 64-chunk of weights per
+// lane (load, wait, 4 tiles); true holds the segment's 4 chunks and refills each with the warp's
+// next segment once its tiles have issued.  NORM (NJ = 1): mma_dense's RMSNorm prologue
+// (norm_rows), the activations then read from shared memory (lockstep.RMSNormMatMul, opt-in:
+// measured slower than the two launches, see providers/cuda/ops/rms_norm_matmul.py).  The
+// sequence of every element (the header of this section) is the same for every schedule.
 template <int NJ, typename S, bool GLU, bool NORM, bool PIPE>
-__global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
+__global__ void __launch_bounds__(256, NJ == 1 ? 4 : NJ == 4 ? 2 : 1) mma_nbits4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
                                                   const S* __restrict__ scales, const void* __restrict__ zp,
                                                   int zp_mode, int zp_stride, const __half* __restrict__ bias,
                                                   __half* __restrict__ y, int M, int N, int K, int bs,
@@ -595,19 +660,17 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
     const int na = min(n0 + g, N - 1), nbr = min(n0 + g + 8, N - 1);
     const bool va = n0 + g < N, vb = n0 + g + 8 < N;
     // Codes, scales and zero points of the 64-wide k chunk at k0 (weights: constants of the step).
-    auto load_w = [&](Chunk4& w, int k0) {
+    auto load_w = [&](Chunk4<S>& w, int k0) {
         const int kl = k0 + 16 * t;
         w.ca = make_uint2(0, 0); w.cb = make_uint2(0, 0);
-        w.sa = 0.f; w.sb = 0.f; w.za = 8.f; w.zb = 8.f;
         if (kl < K) {
             w.ca = *reinterpret_cast<const uint2*>(q + na * rowbytes + kl / 2);
             w.cb = *reinterpret_cast<const uint2*>(q + nbr * rowbytes + kl / 2);
-            scale_zp(scales, zp, zp_mode, zp_stride, nb, na, va, kl / bs, w.sa, w.za);
-            scale_zp(scales, zp, zp_mode, zp_stride, nb, nbr, vb, kl / bs, w.sb, w.zb);
         }
+        load_scales(w, scales, zp, zp_mode, zp_stride, nb, na, va && kl < K, nbr, vb && kl < K, min(kl, K - 1) / bs);
     };
     constexpr int NC = PIPE ? 4 : 1;  // 64-chunks of weights held per lane
-    Chunk4 w[NC];
+    Chunk4<S> w[NC];
     {  // before PDL_ENTER: overlaps the end of the previous kernel (kernels/pdl.cuh)
         const int first = min(NC, seg_chunks(K, warp));
 #pragma unroll
@@ -617,36 +680,16 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
     float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
     __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
     if constexpr (NORM) norm_rows(x, NormArgs{n_skip, n_gamma, n_sum, n_eps}, M, K, m0, n0 == 0, nsm, xs);
-    // the 8 mmas of the chunk at k0 (weights wc) into acc
-    auto mma_chunk = [&](float (*acc)[4], const Chunk4& wc, int k0) {
-        const int kl = k0 + 16 * t;            // this lane's 16 codes: kl .. kl + 15
-        const bool kv = kl < K;
-        // activations: x[m, kl .. kl + 15] (32 bytes) per token tile
-        uint4 xa[NJ][2];
+    // the 4 tiles of the chunk at k0 (weights wc) into acc
+    auto mma_chunk = [&](float (*acc)[4], const Chunk4<S>& wc, int k0) {
+        uint2 xq[NJ][4];
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
             const int m = m0 + j * 8 + g;
-            if constexpr (NORM) {
-                ld_xs16(xs, j * 8 + g, K, kl, M - m0, xa[j]);
-            } else if (m < M && kv) {
-                const uint4* p = reinterpret_cast<const uint4*>(x + (long long)m * K + kl);
-                xa[j][0] = p[0]; xa[j][1] = p[1];
-            } else {
-                xa[j][0] = make_uint4(0, 0, 0, 0); xa[j][1] = xa[j][0];
-            }
+            if constexpr (NORM) ld_x4q(xs + g * (K + 8), 0, K, k0, t, g < M - m0, xq[j]);  // rows >= R: zeros
+            else ld_x4q(x, m, K, k0, t, m < M, xq[j]);
         }
-        const bool f16 = is_half_t<S>::value && zp_mode != 2;
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-            unsigned hi[4], lo[4];
-            dequant4(wc, v, f16, hi, lo);
-#pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);  // 8 words = 16 halves
-                mma16816(acc[j], hi, xw[2 * v], xw[2 * v + 1]);
-                mma16816(acc[j], lo, xw[2 * v], xw[2 * v + 1]);
-            }
-        }
+        mma4_chunk<NJ, S>(acc, wc, xq);
     };
     for (int seg = warp; seg < nseg; seg += nwarps) {  // K segments: warp w takes w, w + nwarps, ...
         float acc[NJ][4];
@@ -671,12 +714,24 @@ __global__ void __launch_bounds__(256) mma_nbits4(const __half* __restrict__ x, 
     finish<NJ, GLU>(part, nseg, bias, y, M, N, n0, m0, n_out);
 }
 
-// Tiled int4 GEMM for many rows (mma_wide4): mma_wide's tiling with mma_nbits4's arithmetic (per
-// k tile the hi then the lo mma of the exact dequantised weight, dequant4), so every row is
+// Activations of int4 chunk stage xst for a token warp in the int4 slot map: token tile j, row g,
+// xq[j][v] = halves 16 v + 4 t .. + 3 of the chunk.  WIDE_XS4 (80 halves, 40 words) puts the 4
+// rows x 4 lanes of a half warp's 8-byte reads on distinct banks.
+#define WIDE_XS4 80
+__device__ __forceinline__ void wide_load_x4q(uint2 (*xq)[4], const __half* xst, int wt, int g, int t) {
+    const __half* row = xst + (wt * 32 + g) * WIDE_XS4 + 4 * t;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) xq[j][v] = *reinterpret_cast<const uint2*>(row + j * 8 * WIDE_XS4 + 16 * v);
+}
+
+// Tiled int4 GEMM for many rows (mma_wide4): mma_wide's tiling with mma_nbits4's arithmetic (the
+// groups of mma4_chunk in ascending k, the segment fold after every 4 chunks), so every row is
 // bitwise its mma_nbits4 result.  Per chunk the block's 64 F weight rows' 32 code bytes and the
 // activations are staged by cp.async; each lane's scales and zero points of the next chunk are
 // loaded into registers while the current chunk computes.  grid (ceil(M / 64), ceil(N / (64 F))),
-// shared WIDE_STAGES * (128 F + 64 * WIDE_XS / 8) uint4.  Needs K % 32 == 0 and row bytes
+// shared WIDE_STAGES * (128 F + 64 * WIDE_XS4 / 8) uint4.  Needs K % 32 == 0 and row bytes
 // (n_blocks * bs / 2) % 16 == 0.
 template <int F, typename S, bool GLU>
 __global__ void __launch_bounds__(256) mma_wide4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
@@ -684,14 +739,14 @@ __global__ void __launch_bounds__(256) mma_wide4(const __half* __restrict__ x, c
                                                  int zp_mode, int zp_stride, const __half* __restrict__ bias,
                                                  __half* __restrict__ y, int M, int N, int K, int bs, int n_out) {
     extern __shared__ uint4 wsm[];
-    constexpr int ROWS = 64 * F, CS = 2 * ROWS, XS = 64 * WIDE_XS / 8;
+    constexpr int ROWS = 64 * F, CS = 2 * ROWS, XS = 64 * WIDE_XS4 / 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int wt = warp >> 2, wf = warp & 3;
     const int m0 = blockIdx.x * 64, r0 = blockIdx.y * ROWS, nchunks = (K + 63) >> 6;
     const int nb = (K + bs - 1) / bs;
     const long long rowbytes = (long long)nb * (bs / 2);
     uint4* cs = wsm;                                                 // [STAGES][ROWS][32 bytes]
-    __half* xs = reinterpret_cast<__half*>(wsm + WIDE_STAGES * CS);  // [STAGES][64 tokens][WIDE_XS]
+    __half* xs = reinterpret_cast<__half*>(wsm + WIDE_STAGES * CS);  // [STAGES][64 tokens][WIDE_XS4]
     PDL_ENTER_GEMM();
     auto stage = [&](int c) {
         uint4* cdst = cs + (c % WIDE_STAGES) * CS;
@@ -700,28 +755,23 @@ __global__ void __launch_bounds__(256) mma_wide4(const __half* __restrict__ x, c
             const bool ok = row < N && k < K;
             cp_async16_zfill(cdst + p, q + (ok ? row * rowbytes + k / 2 : 0), ok);
         }
-        wide_stage_x(xs + (c % WIDE_STAGES) * XS * 8, x, M, K, m0, c);
+        wide_stage_x<WIDE_XS4>(xs + (c % WIDE_STAGES) * XS * 8, x, M, K, m0, c);
         asm volatile("cp.async.commit_group;\n" ::: "memory");
     };
     // scales and zero points of chunk c for the lane's rows g and g + 8 of each of its tiles
-    auto load_sz = [&](float (*sz)[4], int c) {
+    auto load_sz = [&](Chunk4<S>* w, int c) {
         const int kl = 64 * c + 16 * t;
 #pragma unroll
         for (int f = 0; f < F; ++f) {
-            sz[f][0] = 0.f; sz[f][1] = 0.f; sz[f][2] = 8.f; sz[f][3] = 8.f;
-            if (kl < K) {
-                const int ra = r0 + (wf * F + f) * 16 + g, rb = ra + 8;
-                scale_zp(scales, zp, zp_mode, zp_stride, nb, min(ra, N - 1), ra < N, kl / bs, sz[f][0], sz[f][2]);
-                scale_zp(scales, zp, zp_mode, zp_stride, nb, min(rb, N - 1), rb < N, kl / bs, sz[f][1], sz[f][3]);
-            }
+            const int ra = r0 + (wf * F + f) * 16 + g, rb = ra + 8;
+            load_scales(w[f], scales, zp, zp_mode, zp_stride, nb, min(ra, N - 1), ra < N && kl < K, min(rb, N - 1),
+                        rb < N && kl < K, min(kl, K - 1) / bs);
         }
     };
-    const bool f16 = is_half_t<S>::value && zp_mode != 2;
-    float acc[F][4][4], tot[F][4][4], cur[F][4], nxt[F][4];
+    float acc[F][4][4], tot[F][4][4];
     wide_zero<F>(acc, tot);
+    Chunk4<S> cur[F], nxt[F];
     load_sz(cur, 0);
-    // chunks 0 .. WIDE_STAGES - 2 in flight; one commit group per chunk (empty past K), so
-    // waiting for all but the newest WIDE_STAGES - 2 groups means chunk c has landed
 #pragma unroll
     for (int c = 0; c < WIDE_STAGES - 1; ++c) {
         if (c < nchunks) stage(c); else asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -734,34 +784,18 @@ __global__ void __launch_bounds__(256) mma_wide4(const __half* __restrict__ x, c
         else asm volatile("cp.async.commit_group;\n" ::: "memory");
         const unsigned char* cst = reinterpret_cast<const unsigned char*>(cs + (c % WIDE_STAGES) * CS);
         const bool kv = 64 * c + 16 * t < K;
-        uint4 xa[4][2];
-        wide_load_x(xa, xs + (c % WIDE_STAGES) * XS * 8, wt, g, t);
-        Chunk4 w[F];
+        uint2 xq[4][4];
+        wide_load_x4q(xq, xs + (c % WIDE_STAGES) * XS * 8, wt, g, t);
 #pragma unroll
         for (int f = 0; f < F; ++f) {  // codes 16 t .. 16 t + 15 of rows g and g + 8 (zeros past K)
             const int la = (wf * F + f) * 16 + g;
-            w[f].ca = kv ? *reinterpret_cast<const uint2*>(cst + la * 32 + 8 * t) : make_uint2(0, 0);
-            w[f].cb = kv ? *reinterpret_cast<const uint2*>(cst + (la + 8) * 32 + 8 * t) : make_uint2(0, 0);
-            w[f].sa = cur[f][0]; w[f].sb = cur[f][1]; w[f].za = cur[f][2]; w[f].zb = cur[f][3];
+            cur[f].ca = kv ? *reinterpret_cast<const uint2*>(cst + la * 32 + 8 * t) : make_uint2(0, 0);
+            cur[f].cb = kv ? *reinterpret_cast<const uint2*>(cst + (la + 8) * 32 + 8 * t) : make_uint2(0, 0);
+            mma4_chunk<4, S>(acc[f], cur[f], xq);
         }
-#pragma unroll
-        for (int v = 0; v < 4; ++v)
-#pragma unroll
-            for (int f = 0; f < F; ++f) {
-                unsigned hi[4], lo[4];
-                dequant4(w[f], v, f16, hi, lo);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const unsigned* xw = reinterpret_cast<const unsigned*>(&xa[j][0]);
-                    mma16816(acc[f][j], hi, xw[2 * v], xw[2 * v + 1]);
-                    mma16816(acc[f][j], lo, xw[2 * v], xw[2 * v + 1]);
-                }
-            }
         if ((c & 3) == 3 || c == nchunks - 1) wide_fold<F>(acc, tot);
 #pragma unroll
-        for (int f = 0; f < F; ++f)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) cur[f][e] = nxt[f][e];
+        for (int f = 0; f < F; ++f) cur[f] = nxt[f];
     }
     PDL_LATE_TRIGGER();
     wide_store<F, GLU>(tot, bias, y, M, N, n_out, m0 + wt * 32, r0 / 16 + wf * F);

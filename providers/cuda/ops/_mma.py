@@ -60,8 +60,8 @@ PIPELINE = env.switch("LOCKSTEP_CUDA_GEMM_PIPELINE")
 #: made batch 256 1.2-1.6x faster, and the int4 ones were slower than ``mma_nbits4``.
 WIDE = env.switch("LOCKSTEP_CUDA_GEMM_WIDE")
 WIDE_ROWS = 32
-#: kernels/linear_mma.cu WIDE_STAGES and WIDE_XS (shared memory of mma_wide).
-_WIDE_STAGES, _WIDE_XS = 3, 72
+#: kernels/linear_mma.cu WIDE_STAGES, WIDE_XS and WIDE_XS4 (shared memory of mma_wide / mma_wide4).
+_WIDE_STAGES, _WIDE_XS, _WIDE_XS4 = 3, 72, 80
 #: Most rows a fused RMSNorm prologue launch takes. The kernel holds up to 8, but measured on the
 #: H200 (docs/benchmarks/kernels.md) the prologue's per-row work cost more than the separate norm
 #: launch it saves from 2 rows on, so only single-row (batch-1 decode) calls take it.
@@ -154,15 +154,15 @@ def wide_config(m: int, n: int, int4: bool = False) -> tuple[int, tuple, tuple, 
     and n weight rows: F = 2 (128-feature blocks) when that still gives two blocks per
     multiprocessor, else F = 1; None when the tiles would not beat the row kernels
     (:func:`wide_worth`) or the feature blocks exceed the grid's y. Shared memory: WIDE_STAGES
-    chunks of the activations (64 rows of WIDE_XS halves) and of the weights (the packed
-    fragments of 4 F tiles, or 32 code bytes of 64 F rows)."""
+    chunks of the activations (64 rows of WIDE_XS halves, WIDE_XS4 for int4) and of the weights
+    (the packed fragments of 4 F tiles, or 32 code bytes of 64 F rows)."""
     tokens = -(-m // 64)
     f = 2 if tokens * -(-n // 128) >= 2 * _multiprocessors() else 1
     features = -(-n // (64 * f))
     if features > MAX_GRID_Y or not wide_worth(m, tokens * features):
         return None
-    weights = 2 * 64 * f if int4 else 4 * f * 128
-    return f, (tokens, features), (256,), _WIDE_STAGES * (weights + 64 * _WIDE_XS // 8) * 16
+    weights, xs = (2 * 64 * f, _WIDE_XS4) if int4 else (4 * f * 128, _WIDE_XS)
+    return f, (tokens, features), (256,), _WIDE_STAGES * (weights + 64 * xs // 8) * 16
 
 
 def wide_dense_applies(m: int, k: int) -> bool:
@@ -354,7 +354,15 @@ def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, n
     """y = a @ dequant(b)^T (+ bias), n weight rows. ``glu_out`` > 0: b, scales and zp hold
     gate/up rows in :func:`glu_rows` order and y [m, glu_out] = silu_mul(gate, up). With ``norm``
     (:func:`norm_applies` must hold, fp16 scales) the activations are RMSNorm(a + skip) * gamma,
-    computed in the same launch."""
+    computed in the same launch.
+
+    Raises:
+        ValueError: a configuration the kernels do not compute (``matmul_nbits.mma_config``:
+            block_size < 32 or float zero points, zp_mode 2).
+    """
+    if bs < 32 or zp_mode not in (0, 1):
+        raise ValueError(f"int4 tensor-core kernel: block_size {bs} (needs >= 32), zero-point mode {zp_mode} "
+                         "(needs none or packed uint8)")
     width = glu_out if glu_out > 0 else n
     pipe = pipelined(n, True)
     for r0, r1 in row_slices(m, 32):

@@ -3,8 +3,11 @@
 A [..., K] fp16/fp32; B uint8 [N, n_blocks, blob]; scales fp16/fp32 [N, n_blocks] (or flat);
 zero_points absent (2^(bits-1)), packed uint8 [N, ceil(n_blocks*bits/8)] or float [N, n_blocks];
 bits 2/4/8, block_size a power of two >= 16; g_idx and prepacked weights are rejected.
-Kernel: kernels/linear.cu ``nbits`` (dequantisation in registers; K order fixed per
-(K, block_size): one fmaf chain per quantisation block, blocks folded in ascending order).
+Kernels: kernels/linear_mma.cu ``mma_nbits4`` / ``mma_wide4`` (tensor cores, :func:`mma_config`:
+per 16-wide k tile the exact integer products q - z times x summed by an mma, then scaled by an
+fmaf into the accumulator), else kernels/linear.cu ``nbits`` (dequantisation in registers; K
+order fixed per (K, block_size): one fmaf chain per quantisation block, blocks folded in
+ascending order). Which one a node takes is fixed by its attributes and dtypes, never by M.
 """
 
 import numpy as np
@@ -52,16 +55,18 @@ def zero_point_mode(zero_points, a_dtype, n: int, nb: int):
     raise ValueError(f"MatMulNBits: zero_points {zero_points.dtype}{zero_points.shape} unsupported")
 
 
-def uses_mma(a, bits: int, k: int, zp_mode: int, zero_points) -> bool:
+def uses_mma(a, bits: int, k: int, bs: int, zp_mode: int) -> bool:
     """True when the product runs on the tensor-core int4 kernel."""
-    return a.flags.c_contiguous and mma_config(a.dtype, bits, k, zp_mode, zero_points)
+    return a.flags.c_contiguous and mma_config(a.dtype, bits, k, bs, zp_mode)
 
 
-def mma_config(a_dtype, bits: int, k: int, zp_mode: int, zero_points) -> bool:
+def mma_config(a_dtype, bits: int, k: int, bs: int, zp_mode: int) -> bool:
     """The static part of :func:`uses_mma` (all but A's contiguity): fp16 A, 4 bits, K a
-    multiple of 16 and at most MAX_K, zero points absent, packed or fp16."""
-    return (a_dtype == np.float16 and bits == 4 and k % 16 == 0 and k <= _mma.MAX_K
-            and (zp_mode != 2 or zero_points.dtype == np.float16))
+    multiple of 16 and at most MAX_K, block_size at least 32 (a 16-wide k tile and its lane
+    pair lie in one quantisation block) and integer zero points (absent or packed uint8: the
+    kernel's q - z is an exact fp16 integer). Float zero points take the CUDA-core kernel."""
+    return (a_dtype == np.float16 and bits == 4 and k % 16 == 0 and k <= _mma.MAX_K and bs >= 32
+            and zp_mode in (0, 1))
 
 
 def geometry(attrs: dict, a, b, scales) -> tuple[int, int, int, int, int]:
@@ -98,7 +103,7 @@ def launch(attrs: dict, a, b, scales, zero_points, bias, y) -> None:
     if m == 0:
         return
     t, s = ctype(a.dtype), ctype(scales.dtype)
-    if uses_mma(a, bits, k, zp_mode, zero_points):
+    if uses_mma(a, bits, k, bs, zp_mode):
         _mma.nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s, NULL)
         return
     for r0, r1 in row_slices(m, 8):

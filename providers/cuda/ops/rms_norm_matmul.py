@@ -136,7 +136,7 @@ def _int4_launch(ctx, x, weights):
         zp, zp_mode, zp_stride = matmul_nbits.zero_point_mode(z, x.dtype, n, nb)
     except ValueError:
         return None
-    if not matmul_nbits.uses_mma(x, bits, k, zp_mode, z):
+    if not matmul_nbits.uses_mma(x, bits, k, bs, zp_mode):
         return None
     return n, lambda x, y, m, norm: _mma.nbits4(x, b, s, zp, zp_mode, zp_stride, None, y, m, n, k, bs, "__half", NULL,
                                                 norm=norm)

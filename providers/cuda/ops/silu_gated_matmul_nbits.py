@@ -60,7 +60,7 @@ def prepare(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
         _, zp_mode, zp_stride = matmul_nbits.zero_point_mode(zp_gate, np.dtype(np.float16), n, nb)
     except ValueError:
         return None  # run() raises it on the raw inputs
-    if not matmul_nbits.mma_config(np.dtype(np.float16), bits, k, zp_mode, zp_gate):
+    if not matmul_nbits.mma_config(np.dtype(np.float16), bits, k, bs, zp_mode):
         return None
     b, s, z = interleave(array_module(b_gate), n, ((b_gate, b_up), (scales_gate, scales_up), (zp_gate, zp_up)))
     ctx.cache[PREPARED] = (k, n, bs, zp_mode, zp_stride)
@@ -103,7 +103,7 @@ def run(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
     m = x.size // k
     if m == 0:
         return (y,)
-    if matmul_nbits.uses_mma(x, bits, k, zp_mode, zp_gate):
+    if matmul_nbits.uses_mma(x, bits, k, bs, zp_mode):
         b, s, z = _unprepared(ctx, n, ((b_gate, b_up), (scales_gate, scales_up),
                                        (None, None) if zp_gate is None else (zp_gate, zp_up)))
         _mma.nbits4(x, b, s, NULL if z is None else z, zp_mode, zp_stride, None, y, m, _mma.glu_width(n), k, bs,
