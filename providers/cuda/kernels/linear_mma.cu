@@ -12,18 +12,12 @@
 //
 // dense16: W pre-packed (host side, once) into fragment order: Wp[nt][kt][lane][8] halves
 // (K, N zero-padded to multiples of 16).  A lane's 8 halves are its a0..a7 registers.
-// nbits4: int4 MatMulNBits weights read in place (codes [N, nb, blob], 2 per byte, LSB first):
-// per 64-wide k chunk lane (g, t) reads 8 bytes of rows g and g+8 (codes k0+16t .. +15);
-// virtual tile v (0..3) of the chunk maps its k slots (2t, 2t+1, 2t+8, 2t+9) to actual
-// k0 + 16t + 4v + (0, 1, 2, 3), and the activations use the same map.
-// Dequantisation keeps the fp32 weight of cpu_reference, w = (q - zp) * scale: w is split into
-// hi = fp16(w) and lo = fp16(w - hi), and each virtual tile is two mmas (hi, then lo) into the
-// same accumulator.  With an integer zero point and fp16 scales, w is exact in fp32 (a 5-bit
-// integer times an 11-bit scale) and hi + lo == w, so int4 logits carry no weight rounding
-// (rounding w to fp16 alone cost ~2% top-1 agreement with cpu_reference on SmolLM2-shaped
-// models).  That case is computed in fp16x2 arithmetic (q via the 0x6400 exponent trick,
-// hi = q*s, lo = fma(q, s, -hi): both exact or correctly rounded, so bitwise the fp32 route);
-// float zero points or fp32 scales take the fp32 route.
+// nbits4: int4 MatMulNBits weights read in place (codes [N, nb, blob], 2 per byte, LSB first);
+// per 64-wide k chunk lane (g, t) reads 8 bytes of rows g and g+8 (codes k0+16t .. +15) and a
+// quad transpose gives every lane its 4 codes of each natural 16-wide k tile.  The products
+// (q - z) x are exact and summed by the tensor core per 32-wide group, then scaled once in fp32
+// ("scale after", the int4 section below; fp16 zero points and blocks under 32 are refused, the
+// CUDA-core kernel of linear.cu serves them).
 //
 // mma_dense NORM = true (NJ = 1): the RMSNorm prologue (norm_rows, below) computes the block's
 // activation rows in shared memory first: one launch for SkipSimplifiedLayerNormalization and the
