@@ -13,6 +13,7 @@ from _gpu import require_gpu
 
 require_gpu()
 pytest.importorskip("transformers")
+pytest.importorskip("onnxruntime_genai", reason="the builder (the models extra) makes the family folders")
 
 from core.generation.loop import decode  # noqa: E402
 from core.models.model import load_model  # noqa: E402
