@@ -38,14 +38,6 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ unsigned ld_x2(const __half* x, long long row, int K, int k, bool ok) {
-    // two consecutive halves x[row, k], x[row, k + 1] (k even), zeros past K / invalid rows
-    if (!ok) return 0u;
-    if (k + 1 < K) return *reinterpret_cast<const unsigned*>(x + row * K + k);
-    __half2 h = __halves2half2(k < K ? x[row * K + k] : __float2half(0.f), __float2half(0.f));
-    return *reinterpret_cast<unsigned*>(&h);
-}
-
 // SiluMul of a gate and an up value, each already rounded to fp16 as MatMul stores them, with
 // every step rounded to fp16 exactly as kernels/elementwise.cu ``silu_mul`` does (sigmoid,
 // x * s, then * up): the GLU epilogue is bitwise MatMul, MatMul, SiluMul.
@@ -491,7 +483,8 @@ __global__ void __launch_bounds__(256, 2) mma_wide(const __half* __restrict__ x,
 
 // ---- int4 (MatMulNBits) ------------------------------------------------------------------------
 // k-slot map: virtual k tile v (0..3) of the 64-wide chunk at k0 is the natural tile
-// k0 + 16 v .. k0 + 16 v + 15, which lies in one quantisation block (block_size >= 32); lane
+// k0 + 16 v .. k0 + 16 v + 15 (tiles 2h, 2h + 1 form a 32-wide group, one quantisation block
+// as block_size >= 32); lane
 // (g, t)'s slots (2t, 2t+1, 2t+8, 2t+9) hold k0 + 16 v + 4 t + (0, 1, 2, 3), for the weights
 // and the activations alike.  A lane loads the 16 contiguous codes k0 + 16 t .. + 15 of rows g
 // and g + 8 (8 bytes each, 4 pieces of 4 codes); quad_transpose hands piece t of lane v to lane
@@ -537,8 +530,8 @@ __device__ __forceinline__ uint2 quad_transpose(uint2 w) {
     return o;
 }
 
-// The scale pair (row g, row g + 8) and zq pair of block (row, k) loaded into ``w`` (scales 0 for
-// rows past N, ``valid`` false).  zp_mode: 0 none (z = 8), 1 packed uint8 nibbles [N, zp_stride].
+// The scale pair and zq pair of rows ra (g) and rb (g + 8) for quantisation block blk, into ``w``
+// (scale 0 where va / vb is false: a row past N or codes past K).  zp_mode: 0 none (z = 8), 1 packed uint8 nibbles [N, zp_stride].
 template <typename S>
 __device__ __forceinline__ void load_scales(Chunk4<S>& w, const S* __restrict__ scales, const void* __restrict__ zp,
                                             int zp_mode, int zp_stride, int nb, int ra, bool va, int rb, bool vb,

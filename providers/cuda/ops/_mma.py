@@ -349,6 +349,14 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
                 (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0))
 
 
+def int4_layout_applies(bs: int, zp_mode: int) -> bool:
+    """Whether the int4 kernels compute weights of quantisation block ``bs`` and zero-point mode
+    ``zp_mode`` (``matmul_nbits.zero_point_mode``): block_size at least 32 (a 32-wide k group
+    has one scale) and integer zero points, absent (0) or packed uint8 (1), so q - z is an exact
+    fp16 integer (kernels/linear_mma.cu, the int4 section)."""
+    return bs >= 32 and zp_mode in (0, 1)
+
+
 def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0,
            norm: Norm | None = None):
     """y = a @ dequant(b)^T (+ bias), n weight rows. ``glu_out`` > 0: b, scales and zp hold
@@ -357,10 +365,9 @@ def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, n
     computed in the same launch.
 
     Raises:
-        ValueError: a configuration the kernels do not compute (``matmul_nbits.mma_config``:
-            block_size < 32 or float zero points, zp_mode 2).
+        ValueError: a layout the kernels do not compute (:func:`int4_layout_applies`).
     """
-    if bs < 32 or zp_mode not in (0, 1):
+    if not int4_layout_applies(bs, zp_mode):
         raise ValueError(f"int4 tensor-core kernel: block_size {bs} (needs >= 32), zero-point mode {zp_mode} "
                          "(needs none or packed uint8)")
     width = glu_out if glu_out > 0 else n

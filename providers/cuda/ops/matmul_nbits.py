@@ -4,8 +4,8 @@ A [..., K] fp16/fp32; B uint8 [N, n_blocks, blob]; scales fp16/fp32 [N, n_blocks
 zero_points absent (2^(bits-1)), packed uint8 [N, ceil(n_blocks*bits/8)] or float [N, n_blocks];
 bits 2/4/8, block_size a power of two >= 16; g_idx and prepacked weights are rejected.
 Kernels: kernels/linear_mma.cu ``mma_nbits4`` / ``mma_wide4`` (tensor cores, :func:`mma_config`:
-per 16-wide k tile the exact integer products q - z times x summed by an mma, then scaled by an
-fmaf into the accumulator), else kernels/linear.cu ``nbits`` (dequantisation in registers; K
+per 32-wide k group the exact products (q - z) x summed by two mmas, then scaled by one fmaf
+into the accumulator), else kernels/linear.cu ``nbits`` (dequantisation in registers; K
 order fixed per (K, block_size): one fmaf chain per quantisation block, blocks folded in
 ascending order). Which one a node takes is fixed by its attributes and dtypes, never by M.
 """
@@ -62,11 +62,11 @@ def uses_mma(a, bits: int, k: int, bs: int, zp_mode: int) -> bool:
 
 def mma_config(a_dtype, bits: int, k: int, bs: int, zp_mode: int) -> bool:
     """The static part of :func:`uses_mma` (all but A's contiguity): fp16 A, 4 bits, K a
-    multiple of 16 and at most MAX_K, block_size at least 32 (a 16-wide k tile and its lane
-    pair lie in one quantisation block) and integer zero points (absent or packed uint8: the
-    kernel's q - z is an exact fp16 integer). Float zero points take the CUDA-core kernel."""
-    return (a_dtype == np.float16 and bits == 4 and k % 16 == 0 and k <= _mma.MAX_K and bs >= 32
-            and zp_mode in (0, 1))
+    multiple of 16 and at most MAX_K, and a layout the kernels compute
+    (``_mma.int4_layout_applies``: block_size at least 32, zero points absent or packed). Float
+    zero points and smaller blocks take the CUDA-core kernel."""
+    return (a_dtype == np.float16 and bits == 4 and k % 16 == 0 and k <= _mma.MAX_K
+            and _mma.int4_layout_applies(bs, zp_mode))
 
 
 def geometry(attrs: dict, a, b, scales) -> tuple[int, int, int, int, int]:
