@@ -58,6 +58,7 @@ SWITCHES: dict[str, tuple] = {
     "LOCKSTEP_CUDA_PDL_TRIGGER": ("entry", ("entry", "late")),
     "LOCKSTEP_CUDA_GEMM_PIPELINE": ("auto", ("auto", "all", "off")),
     "LOCKSTEP_CUDA_GEMM_WIDE": ("dense", ("dense", "all", "off")),
+    "LOCKSTEP_CUDA_GEMM_SPLIT": ("auto", ("auto", "off")),
 }
 
 

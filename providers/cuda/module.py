@@ -79,6 +79,22 @@ class Kernel:
         if replay._recording is not None:
             replay.record(self.ptr, grid, block, args, shared_mem)
 
+    def blocks_per_multiprocessor(self, threads: int) -> int:
+        """How many blocks of ``threads`` threads fit one multiprocessor at once by this kernel's
+        registers (its ``num_regs``, allocated per warp in units of 256) and the device's
+        thread limit; shared memory is not counted. Cached per thread count."""
+        cached = _RESIDENT.get((self.ptr, threads))
+        if cached is None:
+            import cupy
+
+            attrs = cupy.cuda.Device().attributes
+            warps = -(-threads // 32)
+            per_warp = -(-self.raw.num_regs * 32 // 256) * 256
+            cached = _RESIDENT[(self.ptr, threads)] = max(1, min(
+                attrs["MaxRegistersPerMultiprocessor"] // (per_warp * warps),
+                attrs["MaxThreadsPerMultiProcessor"] // (32 * warps)))
+        return cached
+
     @property
     def max_dynamic_shared_size_bytes(self) -> int:
         return self.raw.max_dynamic_shared_size_bytes
@@ -89,6 +105,7 @@ class Kernel:
 
 
 _FUNCTIONS: dict = {}
+_RESIDENT: dict = {}
 
 
 def function(name: str, expression: str, expressions: tuple[str, ...]) -> Kernel:

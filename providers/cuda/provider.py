@@ -195,14 +195,14 @@ class CudaProvider(ProviderBase):
 
     def settings(self) -> dict[str, str]:
         """The cuda provider's switches (docs/cuda.md): programmatic dependent launch and its
-        GEMM trigger, the GEMM schedule (PIPE) and tiled kernels, the RMSNorm-projection fusion
+        GEMM trigger, the GEMM schedule (PIPE), tiled kernels and split-K, the RMSNorm-projection fusion
         (and its int4 opt-in), eager launch replay."""
         from providers.cuda import module, replay
         from providers.cuda.ops import _mma, rms_norm_matmul
 
         on = ("off", "on")
         return {"pdl": on[replay.pdl_enabled()], "pdl_trigger": module.pdl_trigger(),
-                "gemm_pipeline": _mma.PIPELINE, "gemm_wide": _mma.WIDE,
+                "gemm_pipeline": _mma.PIPELINE, "gemm_wide": _mma.WIDE, "gemm_split": _mma.SPLIT,
                 "norm_fusion": on[rms_norm_matmul.enabled()],
                 "norm_fusion_int4": on[rms_norm_matmul.int4_enabled()], "eager_replay": on[self.eager_replay]}
 
@@ -283,11 +283,13 @@ class CudaProvider(ProviderBase):
 
     def workspace_bytes(self) -> int:
         """Device bytes of the scratch every node shares: the split-KV decode workspaces of
-        GroupQueryAttention (one per shape) and the argmax partials (one per batch and chunk
-        count)."""
+        GroupQueryAttention (one per shape), the argmax partials (one per batch and chunk
+        count) and the GEMMs' split-K workspace (one per device, shared by the process)."""
+        from providers.cuda.ops import _mma
+
         held = [a for ws in self.__dict__.get("_gqa_workspace", {}).values() for a in ws]
         held += [a for scratch in self._argmax_scratch.values() for a in scratch]
-        return sum(int(a.nbytes) for a in held)
+        return sum(int(a.nbytes) for a in held) + _mma.split_workspace_bytes()
 
     def synchronize(self) -> None:
         self.stream.synchronize()

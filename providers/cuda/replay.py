@@ -115,39 +115,39 @@ _pdl: bool | None = None
 _functions: dict = {}
 
 
+def _pdl_capable() -> bool:
+    """Whether this device and process can launch with the programmatic attribute: compute
+    capability 9.0 or later and cuda-bindings importable."""
+    import cupy
+
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return False
+    return int(cupy.cuda.Device().compute_capability) // 10 >= 9
+
+
 def pdl_enabled() -> bool:
     """Whether kernels launch with the programmatic stream-serialization attribute: the device
-    is compute capability 9.0 or later, cuda-bindings is importable and ``LOCKSTEP_CUDA_PDL``
-    is on (off by default: measured on the H200 it bought 10% on SmolLM2-135M and cost 28-45%
-    on Llama-3.2-1B, docs/benchmarks/kernels.md). Decided once per process (:func:`set_pdl`
-    changes it)."""
+    can (:func:`_pdl_capable`) and ``LOCKSTEP_CUDA_PDL`` is on (off by default: measured on the
+    H200 it bought 10% on SmolLM2-135M and cost 28-45% on Llama-3.2-1B,
+    docs/benchmarks/kernels.md). Decided once per process (:func:`set_pdl` changes it)."""
     global _pdl
     if _pdl is None:
-        import cupy
-
         from providers.cuda import env
 
-        wanted = env.switch("LOCKSTEP_CUDA_PDL")
-        major = int(cupy.cuda.Device().compute_capability) // 10
-        try:
-            from cuda.bindings import driver  # noqa: F401
-        except ImportError:
-            wanted = False
-        _pdl = wanted and major >= 9
+        _pdl = env.switch("LOCKSTEP_CUDA_PDL") and _pdl_capable()
     return _pdl
 
 
 def set_pdl(on: bool) -> bool:
-    """Turn programmatic dependent launch on or off for launches from now on (a launch already
-    captured in a CUDA graph keeps its edges); returns the previous setting. Turning it on
-    where the device or cuda-bindings cannot do it leaves it off."""
+    """Turn programmatic dependent launch on or off for launches from now on, whatever
+    ``LOCKSTEP_CUDA_PDL`` says (a launch already captured in a CUDA graph keeps its edges);
+    returns the previous setting. Turning it on where the device or cuda-bindings cannot do it
+    leaves it off."""
     global _pdl
     before = pdl_enabled()
-    _pdl = None
-    if on:
-        pdl_enabled()
-    else:
-        _pdl = False
+    _pdl = bool(on) and _pdl_capable()
     return before
 
 

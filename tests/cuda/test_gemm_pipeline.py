@@ -11,6 +11,9 @@ and each seen to run:
 
 - the int4 RMSNorm prologue (``mma_nbits4`` NORM), bitwise the norm kernel followed by the
   projection kernel, under every schedule;
+- split-K (``_mma.SPLIT``: a tile's K segments over several blocks, the last one folding the
+  partials from the workspace) for int4 and int4 gate/up launches of 1-8 rows, under both
+  schedules, and back to back (the tickets are left at zero);
 
 and all agree with a float64 product within fp16 rounding."""
 
@@ -289,3 +292,51 @@ def test_dense_norm_prologue_is_bitwise_the_norm_then_the_projection(monkeypatch
     assert _bitwise([project(nc.normed).get(), *outs])
     for total in sums:
         assert np.array_equal(total.get().view(np.uint16), nc.total.get().view(np.uint16))
+
+
+def _split_and_unsplit(monkeypatch, ran, call):
+    """``call()``'s results with split-K off, then on (twice: the second launch finds the
+    tickets the first left), checking that every launch with it on was split."""
+    out = []
+    try:
+        for split in ("off", "auto", "auto"):
+            monkeypatch.setattr(_mma, "SPLIT", split)
+            _mma.config.cache_clear()
+            before = _mma.stats()["split_launches"]
+            del ran[:]
+            out.append(call().get())
+            assert ran and _mma.stats()["split_launches"] - before == (len(ran) if split == "auto" else 0)
+    finally:
+        _mma.config.cache_clear()
+    return out
+
+
+#: (m, k, n): 9, 18 and 32 K segments (2, 3 and 4 blocks per tile, the last one short), rows of
+#: the one-tile launches (NJ = 1), a K ending inside a chunk.
+SPLIT_SHAPES = [(1, 2304, 40), (5, 4608, 24), (8, 8192, 16), (3, 4400, 24)]
+
+
+@pytest.mark.parametrize("pipe", [False, True])
+@pytest.mark.parametrize("zp", [0, 1])
+@pytest.mark.parametrize("m,k,n", SPLIT_SHAPES)
+def test_split_k_int4_is_bitwise_the_unsplit_kernel(monkeypatch, ran, m, k, n, zp, pipe):
+    monkeypatch.setattr(_mma, "PIPELINE", "all" if pipe else "off")
+    case = Int4Case(np.random.default_rng(k * 5 + n), m, k, n, 32, np.float16, zp)
+    outs = _split_and_unsplit(monkeypatch, ran, case)
+    assert _bitwise(outs)
+    assert case.close(outs[0])
+
+
+def test_split_k_int4_gate_up_is_bitwise_the_unsplit_kernel(monkeypatch, ran):
+    n, k = 40, 4608
+    rows = _mma.glu_width(n)
+    case = Int4Case(np.random.default_rng(11), 1, k, rows, 32, np.float32, 0)
+
+    def call():
+        y = cupy.full((1, n), np.nan, np.float16)
+        _mma.nbits4(case.a, case.codes, case.scales, case.zp, 0, 0, None, y, 1, rows, k, 32, "float", NULL,
+                    glu_out=n)
+        return y
+
+    assert _bitwise(_split_and_unsplit(monkeypatch, ran, call))
+

@@ -139,8 +139,9 @@ def test_the_load_schedule_flag_picks_the_kernel_and_every_launch_is_compiled(la
     exprs = [launch[0] for launch in launches]
     assert len(exprs) == 6 and all(e in _mma.EXPRS for e in exprs)
     assert all(e.endswith(f", {_mma._BOOL[pipeline]}>") for e in exprs)
-    # the PIPE grid is (token blocks, feature tiles): 40 rows are 2 blocks of 32, N = 48 is 3 tiles
-    assert launches[4][1] == ((2, 3) if pipeline else (3, 2))
+    # the PIPE grid is (token blocks, feature tiles, splits): 40 rows are 2 blocks of 32, N = 48 is
+    # 3 tiles, K = 96 is one segment (no split)
+    assert launches[4][1] == ((2, 3, 1) if pipeline else (3, 2, 1))
 
 
 @pytest.mark.parametrize("glu", [False, True])
@@ -286,9 +287,31 @@ def test_one_int4_row_with_the_prologue_is_one_launch_and_other_scales_are_not(l
     assert y.shape == (1, n) and total.shape == (1, k)
     (expr, grid, block, args, shared), = launches
     assert expr == "mma_nbits4<1, __half, false, true, true>"  # the prologue, PIPE (auto: every int4 launch)
-    assert args[-4] is skip and args[-3] is gamma and args[-2] is total
+    assert args[-7] is skip and args[-6] is gamma and args[-5] is total  # then the split-K arguments
     assert shared > _mma.config(1, n, k, True)[3]  # the prologue's shared memory on top of the GEMM's
     assert rms_norm_matmul._fused(ctx, x, skip, gamma, None, (b, s.astype(np.float32))) is None  # fp32 scales
     assert rms_norm_matmul._fused(ctx, np.concatenate([x, x]), np.concatenate([skip, skip]), gamma, None,
                                   (b, s)) is None  # two rows: the two parts run
     assert len(launches) == 1
+
+
+def test_split_k_cuts_long_k_of_few_rows_into_at_most_one_wave(monkeypatch):
+    """The int4 launcher's rule (_mma.split_count) on the H200's 132 multiprocessors."""
+    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 132)
+    monkeypatch.setattr(_mma, "SPLIT", "auto")
+    _mma.config.cache_clear()
+    try:
+        # Llama-3.2-1B down at batch 1, the int4 kernel (4 blocks per multiprocessor): 4 x 128 blocks
+        nj, grid, block, shared, spb = _mma.config(1, 2048, 8192, True, 4)
+        assert grid == (1, 128, 4) and block == (256,) and spb == 8 and shared == 0
+        assert _mma.config(8, 2048, 8192, True, 2)[1:3] == ((1, 128, 2), (256,))  # 2 per SM: 2 splits
+        assert _mma.config(1, 2048, 8192, True, 1)[1] == (1, 128, 1)  # 1 per SM: a second wave, unsplit
+        assert _mma.config(32, 2048, 8192, True, 4)[1][2] == 1  # NJ = 4: unsplit (measured slower)
+        assert _mma.config(1, 2048, 8192, True)[1][2] == 1      # per_sm unknown (dense): unsplit
+        assert _mma.config(1, 2048, 2048, True, 4)[1][2] == 1   # 8 segments: one per warp already
+        assert _mma.config(1, 896, 4864, True, 4)[1:3] == ((1, 56, 3), (224,))  # 19 segments: 7, 7, 5
+        monkeypatch.setattr(_mma, "SPLIT", "off")
+        _mma.config.cache_clear()
+        assert _mma.config(1, 2048, 8192, True, 4)[1][2] == 1
+    finally:
+        _mma.config.cache_clear()

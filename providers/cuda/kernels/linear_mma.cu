@@ -25,7 +25,8 @@
 //
 // Kernels, all with the arithmetic above, so the choice between them never changes a bit:
 //   mma_dense / mma_nbits4  one 16-feature tile per block, 8 NJ tokens, a warp per K segment
-//                           (PIPE: the pipelined load schedule and token-major grid, see mma_dense);
+//                           (PIPE: the pipelined load schedule and token-major grid, see mma_dense;
+//                           mma_nbits4 split-K: a tile's segments over several blocks, see split_last);
 //   mma_wide / mma_wide4    the tiled kernels for 64 rows and more (see mma_wide).
 // Which one runs is the launcher's choice (providers/cuda/ops/_mma.py, measured defaults).
 #include <cuda_fp16.h>
@@ -94,6 +95,28 @@ __device__ __forceinline__ void finish(float* part, int nseg, const __half* bias
             }
         }
     }
+}
+
+// Split-K of mma_nbits4 (NJ = 1 and gridDim.z > 1, the launcher's choice: split_count in
+// providers/cuda/ops/_mma.py).  Block z of a feature tile computes K segments z spb ..
+// min(nseg, (z + 1) spb) - 1 and stores their partials in the global workspace sk_part
+// ([tile (blockIdx.y * gridDim.x + blockIdx.x)][nseg][16][8] floats) instead of shared memory.
+// The tile's last block to finish (an atomic ticket in sk_tickets, which that block resets to 0)
+// folds all nseg partials with finish: the same values added in the same ascending order, so a
+// split launch is bitwise the unsplit one.
+// After a split block stored its partials: whether it is the tile's last (then it folds).
+__device__ __forceinline__ bool split_last(int* tickets, int tile_block) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int t = atomicAdd(tickets + tile_block, 1);
+        last = t == (int)gridDim.z - 1;
+        if (last) tickets[tile_block] = 0;  // every block of this tile has taken its ticket
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
 }
 
 // Activations x[m, kl .. kl + 15] (16 halves) of one lane for a 64-wide chunk, zeros past K.
@@ -623,7 +646,9 @@ __device__ __forceinline__ void ld_x4q(const __half* x, long long m, int K, int 
 }
 
 // int4 MatMulNBits.  grid/block/shared/GLU as mma_dense (GLU: the rows of q, scales and zero
-// points interleaved as dense's packed rows).  Requires K % 16 == 0, block_size >= 32, fp16 X and
+// points interleaved as dense's packed rows), but for split-K: grid z is the split (block
+// 32 * min(spb, 8), spb = segments per split block, nseg unsplit; warp w computes segments
+// s_lo + w, s_lo + w + 8, ...; no shared partials when split, see split_last).  Requires K % 16 == 0, block_size >= 32, fp16 X and
 // zero points absent or packed.  PIPE as in mma_dense: false holds one 64-chunk of weights per
 // lane (load, wait, 4 tiles); true holds the segment's 4 chunks and refills each with the warp's
 // next segment once its tiles have issued.  NORM (NJ = 1): mma_dense's RMSNorm prologue
@@ -636,11 +661,18 @@ __global__ void __launch_bounds__(256, NJ == 1 ? 4 : NJ == 4 ? 2 : 1) mma_nbits4
                                                   int zp_mode, int zp_stride, const __half* __restrict__ bias,
                                                   __half* __restrict__ y, int M, int N, int K, int bs,
                                                   int n_out, const __half* n_skip, const __half* n_gamma,
-                                                  __half* n_sum, float n_eps) {
+                                                  __half* n_sum, float n_eps, float* sk_part, int* sk_tickets,
+                                                  int spb) {
     static_assert(!NORM || NJ == 1, "the RMSNorm prologue holds 8 rows");
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nseg = (K + SEG_K - 1) / SEG_K, nwarps = blockDim.x >> 5;
+    // split-K only for one token tile (the launcher's rule; NJ > 1 keeps its unsplit registers)
+    constexpr bool CAN_SPLIT = NJ == 1;
+    const bool split = CAN_SPLIT && gridDim.z > 1;
+    const int s_lo = split ? blockIdx.z * spb : 0, s_hi = split ? min(nseg, s_lo + spb) : nseg, seg0 = s_lo + warp;
+    const int tile_block = blockIdx.y * gridDim.x + blockIdx.x;
+    float* pout = split ? sk_part + (long long)tile_block * nseg * 16 * 8 * NJ : part;
     const int nb = (K + bs - 1) / bs;
     const long long rowbytes = (long long)nb * (bs / 2);
     const int n0 = (PIPE ? blockIdx.y : blockIdx.x) * 16, m0 = (PIPE ? blockIdx.x : blockIdx.y) * 8 * NJ;
@@ -659,14 +691,14 @@ __global__ void __launch_bounds__(256, NJ == 1 ? 4 : NJ == 4 ? 2 : 1) mma_nbits4
     constexpr int NC = PIPE ? 4 : 1;  // 64-chunks of weights held per lane
     Chunk4<S> w[NC];
     {  // before PDL_ENTER: overlaps the end of the previous kernel (kernels/pdl.cuh)
-        const int first = min(NC, seg_chunks(K, warp));
+        const int first = seg0 < s_hi ? min(NC, seg_chunks(K, seg0)) : 0;
 #pragma unroll
-        for (int c = 0; c < NC; ++c) if (c < first) load_w(w[c], warp * SEG_K + 64 * c);
+        for (int c = 0; c < NC; ++c) if (c < first) load_w(w[c], seg0 * SEG_K + 64 * c);
     }
     PDL_ENTER_GEMM();
-    float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
+    float* nsm = part + (split ? 0 : nseg * 16 * 8 * NJ);  // NORM: the prologue's shared memory (norm_rows)
     __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
-    if constexpr (NORM) norm_rows(x, NormArgs{n_skip, n_gamma, n_sum, n_eps}, M, K, m0, n0 == 0, nsm, xs);
+    if constexpr (NORM) norm_rows(x, NormArgs{n_skip, n_gamma, n_sum, n_eps}, M, K, m0, n0 == 0 && blockIdx.z == 0, nsm, xs);
     // the 4 tiles of the chunk at k0 (weights wc) into acc
     auto mma_chunk = [&](float (*acc)[4], const Chunk4<S>& wc, int k0) {
         uint2 xq[NJ][4];
@@ -678,12 +710,12 @@ __global__ void __launch_bounds__(256, NJ == 1 ? 4 : NJ == 4 ? 2 : 1) mma_nbits4
         }
         mma4_chunk<NJ, S>(acc, wc, xq);
     };
-    for (int seg = warp; seg < nseg; seg += nwarps) {  // K segments: warp w takes w, w + nwarps, ...
+    for (int seg = seg0; seg < s_hi; seg += nwarps) {  // K segments: warp w takes s_lo + w, + nwarps, ...
         float acc[NJ][4];
 #pragma unroll
         for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
         const int chunks = seg_chunks(K, seg), kbeg = seg * SEG_K;
-        const int next = seg + nwarps, refill = PIPE && next < nseg ? seg_chunks(K, next) : 0;
+        const int next = seg + nwarps, refill = PIPE && next < s_hi ? seg_chunks(K, next) : 0;
 #pragma unroll
         for (int c = 0; c < 4; ++c) {  // SEG_K / 64 chunks, ascending
             if (c >= chunks) break;
@@ -691,14 +723,15 @@ __global__ void __launch_bounds__(256, NJ == 1 ? 4 : NJ == 4 ? 2 : 1) mma_nbits4
                 mma_chunk(acc, w[c], kbeg + 64 * c);
                 if (c < refill) load_w(w[c], next * SEG_K + 64 * c);
             } else {
-                if (c != 0 || seg != warp) load_w(w[0], kbeg + 64 * c);
+                if (c != 0 || seg != seg0) load_w(w[0], kbeg + 64 * c);
                 mma_chunk(acc, w[0], kbeg + 64 * c);
             }
         }
-        store_partial<NJ>(part, acc, seg);
+        store_partial<NJ>(pout, acc, seg);
     }
     PDL_LATE_TRIGGER();
-    finish<NJ, GLU>(part, nseg, bias, y, M, N, n0, m0, n_out);
+    if (split && !split_last(sk_tickets, tile_block)) return;
+    finish<NJ, GLU>(pout, nseg, bias, y, M, N, n0, m0, n_out);
 }
 
 // Activations of int4 chunk stage xst for a token warp in the int4 slot map: token tile j, row g,

@@ -62,6 +62,19 @@ WIDE = env.switch("LOCKSTEP_CUDA_GEMM_WIDE")
 WIDE_ROWS = 32
 #: kernels/linear_mma.cu WIDE_STAGES, WIDE_XS and WIDE_XS4 (shared memory of mma_wide / mma_wide4).
 _WIDE_STAGES, _WIDE_XS, _WIDE_XS4 = 3, 72, 80
+#: Split-K of the int4 row kernel (kernels/linear_mma.cu split_last): "auto" (default) or "off"
+#: (``LOCKSTEP_CUDA_GEMM_SPLIT``). Under "auto" a launch of at most 8 rows whose warps would each
+#: walk more than one K segment is cut into as many blocks per tile as still run in one wave
+#: (:func:`split_count`): Llama-3.2-1B's down projection (K = 8192, 32 segments, 128 tiles) at
+#: batch 1-8 gets 512 blocks, one segment per warp, instead of 128. Split or not, every output
+#: bit is the same.
+SPLIT = env.switch("LOCKSTEP_CUDA_GEMM_SPLIT")
+#: The split-K workspace, one per device and process (allocated on the first split launch, kept
+#: for the process's life: captured graphs hold its pointers): partials of at most
+#: SPLIT_BYTES and SPLIT_TICKETS tile tickets (zeroed once; every launch leaves them at zero).
+SPLIT_BYTES, SPLIT_TICKETS = 4 << 20, 4096
+_split_workspace: dict[int, tuple] = {}
+_counts = {"split_launches": 0}
 #: Most rows a fused RMSNorm prologue launch takes. The kernel holds up to 8, but measured on the
 #: H200 (docs/benchmarks/kernels.md) the prologue's per-row work cost more than the separate norm
 #: launch it saves from 2 rows on, so only single-row (batch-1 decode) calls take it.
@@ -118,14 +131,80 @@ def _norm_shared(norm: Norm | None, shared: int, k: int, m: int) -> int:
     return shared + ((2 * rows * k + k + 1) // 2 + 72) * 4 + rows * (k + 8) * 2
 
 
+def stats() -> dict:
+    """A copy of the launcher counters: ``split_launches``, row-kernel launches cut by split-K."""
+    return dict(_counts)
+
+
+def split_count(blocks: int, nseg: int, nj: int, per_sm: int) -> int:
+    """Blocks per (feature tile, token block) of an ``mma_nbits4`` launch of ``blocks`` such
+    pairs over ``nseg`` K segments with NJ token tiles, of a kernel that fits ``per_sm`` blocks
+    on a multiprocessor (0: never split), under :data:`SPLIT`: for NJ = 1, the most blocks that
+    still run in one wave (per_sm x multiprocessors), at most ceil(nseg / 8) (one segment per
+    warp), when that is at least 2 and the partials (nseg x 16 x 8 floats per pair) and tickets
+    fit the workspace (:data:`SPLIT_BYTES`, :data:`SPLIT_TICKETS`); else 1.
+
+    Measured on the H200 (docs/benchmarks/kernels.md section 10): Llama-3.2-1B int4 ran 5-7%
+    faster at batch 1 and 8 (NJ = 1, 4 blocks per multiprocessor, 4 splits) and 3-5% slower at
+    batch 32 and 256 split in two (NJ = 4, 2 per multiprocessor); the same split of the dense
+    kernel (2 per multiprocessor) was 3-6% slower, so it has none."""
+    if SPLIT == "off" or nj != 1 or nseg <= 8 or per_sm < 1:
+        return 1
+    splits = min(-(-nseg // 8), per_sm * _multiprocessors() // blocks)
+    if splits < 2 or blocks > SPLIT_TICKETS or blocks * nseg * 16 * 8 * nj * 4 > SPLIT_BYTES:
+        return 1
+    return splits
+
+
+def row_nj(m: int) -> int:
+    """n8 token tiles per block of the row kernels for a launch of ``m`` rows."""
+    return 1 if m <= 8 else 2 if m <= 16 else 4
+
+
+def _per_multiprocessor(expr: str) -> int:
+    """Blocks of 256 threads of row kernel ``expr`` one multiprocessor holds (compiles it; 0
+    where no device answers, so host-side launches never split)."""
+    try:
+        return function("linear_mma", expr, _MODULE_OF[expr]).blocks_per_multiprocessor(256)
+    except Exception:  # noqa: BLE001 - no CuPy or no device (host-side tests)
+        return 0
+
+
 @functools.lru_cache(maxsize=4096)
-def config(m: int, n: int, k: int, pipe: bool = False) -> tuple[int, tuple, tuple, int]:
-    """(NJ, grid, block, shared bytes); the grid is (feature tiles, token blocks), or (token
-    blocks, feature tiles) for the ``pipe`` schedule (kernels/linear_mma.cu PIPE)."""
-    nj = 1 if m <= 8 else 2 if m <= 16 else 4
+def config(m: int, n: int, k: int, pipe: bool = False, per_sm: int = 0) -> tuple[int, tuple, tuple, int, int]:
+    """(NJ, grid, block, shared bytes, segments per block) of ``mma_dense`` / ``mma_nbits4``; the
+    grid is (feature tiles, token blocks, splits), or (token blocks, feature tiles, splits) for
+    the ``pipe`` schedule (kernels/linear_mma.cu PIPE); splits (``mma_nbits4`` only) from
+    :func:`split_count` for a kernel that fits ``per_sm`` blocks per multiprocessor (0, the
+    default: unsplit). A split launch keeps its partials in the workspace, not shared memory."""
+    nj = row_nj(m)
     nseg = -(-k // SEG_K)
     tiles, blocks = -(-n // 16), -(-m // (8 * nj))
-    return nj, (blocks, tiles) if pipe else (tiles, blocks), (32 * min(nseg, 8),), nseg * 16 * 8 * nj * 4
+    splits = split_count(tiles * blocks, nseg, nj, per_sm)
+    spb = -(-nseg // splits)
+    grid = (blocks, tiles, splits) if pipe else (tiles, blocks, splits)
+    return nj, grid, (32 * min(spb, 8),), 0 if splits > 1 else nseg * 16 * 8 * nj * 4, spb
+
+
+def _split_args(grid: tuple, spb: int, null) -> tuple:
+    """The split-K kernel arguments (workspace partials, tickets, segments per block) of a row
+    launch over ``grid``; the workspace (:data:`SPLIT_BYTES`) is allocated on the first split."""
+    if grid[2] == 1:
+        return (null, null, np.int32(spb))
+    import cupy
+
+    device = cupy.cuda.Device().id
+    ws = _split_workspace.get(device)
+    if ws is None:
+        ws = _split_workspace[device] = (cupy.empty(SPLIT_BYTES // 4, np.float32),
+                                         cupy.zeros(SPLIT_TICKETS, np.int32))
+    _counts["split_launches"] += 1
+    return (*ws, np.int32(spb))
+
+
+def split_workspace_bytes() -> int:
+    """Device bytes of the split-K workspaces this process holds (0 before the first split)."""
+    return sum(a.nbytes for ws in _split_workspace.values() for a in ws)
 
 
 @functools.cache
@@ -344,7 +423,7 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
             _launch(f"mma_wide<{f}, {_BOOL[glu]}>", grid, block, args, shared)
             continue
         pipe = pipelined(rows, False, r1 - r0, norm is not None)
-        nj, grid, block, shared = config(r1 - r0, rows, k, pipe)
+        nj, grid, block, shared, _ = config(r1 - r0, rows, k, pipe)
         _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>", grid, block,
                 (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0))
 
@@ -382,6 +461,8 @@ def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, n
             f, grid, block, shared = wide
             _launch(f"mma_wide4<{f}, {s_type}, {_BOOL[glu_out > 0]}>", grid, block, args, shared)
         else:
-            nj, grid, block, shared = config(r1 - r0, n, k, pipe)
-            _launch(f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>",
-                    grid, block, (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0))
+            expr = (f"mma_nbits4<{row_nj(r1 - r0)}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[norm is not None]}, "
+                    f"{_BOOL[pipe]}>")
+            _, grid, block, shared, spb = config(r1 - r0, n, k, pipe, 0 if norm else _per_multiprocessor(expr))
+            _launch(expr, grid, block, (*args, *_norm_args(norm, null), *_split_args(grid, spb, null)),
+                    _norm_shared(norm, shared, k, r1 - r0))
