@@ -13,7 +13,8 @@ and each seen to run:
   projection kernel, under every schedule;
 - split-K (``_mma.SPLIT``: a tile's K segments over several blocks, the last one folding the
   partials from the workspace) for int4 and int4 gate/up launches of 1-8 rows, under both
-  schedules, and back to back (the tickets are left at zero);
+  schedules, back to back (the tickets are left at zero), and captured in a CUDA graph and
+  replayed, with programmatic dependent launch off and on;
 
 and all agree with a float64 product within fp16 rounding."""
 
@@ -340,3 +341,50 @@ def test_split_k_int4_gate_up_is_bitwise_the_unsplit_kernel(monkeypatch, ran):
 
     assert _bitwise(_split_and_unsplit(monkeypatch, ran, call))
 
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_split_k_int4_captured_and_replayed_is_bitwise_the_unsplit_kernel(monkeypatch, ran, pdl):
+    """Split launches captured in a CUDA graph, after an eager warm-up has made the workspace
+    (as the capture policy does), and replayed three times give the unsplit kernel's bits each
+    time: the tickets are reset inside the graph too. With ``pdl`` the captured launches go
+    through cuLaunchKernelEx with the programmatic attribute (counted)."""
+    from providers.cuda import replay
+
+    n, k = 48, 8192
+    case = Int4Case(np.random.default_rng(23), 1, k, n, 32, np.float16, 1)
+    monkeypatch.setattr(_mma, "PIPELINE", "all")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    y = cupy.full((1, n), np.nan, np.float16)
+
+    def launch():
+        _mma.nbits4(case.a, case.codes, case.scales, case.zp, 1, case.stride, None, y, 1, n, k, 32, "__half", NULL)
+
+    before_pdl = replay.set_pdl(pdl)
+    try:
+        if pdl and not replay.pdl_enabled():
+            pytest.skip("programmatic dependent launch needs compute capability 9.0 and cuda-bindings")
+        with stream:
+            monkeypatch.setattr(_mma, "SPLIT", "off")
+            _mma.config.cache_clear()
+            launch()
+            unsplit = y.get()
+            monkeypatch.setattr(_mma, "SPLIT", "auto")
+            _mma.config.cache_clear()
+            launch()  # the eager warm-up: allocates the workspace
+            splits, pdl_launches = _mma.stats()["split_launches"], replay.stats()["pdl_launches"]
+            stream.begin_capture()
+            launch()
+            graph = stream.end_capture()
+            assert _mma.stats()["split_launches"] == splits + 1
+            assert (replay.stats()["pdl_launches"] > pdl_launches) == pdl
+            replays = []
+            for _ in range(3):
+                y.fill(np.nan)
+                graph.launch(stream)
+                replays.append(y.get())
+    finally:
+        replay.set_pdl(before_pdl)
+        _mma.config.cache_clear()
+    assert _bitwise([unsplit, *replays])
+    assert case.close(unsplit)

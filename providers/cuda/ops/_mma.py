@@ -63,11 +63,11 @@ WIDE_ROWS = 32
 #: kernels/linear_mma.cu WIDE_STAGES, WIDE_XS and WIDE_XS4 (shared memory of mma_wide / mma_wide4).
 _WIDE_STAGES, _WIDE_XS, _WIDE_XS4 = 3, 72, 80
 #: Split-K of the int4 row kernel (kernels/linear_mma.cu split_last): "auto" (default) or "off"
-#: (``LOCKSTEP_CUDA_GEMM_SPLIT``). Under "auto" a launch of at most 8 rows whose warps would each
-#: walk more than one K segment is cut into as many blocks per tile as still run in one wave
-#: (:func:`split_count`): Llama-3.2-1B's down projection (K = 8192, 32 segments, 128 tiles) at
-#: batch 1-8 gets 512 blocks, one segment per warp, instead of 128. Split or not, every output
-#: bit is the same.
+#: (``LOCKSTEP_CUDA_GEMM_SPLIT``). Under "auto" a launch of at most 8 rows with more than 8 K
+#: segments (more than one per warp) is cut into as many blocks per tile as still run in one
+#: wave, at most ceil(nseg / 8) (:func:`split_count`): Llama-3.2-1B's down projection (K = 8192,
+#: 32 segments, 128 tiles) at batch 1-8 gets 512 blocks, one segment per warp, instead of 128.
+#: Split or not, every output bit is the same.
 SPLIT = env.switch("LOCKSTEP_CUDA_GEMM_SPLIT")
 #: The split-K workspace, one per device and process (allocated on the first split launch, kept
 #: for the process's life: captured graphs hold its pointers): partials of at most
@@ -132,7 +132,9 @@ def _norm_shared(norm: Norm | None, shared: int, k: int, m: int) -> int:
 
 
 def stats() -> dict:
-    """A copy of the launcher counters: ``split_launches``, row-kernel launches cut by split-K."""
+    """A copy of the launcher counters: ``split_launches``, calls of the int4 launcher that
+    split K (a captured graph's replays and eager launch replay do not pass the launcher and are
+    not counted)."""
     return dict(_counts)
 
 
@@ -144,10 +146,10 @@ def split_count(blocks: int, nseg: int, nj: int, per_sm: int) -> int:
     warp), when that is at least 2 and the partials (nseg x 16 x 8 floats per pair) and tickets
     fit the workspace (:data:`SPLIT_BYTES`, :data:`SPLIT_TICKETS`); else 1.
 
-    Measured on the H200 (docs/benchmarks/kernels.md section 10): Llama-3.2-1B int4 ran 5-7%
-    faster at batch 1 and 8 (NJ = 1, 4 blocks per multiprocessor, 4 splits) and 3-5% slower at
-    batch 32 and 256 split in two (NJ = 4, 2 per multiprocessor); the same split of the dense
-    kernel (2 per multiprocessor) was 3-6% slower, so it has none."""
+    Measured on the H200 (docs/benchmarks/kernels.md section 10): Llama-3.2-1B int4 ran 8.5-9%
+    faster at batch 1 and 8 (NJ = 1, 4 blocks per multiprocessor, 4 splits), Qwen2.5 int4
+    11-15%; batch 32 split in two (NJ = 4, 2 per multiprocessor) ran 2.6% slower, and the same
+    split of the dense kernel (2 per multiprocessor) 3-6% slower, so neither is split."""
     if SPLIT == "off" or nj != 1 or nseg <= 8 or per_sm < 1:
         return 1
     splits = min(-(-nseg // 8), per_sm * _multiprocessors() // blocks)
