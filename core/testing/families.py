@@ -70,8 +70,9 @@ def _placeholder_tokenizer(vocab_size: int):
                                    eos_token="t2", pad_token="t2")
 
 
-def hf_config(family: str, init_std: float = 0.15):
-    """The transformers config of a tiny ``family`` checkpoint.
+def hf_config(family: str, init_std: float = 0.15, overrides: dict | None = None):
+    """The transformers config of a tiny ``family`` checkpoint; ``overrides`` replace fields of
+    the geometry (e.g. ``{"intermediate_size": 2304}`` for a down projection of 9 K segments).
 
     Raises:
         KeyError: unknown family (see :data:`FAMILIES`).
@@ -79,20 +80,22 @@ def hf_config(family: str, init_std: float = 0.15):
     from transformers import AutoConfig
 
     model_type, extra = FAMILIES[family]
-    fields = {**TINY, **extra, "initializer_range": init_std}
+    fields = {**TINY, **extra, **(overrides or {}), "initializer_range": init_std}
     return AutoConfig.for_model(model_type, **fields)
 
 
-def write_checkpoint(family: str, out: str | Path, seed: int = 0, init_std: float = 0.15) -> Path:
+def write_checkpoint(family: str, out: str | Path, seed: int = 0, init_std: float = 0.15,
+                     overrides: dict | None = None) -> Path:
     """Write a random-weight Hugging Face folder of ``family`` (config.json, model.safetensors,
-    tokenizer files) into ``out`` and return it. ``init_std`` above the HF default makes the
-    logits peaky, so greedy tokens are well separated."""
+    tokenizer files; geometry :data:`TINY` with ``overrides``) into ``out`` and return it.
+    ``init_std`` above the HF default makes the logits peaky, so greedy tokens are well
+    separated."""
     import torch
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
     torch.manual_seed(seed)
-    cfg = hf_config(family, init_std)
+    cfg = hf_config(family, init_std, overrides)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.float32)
     with torch.no_grad():  # RMSNorm weights of 1 (or 0 for Gemma's 1 + w) make every family alike
         for p in model.parameters():
@@ -136,10 +139,11 @@ def build_family(family: str, out: str | Path, precision: str = "fp32", target: 
     return out
 
 
-def prepared_family(family: str, root: str | Path, precision: str = "fp32", target: str = "cpu") -> Path:
-    """The tiny ``family`` checkpoint written to ``root/hf/family`` and prepared by
-    :func:`core.models.prepare.prepare` with its cache under ``root/cache`` (LOCKSTEP_CACHE is
-    set for the call and restored); returns the builder folder.
+def prepared_family(family: str, root: str | Path, precision: str = "fp32", target: str = "cpu",
+                    overrides: dict | None = None) -> Path:
+    """The tiny ``family`` checkpoint (geometry :data:`TINY` with ``overrides``) written to
+    ``root/hf/family`` and prepared by :func:`core.models.prepare.prepare` with its cache under
+    ``root/cache`` (LOCKSTEP_CACHE is set for the call and restored); returns the builder folder.
 
     Raises:
         core.models.prepare.PrepareError: the builder failed.
@@ -147,7 +151,7 @@ def prepared_family(family: str, root: str | Path, precision: str = "fp32", targ
     from core.models.prepare import Variant, prepare
 
     root = Path(root)
-    hf = write_checkpoint(family, root / "hf" / family)
+    hf = write_checkpoint(family, root / "hf" / family, overrides=overrides)
     old = os.environ.get("LOCKSTEP_CACHE")
     os.environ["LOCKSTEP_CACHE"] = str(root / "cache")
     try:
