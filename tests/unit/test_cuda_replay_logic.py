@@ -143,3 +143,18 @@ def test_set_pdl_off_uses_the_plain_launch(fake_cupy, monkeypatch):
     assert replay.set_pdl(False) is True
     replay.Launch(0xF00, (1,), (32,), (np.int32(1),), 0).fire(0x5151)
     assert len(fake_cupy) == 1 and not replay.pdl_enabled()
+
+
+@pytest.mark.parametrize("regs,threads,blocks", [(64, 256, 4), (124, 256, 2), (128, 256, 2), (136, 256, 1),
+                                                 (174, 256, 1), (64, 224, 4), (32, 256, 8), (16, 128, 16)])
+def test_blocks_per_multiprocessor_follows_registers_and_threads(monkeypatch, regs, threads, blocks):
+    """Kernel.blocks_per_multiprocessor, the split-K rule's input: registers allocated per warp
+    in units of 256 against an H200's 65,536 per multiprocessor, and at most 2,048 threads."""
+    from providers.cuda import module
+
+    attrs = {"MaxRegistersPerMultiprocessor": 65536, "MaxThreadsPerMultiProcessor": 2048}
+    device = types.SimpleNamespace(attributes=attrs)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: device)))
+    monkeypatch.setattr(module, "_RESIDENT", {})
+    raw = types.SimpleNamespace(num_regs=regs, kernel=types.SimpleNamespace(ptr=0xA000 + regs))
+    assert module.Kernel(raw).blocks_per_multiprocessor(threads) == blocks
