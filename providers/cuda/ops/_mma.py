@@ -153,7 +153,7 @@ def split_count(blocks: int, nseg: int, nj: int, per_sm: int) -> int:
     if SPLIT == "off" or nj != 1 or nseg <= 8 or per_sm < 1:
         return 1
     splits = min(-(-nseg // 8), per_sm * _multiprocessors() // blocks)
-    if splits < 2 or blocks > SPLIT_TICKETS or blocks * nseg * 16 * 8 * nj * 4 > SPLIT_BYTES:
+    if splits < 2 or blocks > SPLIT_TICKETS or blocks * nseg * 16 * 8 * 4 > SPLIT_BYTES:
         return 1
     return splits
 
@@ -163,9 +163,11 @@ def row_nj(m: int) -> int:
     return 1 if m <= 8 else 2 if m <= 16 else 4
 
 
+@functools.cache
 def _per_multiprocessor(expr: str) -> int:
     """Blocks of 256 threads of row kernel ``expr`` one multiprocessor holds (compiles it; 0
-    where no device answers, so host-side launches never split)."""
+    where no device answers, so host-side launches never split). Once per expression: launch
+    paths call it on every eager launch."""
     try:
         return function("linear_mma", expr, _MODULE_OF[expr]).blocks_per_multiprocessor(256)
     except Exception:  # noqa: BLE001 - no CuPy or no device (host-side tests)
