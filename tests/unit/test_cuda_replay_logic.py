@@ -145,6 +145,16 @@ def test_set_pdl_off_uses_the_plain_launch(fake_cupy, monkeypatch):
     assert len(fake_cupy) == 1 and not replay.pdl_enabled()
 
 
+@pytest.mark.parametrize("capable", [True, False])
+def test_set_pdl_on_overrides_the_environment_where_the_device_can(fake_cupy, monkeypatch, capable):
+    """set_pdl(True) turns PDL on with LOCKSTEP_CUDA_PDL unset (it used to re-read the switch,
+    so the GPU test of PDL always skipped); a device that cannot leaves it off."""
+    monkeypatch.delenv("LOCKSTEP_CUDA_PDL", raising=False)
+    monkeypatch.setattr(replay, "_pdl_capable", lambda: capable)
+    assert replay.set_pdl(True) is False
+    assert replay.pdl_enabled() is capable
+
+
 @pytest.mark.parametrize("regs,threads,blocks", [(64, 256, 4), (124, 256, 2), (128, 256, 2), (136, 256, 1),
                                                  (174, 256, 1), (64, 224, 4), (32, 256, 8), (16, 128, 16)])
 def test_blocks_per_multiprocessor_follows_registers_and_threads(monkeypatch, regs, threads, blocks):
