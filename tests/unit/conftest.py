@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -56,5 +58,8 @@ def one_node() -> type[OneNode]:
 
 
 @pytest.fixture
-def rng() -> np.random.Generator:
-    return np.random.default_rng()
+def rng(request) -> np.random.Generator:
+    """A generator seeded from the test's id: the same data on every run, so a result (and a
+    failure) reproduces. Unseeded, fp32 comparisons against ORT at tolerances near the rounding
+    of their sums failed an occasional CI run."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
