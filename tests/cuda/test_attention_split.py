@@ -76,3 +76,21 @@ def test_batch_256_by_1024_prefill_and_decode_match_batch_1(long_model, gpu):
     assert np.array_equal(big.tokens[:, 0], one.tokens[:, 0])
     assert np.array_equal(big.logits[:, 0], one.logits[:, 0])
     assert not big.errors.any()
+
+
+def test_decode_block_sizes_give_the_same_bits(long_model, gpu, monkeypatch):
+    """gqa_decode runs 256-thread blocks at small batches and 128-thread blocks at large ones
+    (group_query_attention.decode_threads); each output element has the same arithmetic in
+    both, so forcing either one gives the same tokens and logits, bitwise, across chunk
+    boundaries (rows of 5, 70 and 300 tokens, 24 captured steps)."""
+    from providers.cuda.ops import group_query_attention as gqa
+
+    rows = _prompts([5, 70, 300])
+    runs = {}
+    for threads in (128, 256):
+        monkeypatch.setattr(gqa, "decode_threads", lambda bsz, nkv, t=threads: t)
+        before = gqa.stats()[f"decode_{threads}"]
+        runs[threads] = decode(Session(long_model, gpu, batch=3), rows, 24, keep_logits=True)
+        assert gqa.stats()[f"decode_{threads}"] > before  # that block size ran
+    assert np.array_equal(runs[128].tokens, runs[256].tokens)
+    assert np.array_equal(runs[128].logits, runs[256].logits)

@@ -92,11 +92,11 @@ __device__ void rope_t(const T* src, T* dst, const T* cosc, const T* sinc, int p
 // into dst (floats holding values of T, advancing by H): the arithmetic of the header.  A warp per
 // head vector for the norm; RoPE on pairs (i, i + half_rot) in place, rounded to T, with the
 // products and sums of rope().  Every thread of the block must call it (it synchronises).
-template <typename T>
+template <typename T, int NTT = NT>
 __device__ void norm_rope(const T* src, float* dst, const T* w, float eps, const T* cosc, const T* sinc, int pos,
                           int H, int half_rot, int nh, int do_rotary) {
     const int lane = threadIdx.x & 31;
-    for (int hh = threadIdx.x >> 5; hh < nh; hh += NT / 32) {  // warp-uniform: full-mask shuffles
+    for (int hh = threadIdx.x >> 5; hh < nh; hh += NTT / 32) {  // warp-uniform: full-mask shuffles
         const T* x = src + hh * H;
         float ss = 0.f;
         for (int d = lane; d < H; d += 32) { const float v = to_f(x[d]); ss = fmaf(v, v, ss); }
@@ -108,7 +108,7 @@ __device__ void norm_rope(const T* src, float* dst, const T* w, float eps, const
     }
     __syncthreads();
     if (!do_rotary) return;
-    for (int e = threadIdx.x; e < nh * half_rot; e += NT) {
+    for (int e = threadIdx.x; e < nh * half_rot; e += NTT) {
         const int hh = e / half_rot, i = e - hh * half_rot;
         float* y = dst + hh * H;
         const float c = to_f(cosc[(long long)pos * half_rot + i]), s = to_f(sinc[(long long)pos * half_rot + i]);
@@ -127,23 +127,28 @@ __device__ __forceinline__ float scaled(float s, const Geo& g) {
     return z;
 }
 
-// Shared K/V tiles: row stride TS(H) elements of T, an odd number of 32-bit words, so threads
-// reading one element of different rows hit different banks.
+// Shared K/V tiles of the prompt kernel: row stride TS(H) elements of T, an odd number of 32-bit
+// words, so threads reading one element of different rows hit different banks.  The decode kernel
+// reads whole 16-byte units of a row (dtile_stride: an odd number of 16-byte units, so the eight
+// threads of a quarter warp reading one unit of eight different rows hit different banks).
 template <typename T> __host__ __device__ constexpr int tile_stride(int H) { return sizeof(T) == 2 ? H + 2 : H + 1; }
+template <typename T> __host__ __device__ constexpr int dtile_stride(int H) {
+    return (H * (int)sizeof(T) / 16 + (H * (int)sizeof(T) / 16 % 2 == 0 ? 1 : 2)) * 16 / (int)sizeof(T);
+}
 
-// One chunk's K and V rows [j0, j0 + n) (n <= CH) from the cache into shared tiles [n, TS] of T,
-// in rounds of TU 16-byte units of each tile per thread: a round issues all of its loads before
-// it stores any (a store through the tile pointer could alias the rows, so a load-store loop
-// would wait out one memory round trip per unit).  H = 64 in fp16 is one round for both tiles.
+// One chunk's K and V rows [j0, j0 + n) (n <= CH) from the cache into shared tiles [n, ts] of T,
+// in rounds of TUN 16-byte units of each tile per thread (NTT threads): a round issues all of its
+// loads before it stores any (a store through the tile pointer could alias the rows, so a
+// load-store loop would wait out one memory round trip per unit).
 #define TU 4
-struct TileRound { uint4 k[TU], v[TU]; };
-template <typename T>
-__device__ __forceinline__ void tiles_issue(TileRound& r, const T* krows, const T* vrows, long long cj, int n, int H,
-                                            int u0) {
+template <int TUN> struct TileRound { uint4 k[TUN], v[TUN]; };
+template <typename T, int TUN, int NTT>
+__device__ __forceinline__ void tiles_issue(TileRound<TUN>& r, const T* krows, const T* vrows, long long cj, int n,
+                                            int H, int u0) {
     const int upr = H * (int)sizeof(T) / 16, total = n * upr;  // H % 8 == 0: whole units
 #pragma unroll
-    for (int i = 0; i < TU; ++i) {
-        const int u = u0 + i * NT;
+    for (int i = 0; i < TUN; ++i) {
+        const int u = u0 + i * NTT;
         if (u < total) {
             const int jj = u / upr, x = u - jj * upr;
             r.k[i] = reinterpret_cast<const uint4*>(krows + (long long)jj * cj)[x];
@@ -151,12 +156,12 @@ __device__ __forceinline__ void tiles_issue(TileRound& r, const T* krows, const 
         }
     }
 }
-template <typename T>
-__device__ __forceinline__ void tiles_store(const TileRound& r, T* kt, T* vt, int n, int H, int u0) {
-    const int upr = H * (int)sizeof(T) / 16, ts = tile_stride<T>(H), total = n * upr;
+template <typename T, int TUN, int NTT>
+__device__ __forceinline__ void tiles_store(const TileRound<TUN>& r, T* kt, T* vt, int n, int H, int ts, int u0) {
+    const int upr = H * (int)sizeof(T) / 16, total = n * upr;
 #pragma unroll
-    for (int i = 0; i < TU; ++i) {
-        const int u = u0 + i * NT;
+    for (int i = 0; i < TUN; ++i) {
+        const int u = u0 + i * NTT;
         if (u < total) {
             const int jj = u / upr, x = u - jj * upr;
             unsigned* kd = reinterpret_cast<unsigned*>(kt + jj * ts) + x * 4;
@@ -167,38 +172,47 @@ __device__ __forceinline__ void tiles_store(const TileRound& r, T* kt, T* vt, in
     }
 }
 // The rounds from unit u0 on (u0 = threadIdx.x: the whole chunk).
-template <typename T>
+template <typename T, int TUN = TU, int NTT = NT>
 __device__ __forceinline__ void load_tiles(T* kt, const T* krows, T* vt, const T* vrows, long long cj, int n, int H,
-                                           int u0 = threadIdx.x) {
+                                           int ts, int u0 = threadIdx.x) {
     const int total = n * (H * (int)sizeof(T) / 16);
-    for (; u0 < total; u0 += TU * NT) {
-        TileRound r;
-        tiles_issue<T>(r, krows, vrows, cj, n, H, u0);
-        tiles_store<T>(r, kt, vt, n, H, u0);
+    for (; u0 < total; u0 += TUN * NTT) {
+        TileRound<TUN> r;
+        tiles_issue<T, TUN, NTT>(r, krows, vrows, cj, n, H, u0);
+        tiles_store<T, TUN, NTT>(r, kt, vt, n, H, ts, u0);
     }
 }
 
-// Scores of the chunk's n keys (K tile in shared memory) for nh query heads (qs: nh x H floats,
-// shared) into sc[hh * CH + jj]: one thread per (head, key).  Key jj == jnew (>= 0) is taken
-// from knew instead of the tile.
-template <typename T>
-__device__ void chunk_scores(const float* qs, int nh, const T* kt, int n, const Geo& g, float* sc,
-                             int jnew, const float* knew) {
-    const int H = g.H, ts = tile_stride<T>(H);
-    for (int i = threadIdx.x; i < nh * n; i += NT) {
-        const int hh = i / n, jj = i - hh * n;
-        const float* q = qs + hh * H;
-        float s = 0.f;
-        if (jj == jnew) {
-            for (int d = 0; d < H; ++d) s = fmaf(q[d], knew[d], s);
-        } else {
-            const T* k = kt + jj * ts;
-#pragma unroll 8
-            for (int d = 0; d < H; ++d) s = fmaf(q[d], to_f(k[d]), s);
-        }
-        sc[hh * CH + jj] = scaled(s, g);
+// Score dot product of one query head (H floats at q, 16-byte aligned) with one key row (H values
+// of T at k, 16-byte aligned): one fmaf chain over d = 0 .. H - 1 ascending from 0, the same
+// arithmetic as the prompt kernel's scalar loop, read a 16-byte unit at a time.
+__device__ __forceinline__ float dot_row(const float* q, const __half* k, int H) {
+    float s = 0.f;
+#pragma unroll 2
+    for (int d = 0; d < H; d += 8) {
+        const uint4 u = *reinterpret_cast<const uint4*>(k + d);
+        const float4 a = *reinterpret_cast<const float4*>(q + d), b = *reinterpret_cast<const float4*>(q + d + 4);
+        const float2 k0 = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+        const float2 k1 = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+        const float2 k2 = __half22float2(*reinterpret_cast<const __half2*>(&u.z));
+        const float2 k3 = __half22float2(*reinterpret_cast<const __half2*>(&u.w));
+        s = fmaf(a.x, k0.x, s); s = fmaf(a.y, k0.y, s); s = fmaf(a.z, k1.x, s); s = fmaf(a.w, k1.y, s);
+        s = fmaf(b.x, k2.x, s); s = fmaf(b.y, k2.y, s); s = fmaf(b.z, k3.x, s); s = fmaf(b.w, k3.y, s);
     }
+    return s;
 }
+__device__ __forceinline__ float dot_row(const float* q, const float* k, int H) {
+    float s = 0.f;
+#pragma unroll 4
+    for (int d = 0; d < H; d += 4) {
+        const float4 u = *reinterpret_cast<const float4*>(k + d), a = *reinterpret_cast<const float4*>(q + d);
+        s = fmaf(a.x, u.x, s); s = fmaf(a.y, u.y, s); s = fmaf(a.z, u.z, s); s = fmaf(a.w, u.w, s);
+    }
+    return s;
+}
+// Two adjacent values (d, d + 1) of a V row as floats.
+__device__ __forceinline__ float2 pair_f(const __half* v) { return __half22float2(*reinterpret_cast<const __half2*>(v)); }
+__device__ __forceinline__ float2 pair_f(const float* v) { return *reinterpret_cast<const float2*>(v); }
 
 // One warp: chunk max m_c and sum l_c of the n scores at z (exp written back into z).
 __device__ __forceinline__ void chunk_stats(float* z, int n, float& mc, float& lc) {
@@ -214,23 +228,6 @@ __device__ __forceinline__ void chunk_stats(float* z, int n, float& mc, float& l
     for (int o = 16; o > 0; o >>= 1) l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, o));
     mc = m;
     lc = __shfl_sync(0xffffffffu, l, 0);
-}
-
-// o_c[h, d] for nh heads (e: nh x CH exps, V tile shared) into oc[h * H + d] (shared): one
-// thread per (head, dim).  Key jj == jnew (>= 0) is taken from vnew instead of the tile.
-template <typename T>
-__device__ void chunk_values(const float* e, int nh, const T* vt, int n, const Geo& g,
-                             int jnew, const float* vnew, float* oc) {
-    const int H = g.H, ts = tile_stride<T>(H);
-    for (int i = threadIdx.x; i < nh * H; i += NT) {
-        const int hh = i / H, d = i - hh * H;
-        const float* w = e + hh * CH;
-        float acc = 0.f;
-#pragma unroll 8
-        for (int jj = 0; jj < n; ++jj) acc = fmaf(w[jj], jj == jnew ? vnew[d] : to_f(vt[jj * ts + d]), acc);
-        oc[i] = acc;
-    }
-    __syncthreads();
 }
 
 // Fold weights of chunk (mc) into the running max m: a for the running state, b for the chunk.
@@ -328,7 +325,7 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
     __syncthreads();
     for (int c = hi_max < 0 ? 1 : lo_min / CH; c <= (hi_max < 0 ? 0 : hi_max / CH); ++c) {
         const int u0 = max(lo_min, c * CH), nu = min(hi_max, c * CH + CH - 1) - u0 + 1;
-        load_tiles<T>(kt, kb + (long long)u0 * g.cj, vt, vb + (long long)u0 * g.cj, g.cj, nu, g.H);
+        load_tiles<T>(kt, kb + (long long)u0 * g.cj, vt, vb + (long long)u0 * g.cj, g.cj, nu, g.H, ts);
         __syncthreads();
         for (int e = tid; e < nqb * CH; e += NT) {  // scores: one thread per (query, key)
             const int i = e / CH, jj = e - i * CH;
@@ -390,36 +387,89 @@ __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, co
     }
 }
 
-// Decode (S == 1, not the first prompt): grid (ceil(cap / CH), Nkv, B), block NT, dynamic smem
-// (G + 2) H + G CH + 2 G + 1 floats + 2 CH TS T (G = Nq / Nkv, TS = tile_stride).  Block (c, kv head, b) computes chunk c of row b for
-// the G query heads of its group (blocks whose chunk the row does not have exit).  Every block
-// rotates the new key of its kv head itself (into shared memory, rounded to T exactly as the
-// cache stores it) and uses it and the new value for key P_b = seqlens_k[b]; the block of the
-// last chunk also writes them into the cache row P_b.  No block reads cache row P_b, so no
-// grid-wide ordering is needed for the KV write.  A row with one chunk finishes in its block;
-// otherwise partials go to part[b, h, c, H + 2] (m_c, l_c, o_c) and the block that takes the
-// last ticket of tickets[b, kv head] folds them in chunk order and resets the ticket to 0.
-template <typename T>
-__global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin, const T* __restrict__ vin,
+// The q/k/v values a decode thread loads before it rotates any (one round trip for the whole group
+// at up to RQ * NTT values, NTT the decode block size).
+#define RQ 4
+
+// The decode step's new query heads (G H values), new key and new value (H each) of one kv head,
+// loaded in rounds of RQ values per thread (every load of a round issued before any is used),
+// rotated as rope() does and rounded to T: q into qs (floats), and when `last` (the block of the
+// chunk holding position p) the key and value into the tile rows kt, vt (as T) and into the cache
+// rows krow, vrow.
+template <typename T, int NTT>
+__device__ __forceinline__ void decode_qkv(const T* qsrc, const T* ksrc, const T* vsrc, float* qs, T* kt, T* vt,
+                                           T* krow, T* vrow, const T* cosc, const T* sinc, int do_rotary,
+                                           int p, int G, int H, int half_rot, bool last) {
+    const int r2 = do_rotary ? 2 * half_rot : 0, nqv = G * H, total = last ? nqv + 2 * H : nqv;
+    for (int e0 = threadIdx.x; e0 < total; e0 += RQ * NTT) {
+        float x[RQ], y[RQ], c[RQ], sn[RQ];
+#pragma unroll
+        for (int r = 0; r < RQ; ++r) {  // loads
+            const int e = e0 + r * NTT;
+            if (e >= total) continue;
+            const bool isv = e >= nqv + H;
+            const T* src = e < nqv ? qsrc + e - e % H : (isv ? vsrc : ksrc);
+            const int d = e < nqv ? e % H : (isv ? e - nqv - H : e - nqv);
+            x[r] = to_f(src[d]);
+            if (!isv && d < r2) {
+                const int i = d < half_rot ? d : d - half_rot;
+                y[r] = to_f(src[d < half_rot ? d + half_rot : d - half_rot]);
+                c[r] = to_f(cosc[(long long)p * half_rot + i]);
+                sn[r] = to_f(sinc[(long long)p * half_rot + i]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < RQ; ++r) {  // rotation (rope()'s products and sums), stores
+            const int e = e0 + r * NTT;
+            if (e >= total) continue;
+            const bool isv = e >= nqv + H;
+            const int d = e < nqv ? e % H : (isv ? e - nqv - H : e - nqv);
+            float v = x[r];
+            if (!isv && d < r2) {
+                if (d < half_rot) v = __fsub_rn(__fmul_rn(v, c[r]), __fmul_rn(y[r], sn[r]));
+                else v = __fadd_rn(__fmul_rn(v, c[r]), __fmul_rn(y[r], sn[r]));
+            }
+            const T t = from_f<T>(v);
+            if (e < nqv) qs[e] = to_f(t);
+            else if (!isv) { kt[d] = t; krow[d] = t; }
+            else { vt[d] = t; vrow[d] = t; }
+        }
+    }
+}
+
+// Decode (S == 1, not the first prompt): grid (ceil(cap / CH), Nkv, B), block NTT (128 or 256), dynamic smem
+// 2 CH DTS T + (G H + G CH + 2 G + 1 + H) floats (G = Nq / Nkv, DTS = dtile_stride).  Block
+// (c, kv head, b) computes chunk c of row b for the G query heads of its group (blocks whose chunk
+// the row does not have exit).  Every load the block needs (its chunk's K/V rows, q, the new k and
+// v) is issued before any is used.  The block of the last chunk c1 = P_b / CH rotates the new key
+// (rounded to T exactly as the cache stores it) and puts it and the new value into its tiles as
+// key P_b, and into cache row P_b.  No block reads cache row P_b, so no grid-wide ordering is
+// needed for the KV write.  A row with one chunk finishes in its block; otherwise partials go to
+// part[b, h, c, H + 2] (m_c, l_c, o_c) and the block that takes the last ticket of
+// tickets[b, kv head] folds them in chunk order and resets the ticket to 0.  Scores are one thread
+// per (head, key) and values one thread per (head, two adjacent dims): the chains of the header.
+template <typename T, int NTT>
+__global__ void __launch_bounds__(NTT) gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
+                           const T* __restrict__ vin,
                            T* kc, T* vc, const int* __restrict__ seqlens, const T* cosc, const T* sinc,
                            int do_rotary, const T* sinks, T* out, float* part, int* tickets,
                            const T* qnw, const T* knw, float qeps, float keps,
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
     PDL_ENTER();
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
-    extern __shared__ float sm[];
+    extern __shared__ uint4 sm4[];  // 16-byte aligned: the tiles first
     const int c = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, G = g.nq / g.nkv, tid = threadIdx.x;
-    const int nch = gridDim.x, stride = g.H + 2;
-    float* qs = sm; float* kn = qs + G * g.H; float* vn = kn + g.H; float* sc = vn + g.H;
-    float* stats = sc + G * CH;
+    const int nch = gridDim.x, stride = g.H + 2, ts = dtile_stride<T>(g.H);
+    T* kt = reinterpret_cast<T*>(sm4);
+    T* vt = kt + CH * ts;
+    float* qs = reinterpret_cast<float*>(vt + CH * ts); float* sc = qs + G * g.H; float* stats = sc + G * CH;
     int* flag = (int*)(stats + 2 * G);
-    T* kt = (T*)(flag + 1);
-    T* vt = kt + CH * tile_stride<T>(g.H);
+    float* kn = (float*)(flag + 1);
     const int p = seqlens[b];
     const int lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
     T* ob = out + ((long long)b * g.nq + kvh * G) * g.H;  // the group's G heads are adjacent
     if (p < 0 || p >= g.cap) {
-        if (c == 0) for (int i = tid; i < G * g.H; i += NT) ob[i] = from_f<T>(0.f);
+        if (c == 0) for (int i = tid; i < G * g.H; i += NTT) ob[i] = from_f<T>(0.f);
         return;
     }
     const int c0 = lo / CH, c1 = p / CH;
@@ -429,43 +479,59 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
     T* vb = vc + b * g.cb + kvh * g.cg;
     const T* ksrc = kin + (long long)b * g.k_row + g.k_off + kvh * g.H;
     const T* vsrc = vin + (long long)b * g.k_row + g.v_off + kvh * g.H;
-    const int nc = p >= j0 + n ? n : n - 1;  // cache rows of the chunk (row P_b is the new key)
-    TileRound round0;  // the first round's loads stay in flight while q and the new k are rotated
-    tiles_issue<T>(round0, kb + (long long)j0 * g.cj, vb + (long long)j0 * g.cj, g.cj, nc, g.H, tid);
+    const bool last = c == c1;
+    const int nc = last ? n - 1 : n, jn = n - 1;  // cache rows of the chunk; tile row of key P_b (last)
+    TileRound<TU> round0;  // the first round's loads stay in flight while q and the new k are rotated
+    tiles_issue<T, TU, NTT>(round0, kb + (long long)j0 * g.cj, vb + (long long)j0 * g.cj, g.cj, nc, g.H, tid);
     const T* qsrc = qin + (long long)b * g.q_row + kvh * G * g.H;  // the group's heads are adjacent
-    for (int d = tid; d < g.H; d += NT) vn[d] = to_f(vsrc[d]);
     if (qnw != nullptr) {  // fused q/k norm (the block's whole grid takes this branch): synchronises
-        norm_rope<T>(ksrc, kn, knw, keps, cosc, sinc, p, g.H, g.half_rot, 1, do_rotary);
-        norm_rope<T>(qsrc, qs, qnw, qeps, cosc, sinc, p, g.H, g.half_rot, G, do_rotary);
-    } else {
-        if (do_rotary) rope<T, float>(ksrc, kn, cosc, sinc, p, g.H, g.half_rot, tid, NT);
-        else for (int d = tid; d < g.H; d += NT) kn[d] = to_f(ksrc[d]);
-        if (do_rotary) rope<T, float>(qsrc, qs, cosc, sinc, p, g.H, g.half_rot, tid, NT, G);
-        else for (int i = tid; i < G * g.H; i += NT) qs[i] = to_f(qsrc[i]);
-    }
-    tiles_store<T>(round0, kt, vt, nc, g.H, tid);
-    load_tiles<T>(kt, kb + (long long)j0 * g.cj, vt, vb + (long long)j0 * g.cj, g.cj, nc, g.H, tid + TU * NT);
-    __syncthreads();
-    if (c == c1) {
-        for (int d = tid; d < g.H; d += NT) {
-            kb[(long long)p * g.cj + d] = from_f<T>(kn[d]);
-            vb[(long long)p * g.cj + d] = vsrc[d];
+        norm_rope<T, NTT>(ksrc, kn, knw, keps, cosc, sinc, p, g.H, g.half_rot, 1, do_rotary);
+        norm_rope<T, NTT>(qsrc, qs, qnw, qeps, cosc, sinc, p, g.H, g.half_rot, G, do_rotary);
+        if (last) {
+            for (int d = tid; d < g.H; d += NTT) {
+                const T kv = from_f<T>(kn[d]), vv = vsrc[d];
+                kt[jn * ts + d] = kv; kb[(long long)p * g.cj + d] = kv;
+                vt[jn * ts + d] = vv; vb[(long long)p * g.cj + d] = vv;
+            }
         }
+    } else {
+        decode_qkv<T, NTT>(qsrc, ksrc, vsrc, qs, kt + jn * ts, vt + jn * ts, kb + (long long)p * g.cj,
+                      vb + (long long)p * g.cj, cosc, sinc, do_rotary, p, G, g.H, g.half_rot, last);
     }
-    chunk_scores<T>(qs, G, kt, n, g, sc, p - j0, kn);
+    tiles_store<T, TU, NTT>(round0, kt, vt, nc, g.H, ts, tid);
+    load_tiles<T, TU, NTT>(kt, kb + (long long)j0 * g.cj, vt, vb + (long long)j0 * g.cj, g.cj, nc, g.H, ts,
+                           tid + TU * NTT);
+    __syncthreads();
+    for (int i = tid; i < G * n; i += NTT) {  // scores: one thread per (head, key)
+        const int hh = i / n, jj = i - hh * n;
+        sc[hh * CH + jj] = scaled(dot_row(qs + hh * g.H, kt + jj * ts, g.H), g);
+    }
     __syncthreads();
     const int warp = tid >> 5;
-    for (int hh = warp; hh < G; hh += NT / 32) {
+    for (int hh = warp; hh < G; hh += NTT / 32) {
         float mc, lc;
         chunk_stats(sc + hh * CH, n, mc, lc);
         if ((tid & 31) == 0) { stats[2 * hh] = mc; stats[2 * hh + 1] = lc; }
     }
     __syncthreads();
     float* oc = qs;  // q is no longer needed
-    chunk_values<T>(sc, G, vt, n, g, p - j0, vn, oc);
+    for (int i = tid; i < G * g.H / 2; i += NTT) {  // values: one thread per (head, dims d and d + 1)
+        const int e = 2 * i, hh = e / g.H, d = e - hh * g.H;
+        const float* w = sc + hh * CH;
+        const T* v = vt + d;
+        float a0 = 0.f, a1 = 0.f;
+#pragma unroll 8
+        for (int jj = 0; jj < n; ++jj) {
+            const float2 x = pair_f(v + jj * ts);
+            a0 = fmaf(w[jj], x.x, a0);
+            a1 = fmaf(w[jj], x.y, a1);
+        }
+        oc[e] = a0; oc[e + 1] = a1;
+    }
+    __syncthreads();
     const bool use_sink = sinks != nullptr || g.smooth;
     if (c0 == c1) {  // one chunk: the fold of a single chunk is (m_c, l_c, o_c) itself
-        for (int i = tid; i < G * g.H; i += NT) {
+        for (int i = tid; i < G * g.H; i += NTT) {
             const int hh = i / g.H;
             const float sink = sinks ? to_f(sinks[kvh * G + hh]) : 0.f;
             ob[i] = from_f<T>(finish(stats[2 * hh], stats[2 * hh + 1], oc[i], use_sink, sink));
@@ -473,7 +539,7 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
         return;
     }
     float* pb = part + ((long long)b * g.nq + kvh * G) * nch * stride;  // [G, nch, H + 2]
-    for (int i = tid; i < G * g.H; i += NT) {
+    for (int i = tid; i < G * g.H; i += NTT) {
         const int hh = i / g.H, d = i - hh * g.H;
         pb[((long long)hh * nch + c) * stride + 2 + d] = oc[i];
     }
@@ -491,7 +557,7 @@ __global__ void gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
     __syncthreads();
     if (!*flag) return;
     __threadfence();
-    for (int i = tid; i < G * g.H; i += NT) {
+    for (int i = tid; i < G * g.H; i += NTT) {
         const int hh = i / g.H, d = i - hh * g.H;
         const float* ph = pb + (long long)hh * nch * stride;
         float m = NEG_INF, l = 0.f, acc = 0.f;

@@ -2,15 +2,15 @@
 
 Kernels (kernels/group_query_attention.cu), split-KV over chunks of CH = 64 absolute positions:
 decode (S == 1, not the first prompt): one launch ``gqa_decode`` (grid (ceil(cap / CH), Nkv, B):
-one block per chunk, kv head and row, the group's query heads together; the last chunk's block
-writes the rotated K/V row P_b = seqlens_k[b]; partials fold in chunk order in the block that
-takes the last ticket); a prompt: ``gqa_kv_write`` (grid (S, Nkv, B)) then ``gqa_attn`` (grid
-(ceil(S / 8), Nq, B), each block walking its queries' chunks in the same order). seqlens_k is read on the
-device, never copied to the host; total_sequence_length must be a host value (it only selects
-the phase). A prompt block takes up to 8 consecutive queries of one head (the K/V tiles are
-loaded once for all of them). The decode workspace (partials [B, Nq, chunks, H + 2] float32, tickets [B, Nkv]
-int32, zero between launches) is one per shape for all layers of a provider (layers run one
-after the other on one stream).
+one block of :func:`decode_threads` threads per chunk, kv head and row, the group's query heads
+together; the last chunk's block writes the rotated K/V row P_b = seqlens_k[b]; partials fold in
+chunk order in the block that takes the last ticket); a prompt: ``gqa_kv_write`` (grid (S, Nkv,
+B)) then ``gqa_attn`` (grid (ceil(S / 8), Nq, B), each block walking its queries' chunks in the
+same order). seqlens_k is read on the device, never copied to the host; total_sequence_length
+must be a host value (it only selects the phase). A prompt block takes up to 8 consecutive
+queries of one head (the K/V tiles are loaded once for all of them). The decode workspace
+(partials [B, Nq, chunks, H + 2] float32, tickets [B, Nkv] int32, zero between launches) is one
+per shape for all layers of a provider (layers run one after the other on one stream).
 
 Supported: packed QKV or separate q/k/v, do_rotary with cos/sin caches (non-interleaved),
 softcap, local_window_size, smooth_softmax, head_sink, the fused q/k RMSNorm (q_norm_weight and
@@ -31,18 +31,19 @@ import numpy as np
 from core.opdefs import gqa_unsupported
 from providers.cuda import replay
 from providers.cuda.module import ctype, function
-from providers.cuda.ops import MAX_GRID_Y, NULL, device_array
+from providers.cuda.ops import MAX_GRID_Y, NULL, _mma, device_array
 from providers.cuda.ops._linear import i32
 
 OP_TYPE = "GroupQueryAttention"
 DOMAIN = "com.microsoft"
-NT = 128
+NT = 128  # block size of the prompt kernels (the kernel's NT)
 CH = 64  # positions per KV chunk (the kernel's CH)
 
 
 #: Launcher runs per path since import (replayed launches are not counted): "qk_norm" took the
-#: fused q/k RMSNorm, "plain" did not.
-_counts = {"qk_norm": 0, "plain": 0}
+#: fused q/k RMSNorm, "plain" did not; "decode_128" and "decode_256" count decode launches by
+#: block size (:func:`decode_threads`).
+_counts = {"qk_norm": 0, "plain": 0, "decode_128": 0, "decode_256": 0}
 
 
 def stats() -> dict:
@@ -72,7 +73,16 @@ def replay_key(ctx, *inputs) -> tuple:
 
 
 def _exprs(t):
-    return (f"gqa_decode<{t}>", f"gqa_attn<{t}>", f"gqa_kv_write<{t}>")
+    return (f"gqa_decode<{t}, 128>", f"gqa_decode<{t}, 256>", f"gqa_attn<{t}>", f"gqa_kv_write<{t}>")
+
+
+def decode_threads(bsz: int, nkv: int) -> int:
+    """Block size of ``gqa_decode`` for ``bsz`` rows of ``nkv`` kv heads: 256 threads while the
+    rows' (row, kv head) pairs fit one per multiprocessor (the step is the latency of one block,
+    and the wider block halves its serial passes), else 128 (more blocks resident, fewer idle
+    threads). The arithmetic of every output element is the same in both
+    (kernels/group_query_attention.cu), so this choice never changes a bit."""
+    return 256 if bsz * nkv <= _mma._multiprocessors() else 128
 
 
 def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
@@ -158,10 +168,13 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
     if not first and s_len == 1:
         group = nq // nkv
         part, tickets = _workspace(ctx, bsz, nq, nkv, chunks, h)
-        kern = function("group_query_attention", f"gqa_decode<{t}>", _exprs(t))
-        shared = ((group + 2) * h + group * CH + 2 * group + 1) * 4 + 2 * CH * _tile_stride(h, dtype) * dtype.itemsize
+        threads = decode_threads(bsz, nkv)
+        _counts[f"decode_{threads}"] += 1
+        kern = function("group_query_attention", f"gqa_decode<{t}, {threads}>", _exprs(t))
+        tiles = 2 * CH * _decode_tile_stride(h, dtype) * dtype.itemsize
+        shared = tiles + (group * h + group * CH + 2 * group + 1 + h) * 4
         _shared_limit(kern, shared)
-        kern((chunks, nkv, bsz), (NT,), (query, kin, vin, past_key, past_value, seqlens, cos, sin,
+        kern((chunks, nkv, bsz), (threads,), (query, kin, vin, past_key, past_value, seqlens, cos, sin,
                                           i32(rotary), sinks, out, part, tickets, qnw, knw, qeps, keps) + geo,
              shared_mem=shared)
     else:
@@ -182,6 +195,13 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
 def _tile_stride(h: int, dtype) -> int:
     """Row stride of the kernel's shared K/V tiles (tile_stride in the .cu): odd 32-bit words."""
     return h + 2 if np.dtype(dtype).itemsize == 2 else h + 1
+
+
+def _decode_tile_stride(h: int, dtype) -> int:
+    """Row stride of the decode kernel's K/V tiles (dtile_stride in the .cu): an odd number of
+    16-byte units."""
+    units = h * np.dtype(dtype).itemsize // 16
+    return (units + (1 if units % 2 == 0 else 2)) * 16 // np.dtype(dtype).itemsize
 
 
 def _workspace(ctx, bsz: int, nq: int, nkv: int, chunks: int, h: int):
