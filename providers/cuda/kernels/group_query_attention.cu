@@ -31,8 +31,9 @@
 //   y[d] = T(x[d] r w[d]), then RoPE on y as without the norm.  The same function in decode and
 //   prefill, per head vector alone (norm_rope below).
 // Geometry scalars are passed one by one (GEO_ARGS order) and gathered in a Geo struct.
-// Block size is always 128 threads.  Q and K are rotated in fp32 and rounded to T before use
-// (the cache holds T), as cpu_reference does.
+// Blocks of NT = 128 threads (prompt kernels) or NTT = 128 or 256 (decode, the launcher's
+// choice).  Q and K are rotated in fp32 and rounded to T before use (the cache holds T), as
+// cpu_reference does.
 #include <cuda_fp16.h>
 
 #define NEG_INF __int_as_float(0xff800000)
