@@ -441,8 +441,8 @@ __device__ __forceinline__ void decode_qkv(const T* qsrc, const T* ksrc, const T
 // Decode (S == 1, not the first prompt): grid (ceil(cap / CH), Nkv, B), block NTT (128 or 256), dynamic smem
 // 2 CH DTS T + (G H + G CH + 2 G + 1 + H) floats (G = Nq / Nkv, DTS = dtile_stride).  Block
 // (c, kv head, b) computes chunk c of row b for the G query heads of its group (blocks whose chunk
-// the row does not have exit).  Every load the block needs (its chunk's K/V rows, q, the new k and
-// v) is issued before any is used.  The block of the last chunk c1 = P_b / CH rotates the new key
+// the row does not have exit).  After the seqlens read, the block's loads (its chunk's K/V rows, q,
+// the new k and v) are issued in rounds, each round before any of its values is used.  The block of the last chunk c1 = P_b / CH rotates the new key
 // (rounded to T exactly as the cache stores it) and puts it and the new value into its tiles as
 // key P_b, and into cache row P_b.  No block reads cache row P_b, so no grid-wide ordering is
 // needed for the KV write.  A row with one chunk finishes in its block; otherwise partials go to
