@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -69,6 +70,19 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
+
+
+#: Request options the library names in its errors, and the flags that set them.
+_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
+          "weight_budget", "device_budget", "do_sample")
+
+
+def _flag_names(message: str) -> str:
+    """A library error about a request option, worded with the command line's flag instead
+    (``top_p must be in (0, 1]`` -> ``--top-p must be in (0, 1]``)."""
+    for name in _FLAGS:
+        message = re.sub(rf"(?<![\w-]){name}(?![\w])", "--" + name.replace("_", "-"), message)
+    return message
 
 
 def _int_list(text: str) -> list[int]:
@@ -162,13 +176,17 @@ def cmd_run(a) -> int:
 
     from core.generation.generate import check_prompt_texts, check_request, run
     from core.plugins import get_provider
+    from core.session import RequestError
 
     prompts = _prompts(a)
     check_prompt_texts(prompts)  # before any model build
     provider = get_provider(a.provider)  # a missing provider is reported before any model build
     options = _generation_options(a)
-    check_request(a.max_new_tokens, {k: v for k, v in options.items() if k not in ("stop", "system")},
-                  options.get("stop"), a.weight_budget, a.device_budget)  # before any model build
+    try:  # before any model build
+        check_request(a.max_new_tokens, {k: v for k, v in options.items() if k not in ("stop", "system")},
+                      options.get("stop"), a.weight_budget, a.device_budget)
+    except RequestError as exc:
+        raise RequestError(_flag_names(str(exc))) from None
     model = _resolve_model(a.model, a.provider)
     if a.stream:
         return _run_streamed(a, prompts, model, provider, options)

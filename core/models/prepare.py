@@ -124,8 +124,10 @@ def source_kind(model: str | Path) -> str:
         raise PrepareError(f"{path} holds neither config.json (a Hugging Face model folder) nor "
                            "genai_config.json (a builder folder)")
     if path.exists():
-        raise PrepareError(f"{path} is a file but not a .gguf file; give a Hugging Face folder, a .gguf "
-                           "file or a known model name")
+        if (path.parent / "genai_config.json").exists():  # e.g. model.onnx inside a builder folder
+            raise PrepareError(f"{path} is a file; give its folder {path.parent} (a builder folder) instead")
+        raise PrepareError(f"{path} is a file but not a .gguf file; give a builder folder, a Hugging Face "
+                           "folder, a .gguf file or a known model name")
     looks_like_path = os.sep in text or text.startswith((".", "~")) or text.endswith(".gguf")
     what = f"no such file or folder: {path}" if looks_like_path else f"unknown model {text!r}"
     raise PrepareError(f"{what}; known models: {known_models()}; or give a Hugging Face folder or a .gguf file")

@@ -1,5 +1,7 @@
 """The command line refuses bad input with one line on stderr and exit status 2."""
 
+import re
+
 import pytest
 
 from core.cli import main
@@ -25,6 +27,13 @@ def test_prepare_refuses_a_file_as_output(tmp_path, capsys):
     target.write_text("x")
     code, out = run(capsys, "prepare", "--output", str(target))
     assert code == 2 and "is a file" in out.err
+
+
+def test_the_onnx_file_of_a_builder_folder_points_to_the_folder(tmp_path, capsys):
+    """--model FOLDER/model.onnx: the error names the folder to give instead."""
+    folder = make_tiny_model(tmp_path / "m")
+    code, out = run(capsys, "run", "--model", str(folder / "model.onnx"), "--prompt", "hi")
+    assert code == 2 and f"give its folder {folder}" in out.err
 
 
 def test_error_text_is_printed_verbatim_not_as_markup(tmp_path, capsys):
@@ -312,6 +321,19 @@ def test_run_refuses_bad_request_values_before_preparing_the_model(monkeypatch, 
     assert code == 2
     err = out.err
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, flag", [(["--temperature", "-1"], "--temperature"), (["--top-p", "2"], "--top-p"),
+                                        (["--max-new-tokens", "-1"], "--max-new-tokens"),
+                                        (["--repetition-penalty", "0"], "--repetition-penalty")])
+def test_a_bad_request_value_is_named_by_its_flag(monkeypatch, capsys, argv, flag):
+    """The one-line error names the flag the user typed, not the library's parameter name."""
+    import core.cli
+
+    monkeypatch.setattr(core.cli, "_resolve_model", lambda *a, **k: pytest.fail("model prepared"))
+    code, out = run(capsys, "run", "--prompt", "hi", *argv)
+    assert code == 2 and flag in out.err
+    assert re.search(r"(?<!-)" + flag[2:].replace("-", "_"), out.err) is None  # no bare parameter name
 
 
 def test_a_cached_default_model_is_used_without_a_preparing_line(tmp_path, monkeypatch, capsys):

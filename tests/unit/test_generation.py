@@ -289,7 +289,7 @@ def test_cli_run_stream_and_chat(tiny, capsys, monkeypatch):
     r = core.run(tiny, prompts=["hi"], max_new_tokens=5, chat=False, do_sample=True, seed=1)
     assert streamed == r.rows[0].text + "\n"
     assert main(["run", "--model", str(tiny), "--prompt", "hi", "--top-p", "2"]) == 2
-    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert "--top-p must be in (0, 1]" in capsys.readouterr().err
     import io
 
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\nagain\n"))
