@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -348,6 +349,17 @@ def _gguf_to_hf(gguf: Path, out: Path, progress: Progress | None) -> Path:
     return out
 
 
+#: Seconds between two forwarded INFO lines of the builder's output (all are kept for an error).
+INFO_EVERY_S = 1.0
+
+
+def _is_info(line: str) -> bool:
+    """Whether a builder output line is a routine INFO log line (the quantizer writes one per
+    node: hundreds for an int4 build)."""
+    head = line[:120]  # e.g. "2026-12-02 04:20:46,591 onnxruntime.quantization.matmul_nbits_quantizer [INFO] - ..."
+    return line.startswith(("INFO:", "[INFO]")) or " [INFO] " in head or " - INFO - " in head
+
+
 def _run_builder(hf: Path, tmp: Path, variant: Variant, root: Path, progress: Progress | None) -> None:
     """Run the builder into ``tmp``, passing each of its output lines to ``progress``.
 
@@ -359,14 +371,20 @@ def _run_builder(hf: Path, tmp: Path, variant: Variant, root: Path, progress: Pr
            "-p", variant.precision, "-e", variant.target, "-c", str(root / "builder-cache"),
            "--extra_options", *BUILDER_OPTIONS]
     lines: list[str] = []
+    last_info = float("-inf")
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
         assert proc.stdout is not None
         for raw in proc.stdout:
             for line in raw.replace("\r", "\n").splitlines():
                 line = line.strip()
-                if line:
-                    lines.append(line)
-                    _status(progress, f"builder: {line[:160]}")
+                if not line:
+                    continue
+                lines.append(line)
+                if _is_info(line):  # the int4 quantizer logs every node: one such line a second at most
+                    if time.monotonic() - last_info < INFO_EVERY_S:
+                        continue
+                    last_info = time.monotonic()
+                _status(progress, f"builder: {line[:160]}")
     if proc.returncode != 0 or not (tmp / "model.onnx").exists():
         tail = "\n".join(lines[-30:])
         raise PrepareError(f"model builder failed ({' '.join(cmd)}):\n{tail}")

@@ -188,3 +188,32 @@ def test_a_build_removes_what_an_interrupted_build_left_and_writes_readable_fold
     tmp = _new_tmp(out)
     assert not stale.exists() and other.exists() and tmp.is_dir()
     assert tmp.name.startswith("m-fp32-cpu.tmp-") and (tmp.stat().st_mode & 0o777) == 0o755
+
+
+def test_builder_info_lines_are_thinned_but_kept_for_an_error(tmp_path, monkeypatch):
+    """The int4 quantizer logs every node: at most one INFO line a second reaches the progress
+    callback, every other line does, and a failed build still reports the whole tail."""
+    from core.models import prepare as p
+
+    script = tmp_path / "fake_builder.py"
+    script.write_text(
+        "import sys\n"
+        "print('Reading embedding layer')\n"
+        "for i in range(500):\n"
+        "    print(f'2026-12-02 04:20:46,591 onnxruntime.quantization.matmul_nbits_quantizer [INFO] - node {i}')\n"
+        "print('Saving ONNX model')\n"
+        "sys.exit(int(sys.argv[-1] == 'fail'))\n")
+    seen: list[str] = []
+    variant = p.Variant("smollm2-135m", "int4", "cpu")
+    monkeypatch.setattr(p, "BUILDER_OPTIONS", ("ok",))
+    monkeypatch.setattr(p, "BUILDER_COMMAND", (sys.executable, str(script)))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(p.PrepareError):  # it wrote no model.onnx
+        p._run_builder(tmp_path, out, variant, tmp_path, seen.append)
+    info = [s for s in seen if "[INFO]" in s]
+    assert "builder: Reading embedding layer" in seen and "builder: Saving ONNX model" in seen
+    assert 1 <= len(info) < 10  # 500 written in well under 10 s
+    monkeypatch.setattr(p, "BUILDER_OPTIONS", ("fail",))
+    with pytest.raises(p.PrepareError, match="node 499"):
+        p._run_builder(tmp_path, out, variant, tmp_path, None)
