@@ -220,7 +220,8 @@ def _report(a, result) -> int:
     if not a.json:
         c = result.counters
         tokens = sum(len(r.output_ids) for r in result.rows)
-        console.print(f"[dim]{result.provider}: {len(result.rows)} rows, {tokens} tokens; prefill "
+        rows = "1 row" if len(result.rows) == 1 else f"{len(result.rows)} rows"
+        console.print(f"[dim]{result.provider}: {rows}, {tokens} tokens; prefill "
                       f"{c['prefill_tokens']} tokens in {c['prefill_s'] * 1e3:.0f} ms "
                       f"({_rate(result.prefill_tokens_per_s)}); decode {c['decode_steps']} steps in "
                       f"{c['decode_s'] * 1e3:.0f} ms ({_rate(result.decode_tokens_per_s)})[/dim]")
