@@ -85,6 +85,21 @@ def _flag_names(message: str) -> str:
     return message
 
 
+def _check_flags(max_new_tokens, sampling, stop=None, weight_budget=None, device_budget=None) -> None:
+    """:func:`core.generation.generate.check_request`, its error worded with the flags.
+
+    Raises:
+        core.session.RequestError: a value is bad (the message names its flag).
+    """
+    from core.generation.generate import check_request
+    from core.session import RequestError
+
+    try:
+        check_request(max_new_tokens, sampling, stop, weight_budget, device_budget)
+    except RequestError as exc:
+        raise RequestError(_flag_names(str(exc))) from None
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -174,19 +189,15 @@ def _rate(tokens_per_s: float | None) -> str:
 def cmd_run(a) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from core.generation.generate import check_prompt_texts, check_request, run
+    from core.generation.generate import check_prompt_texts, run
     from core.plugins import get_provider
-    from core.session import RequestError
 
     prompts = _prompts(a)
     check_prompt_texts(prompts)  # before any model build
     provider = get_provider(a.provider)  # a missing provider is reported before any model build
     options = _generation_options(a)
-    try:  # before any model build
-        check_request(a.max_new_tokens, {k: v for k, v in options.items() if k not in ("stop", "system")},
-                      options.get("stop"), a.weight_budget, a.device_budget)
-    except RequestError as exc:
-        raise RequestError(_flag_names(str(exc))) from None
+    _check_flags(a.max_new_tokens, {k: v for k, v in options.items() if k not in ("stop", "system")},
+                 options.get("stop"), a.weight_budget, a.device_budget)  # before any model build
     model = _resolve_model(a.model, a.provider)
     if a.stream:
         return _run_streamed(a, prompts, model, provider, options)
@@ -283,10 +294,11 @@ def cmd_chat(a) -> int:
     from core.session import RequestError, Session
 
     provider = get_provider(a.provider)
-    model = _resolve_model(a.model, a.provider)
     options = _generation_options(a)
     system = options.pop("system", None)
     options.pop("stop", None)
+    _check_flags(a.max_new_tokens, options)  # before any model build
+    model = _resolve_model(a.model, a.provider)
     session = Session(model, provider, batch=1, capture=False if a.no_capture else None)
     talk = Conversation(session, system=system, max_new_tokens=a.max_new_tokens, sampling=options or None)
     console.print("[dim]chat: an empty line or /exit ends, /reset starts over[/dim]")

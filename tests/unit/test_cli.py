@@ -354,3 +354,12 @@ def test_a_cached_default_model_is_used_without_a_preparing_line(tmp_path, monke
     monkeypatch.setattr(core.cli, "resolve_model", never)
     assert core.cli._resolve_model(None, "cpu_reference") == folder
     assert "preparing" not in capsys.readouterr().err
+
+
+def test_chat_refuses_a_bad_sampling_value_before_preparing_the_model(monkeypatch, capsys):
+    """lockstep chat checks its options (named by flag) before it prepares or loads a model."""
+    import core.cli
+
+    monkeypatch.setattr(core.cli, "_resolve_model", lambda *a, **k: pytest.fail("model prepared"))
+    code, out = run(capsys, "chat", "--temperature", "-1")
+    assert code == 2 and "--temperature must be >= 0" in out.err
