@@ -381,9 +381,10 @@ def _run_builder(hf: Path, tmp: Path, variant: Variant, root: Path, progress: Pr
                     continue
                 lines.append(line)
                 if _is_info(line):  # the int4 quantizer logs every node: one such line a second at most
-                    if time.monotonic() - last_info < INFO_EVERY_S:
+                    now = time.monotonic()
+                    if now - last_info < INFO_EVERY_S:
                         continue
-                    last_info = time.monotonic()
+                    last_info = now
                 _status(progress, f"builder: {line[:160]}")
     if proc.returncode != 0 or not (tmp / "model.onnx").exists():
         tail = "\n".join(lines[-30:])

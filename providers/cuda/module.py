@@ -105,6 +105,18 @@ class Kernel:
 
 
 _FUNCTIONS: dict = {}
+
+
+@functools.cache
+def multiprocessors() -> int:
+    """The current device's multiprocessor count (132 where no device answers: host-side tests
+    get an H200's launch shapes)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    except Exception:  # noqa: BLE001 - no device (host-side tests)
+        return 132
 _RESIDENT: dict = {}
 
 

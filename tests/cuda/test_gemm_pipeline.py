@@ -154,7 +154,7 @@ def _rows_and_wide(monkeypatch, ran, f, call, wide_expr, row_prefix):
     """``call()``'s result by the row kernels and by the tiled one at feature width ``f``,
     checking which kernels ran: the multiprocessor count decides F (0 makes every launch F = 2,
     a huge count F = 1), and the tiles are taken even where they would be slower."""
-    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 0 if f == 2 else 1 << 30)
+    monkeypatch.setattr(_mma, "multiprocessors", lambda: 0 if f == 2 else 1 << 30)
     monkeypatch.setattr(_mma, "wide_worth", lambda m, blocks: True)  # tiles wherever they apply
     _mma.wide_config.cache_clear()
     out = []

@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 
-from providers.cuda.ops import _mma
 from providers.cuda.ops import group_query_attention as gqa
 
 
@@ -11,7 +10,7 @@ from providers.cuda.ops import group_query_attention as gqa
 def test_decode_block_size_is_256_while_row_head_pairs_fit_the_multiprocessors(monkeypatch, sms):
     """256 threads up to one (row, kv head) pair per multiprocessor, 128 past it, whatever the
     multiprocessor count (the kernel is instantiated for exactly these two sizes)."""
-    monkeypatch.setattr(_mma, "_multiprocessors", lambda: sms)
+    monkeypatch.setattr(gqa, "multiprocessors", lambda: sms)
     for nkv in (1, 2, 3, 8):
         for bsz in (1, 2, 7, 8, 31, 32, 33, 64, 256, 1024):
             expected = 256 if bsz * nkv <= sms else 128

@@ -236,7 +236,7 @@ def test_the_default_switches_pick_the_measured_schedules(launches, monkeypatch)
     ("Llama down", 128, 2048, False), ("Llama lm_head", 32, 128256, True), ("SmolLM2 o", 256, 576, False),
     ("SmolLM2 gate/up", 128, 3072, True), ("SmolLM2 down", 256, 576, False), ("SmolLM2 lm_head", 32, 49152, True)])
 def test_the_tiles_are_taken_where_they_measured_faster(monkeypatch, name, m, n, wide):
-    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 132)
+    monkeypatch.setattr(_mma, "multiprocessors", lambda: 132)
     _mma.wide_config.cache_clear()
     try:
         assert (_mma.wide_config(m, n) is not None) == wide, name
@@ -297,7 +297,7 @@ def test_one_int4_row_with_the_prologue_is_one_launch_and_other_scales_are_not(l
 
 def test_split_k_cuts_long_k_of_few_rows_into_at_most_one_wave(monkeypatch):
     """The int4 launcher's rule (_mma.split_count) on the H200's 132 multiprocessors."""
-    monkeypatch.setattr(_mma, "_multiprocessors", lambda: 132)
+    monkeypatch.setattr(_mma, "multiprocessors", lambda: 132)
     monkeypatch.setattr(_mma, "SPLIT", "auto")
     _mma.config.cache_clear()
     try:

@@ -18,7 +18,7 @@ import numpy as np
 
 from core.ops import PREPARE_SHARED
 from providers.cuda import env
-from providers.cuda.module import function
+from providers.cuda.module import function, multiprocessors
 from providers.cuda.ops import MAX_GRID_Y, array_module, row_slices, rows_of
 
 SEG_K = 256
@@ -152,7 +152,7 @@ def split_count(blocks: int, nseg: int, nj: int, per_sm: int) -> int:
     split of the dense kernel (2 per multiprocessor) 3-6% slower, so neither is split."""
     if SPLIT == "off" or nj != 1 or nseg <= 8 or per_sm < 1:
         return 1
-    splits = min(-(-nseg // 8), per_sm * _multiprocessors() // blocks)
+    splits = min(-(-nseg // 8), per_sm * multiprocessors() // blocks)
     if splits < 2 or blocks > SPLIT_TICKETS or blocks * nseg * 16 * 8 * 4 > SPLIT_BYTES:
         return 1
     return splits
@@ -211,23 +211,13 @@ def split_workspace_bytes() -> int:
     return sum(a.nbytes for ws in _split_workspace.values() for a in ws)
 
 
-@functools.cache
-def _multiprocessors() -> int:
-    try:
-        import cupy
-
-        return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
-    except Exception:  # noqa: BLE001 - no device (host-side tests): an H200's count
-        return 132
-
-
 def wide_worth(m: int, blocks: int) -> bool:
     """Whether a tiled launch of m rows over ``blocks`` blocks beats the row kernels. Measured on
     the H200 per launch (docs/benchmarks/kernels.md section 7): a tiled block walks all of K
     with about 0.6 us per 64-wide chunk, so the tiles need most of the multiprocessors busy (at
     least 0.7 blocks each), and under 64 rows only a very wide projection (2.25 blocks each,
     the lm_head) gains from reading its weights once per 64 rows instead of once per 32."""
-    sms = _multiprocessors()
+    sms = multiprocessors()
     return blocks >= 0.7 * sms and (m >= 64 or blocks >= 2.25 * sms)
 
 
@@ -240,7 +230,7 @@ def wide_config(m: int, n: int, int4: bool = False) -> tuple[int, tuple, tuple, 
     chunks of the activations (64 rows of WIDE_XS halves, WIDE_XS4 for int4) and of the weights
     (the packed fragments of 4 F tiles, or 32 code bytes of 64 F rows)."""
     tokens = -(-m // 64)
-    f = 2 if tokens * -(-n // 128) >= 2 * _multiprocessors() else 1
+    f = 2 if tokens * -(-n // 128) >= 2 * multiprocessors() else 1
     features = -(-n // (64 * f))
     if features > MAX_GRID_Y or not wide_worth(m, tokens * features):
         return None

@@ -30,8 +30,8 @@ import numpy as np
 
 from core.opdefs import gqa_unsupported
 from providers.cuda import replay
-from providers.cuda.module import ctype, function
-from providers.cuda.ops import MAX_GRID_Y, NULL, _mma, device_array
+from providers.cuda.module import ctype, function, multiprocessors
+from providers.cuda.ops import MAX_GRID_Y, NULL, device_array
 from providers.cuda.ops._linear import i32
 
 OP_TYPE = "GroupQueryAttention"
@@ -82,7 +82,7 @@ def decode_threads(bsz: int, nkv: int) -> int:
     and the wider block halves its serial passes), else 128 (more blocks resident, fewer idle
     threads). The arithmetic of every output element is the same in both
     (kernels/group_query_attention.cu), so this choice never changes a bit."""
-    return 256 if bsz * nkv <= _mma._multiprocessors() else 128
+    return 256 if bsz * nkv <= multiprocessors() else 128
 
 
 def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
