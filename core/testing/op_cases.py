@@ -538,6 +538,9 @@ OP_CASES: list[OpCase] = [
     OpCase("SkipSimplifiedLayerNormalization/y", make_inputs=_skip_norm((2, 3, 48)), **SKIP_NORM),
     OpCase("SkipSimplifiedLayerNormalization/d576-inv-std", make_inputs=_skip_norm((2, 5, 576)),
            outputs=("y", "", "inv_std", "sum"), output_dtype=(None, None, "float32", None), **SKIP_NORM),
+    # a row longer than 2,048 values: the cuda kernel's multi-round path (values kept in shared memory)
+    OpCase("SkipSimplifiedLayerNormalization/d2560-sum", make_inputs=_skip_norm((1, 3, 2560)),
+           outputs=("y", "", "", "sum"), **SKIP_NORM),
     OpCase("SimplifiedLayerNormalization/last-axis", "SimplifiedLayerNormalization", _norm((2, 3, 48)),
            attributes={"epsilon": 1e-5, "axis": -1, "stash_type": 1}, constants=("scale",), rows=("x",)),
     OpCase("SimplifiedLayerNormalization/d576", "SimplifiedLayerNormalization", _norm((2, 5, 576)),

@@ -59,6 +59,7 @@ SWITCHES: dict[str, tuple] = {
     "LOCKSTEP_CUDA_GEMM_PIPELINE": ("auto", ("auto", "all", "off")),
     "LOCKSTEP_CUDA_GEMM_WIDE": ("dense", ("dense", "all", "off")),
     "LOCKSTEP_CUDA_GEMM_SPLIT": ("auto", ("auto", "off")),
+    "LOCKSTEP_CUDA_GEMM_TOKEN_TILES": ("auto", ("auto", "1", "2", "4")),
 }
 
 

@@ -299,16 +299,12 @@ def _split_and_unsplit(monkeypatch, ran, call):
     """``call()``'s results with split-K off, then on (twice: the second launch finds the
     tickets the first left), checking that every launch with it on was split."""
     out = []
-    try:
-        for split in ("off", "auto", "auto"):
-            monkeypatch.setattr(_mma, "SPLIT", split)
-            _mma.config.cache_clear()
-            before = _mma.stats()["split_launches"]
-            del ran[:]
-            out.append(call().get())
-            assert ran and _mma.stats()["split_launches"] - before == (len(ran) if split == "auto" else 0)
-    finally:
-        _mma.config.cache_clear()
+    for split in ("off", "auto", "auto"):
+        monkeypatch.setattr(_mma, "SPLIT", split)
+        before = _mma.stats()["split_launches"]
+        del ran[:]
+        out.append(call().get())
+        assert ran and _mma.stats()["split_launches"] - before == (len(ran) if split == "auto" else 0)
     return out
 
 
@@ -366,11 +362,9 @@ def test_split_k_int4_captured_and_replayed_is_bitwise_the_unsplit_kernel(monkey
             pytest.skip("programmatic dependent launch needs compute capability 9.0 and cuda-bindings")
         with stream:
             monkeypatch.setattr(_mma, "SPLIT", "off")
-            _mma.config.cache_clear()
             launch()
             unsplit = y.get()
             monkeypatch.setattr(_mma, "SPLIT", "auto")
-            _mma.config.cache_clear()
             launch()  # the eager warm-up: allocates the workspace
             splits, pdl_launches = _mma.stats()["split_launches"], replay.stats()["pdl_launches"]
             stream.begin_capture()
@@ -385,6 +379,5 @@ def test_split_k_int4_captured_and_replayed_is_bitwise_the_unsplit_kernel(monkey
                 replays.append(y.get())
     finally:
         replay.set_pdl(before_pdl)
-        _mma.config.cache_clear()
     assert _bitwise([unsplit, *replays])
     assert case.close(unsplit)

@@ -44,25 +44,21 @@ def _run(model, provider, rows, force=None):
 
 def _with_split(monkeypatch, value: str):
     monkeypatch.setattr(_mma, "SPLIT", value)
-    _mma.config.cache_clear()
 
 
 def test_split_steps_are_bitwise_the_unsplit_ones_and_rows_their_batch1_runs(model, monkeypatch):
-    try:
-        _with_split(monkeypatch, "off")
-        before = _mma.stats()["split_launches"]
-        off_tokens, off_logits, _ = _run(model, "cuda", PROMPTS)
-        assert _mma.stats()["split_launches"] == before
-        _with_split(monkeypatch, "auto")
-        tokens, logits, counters = _run(model, "cuda", PROMPTS)
-        assert _mma.stats()["split_launches"] > before  # the split path ran (warm-up, capture)
-        assert counters.replays > 0  # and the decode steps were captured graphs
-        assert np.array_equal(tokens, off_tokens) and np.array_equal(logits, off_logits)
-        for b, ids in enumerate(PROMPTS):
-            t1, l1, _ = _run(model, "cuda", [ids])
-            assert np.array_equal(tokens[b], t1[0]) and np.array_equal(logits[b], l1[0]), f"row {b}"
-    finally:
-        _mma.config.cache_clear()
+    _with_split(monkeypatch, "off")
+    before = _mma.stats()["split_launches"]
+    off_tokens, off_logits, _ = _run(model, "cuda", PROMPTS)
+    assert _mma.stats()["split_launches"] == before
+    _with_split(monkeypatch, "auto")
+    tokens, logits, counters = _run(model, "cuda", PROMPTS)
+    assert _mma.stats()["split_launches"] > before  # the split path ran (warm-up, capture)
+    assert counters.replays > 0  # and the decode steps were captured graphs
+    assert np.array_equal(tokens, off_tokens) and np.array_equal(logits, off_logits)
+    for b, ids in enumerate(PROMPTS):
+        t1, l1, _ = _run(model, "cuda", [ids])
+        assert np.array_equal(tokens[b], t1[0]) and np.array_equal(logits[b], l1[0]), f"row {b}"
 
 
 def test_split_model_follows_cpu_reference(model):

@@ -127,6 +127,7 @@ def test_gated_nbits_prepare_leaves_fed_weights_and_fp32_activations_alone():
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_the_load_schedule_flag_picks_the_kernel_and_every_launch_is_compiled(launches, monkeypatch, pipeline):
     monkeypatch.setattr(_mma, "PIPELINE", "all" if pipeline else "off")
+    monkeypatch.setattr(_mma, "TOKEN_TILES", "4")  # NJ by rows alone (these narrow grids would take 1)
     rng = np.random.default_rng(4)
     for m in (1, 9, 40):  # NJ = 1, 2, 4
         a = rng.standard_normal((m, 96)).astype(np.float16)
@@ -206,6 +207,7 @@ def test_the_default_switches_pick_the_measured_schedules(launches, monkeypatch)
     "all" cover both."""
     monkeypatch.setattr(_mma, "PIPELINE", "auto")
     monkeypatch.setattr(_mma, "WIDE", "dense")
+    monkeypatch.setattr(_mma, "TOKEN_TILES", "4")  # NJ by rows alone: the token-tile rule has its own test
     monkeypatch.setattr(_mma, "wide_worth", lambda m, blocks: True)
     _mma.wide_config.cache_clear()
     rng = np.random.default_rng(7)
@@ -288,30 +290,44 @@ def test_one_int4_row_with_the_prologue_is_one_launch_and_other_scales_are_not(l
     (expr, grid, block, args, shared), = launches
     assert expr == "mma_nbits4<1, __half, false, true, true>"  # the prologue, PIPE (auto: every int4 launch)
     assert args[-7] is skip and args[-6] is gamma and args[-5] is total  # then the split-K arguments
-    assert shared > _mma.config(1, n, k, True)[3]  # the prologue's shared memory on top of the GEMM's
+    assert shared > _mma.config(1, n, k, 1, True)[2]  # the prologue's shared memory on top of the GEMM's
     assert rms_norm_matmul._fused(ctx, x, skip, gamma, None, (b, s.astype(np.float32))) is None  # fp32 scales
     assert rms_norm_matmul._fused(ctx, np.concatenate([x, x]), np.concatenate([skip, skip]), gamma, None,
                                   (b, s)) is None  # two rows: the two parts run
     assert len(launches) == 1
 
 
+@pytest.mark.parametrize("name,m,n,int4,nj", [
+    # the fastest measured per launch on the H200 (benchmarks/token_tiles.py, docs/benchmarks/kernels.md
+    # section 12); n counts the packed weight rows (gate and up together)
+    ("SmolLM2 qkv", 32, 960, False, 1), ("SmolLM2 o", 32, 576, False, 1), ("SmolLM2 gate/up", 32, 3072, False, 2),
+    ("SmolLM2 down", 32, 576, False, 1), ("Qwen0.5B qkv", 32, 1152, False, 1), ("Qwen0.5B down", 32, 896, False, 1),
+    ("Llama qkv", 32, 3072, False, 2), ("Llama o", 32, 2048, False, 2), ("Llama gate/up", 32, 16384, False, 4),
+    ("Llama down", 32, 2048, False, 2), ("SmolLM2 qkv", 16, 960, False, 1), ("Qwen0.5B gate/up", 16, 9728, False, 2),
+    ("Llama o", 16, 2048, False, 1), ("Llama gate/up", 16, 16384, False, 2), ("Llama gate/up", 8, 16384, False, 1),
+    ("SmolLM2 qkv", 32, 960, True, 2), ("SmolLM2 gate/up", 32, 3072, True, 2), ("Qwen0.5B gate/up", 32, 9728, True, 2),
+    ("Llama qkv", 32, 3072, True, 2), ("Llama gate/up", 32, 16384, True, 4), ("Llama down", 32, 2048, True, 2),
+    ("Llama o", 16, 2048, True, 2), ("Llama qkv", 8, 3072, True, 1)])
+def test_token_tiles_per_block_follow_the_measured_rule(monkeypatch, name, m, n, int4, nj):
+    monkeypatch.setattr(_mma, "multiprocessors", lambda: 132)
+    monkeypatch.setattr(_mma, "TOKEN_TILES", "auto")
+    assert _mma.row_nj(m, n, int4) == nj, name
+    monkeypatch.setattr(_mma, "TOKEN_TILES", "1")  # the switch caps it
+    assert _mma.row_nj(m, n, int4) == 1
+
+
 def test_split_k_cuts_long_k_of_few_rows_into_at_most_one_wave(monkeypatch):
     """The int4 launcher's rule (_mma.split_count) on the H200's 132 multiprocessors."""
     monkeypatch.setattr(_mma, "multiprocessors", lambda: 132)
     monkeypatch.setattr(_mma, "SPLIT", "auto")
-    _mma.config.cache_clear()
-    try:
-        # Llama-3.2-1B down at batch 1, the int4 kernel (4 blocks per multiprocessor): 4 x 128 blocks
-        nj, grid, block, shared, spb = _mma.config(1, 2048, 8192, True, 4)
-        assert grid == (1, 128, 4) and block == (256,) and spb == 8 and shared == 0
-        assert _mma.config(8, 2048, 8192, True, 2)[1:3] == ((1, 128, 2), (256,))  # 2 per SM: 2 splits
-        assert _mma.config(1, 2048, 8192, True, 1)[1] == (1, 128, 1)  # 1 per SM: a second wave, unsplit
-        assert _mma.config(32, 2048, 8192, True, 4)[1][2] == 1  # NJ = 4: unsplit (measured slower)
-        assert _mma.config(1, 2048, 8192, True)[1][2] == 1      # per_sm unknown (dense): unsplit
-        assert _mma.config(1, 2048, 2048, True, 4)[1][2] == 1   # 8 segments: one per warp already
-        assert _mma.config(1, 896, 4864, True, 4)[1:3] == ((1, 56, 3), (224,))  # 19 segments: 7, 7, 5
-        monkeypatch.setattr(_mma, "SPLIT", "off")
-        _mma.config.cache_clear()
-        assert _mma.config(1, 2048, 8192, True, 4)[1][2] == 1
-    finally:
-        _mma.config.cache_clear()
+    # Llama-3.2-1B down at batch 1, the int4 kernel (4 blocks per multiprocessor): 4 x 128 blocks
+    grid, block, shared, spb = _mma.config(1, 2048, 8192, 1, True, 4)
+    assert grid == (1, 128, 4) and block == (256,) and spb == 8 and shared == 0
+    assert _mma.config(8, 2048, 8192, 1, True, 2)[:2] == ((1, 128, 2), (256,))  # 2 per SM: 2 splits
+    assert _mma.config(1, 2048, 8192, 1, True, 1)[0] == (1, 128, 1)  # 1 per SM: a second wave, unsplit
+    assert _mma.config(32, 2048, 8192, 2, True, 4)[0][2] == 1  # NJ > 1: unsplit (measured slower)
+    assert _mma.config(1, 2048, 8192, 1, True)[0][2] == 1      # per_sm unknown (dense): unsplit
+    assert _mma.config(1, 2048, 2048, 1, True, 4)[0][2] == 1   # 8 segments: one per warp already
+    assert _mma.config(1, 896, 4864, 1, True, 4)[:2] == ((1, 56, 3), (224,))  # 19 segments: 7, 7, 5
+    monkeypatch.setattr(_mma, "SPLIT", "off")
+    assert _mma.config(1, 2048, 8192, 1, True, 4)[0][2] == 1

@@ -47,11 +47,12 @@ _MODULE_OF = {e: module for module in MODULES for e in module}
 #: Which launches take the PIPE weight-load schedule (kernels/linear_mma.cu ``PIPE``: a whole K
 #: segment of weights in flight per lane, the warp's next segment loaded while the current one's
 #: mmas issue, token-major grid; one-tile kernels also load the segment's activations up front):
-#: "auto" (default: every int4 launch, and dense launches of one token tile, at most 8 rows,
-#: without the RMSNorm prologue), "all" or "off" (``LOCKSTEP_CUDA_GEMM_PIPELINE``). The schedule
-#: never changes an output bit. Measured on the H200 (docs/benchmarks/kernels.md section 7) it
-#: made int4 2-12% faster up to batch 32 and the one-row dense GEMMs 6% faster, and the dense
-#: prologue and multi-tile kernels slower (registers), hence "auto".
+#: "auto" (default: every int4 launch, and dense launches of one token tile per block
+#: (:func:`row_nj`) without the RMSNorm prologue), "all" or "off"
+#: (``LOCKSTEP_CUDA_GEMM_PIPELINE``). The schedule never changes an output bit. Measured on the
+#: H200 (docs/benchmarks/kernels.md section 7) it made int4 2-12% faster up to batch 32 and the
+#: one-row dense GEMMs 6% faster, and the dense prologue and multi-tile kernels slower
+#: (registers), hence "auto".
 PIPELINE = env.switch("LOCKSTEP_CUDA_GEMM_PIPELINE")
 #: Which projections take the tiled kernels for launches of at least :data:`WIDE_ROWS` rows
 #: (kernels/linear_mma.cu ``mma_wide`` for dense fp16, ``mma_wide4`` for int4: 64-token x
@@ -69,6 +70,15 @@ _WIDE_STAGES, _WIDE_XS, _WIDE_XS4 = 3, 72, 80
 #: 32 segments, 128 tiles) at batch 1-8 gets 512 blocks, one segment per warp, instead of 128.
 #: Split or not, every output bit is the same.
 SPLIT = env.switch("LOCKSTEP_CUDA_GEMM_SPLIT")
+#: n8 token tiles per block of the row kernels (``LOCKSTEP_CUDA_GEMM_TOKEN_TILES``): "auto"
+#: (default, :func:`row_nj`'s measured rule) or "1", "2", "4" (the most per block, each up to
+#: the rows' own 1 / 2 / 4). Fewer tiles per block means more blocks per weight tile, each reading
+#: the tile again (from L2 when the token blocks of a tile run together, the PIPE grid); token
+#: columns are independent, so this never changes a bit.
+TOKEN_TILES = env.switch("LOCKSTEP_CUDA_GEMM_TOKEN_TILES")
+#: Blocks per multiprocessor a row launch must still fill before :func:`row_nj` puts more token
+#: tiles in a block, dense and int4 (measured, docs/benchmarks/kernels.md section 12).
+FILL = {False: 1.9, True: 5.0}
 #: The split-K workspace, one per device and process (allocated on the first split launch, kept
 #: for the process's life: captured graphs hold its pointers): partials of at most
 #: SPLIT_BYTES and SPLIT_TICKETS tile tickets (zeroed once; every launch leaves them at zero).
@@ -158,9 +168,26 @@ def split_count(blocks: int, nseg: int, nj: int, per_sm: int) -> int:
     return splits
 
 
-def row_nj(m: int) -> int:
-    """n8 token tiles per block of the row kernels for a launch of ``m`` rows."""
-    return 1 if m <= 8 else 2 if m <= 16 else 4
+def row_nj(m: int, n: int, int4: bool = False) -> int:
+    """n8 token tiles per block (1, 2 or 4: 8, 16 or 32 rows) of a row-kernel launch of ``m``
+    rows over ``n`` weight rows (``int4``: ``mma_nbits4``, else ``mma_dense``).
+
+    Under "auto" (:data:`TOKEN_TILES`): the most tiles the rows fill (1 up to 8 rows, 2 up to 16,
+    else 4) whose grid, ceil(n / 16) feature tiles x ceil(m / 8 NJ) token blocks, still has
+    :data:`FILL` blocks per multiprocessor; where none has, 1 tile dense and 2 int4 (each int4
+    block dequantises its weights again, a dense one only reads them again from L2). Measured
+    per launch on the H200 (``benchmarks/token_tiles.py``, docs/benchmarks/kernels.md section 12):
+    at 32 rows the 128- to 192-tile projections of SmolLM2 and Qwen2.5-0.5B ran 1.3-1.6x faster
+    on 1 dense tile than on 4, and Llama-3.2-1B's gate/up (1,024 tiles) fastest on 4."""
+    most = 1 if m <= 8 else 2 if m <= 16 else 4
+    if TOKEN_TILES != "auto":
+        return min(int(TOKEN_TILES), most)
+    least = min(2 if int4 else 1, most)
+    tiles, need = -(-n // 16), FILL[int4] * multiprocessors()
+    for nj in (4, 2):
+        if least <= nj <= most and tiles * -(-m // (8 * nj)) >= need:
+            return nj
+    return least
 
 
 @functools.cache
@@ -174,20 +201,21 @@ def _per_multiprocessor(expr: str) -> int:
         return 0
 
 
-@functools.lru_cache(maxsize=4096)
-def config(m: int, n: int, k: int, pipe: bool = False, per_sm: int = 0) -> tuple[int, tuple, tuple, int, int]:
-    """(NJ, grid, block, shared bytes, segments per block) of ``mma_dense`` / ``mma_nbits4``; the
-    grid is (feature tiles, token blocks, splits), or (token blocks, feature tiles, splits) for
-    the ``pipe`` schedule (kernels/linear_mma.cu PIPE); splits (``mma_nbits4`` only) from
-    :func:`split_count` for a kernel that fits ``per_sm`` blocks per multiprocessor (0, the
-    default: unsplit). A split launch keeps its partials in the workspace, not shared memory."""
-    nj = row_nj(m)
+def config(m: int, n: int, k: int, nj: int, pipe: bool = False, per_sm: int = 0) -> tuple[tuple, tuple, int, int]:
+    """(grid, block, shared bytes, segments per block) of a ``mma_dense`` / ``mma_nbits4`` launch
+    of ``m`` rows over ``n`` weight rows and ``k`` with ``nj`` token tiles per block
+    (:func:`row_nj`); the grid is (feature tiles, token blocks, splits), or (token blocks,
+    feature tiles, splits) for the ``pipe`` schedule (kernels/linear_mma.cu PIPE); splits
+    (``mma_nbits4`` only) from :func:`split_count` for a kernel that fits ``per_sm`` blocks per
+    multiprocessor (0, the default: unsplit). A split launch keeps its partials in the workspace,
+    not shared memory. Not cached: it reads switches (:data:`SPLIT`) and the device that tests
+    change, and the caller's kernel expression must name the same ``nj``."""
     nseg = -(-k // SEG_K)
     tiles, blocks = -(-n // 16), -(-m // (8 * nj))
     splits = split_count(tiles * blocks, nseg, nj, per_sm)
     spb = -(-nseg // splits)
     grid = (blocks, tiles, splits) if pipe else (tiles, blocks, splits)
-    return nj, grid, (32 * min(spb, 8),), 0 if splits > 1 else nseg * 16 * 8 * nj * 4, spb
+    return grid, (32 * min(spb, 8),), 0 if splits > 1 else nseg * 16 * 8 * nj * 4, spb
 
 
 def _split_args(grid: tuple, spb: int, null) -> tuple:
@@ -253,11 +281,11 @@ def wide_int4_applies(m: int, k: int, bs: int) -> bool:
 
 def pipelined(n: int, int4: bool, m: int = 1, norm: bool = False) -> bool:
     """Whether a launch of ``m`` rows over ``n`` weight rows takes the PIPE schedule:
-    :data:`PIPELINE` covers it ("auto": int4, or dense with at most 8 rows and no RMSNorm
-    prologue) and the feature tiles fit the grid's y (MAX_GRID_Y)."""
+    :data:`PIPELINE` covers it ("auto": int4, or dense of one token tile per block
+    (:func:`row_nj`) and no RMSNorm prologue) and the feature tiles fit the grid's y (MAX_GRID_Y)."""
     if PIPELINE == "off" or -(-n // 16) > MAX_GRID_Y:
         return False
-    return PIPELINE == "all" or int4 or (m <= 8 and not norm)
+    return PIPELINE == "all" or int4 or (row_nj(m, n) == 1 and not norm)
 
 
 def glu_width(n: int) -> int:
@@ -416,8 +444,8 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
             f, grid, block, shared = wide
             _launch(f"mma_wide<{f}, {_BOOL[glu]}>", grid, block, args, shared)
             continue
-        pipe = pipelined(rows, False, r1 - r0, norm is not None)
-        nj, grid, block, shared, _ = config(r1 - r0, rows, k, pipe)
+        pipe, nj = pipelined(rows, False, r1 - r0, norm is not None), row_nj(r1 - r0, rows)
+        grid, block, shared, _ = config(r1 - r0, rows, k, nj, pipe)
         _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>", grid, block,
                 (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0))
 
@@ -455,8 +483,8 @@ def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, n
             f, grid, block, shared = wide
             _launch(f"mma_wide4<{f}, {s_type}, {_BOOL[glu_out > 0]}>", grid, block, args, shared)
         else:
-            expr = (f"mma_nbits4<{row_nj(r1 - r0)}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[norm is not None]}, "
-                    f"{_BOOL[pipe]}>")
-            _, grid, block, shared, spb = config(r1 - r0, n, k, pipe, 0 if norm else _per_multiprocessor(expr))
+            nj = row_nj(r1 - r0, n, True)
+            expr = f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>"
+            grid, block, shared, spb = config(r1 - r0, n, k, nj, pipe, 0 if norm else _per_multiprocessor(expr))
             _launch(expr, grid, block, (*args, *_norm_args(norm, null), *_split_args(grid, spb, null)),
                     _norm_shared(norm, shared, k, r1 - r0))
