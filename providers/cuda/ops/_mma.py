@@ -177,8 +177,9 @@ def row_nj(m: int, n: int, int4: bool = False) -> int:
     :data:`FILL` blocks per multiprocessor; where none has, 1 tile dense and 2 int4 (each int4
     block dequantises its weights again, a dense one only reads them again from L2). Measured
     per launch on the H200 (``benchmarks/token_tiles.py``, docs/benchmarks/kernels.md section 12):
-    at 32 rows the 128- to 192-tile projections of SmolLM2 and Qwen2.5-0.5B ran 1.3-1.6x faster
-    on 1 dense tile than on 4, and Llama-3.2-1B's gate/up (1,024 tiles) fastest on 4."""
+    at 32 rows the 36- to 72-tile projections of SmolLM2 and Qwen2.5-0.5B (qkv, o, down) ran
+    1.4-1.7x faster on 1 dense tile than on 4, and Llama-3.2-1B's gate/up (1,024 tiles) fastest
+    on 4."""
     most = 1 if m <= 8 else 2 if m <= 16 else 4
     if TOKEN_TILES != "auto":
         return min(int(TOKEN_TILES), most)
