@@ -74,7 +74,7 @@ def _non_negative_int(text: str) -> int:
 
 #: Request options the library names in its errors, and the flags that set them.
 _FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
-          "weight_budget", "device_budget", "do_sample")
+          "weight_budget", "device_budget", "do_sample", "stop", "tensor_parallel")
 
 
 def _flag_names(message: str) -> str:
@@ -102,7 +102,7 @@ def _check_flags(max_new_tokens, sampling, stop=None, weight_budget=None, device
 
 def _int_list(text: str) -> list[int]:
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
@@ -232,8 +232,8 @@ def _report(a, result) -> int:
         c = result.counters
         tokens = sum(len(r.output_ids) for r in result.rows)
         rows = "1 row" if len(result.rows) == 1 else f"{len(result.rows)} rows"
-        console.print(f"[dim]{result.provider}: {rows}, {tokens} tokens; prefill "
-                      f"{c['prefill_tokens']} tokens in {c['prefill_s'] * 1e3:.0f} ms "
+        console.print(f"[dim]{result.provider}: {rows}, {_tokens(tokens)}; prefill "
+                      f"{_tokens(c['prefill_tokens'])} in {c['prefill_s'] * 1e3:.0f} ms "
                       f"({_rate(result.prefill_tokens_per_s)}); decode {c['decode_steps']} steps in "
                       f"{c['decode_s'] * 1e3:.0f} ms ({_rate(result.decode_tokens_per_s)})[/dim]")
         console.print("[dim]finish: " + "; ".join(
@@ -414,7 +414,10 @@ def cmd_parity(a) -> int:
 def cmd_profile(a) -> int:
     from core.plugins import get_provider
     from core.profile import profile_main
+    from core.session import RequestError
 
+    if a.tensor_tflops is not None and not a.kernels:
+        raise RequestError("--tensor-tflops sets the FLOPs floor of the --kernels table; add --kernels")
     get_provider(a.provider)  # a missing or unusable provider is reported before any model build
     a.model = _resolve_model(a.model, a.provider)
     return profile_main(a, console, _table_console())
@@ -466,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("chat", help="an interactive chat (one line per turn; the KV cache carries on)")
-    c.add_argument("--model", help="builder model folder, or a model name (default: smollm2-135m)")
+    c.add_argument("--model", help="builder folder, Hugging Face folder, .gguf file or model name "
+                   "(default: smollm2-135m; prepared on first use, then cached)")
     c.add_argument("--provider", default="cpu_reference", help="execution provider (default: %(default)s)")
     c.add_argument("--max-new-tokens", type=_positive_int, default=256, help="most tokens per reply "
                    "(default: %(default)s)")
@@ -493,8 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("parity", help="decode gates of a provider against cpu_reference")
     t.add_argument("--provider", required=True, help="the provider under test")
-    t.add_argument("--model", help="builder model folder or model name (default: smollm2-135m, prepared "
-                   "for the provider on first use)")
+    t.add_argument("--model", help="builder folder, Hugging Face folder, .gguf file or model name "
+                   "(default: smollm2-135m, prepared for the provider on first use)")
     t.add_argument("--full", action="store_true", help="every gate on the model, batches 1,2,8 for 64 steps "
                    "(default: the quick mode, about a minute on a CPU: every gate on a tiny model of the same "
                    "dtype, then the logits, greedy, batch-invariance and prompt gates on the model, batches "
@@ -508,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_parity)
 
     f = sub.add_parser("profile", help="decode throughput sweep over batch sizes")
-    f.add_argument("model", help="builder model folder or model name")
+    f.add_argument("model", help="builder folder, Hugging Face folder, .gguf file or model name")
     f.add_argument("--provider", default="cpu_reference", help="provider (default: %(default)s)")
     f.add_argument("--batch-sweep", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
                    help="batch sizes, comma-separated (default: 1,2,4,...,256)")
@@ -548,7 +552,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except USER_ERRORS as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        # a request the generation library refused names its keyword: here, the flag the user typed
+        message = _flag_names(str(exc)) if args.func in (cmd_run, cmd_chat) else str(exc)
+        console.print(f"[red]error:[/red] {escape(message)}")
         return 2
     except RankError as exc:  # a tensor-parallel rank died or hung: one line, status 1
         console.print(f"[red]error:[/red] {escape(str(exc))}")

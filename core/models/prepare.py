@@ -245,10 +245,13 @@ def source_digest(source: str | Path, progress: Progress | None = None) -> str:
             changed = True
         total.update(f"{f.name}\0{digest}\n".encode())
     if changed:
-        memo_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo_path.with_name(f"{memo_path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(memo))
-        os.replace(tmp, memo_path)  # atomic: a concurrent reader sees the old or the new file
+        try:  # a memo only saves hashing next time: an unwritable cache is reported by prepare()
+            memo_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo_path.with_name(f"{memo_path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(memo))
+            os.replace(tmp, memo_path)  # atomic: a concurrent reader sees the old or the new file
+        except OSError:
+            pass
     return total.hexdigest()
 
 
@@ -299,6 +302,24 @@ def _named_gguf(model: str, root: Path, progress: Progress | None) -> Path:
         finally:
             partial.unlink(missing_ok=True)
     return target
+
+
+def _check_writable(folder: Path, what: str) -> None:
+    """Create ``folder`` if needed and write a probe file in it, before any conversion or build
+    starts (those take minutes).
+
+    Raises:
+        PrepareError: the folder cannot be created or written (``what`` names the setting).
+    """
+    if folder.exists() and not folder.is_dir():
+        raise PrepareError(f"{what} {folder} is a file, not a folder; give a writable folder (nothing was built)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise PrepareError(f"{what} {folder} cannot be written ({exc.strerror or exc}); give a writable "
+                           "folder (nothing was built)") from None
 
 
 def _new_tmp(out: Path) -> Path:
@@ -450,6 +471,8 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
         raise PrepareError(f"--output {out} is not empty and holds no model; give a new or empty "
                            "folder (nothing was written)")
     _check_tools(gguf=kind != "hf")
+    _check_writable(root, "the cache folder (LOCKSTEP_CACHE)")
+    _check_writable(out.parent, "the folder of --output" if output is not None else "the cache folder")
     progress = progress or _stderr  # a build takes minutes: the Python API says what it does
     lock_name = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]
     with _lock(root / "locks" / f"model-{out.name}-{lock_name}.lock", out.name, progress):

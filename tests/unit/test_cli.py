@@ -50,6 +50,7 @@ def test_unknown_provider_is_reported_before_any_model_work(capsys, monkeypatch)
 @pytest.mark.parametrize("argv, message", [
     (["--tokens", "0"], "positive integer"),
     (["--batch-sweep", "1,x"], "comma-separated"),
+    (["--batch-sweep", "1,,2"], "comma-separated"),  # an empty item is a typo, not a skip
 ])
 def test_profile_rejects_bad_numbers_before_the_sweep(tmp_path, capsys, argv, message):
     folder = make_tiny_model(tmp_path / "m")
@@ -325,7 +326,8 @@ def test_run_refuses_bad_request_values_before_preparing_the_model(monkeypatch, 
 
 @pytest.mark.parametrize("argv, flag", [(["--temperature", "-1"], "--temperature"), (["--top-p", "2"], "--top-p"),
                                         (["--max-new-tokens", "-1"], "--max-new-tokens"),
-                                        (["--repetition-penalty", "0"], "--repetition-penalty")])
+                                        (["--repetition-penalty", "0"], "--repetition-penalty"),
+                                        (["--stop", ""], "--stop")])
 def test_a_bad_request_value_is_named_by_its_flag(monkeypatch, capsys, argv, flag):
     """The one-line error names the flag the user typed, not the library's parameter name."""
     import core.cli
@@ -363,3 +365,17 @@ def test_chat_refuses_a_bad_sampling_value_before_preparing_the_model(monkeypatc
     monkeypatch.setattr(core.cli, "_resolve_model", lambda *a, **k: pytest.fail("model prepared"))
     code, out = run(capsys, "chat", "--temperature", "-1")
     assert code == 2 and "--temperature must be >= 0" in out.err
+
+
+def test_tensor_tflops_without_kernels_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    import core.cli
+
+    monkeypatch.setattr(core.cli, "_resolve_model", lambda *a, **k: pytest.fail("model prepared"))
+    code, out = run(capsys, "profile", str(tmp_path), "--tensor-tflops", "100")
+    assert code == 2 and "--tensor-tflops" in out.err and "--kernels" in out.err
+
+
+def test_one_row_summary_counts_its_tokens_in_the_singular(capsys, words_model):
+    code, out = run(capsys, "run", "--model", str(words_model), "--raw", "--max-new-tokens", "1", "--prompt", "sky")
+    summary = next(line for line in out.err.splitlines() if "prefill" in line)
+    assert code == 0 and "1 row, 1 token;" in summary and "tokens;" not in summary.split("prefill")[0]

@@ -65,3 +65,20 @@ def test_every_switch_has_a_default_that_parses(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     env.check_all()
     assert {name: env.switch(name) for name in env.SWITCHES}["LOCKSTEP_CUDA_GEMM_WIDE"] == "dense"
+
+
+def test_every_switch_is_documented_and_named_in_the_profile_titles():
+    """docs/cuda.md's switch table lists every switch, and CudaProvider.settings() (what
+    ``lockstep profile`` prints in its titles, so two sweeps say which was which) reports each
+    by its name without the LOCKSTEP_CUDA_ prefix (REPLAY is eager_replay)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from providers.cuda.provider import CudaProvider
+
+    table = (Path(__file__).parents[2] / "docs" / "cuda.md").read_text()
+    settings = CudaProvider.settings(SimpleNamespace(eager_replay=True))
+    for name in env.SWITCHES:
+        assert f"| `{name}` |" in table, name
+        key = name.removeprefix("LOCKSTEP_CUDA_").lower()
+        assert {"replay": "eager_replay"}.get(key, key) in settings, name

@@ -217,3 +217,27 @@ def test_builder_info_lines_are_thinned_but_kept_for_an_error(tmp_path, monkeypa
     monkeypatch.setattr(p, "BUILDER_OPTIONS", ("fail",))
     with pytest.raises(p.PrepareError, match="node 499"):
         p._run_builder(tmp_path, out, variant, tmp_path, None)
+
+
+@pytest.mark.parametrize("where", ["output", "cache"])
+def test_an_unwritable_output_or_cache_is_refused_before_any_build(tmp_path, monkeypatch, capsys, where):
+    """A folder that cannot be created or written gets one line naming the setting, before the
+    GGUF conversion or the builder (minutes of work) starts."""
+    import core.models.prepare as prep
+
+    started = []
+    monkeypatch.setattr(prep, "_check_tools", lambda gguf: None)
+    monkeypatch.setattr(prep, "_gguf_to_hf", lambda *args: started.append("convert"))
+    monkeypatch.setattr(prep, "_run_builder", lambda *args: started.append("build"))
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    if where == "output":
+        monkeypatch.setenv("LOCKSTEP_CACHE", str(tmp_path / "cache"))
+        args, named = ["prepare", "--output", str(afile / "model")], "--output"
+    else:
+        monkeypatch.setenv("LOCKSTEP_CACHE", str(afile / "cache"))
+        args, named = ["prepare"], "LOCKSTEP_CACHE"
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert named in err and "nothing was built" in err and err.count("error:") == 1
+    assert not started
