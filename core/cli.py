@@ -539,6 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--plot", dest="plot_out", help="write tokens/s against batch as a PNG "
                    "(needs the plot extra: pip install -e \".[plot]\")")
     f.set_defaults(func=cmd_profile)
+    for command in sub.choices.values():  # an unknown flag is reported with its command's usage
+        command.set_defaults(command_parser=command)
     return p
 
 
@@ -548,7 +550,9 @@ def main(argv: list[str] | None = None) -> int:
     from core.errors import USER_ERRORS
     from core.parallel.session import RankError
 
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except USER_ERRORS as exc:

@@ -379,3 +379,12 @@ def test_one_row_summary_counts_its_tokens_in_the_singular(capsys, words_model):
     code, out = run(capsys, "run", "--model", str(words_model), "--raw", "--max-new-tokens", "1", "--prompt", "sky")
     summary = next(line for line in out.err.splitlines() if "prefill" in line)
     assert code == 0 and "1 row, 1 token;" in summary and "tokens;" not in summary.split("prefill")[0]
+
+
+@pytest.mark.parametrize("command", ["run", "profile", "prepare"])
+def test_an_unknown_flag_is_reported_with_its_commands_usage(capsys, command):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--bogus-flag"] + (["DIR"] if command == "profile" else []))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"usage: lockstep {command}" in err
+    assert f"lockstep {command}: error: unrecognized arguments: --bogus-flag" in err
