@@ -72,7 +72,8 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-#: Request options the library names in its errors, and the flags that set them.
+#: Request options the library names in its errors, and the flags that set them (main() rewords
+#: the errors of run and chat with :func:`_flag_names`).
 _FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
           "weight_budget", "device_budget", "do_sample", "stop", "tensor_parallel")
 
@@ -83,21 +84,6 @@ def _flag_names(message: str) -> str:
     for name in _FLAGS:
         message = re.sub(rf"(?<![\w-]){name}(?![\w])", "--" + name.replace("_", "-"), message)
     return message
-
-
-def _check_flags(max_new_tokens, sampling, stop=None, weight_budget=None, device_budget=None) -> None:
-    """:func:`core.generation.generate.check_request`, its error worded with the flags.
-
-    Raises:
-        core.session.RequestError: a value is bad (the message names its flag).
-    """
-    from core.generation.generate import check_request
-    from core.session import RequestError
-
-    try:
-        check_request(max_new_tokens, sampling, stop, weight_budget, device_budget)
-    except RequestError as exc:
-        raise RequestError(_flag_names(str(exc))) from None
 
 
 def _int_list(text: str) -> list[int]:
@@ -189,15 +175,15 @@ def _rate(tokens_per_s: float | None) -> str:
 def cmd_run(a) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from core.generation.generate import check_prompt_texts, run
+    from core.generation.generate import check_prompt_texts, check_request, run
     from core.plugins import get_provider
 
     prompts = _prompts(a)
     check_prompt_texts(prompts)  # before any model build
     provider = get_provider(a.provider)  # a missing provider is reported before any model build
     options = _generation_options(a)
-    _check_flags(a.max_new_tokens, {k: v for k, v in options.items() if k not in ("stop", "system")},
-                 options.get("stop"), a.weight_budget, a.device_budget)  # before any model build
+    check_request(a.max_new_tokens, {k: v for k, v in options.items() if k not in ("stop", "system")},
+                  options.get("stop"), a.weight_budget, a.device_budget)  # before any model build
     model = _resolve_model(a.model, a.provider)
     if a.stream:
         return _run_streamed(a, prompts, model, provider, options)
@@ -290,6 +276,7 @@ def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
 
 def cmd_chat(a) -> int:
     from core.generation.chat import Conversation
+    from core.generation.generate import check_request
     from core.plugins import get_provider
     from core.session import RequestError, Session
 
@@ -297,7 +284,7 @@ def cmd_chat(a) -> int:
     options = _generation_options(a)
     system = options.pop("system", None)
     options.pop("stop", None)
-    _check_flags(a.max_new_tokens, options)  # before any model build
+    check_request(a.max_new_tokens, options)  # before any model build
     model = _resolve_model(a.model, a.provider)
     session = Session(model, provider, batch=1, capture=False if a.no_capture else None)
     talk = Conversation(session, system=system, max_new_tokens=a.max_new_tokens, sampling=options or None)

@@ -487,7 +487,6 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
         else:
             hf = Path(variant.model).expanduser()
         _status(progress, f"building {out.name} with the ONNX Runtime GenAI model builder")
-        out.parent.mkdir(parents=True, exist_ok=True)
         tmp = _new_tmp(out)
         try:
             _run_builder(hf, tmp, variant, root, progress)

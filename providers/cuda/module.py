@@ -105,6 +105,7 @@ class Kernel:
 
 
 _FUNCTIONS: dict = {}
+_RESIDENT: dict = {}
 
 
 @functools.cache
@@ -117,7 +118,6 @@ def multiprocessors() -> int:
         return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
     except Exception:  # noqa: BLE001 - no device (host-side tests)
         return 132
-_RESIDENT: dict = {}
 
 
 def function(name: str, expression: str, expressions: tuple[str, ...]) -> Kernel:

@@ -42,16 +42,12 @@ def _run(model, provider, rows, force=None):
     return trace.tokens.T, np.stack(logits, 1), session.counters
 
 
-def _with_split(monkeypatch, value: str):
-    monkeypatch.setattr(_mma, "SPLIT", value)
-
-
 def test_split_steps_are_bitwise_the_unsplit_ones_and_rows_their_batch1_runs(model, monkeypatch):
-    _with_split(monkeypatch, "off")
+    monkeypatch.setattr(_mma, "SPLIT", "off")
     before = _mma.stats()["split_launches"]
     off_tokens, off_logits, _ = _run(model, "cuda", PROMPTS)
     assert _mma.stats()["split_launches"] == before
-    _with_split(monkeypatch, "auto")
+    monkeypatch.setattr(_mma, "SPLIT", "auto")
     tokens, logits, counters = _run(model, "cuda", PROMPTS)
     assert _mma.stats()["split_launches"] > before  # the split path ran (warm-up, capture)
     assert counters.replays > 0  # and the decode steps were captured graphs
