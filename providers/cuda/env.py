@@ -52,7 +52,7 @@ def choice(name: str, default: str, choices: tuple[str, ...]) -> str:
 #: an on/off switch.
 SWITCHES: dict[str, tuple] = {
     "LOCKSTEP_CUDA_REPLAY": (True, None),
-    "LOCKSTEP_CUDA_NORM_FUSION": (True, None),
+    "LOCKSTEP_CUDA_NORM_FUSION": (False, None),
     "LOCKSTEP_CUDA_NORM_FUSION_INT4": (False, None),
     "LOCKSTEP_CUDA_PDL": (False, None),
     "LOCKSTEP_CUDA_PDL_TRIGGER": ("entry", ("entry", "late")),

@@ -1,7 +1,8 @@
 """The fused RMSNorm + projection launch (lockstep.RMSNormMatMul, kernels/linear_mma.cu NORM)
 on the GPU: bitwise the unfused norm and projection kernels, at batch sizes that take the
 one-launch path (one row) and the two-part path, in prefill and decode; and the one-launch
-path actually ran."""
+path actually ran. The pass is opt-in on cuda (LOCKSTEP_CUDA_NORM_FUSION=1), so these tests
+turn it on; by default no RMSNormMatMul node is planned (the last test)."""
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ def _decode(model_dir, provider, rows, steps=12, capture=False):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_norm_projection_is_bitwise_the_unfused_kernels(model_dir, batch, monkeypatch):
+    monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION", "1")  # the pass is opt-in on cuda
     monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION_INT4", "1")  # the opt-in int4 path is checked too
     rng = np.random.default_rng(batch)
     rows = [list(rng.integers(3, 200, int(n))) for n in rng.integers(1, 9, batch)]
@@ -50,8 +52,15 @@ def test_fused_norm_projection_is_bitwise_the_unfused_kernels(model_dir, batch, 
         assert ran["fused_launches"] > 0 if batch == 1 else ran["two_part_runs"] > 0
 
 
-def test_fused_norm_projection_under_capture_is_bitwise_eager(model_dir):
+def test_fused_norm_projection_under_capture_is_bitwise_eager(model_dir, monkeypatch):
+    monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION", "1")
     rows = [[5, 17, 42]]
     eager = _decode(model_dir, CudaProvider(), rows, capture=False)
     captured = _decode(model_dir, CudaProvider(), rows, capture=True)
     assert np.array_equal(eager[0], captured[0]) and np.array_equal(eager[1], captured[1])
+
+
+def test_the_pass_is_off_by_default(model_dir, monkeypatch):
+    monkeypatch.delenv("LOCKSTEP_CUDA_NORM_FUSION", raising=False)
+    s = Session(model_dir, CudaProvider(), batch=1, capacity=32)
+    assert not any(n.op_type == "RMSNormMatMul" for n in s.plan.nodes)

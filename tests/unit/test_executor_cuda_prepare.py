@@ -270,8 +270,10 @@ def _norm_node(consumer, attrs):
 def test_int4_projections_join_the_norm_pass_only_when_opted_in(monkeypatch, flag):
     monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION_INT4", flag)
     attrs = {"K": 64, "N": 16, "bits": 4, "block_size": 32}
+    assert not rms_norm_matmul.supports(_norm_node("MatMul", {}))  # the pass is opt-in on cuda
+    monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION", "1")
     assert rms_norm_matmul.supports(_norm_node("MatMulNBits", attrs)) == (flag == "1")
-    assert rms_norm_matmul.supports(_norm_node("MatMul", {}))  # dense always (the default pass)
+    assert rms_norm_matmul.supports(_norm_node("MatMul", {}))  # dense always, once the pass is on
     monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION", "0")
     assert not rms_norm_matmul.supports(_norm_node("MatMulNBits", attrs))
 
