@@ -156,7 +156,7 @@ def test_the_wide_flag_routes_launches_of_32_rows_and_more_to_the_tiled_kernel(l
     for m in (31, 64, 300):
         _mma.dense(np.zeros((m, 96), np.float16), wp, None, np.zeros((m, 40), np.float16), m, 40, 96, None, glu=glu)
     (small, *_), wide64, wide300 = launches
-    assert small.startswith("mma_dense<") and wide64[0] == wide300[0] == f"mma_wide<1, {_mma._BOOL[glu]}>"
+    assert small.startswith("mma_dense<") and wide64[0] == wide300[0] == f"mma_wide<1, {_mma._BOOL[glu]}, 2>"
     assert wide64[0] in _mma.EXPRS
     rows = _mma.glu_width(40) if glu else 40  # weight rows: 80 (GLU: two 64-feature blocks) or 40
     blocks = -(-rows // 64)
@@ -219,7 +219,7 @@ def test_the_default_switches_pick_the_measured_schedules(launches, monkeypatch)
                     m, 40, 128, 32, "__half", None)
     assert [launch[0] for launch in launches] == [
         "mma_dense<1, false, false, true>", "mma_nbits4<1, __half, false, false, true>",
-        "mma_wide<1, false>", "mma_nbits4<4, __half, false, false, true>"]
+        "mma_wide<1, false, 2>", "mma_nbits4<4, __half, false, false, true>"]
     for value, one_row, prologue, tiles4, int4 in (("off", False, False, False, False), ("all", True, True, True, True),
                                                    ("auto", True, False, False, True)):
         monkeypatch.setattr(_mma, "PIPELINE", value)
@@ -333,3 +333,30 @@ def test_split_k_cuts_long_k_of_few_rows_into_at_most_one_wave(monkeypatch):
     assert _mma.config(1, 896, 4864, 1, True, 4)[:2] == ((1, 56, 3), (224,))  # 19 segments: 7, 7, 5
     monkeypatch.setattr(_mma, "SPLIT", "off")
     assert _mma.config(1, 2048, 8192, 1, True, 4)[0][2] == 1
+
+
+def test_launches_of_17_to_32_rows_over_wide_projections_take_the_one_token_warp_tiles(monkeypatch):
+    """The rule of _mma.wide32_config (docs/benchmarks/kernels.md section 13), at the H200's 132
+    multiprocessors: only projections wide enough for 1.5 blocks of 64 features per
+    multiprocessor (Llama-3.2-1B's gate/up, the lm_heads), and only for 17 to 32 rows."""
+    monkeypatch.setattr(_mma, "WIDE", "dense")
+    monkeypatch.setattr(_mma, "multiprocessors", lambda: 132)
+    shared = _mma._WIDE_STAGES * 16
+    assert _mma.wide32_config(32, 16384) == (1, (1, 256), (128,), shared * (4 * 128 + 32 * 72 // 8))
+    assert _mma.wide32_config(17, 16384) == _mma.wide32_config(32, 16384)
+    assert _mma.wide32_config(32, 128256) == (2, (1, 1002), (128,), shared * (8 * 128 + 32 * 72 // 8))
+    for m, n in ((16, 16384), (33, 16384), (32, 9728), (32, 3072), (8, 128256)):
+        assert _mma.wide32_config(m, n) is None, (m, n)
+    monkeypatch.setattr(_mma, "WIDE", "off")
+    assert _mma.wide32_config(32, 16384) is None
+
+
+def test_a_wide32_launch_names_the_one_token_warp_kernel(launches, monkeypatch):
+    monkeypatch.setattr(_mma, "WIDE", "dense")
+    monkeypatch.setattr(_mma, "WIDE32_FILL", 0)
+    rng = np.random.default_rng(3)
+    wp = _mma.pack(np, rng.standard_normal((96, 40)).astype(np.float16))
+    _mma.dense(np.zeros((24, 96), np.float16), wp, None, np.zeros((24, 40), np.float16), 24, 40, 96, None)
+    (expr, grid, block, args, shared), = launches
+    assert expr == "mma_wide<1, false, 1>" and expr in _mma.EXPRS
+    assert grid == (1, 1) and block == (128,) and [int(v) for v in args[4:]] == [24, 40, 96, 40]

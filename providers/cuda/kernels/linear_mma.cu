@@ -369,11 +369,11 @@ __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, boo
 }
 
 
-// Activations of 64-wide k chunk c for the block's 64 tokens (from m0) into xdst [64][XS]
+// Activations of 64-wide k chunk c for the block's ROWS tokens (from m0) into xdst [ROWS][XS]
 // halves, zeros for tokens past M and k past K (K % 8 == 0: a 16-byte piece is all in or all out).
-template <int XS = WIDE_XS>
+template <int XS = WIDE_XS, int ROWS = 64>
 __device__ __forceinline__ void wide_stage_x(__half* xdst, const __half* __restrict__ x, int M, int K, int m0, int c) {
-    for (int p = threadIdx.x; p < 64 * 8; p += blockDim.x) {
+    for (int p = threadIdx.x; p < ROWS * 8; p += blockDim.x) {
         const int r = p >> 3, k = 64 * c + 8 * (p & 7), m = m0 + r;
         const bool ok = m < M && k < K;
         cp_async16_zfill(xdst + r * XS + 8 * (p & 7), x + (ok ? (long long)m * K + k : 0), ok);
@@ -447,18 +447,21 @@ __device__ __forceinline__ void wide_store(float (*tot)[4][4], const __half* __r
     }
 }
 
-template <int F, bool GLU>
-__global__ void __launch_bounds__(256, 2) mma_wide(const __half* __restrict__ x, const uint4* __restrict__ wp,
+// TW = 2 is the block above; TW = 1 (launches of at most 32 rows) has one token warp: 4 warps,
+// 32 tokens x 64 F features, the same per-warp tiles, so each staged activation row serves the 4
+// feature warps and no token warp computes only padding.
+template <int F, bool GLU, int TW>
+__global__ void __launch_bounds__(128 * TW, 4 / TW) mma_wide(const __half* __restrict__ x, const uint4* __restrict__ wp,
                                                    const __half* __restrict__ bias, __half* __restrict__ y,
                                                    int M, int N, int K, int n_out) {
     extern __shared__ uint4 wsm[];
-    constexpr int TILES = 4 * F, WS = TILES * 128, XS = 64 * WIDE_XS / 8;
+    constexpr int TILES = 4 * F, WS = TILES * 128, ROWS = 32 * TW, XS = ROWS * WIDE_XS / 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int wt = warp >> 2, wf = warp & 3;  // token warp 0..1, feature warp 0..3
-    const int m0 = blockIdx.x * 64, tile0 = blockIdx.y * TILES;
+    const int wt = warp >> 2, wf = warp & 3;  // token warp 0..TW - 1, feature warp 0..3
+    const int m0 = blockIdx.x * ROWS, tile0 = blockIdx.y * TILES;
     const int ntiles = (N + 15) >> 4, ktiles = ((K + 63) >> 6) << 2, nchunks = (K + 63) >> 6;
     uint4* ws = wsm;                                                    // [STAGES][TILES][4 k tiles][32 lanes]
-    __half* xs = reinterpret_cast<__half*>(wsm + WIDE_STAGES * WS);     // [STAGES][64 tokens][WIDE_XS]
+    __half* xs = reinterpret_cast<__half*>(wsm + WIDE_STAGES * WS);     // [STAGES][ROWS tokens][WIDE_XS]
     PDL_ENTER_GEMM();
     // chunk c into stage c % WIDE_STAGES: zeros for tiles past N (and the activations' zeros)
     auto stage = [&](int c) {
@@ -468,7 +471,7 @@ __global__ void __launch_bounds__(256, 2) mma_wide(const __half* __restrict__ x,
             const bool ok = tile < ntiles;
             cp_async16_zfill(wdst + p, wp + (ok ? ((long long)tile * ktiles + 4 * c) * 32 + (p & 127) : 0), ok);
         }
-        wide_stage_x(xs + (c % WIDE_STAGES) * XS * 8, x, M, K, m0, c);
+        wide_stage_x<WIDE_XS, ROWS>(xs + (c % WIDE_STAGES) * XS * 8, x, M, K, m0, c);
         asm volatile("cp.async.commit_group;\n" ::: "memory");
     };
     float acc[F][4][4], tot[F][4][4];

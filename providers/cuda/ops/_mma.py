@@ -40,7 +40,7 @@ def _schedule_exprs(pipe: str) -> tuple[str, ...]:
 #: first launch: the plain schedule, the PIPE schedule and the tiled kernels (so a schedule no
 #: launch uses costs no compile time).
 MODULES = (_schedule_exprs("false"), _schedule_exprs("true"),
-           tuple(f"mma_wide<{f}, {glu}>" for f in (1, 2) for glu in _BOOL)
+           tuple(f"mma_wide<{f}, {glu}, {tw}>" for f in (1, 2) for glu in _BOOL for tw in (1, 2))
            + tuple(f"mma_wide4<{f}, {s}, {glu}>" for f in (1, 2) for s in ("__half", "float") for glu in _BOOL))
 EXPRS = tuple(e for module in MODULES for e in module)
 _MODULE_OF = {e: module for module in MODULES for e in module}
@@ -61,6 +61,10 @@ PIPELINE = env.switch("LOCKSTEP_CUDA_GEMM_PIPELINE")
 #: made batch 256 1.2-1.6x faster, and the int4 ones were slower than ``mma_nbits4``.
 WIDE = env.switch("LOCKSTEP_CUDA_GEMM_WIDE")
 WIDE_ROWS = 32
+#: Launches of more than WIDE32_MIN_ROWS and at most 32 rows take the one-token-warp tiles
+#: (``mma_wide<F, GLU, 1>``: 32 tokens x 64 F features a block) where the grid has at least
+#: WIDE32_FILL blocks per multiprocessor (:func:`wide32_config`).
+WIDE32_MIN_ROWS, WIDE32_FILL = 16, 1.5
 #: kernels/linear_mma.cu WIDE_STAGES, WIDE_XS and WIDE_XS4 (shared memory of mma_wide / mma_wide4).
 _WIDE_STAGES, _WIDE_XS, _WIDE_XS4 = 3, 72, 80
 #: Split-K of the int4 row kernel (kernels/linear_mma.cu split_last): "auto" (default) or "off"
@@ -267,6 +271,23 @@ def wide_config(m: int, n: int, int4: bool = False) -> tuple[int, tuple, tuple, 
     return f, (tokens, features), (256,), _WIDE_STAGES * (weights + 64 * xs // 8) * 16
 
 
+def wide32_config(m: int, n: int) -> tuple[int, tuple, tuple, int] | None:
+    """(F, grid, block, shared bytes) of ``mma_wide<F, GLU, 1>`` (one token warp: 32 tokens x 64 F
+    features a block, 128 threads) for a dense launch of m rows over n weight rows, or None where
+    it does not apply: :data:`WIDE` "off", m outside (:data:`WIDE32_MIN_ROWS`, 32], or fewer than
+    :data:`WIDE32_FILL` blocks per multiprocessor. F = 2 where that still gives 4 blocks per
+    multiprocessor. Each block stages its 32 rows of activations once for 64 F features, where
+    the row kernel's blocks read them once per 16 (docs/benchmarks/kernels.md section 13)."""
+    if WIDE == "off" or not WIDE32_MIN_ROWS < m <= 32:
+        return None
+    sms = multiprocessors()
+    f = 2 if -(-n // 128) >= 4 * sms else 1
+    features = -(-n // (64 * f))
+    if features > MAX_GRID_Y or features < WIDE32_FILL * sms:
+        return None
+    return f, (1, features), (128,), _WIDE_STAGES * (4 * f * 128 + 32 * _WIDE_XS // 8) * 16
+
+
 def wide_dense_applies(m: int, k: int) -> bool:
     """Whether a dense launch of m rows takes ``mma_wide``: :data:`WIDE` "dense" or "all", at
     least :data:`WIDE_ROWS` rows and K a multiple of 8."""
@@ -440,10 +461,16 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
     for r0, r1 in row_slices(m, 32):
         args = (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
                 np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n))
-        wide = wide_config(r1 - r0, rows) if norm is None and wide_dense_applies(r1 - r0, k) else None
+        wide, tw = None, 2
+        if norm is None and k % 8 == 0:
+            wide = wide32_config(r1 - r0, rows)
+            if wide is not None:
+                tw = 1
+            elif wide_dense_applies(r1 - r0, k):
+                wide = wide_config(r1 - r0, rows)
         if wide is not None:
             f, grid, block, shared = wide
-            _launch(f"mma_wide<{f}, {_BOOL[glu]}>", grid, block, args, shared)
+            _launch(f"mma_wide<{f}, {_BOOL[glu]}, {tw}>", grid, block, args, shared)
             continue
         pipe, nj = pipelined(rows, False, r1 - r0, norm is not None), row_nj(r1 - r0, rows)
         grid, block, shared, _ = config(r1 - r0, rows, k, nj, pipe)
