@@ -202,6 +202,7 @@ def test_one_token_warp_tiles_are_bitwise_the_row_kernel(monkeypatch, ran, m, k,
     """mma_wide<F, GLU, 1> (launches of 17 to 32 rows, _mma.wide32_config), taken here wherever it
     applies (WIDE32_FILL 0), against the row kernels of the same rows."""
     monkeypatch.setattr(_mma, "WIDE32_FILL", 0)
+    monkeypatch.setattr(_mma, "WIDE32_MIN_K", 0)
     rng = np.random.default_rng(m + k + n + 1)
     a = rng.standard_normal((m, k)).astype(np.float16)
     w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))

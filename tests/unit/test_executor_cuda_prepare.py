@@ -338,23 +338,27 @@ def test_split_k_cuts_long_k_of_few_rows_into_at_most_one_wave(monkeypatch):
 def test_launches_of_17_to_32_rows_over_wide_projections_take_the_one_token_warp_tiles(monkeypatch):
     """The rule of _mma.wide32_config (docs/benchmarks/kernels.md section 13), at the H200's 132
     multiprocessors: only projections wide enough for 1.5 blocks of 64 features per
-    multiprocessor (Llama-3.2-1B's gate/up, the lm_heads), and only for 17 to 32 rows."""
+    multiprocessor (Llama-3.2-1B's gate/up, the lm_heads) with K >= 768 (not SmolLM2's 576), and
+    only for 17 to 32 rows."""
     monkeypatch.setattr(_mma, "WIDE", "dense")
     monkeypatch.setattr(_mma, "multiprocessors", lambda: 132)
     shared = _mma._WIDE_STAGES * 16
-    assert _mma.wide32_config(32, 16384) == (1, (1, 256), (128,), shared * (4 * 128 + 32 * 72 // 8))
-    assert _mma.wide32_config(17, 16384) == _mma.wide32_config(32, 16384)
-    assert _mma.wide32_config(32, 128256) == (2, (1, 1002), (128,), shared * (8 * 128 + 32 * 72 // 8))
-    for m, n in ((16, 16384), (33, 16384), (32, 9728), (32, 3072), (8, 128256)):
-        assert _mma.wide32_config(m, n) is None, (m, n)
+    assert _mma.wide32_config(32, 16384, 2048) == (1, (1, 256), (128,), shared * (4 * 128 + 32 * 72 // 8))
+    assert _mma.wide32_config(17, 16384, 2048) == _mma.wide32_config(32, 16384, 2048)
+    assert _mma.wide32_config(32, 128256, 2048) == (2, (1, 1002), (128,), shared * (8 * 128 + 32 * 72 // 8))
+    assert _mma.wide32_config(32, 151936, 896) is not None
+    for m, n, k in ((16, 16384, 2048), (33, 16384, 2048), (32, 9728, 896), (32, 3072, 2048), (8, 128256, 2048),
+                    (32, 49152, 576), (32, 16384, 2052)):
+        assert _mma.wide32_config(m, n, k) is None, (m, n, k)
     monkeypatch.setattr(_mma, "WIDE", "off")
-    assert _mma.wide32_config(32, 16384) is None
+    assert _mma.wide32_config(32, 16384, 2048) is None
 
 
 def test_a_wide32_launch_names_the_one_token_warp_kernel(launches, monkeypatch):
     monkeypatch.setattr(_mma, "WIDE", "dense")
     monkeypatch.setattr(_mma, "WIDE32_FILL", 0)
     rng = np.random.default_rng(3)
+    monkeypatch.setattr(_mma, "WIDE32_MIN_K", 0)
     wp = _mma.pack(np, rng.standard_normal((96, 40)).astype(np.float16))
     _mma.dense(np.zeros((24, 96), np.float16), wp, None, np.zeros((24, 40), np.float16), 24, 40, 96, None)
     (expr, grid, block, args, shared), = launches

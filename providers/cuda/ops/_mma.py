@@ -62,9 +62,9 @@ PIPELINE = env.switch("LOCKSTEP_CUDA_GEMM_PIPELINE")
 WIDE = env.switch("LOCKSTEP_CUDA_GEMM_WIDE")
 WIDE_ROWS = 32
 #: Launches of more than WIDE32_MIN_ROWS and at most 32 rows take the one-token-warp tiles
-#: (``mma_wide<F, GLU, 1>``: 32 tokens x 64 F features a block) where the grid has at least
-#: WIDE32_FILL blocks per multiprocessor (:func:`wide32_config`).
-WIDE32_MIN_ROWS, WIDE32_FILL = 16, 1.5
+#: (``mma_wide<F, GLU, 1>``: 32 tokens x 64 F features a block) where K is at least WIDE32_MIN_K
+#: and the grid has at least WIDE32_FILL blocks per multiprocessor (:func:`wide32_config`).
+WIDE32_MIN_ROWS, WIDE32_MIN_K, WIDE32_FILL = 16, 768, 1.5
 #: kernels/linear_mma.cu WIDE_STAGES, WIDE_XS and WIDE_XS4 (shared memory of mma_wide / mma_wide4).
 _WIDE_STAGES, _WIDE_XS, _WIDE_XS4 = 3, 72, 80
 #: Split-K of the int4 row kernel (kernels/linear_mma.cu split_last): "auto" (default) or "off"
@@ -271,14 +271,17 @@ def wide_config(m: int, n: int, int4: bool = False) -> tuple[int, tuple, tuple, 
     return f, (tokens, features), (256,), _WIDE_STAGES * (weights + 64 * xs // 8) * 16
 
 
-def wide32_config(m: int, n: int) -> tuple[int, tuple, tuple, int] | None:
+def wide32_config(m: int, n: int, k: int) -> tuple[int, tuple, tuple, int] | None:
     """(F, grid, block, shared bytes) of ``mma_wide<F, GLU, 1>`` (one token warp: 32 tokens x 64 F
-    features a block, 128 threads) for a dense launch of m rows over n weight rows, or None where
-    it does not apply: :data:`WIDE` "off", m outside (:data:`WIDE32_MIN_ROWS`, 32], or fewer than
-    :data:`WIDE32_FILL` blocks per multiprocessor. F = 2 where that still gives 4 blocks per
-    multiprocessor. Each block stages its 32 rows of activations once for 64 F features, where
-    the row kernel's blocks read them once per 16 (docs/benchmarks/kernels.md section 13)."""
-    if WIDE == "off" or not WIDE32_MIN_ROWS < m <= 32:
+    features a block, 128 threads) for a dense launch of m rows over n weight rows and K = k, or
+    None where it does not apply: :data:`WIDE` "off", m outside (:data:`WIDE32_MIN_ROWS`, 32], K
+    under :data:`WIDE32_MIN_K` or not a multiple of 8, or fewer than :data:`WIDE32_FILL` blocks
+    per multiprocessor. F = 2 where that still gives 4 blocks per multiprocessor. Each block
+    stages its 32 rows of activations once for 64 F features, where the row kernel's blocks read
+    them once per 16. Measured per launch on the H200 (docs/benchmarks/kernels.md section 13):
+    at 32 rows Llama-3.2-1B's lm_head 164 -> 143 us and gate/up 28.7 -> 26.5 us, Qwen2.5-0.5B's
+    lm_head 87 -> 77 us; SmolLM2-135M's lm_head (K = 576) 26.9 -> 27.5 us, hence the K floor."""
+    if WIDE == "off" or not WIDE32_MIN_ROWS < m <= 32 or k < WIDE32_MIN_K or k % 8:
         return None
     sms = multiprocessors()
     f = 2 if -(-n // 128) >= 4 * sms else 1
@@ -462,8 +465,8 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
         args = (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
                 np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n))
         wide, tw = None, 2
-        if norm is None and k % 8 == 0:
-            wide = wide32_config(r1 - r0, rows)
+        if norm is None:
+            wide = wide32_config(r1 - r0, rows, k)
             if wide is not None:
                 tw = 1
             elif wide_dense_applies(r1 - r0, k):
