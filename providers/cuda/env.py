@@ -56,6 +56,7 @@ SWITCHES: dict[str, tuple] = {
     "LOCKSTEP_CUDA_NORM_FUSION_INT4": (False, None),
     "LOCKSTEP_CUDA_PDL": (False, None),
     "LOCKSTEP_CUDA_PDL_TRIGGER": ("entry", ("entry", "late")),
+    "LOCKSTEP_CUDA_PDL_GRIDS": ("all", ("all", "small")),
     "LOCKSTEP_CUDA_GEMM_PIPELINE": ("auto", ("auto", "all", "off")),
     "LOCKSTEP_CUDA_GEMM_WIDE": ("dense", ("dense", "all", "off")),
     "LOCKSTEP_CUDA_GEMM_SPLIT": ("auto", ("auto", "off")),

@@ -68,7 +68,7 @@ class Launch:
             would choose its width); the caller then does not record the node.
     """
 
-    __slots__ = ("fn", "dims", "shared", "params", "_keep", "_config")
+    __slots__ = ("fn", "dims", "blocks", "shared", "params", "_keep", "_config")
 
     def __init__(self, fn: int, grid: tuple, block: tuple, args: tuple, shared: int):
         import cupy
@@ -84,6 +84,7 @@ class Launch:
         g, b = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
         self.fn = fn
         self.dims = (int(g[0]), int(g[1]), int(g[2]), int(b[0]), int(b[1]), int(b[2]))
+        self.blocks = self.dims[0] * self.dims[1] * self.dims[2]
         self.shared = int(shared)
         pointers = np.array([v.ctypes.data for v in values], np.uint64)
         self.params = int(pointers.ctypes.data) if len(values) else 0
@@ -94,13 +95,14 @@ class Launch:
 
     def fire(self, stream: int) -> None:
         """Launch on ``stream`` (a CUstream handle): with programmatic dependent launch where
-        :func:`pdl_enabled` (``cuLaunchKernelEx``, the launch config built once per stream),
-        else one plain ``cuLaunchKernel``.
+        :func:`pdl_enabled` and the grid has at most :func:`pdl_max_blocks` blocks
+        (``cuLaunchKernelEx``, the launch config built once per stream), else one plain
+        ``cuLaunchKernel``.
 
         Raises:
             RuntimeError: the driver refused the launch (the CUresult is named).
         """
-        if pdl_enabled():
+        if pdl_enabled() and self.blocks <= _pdl_max_blocks:
             config = self._config
             if config is None or config[0] != stream:
                 config = self._config = (stream, _pdl_config(self.dims, self.shared, stream))
@@ -112,6 +114,8 @@ class Launch:
 
 #: Programmatic dependent launch (module docstring of kernels/pdl.cuh): None until first asked.
 _pdl: bool | None = None
+#: The largest grid (blocks) launched with the attribute while PDL is on (:func:`pdl_max_blocks`).
+_pdl_max_blocks = 1 << 62
 _functions: dict = {}
 
 
@@ -137,7 +141,23 @@ def pdl_enabled() -> bool:
         from providers.cuda import env
 
         _pdl = env.switch("LOCKSTEP_CUDA_PDL") and _pdl_capable()
+        pdl_max_blocks()
     return _pdl
+
+
+def pdl_max_blocks() -> int:
+    """The largest grid, in blocks, that takes the programmatic attribute while PDL is on:
+    ``LOCKSTEP_CUDA_PDL_GRIDS`` "all" (no limit) or "small" (at most 2 blocks per multiprocessor:
+    the one-wave launches whose time is mostly launch latency and ramp; larger grids then wait
+    for their predecessor as without PDL). Read with :func:`pdl_enabled` and by
+    :func:`set_pdl`."""
+    global _pdl_max_blocks
+    from providers.cuda import env
+    from providers.cuda.module import multiprocessors
+
+    grids = env.switch("LOCKSTEP_CUDA_PDL_GRIDS")
+    _pdl_max_blocks = 2 * multiprocessors() if grids == "small" else 1 << 62
+    return _pdl_max_blocks
 
 
 def set_pdl(on: bool) -> bool:
@@ -148,6 +168,7 @@ def set_pdl(on: bool) -> bool:
     global _pdl
     before = pdl_enabled()
     _pdl = bool(on) and _pdl_capable()
+    pdl_max_blocks()
     return before
 
 

@@ -138,6 +138,26 @@ def test_pdl_launch_builds_its_config_once_per_stream(fake_cupy, monkeypatch):
     assert fake_cupy == []  # the plain launch was never used
 
 
+@pytest.mark.parametrize("grids,pdl_blocks", [("all", [1, 264, 265, 5000]), ("small", [1, 264])])
+def test_pdl_grids_small_keeps_large_grids_on_the_plain_launch(fake_cupy, monkeypatch, grids, pdl_blocks):
+    """LOCKSTEP_CUDA_PDL_GRIDS=small: only grids of at most 2 blocks per multiprocessor (264 at
+    132) take cuLaunchKernelEx; the others are plain launches, with PDL still on."""
+    monkeypatch.setenv("LOCKSTEP_CUDA_PDL_GRIDS", grids)
+    monkeypatch.setattr(replay, "_pdl_max_blocks", replay._pdl_max_blocks)  # restored after the test
+    monkeypatch.setattr(replay, "_pdl_capable", lambda: True)
+    monkeypatch.setattr("providers.cuda.module.multiprocessors", lambda: 132)
+    monkeypatch.setattr(replay, "_pdl_config", lambda dims, shared, stream: "cfg")
+    ex = []
+    monkeypatch.setattr(replay, "_launch_ex", lambda fn, cfg, params: ex.append(fn))
+    before = replay.set_pdl(True)
+    try:
+        for blocks in (1, 264, 265, 5000):
+            replay.Launch(blocks, (blocks,), (32,), (np.int32(1),), 0).fire(0x5151)
+    finally:
+        replay.set_pdl(before)
+    assert ex == pdl_blocks and len(fake_cupy) == 4 - len(pdl_blocks)
+
+
 def test_set_pdl_off_uses_the_plain_launch(fake_cupy, monkeypatch):
     monkeypatch.setattr(replay, "_pdl", True)
     assert replay.set_pdl(False) is True
