@@ -202,7 +202,7 @@ class CudaProvider(ProviderBase):
 
         on = ("off", "on")
         return {"pdl": on[replay.pdl_enabled()], "pdl_trigger": module.pdl_trigger(),
-                "pdl_grids": env.switch("LOCKSTEP_CUDA_PDL_GRIDS"),
+                "pdl_rows": env.switch("LOCKSTEP_CUDA_PDL_ROWS"),
                 "gemm_pipeline": _mma.PIPELINE, "gemm_wide": _mma.WIDE, "gemm_split": _mma.SPLIT,
                 "gemm_token_tiles": _mma.TOKEN_TILES,
                 "norm_fusion": on[rms_norm_matmul.enabled()],

@@ -40,6 +40,12 @@ _counts = {"replayed": 0, "launched": 0, "unreplayable": 0, "pdl_launches": 0}
 _recording: list | None = None
 #: Set by :func:`not_replayable` during a recording.
 _spoiled = False
+#: Rows of the node whose launches are being made (:class:`ReplayKernel` sets it from the node's
+#: first device input: its elements over its last dimension; a decode step's nodes have one row
+#: per sequence). It stays set after the node, so the provider's own launches that follow the
+#: lm_head (argmax, decode_advance) take the step's rows; None before any node. Read by
+#: :class:`Launch` for the PDL rows rule.
+_rows: int | None = None
 
 
 def stats() -> dict:
@@ -68,7 +74,7 @@ class Launch:
             would choose its width); the caller then does not record the node.
     """
 
-    __slots__ = ("fn", "dims", "blocks", "shared", "params", "_keep", "_config")
+    __slots__ = ("fn", "dims", "pdl_rows", "shared", "params", "_keep", "_config")
 
     def __init__(self, fn: int, grid: tuple, block: tuple, args: tuple, shared: int):
         import cupy
@@ -84,7 +90,8 @@ class Launch:
         g, b = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
         self.fn = fn
         self.dims = (int(g[0]), int(g[1]), int(g[2]), int(b[0]), int(b[1]), int(b[2]))
-        self.blocks = self.dims[0] * self.dims[1] * self.dims[2]
+        # made inside a node of at most pdl_max_rows() rows (the rule of pdl_max_rows)
+        self.pdl_rows = _rows is not None and _rows <= _pdl_max_rows
         self.shared = int(shared)
         pointers = np.array([v.ctypes.data for v in values], np.uint64)
         self.params = int(pointers.ctypes.data) if len(values) else 0
@@ -95,14 +102,14 @@ class Launch:
 
     def fire(self, stream: int) -> None:
         """Launch on ``stream`` (a CUstream handle): with programmatic dependent launch where
-        :func:`pdl_enabled` and the grid has at most :func:`pdl_max_blocks` blocks
-        (``cuLaunchKernelEx``, the launch config built once per stream), else one plain
+        :func:`pdl_enabled` and the launch was made by a node of at most :func:`pdl_max_rows`
+        rows (``cuLaunchKernelEx``, the launch config built once per stream), else one plain
         ``cuLaunchKernel``.
 
         Raises:
             RuntimeError: the driver refused the launch (the CUresult is named).
         """
-        if pdl_enabled() and self.blocks <= _pdl_max_blocks:
+        if self.pdl_rows and pdl_enabled():
             config = self._config
             if config is None or config[0] != stream:
                 config = self._config = (stream, _pdl_config(self.dims, self.shared, stream))
@@ -114,50 +121,52 @@ class Launch:
 
 #: Programmatic dependent launch (module docstring of kernels/pdl.cuh): None until first asked.
 _pdl: bool | None = None
-#: The largest grid (blocks) launched with the attribute while PDL is on (:func:`pdl_max_blocks`).
-_pdl_max_blocks = 1 << 62
+#: The most rows of a node whose launches take the attribute while PDL is on (:func:`pdl_max_rows`).
+_pdl_max_rows = 16
 _functions: dict = {}
 
 
 def _pdl_capable() -> bool:
     """Whether this device and process can launch with the programmatic attribute: compute
-    capability 9.0 or later and cuda-bindings importable."""
-    import cupy
-
+    capability 9.0 or later and cuda-bindings importable (False where CuPy or a device is
+    missing: host-side tests)."""
     try:
+        import cupy
         from cuda.bindings import driver  # noqa: F401
-    except ImportError:
+
+        return int(cupy.cuda.Device().compute_capability) // 10 >= 9
+    except Exception:  # noqa: BLE001 - no CuPy, bindings or device: launch without the attribute
         return False
-    return int(cupy.cuda.Device().compute_capability) // 10 >= 9
 
 
 def pdl_enabled() -> bool:
     """Whether kernels launch with the programmatic stream-serialization attribute: the device
-    can (:func:`_pdl_capable`) and ``LOCKSTEP_CUDA_PDL`` is on (off by default: measured on the
-    H200 it bought 10% on SmolLM2-135M and cost 28-45% on Llama-3.2-1B,
-    docs/benchmarks/kernels.md). Decided once per process (:func:`set_pdl` changes it)."""
+    can (:func:`_pdl_capable`) and ``LOCKSTEP_CUDA_PDL`` is on (the default; only launches of
+    nodes of at most :func:`pdl_max_rows` rows take the attribute). Decided once per process
+    (:func:`set_pdl` changes it)."""
     global _pdl
     if _pdl is None:
         from providers.cuda import env
 
         _pdl = env.switch("LOCKSTEP_CUDA_PDL") and _pdl_capable()
-        pdl_max_blocks()
+        pdl_max_rows()
     return _pdl
 
 
-def pdl_max_blocks() -> int:
-    """The largest grid, in blocks, that takes the programmatic attribute while PDL is on:
-    ``LOCKSTEP_CUDA_PDL_GRIDS`` "all" (no limit) or "small" (at most 2 blocks per multiprocessor:
-    the one-wave launches whose time is mostly launch latency and ramp; larger grids then wait
-    for their predecessor as without PDL). Read with :func:`pdl_enabled` and by
-    :func:`set_pdl`."""
-    global _pdl_max_blocks
+def pdl_max_rows() -> int:
+    """The most rows a node may have for its launches to take the programmatic attribute while
+    PDL is on: ``LOCKSTEP_CUDA_PDL_ROWS`` (default 16; "all": no limit). A node's rows are its
+    first device input's elements over its last dimension (:class:`ReplayKernel`): the batch of a
+    decode step, batch x length for a prompt; launches outside a node never take it. Measured on
+    the H200 (docs/benchmarks/kernels.md section 13), PDL made decode steps of up to 8 rows 4-8%
+    faster on SmolLM2-135M and Llama-3.2-1B and cost Llama-3.2-1B 3% at 32 rows and 10% at 256.
+    Read when the launch is made (a recorded launch keeps its choice) and by :func:`set_pdl`."""
+    global _pdl_max_rows
     from providers.cuda import env
-    from providers.cuda.module import multiprocessors
 
-    grids = env.switch("LOCKSTEP_CUDA_PDL_GRIDS")
-    _pdl_max_blocks = 2 * multiprocessors() if grids == "small" else 1 << 62
-    return _pdl_max_blocks
+    rows = env.switch("LOCKSTEP_CUDA_PDL_ROWS")
+    _pdl_max_rows = 1 << 62 if rows == "all" else int(rows)
+    return _pdl_max_rows
 
 
 def set_pdl(on: bool) -> bool:
@@ -168,7 +177,7 @@ def set_pdl(on: bool) -> bool:
     global _pdl
     before = pdl_enabled()
     _pdl = bool(on) and _pdl_capable()
-    pdl_max_blocks()
+    pdl_max_rows()
     return before
 
 
@@ -252,6 +261,13 @@ def host_values(inputs: tuple, skip: int | None = None) -> tuple:
                  for i, x in enumerate(inputs))
 
 
+def _prod(dims) -> int:
+    out = 1
+    for d in dims:
+        out *= int(d)
+    return out
+
+
 class ReplayKernel:
     """An op's ``run`` with eager launch replay (module docstring).
 
@@ -279,7 +295,10 @@ class ReplayKernel:
         return tuple(id(x) if isinstance(x, nd) else (None if x is None else _host_tag(x)) for x in inputs)
 
     def __call__(self, ctx, *inputs):
-        global _recording, _spoiled
+        global _recording, _spoiled, _rows
+        nd = self._ndarray
+        first = next((x for x in inputs if isinstance(x, nd)), None)
+        _rows = None if first is None or not first.shape else _prod(first.shape[:-1])
         if ctx.frozen:
             return self.run(ctx, *inputs)
         key = self._key(ctx, inputs)

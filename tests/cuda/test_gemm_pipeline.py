@@ -380,6 +380,7 @@ def test_split_k_int4_captured_and_replayed_is_bitwise_the_unsplit_kernel(monkey
     def launch():
         _mma.nbits4(case.a, case.codes, case.scales, case.zp, 1, case.stride, None, y, 1, n, k, 32, "__half", NULL)
 
+    monkeypatch.setattr(replay, "_rows", 1)  # launches as a one-row node makes them (the PDL rows rule)
     before_pdl = replay.set_pdl(pdl)
     try:
         if pdl and not replay.pdl_enabled():

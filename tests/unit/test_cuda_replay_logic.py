@@ -138,24 +138,37 @@ def test_pdl_launch_builds_its_config_once_per_stream(fake_cupy, monkeypatch):
     assert fake_cupy == []  # the plain launch was never used
 
 
-@pytest.mark.parametrize("grids,pdl_blocks", [("all", [1, 264, 265, 5000]), ("small", [1, 264])])
-def test_pdl_grids_small_keeps_large_grids_on_the_plain_launch(fake_cupy, monkeypatch, grids, pdl_blocks):
-    """LOCKSTEP_CUDA_PDL_GRIDS=small: only grids of at most 2 blocks per multiprocessor (264 at
-    132) take cuLaunchKernelEx; the others are plain launches, with PDL still on."""
-    monkeypatch.setenv("LOCKSTEP_CUDA_PDL_GRIDS", grids)
-    monkeypatch.setattr(replay, "_pdl_max_blocks", replay._pdl_max_blocks)  # restored after the test
+@pytest.mark.parametrize("limit,pdl_rows", [("16", [1, 8, 16]), ("8", [1, 8]), ("all", [1, 8, 16, 17, 4096])])
+def test_pdl_takes_only_the_launches_of_nodes_of_few_rows(fake_cupy, monkeypatch, limit, pdl_rows):
+    """With PDL on, a node's launches take cuLaunchKernelEx only when its first device input has
+    at most LOCKSTEP_CUDA_PDL_ROWS rows (elements over the last dimension); a recorded launch
+    keeps that choice when it is replayed, and a launch made before any node never takes it."""
+    monkeypatch.setenv("LOCKSTEP_CUDA_PDL_ROWS", limit)
+    monkeypatch.setattr(replay, "_pdl_max_rows", replay._pdl_max_rows)  # restored after the test
     monkeypatch.setattr(replay, "_pdl_capable", lambda: True)
-    monkeypatch.setattr("providers.cuda.module.multiprocessors", lambda: 132)
     monkeypatch.setattr(replay, "_pdl_config", lambda dims, shared, stream: "cfg")
     ex = []
     monkeypatch.setattr(replay, "_launch_ex", lambda fn, cfg, params: ex.append(fn))
-    before = replay.set_pdl(True)
+    before, took = replay.set_pdl(True), []
     try:
-        for blocks in (1, 264, 265, 5000):
-            replay.Launch(blocks, (blocks,), (32,), (np.int32(1),), 0).fire(0x5151)
+        for rows in (1, 8, 16, 17, 4096):
+            run, _ = make_op([])
+            kernel, ctx = replay.ReplayKernel(run), Ctx()
+            shape = (rows // 8, 8, 64) if rows % 8 == 0 and rows > 8 else (rows, 64)  # rows over leading dims
+            x = FakeArray(0xA000, shape)
+            kernel(ctx, x)  # the launcher records its launch
+            ex.clear()
+            kernel(ctx, x)  # same inputs: the recorded launch is fired
+            if ex:
+                took.append(rows)
+        plain = len(fake_cupy)
+        replay._rows = None
+        replay.Launch(0xF01, (1,), (32,), (np.int32(1),), 0).fire(0x5151)  # before any node
+        assert len(fake_cupy) == plain + 1
     finally:
         replay.set_pdl(before)
-    assert ex == pdl_blocks and len(fake_cupy) == 4 - len(pdl_blocks)
+        replay._rows = None
+    assert took == pdl_rows
 
 
 def test_set_pdl_off_uses_the_plain_launch(fake_cupy, monkeypatch):
