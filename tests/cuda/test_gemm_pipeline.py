@@ -174,9 +174,17 @@ def _rows_and_wide(monkeypatch, ran, f, call, wide_expr, row_prefix):
 
 @pytest.mark.parametrize("f", [1, 2])
 @pytest.mark.parametrize("glu,bias", [(False, False), (False, True), (True, False)])
-@pytest.mark.parametrize("m,k,n", [(64, 64, 16), (100, 576, 200), (256, 2048, 136), (300, 4864, 72), (130, 328, 40)])
+@pytest.mark.parametrize("m,k,n", [(64, 64, 16), (100, 576, 200), (256, 2048, 136), (300, 4864, 72), (130, 328, 40),
+                                   (17, 64, 16), (24, 576, 200), (32, 2048, 136), (32, 4864, 72), (29, 328, 40)])
 def test_wide_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, glu, bias, f):
-    rng = np.random.default_rng(m + k + n)
+    """mma_wide against the row kernels of the same rows: the 64-token blocks (TW = 2) from 64
+    rows, the one-token-warp blocks (TW = 1, _mma.wide32_config, taken here wherever they apply)
+    for 17 to 32 rows."""
+    tw = 1 if m <= 32 else 2
+    if tw == 1:
+        monkeypatch.setattr(_mma, "WIDE32_FILL", 0)
+        monkeypatch.setattr(_mma, "WIDE32_MIN_K", 0)
+    rng = np.random.default_rng(m + k + n + (tw == 1))
     a = rng.standard_normal((m, k)).astype(np.float16)
     w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))
     b = rng.standard_normal(n).astype(np.float16) if bias else None
@@ -188,35 +196,11 @@ def test_wide_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, glu, b
         _mma.dense(da, wp, db, y, m, n, k, NULL, glu=glu)
         return y
 
-    out = _rows_and_wide(monkeypatch, ran, f, call, f"mma_wide<{f}, {_mma._BOOL[glu]}, 2>", "mma_dense<")
+    out = _rows_and_wide(monkeypatch, ran, f, call, f"mma_wide<{f}, {_mma._BOOL[glu]}, {tw}>", "mma_dense<")
     assert np.array_equal(out[0].view(np.uint16), out[1].view(np.uint16))
     if not glu:
         ref = a.astype(np.float64) @ w.astype(np.float64) + (0 if b is None else b.astype(np.float64))
         assert np.allclose(out[1], ref, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("f", [1, 2])
-@pytest.mark.parametrize("glu,bias", [(False, False), (False, True), (True, False)])
-@pytest.mark.parametrize("m,k,n", [(17, 64, 16), (24, 576, 200), (32, 2048, 136), (32, 4864, 72), (29, 328, 40)])
-def test_one_token_warp_tiles_are_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, glu, bias, f):
-    """mma_wide<F, GLU, 1> (launches of 17 to 32 rows, _mma.wide32_config), taken here wherever it
-    applies (WIDE32_FILL 0), against the row kernels of the same rows."""
-    monkeypatch.setattr(_mma, "WIDE32_FILL", 0)
-    monkeypatch.setattr(_mma, "WIDE32_MIN_K", 0)
-    rng = np.random.default_rng(m + k + n + 1)
-    a = rng.standard_normal((m, k)).astype(np.float16)
-    w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))
-    b = rng.standard_normal(n).astype(np.float16) if bias else None
-    wp = cupy.asarray(_mma.pack(np, w, up if glu else None))
-    da, db = cupy.asarray(a), None if b is None else cupy.asarray(b)
-
-    def call():
-        y = cupy.full((m, n), np.nan, np.float16)
-        _mma.dense(da, wp, db, y, m, n, k, NULL, glu=glu)
-        return y
-
-    out = _rows_and_wide(monkeypatch, ran, f, call, f"mma_wide<{f}, {_mma._BOOL[glu]}, 1>", "mma_dense<")
-    assert np.array_equal(out[0].view(np.uint16), out[1].view(np.uint16))
 
 
 @pytest.mark.parametrize("f", [1, 2])
