@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -83,7 +84,7 @@ def _flag_names(message: str) -> str:
     (``top_p must be in (0, 1]`` -> ``--top-p must be in (0, 1]``)."""
     for name in _FLAGS:
         message = re.sub(rf"(?<![\w-]){name}(?![\w])", "--" + name.replace("_", "-"), message)
-    return message
+    return message.replace("--do-sample=False", "--no-do-sample")
 
 
 def _int_list(text: str) -> list[int]:
@@ -183,7 +184,7 @@ def cmd_run(a) -> int:
     provider = get_provider(a.provider)  # a missing provider is reported before any model build
     options = _generation_options(a)
     check_request(a.max_new_tokens, {k: v for k, v in options.items() if k not in ("stop", "system")},
-                  options.get("stop"), a.weight_budget, a.device_budget)  # before any model build
+                  options.get("stop"), a.weight_budget, a.device_budget, a.tensor_parallel)  # before any build
     model = _resolve_model(a.model, a.provider)
     if a.stream:
         return _run_streamed(a, prompts, model, provider, options)
@@ -287,8 +288,13 @@ def cmd_chat(a) -> int:
     check_request(a.max_new_tokens, options)  # before any model build
     model = _resolve_model(a.model, a.provider)
     session = Session(model, provider, batch=1, capture=False if a.no_capture else None)
+    context = session.model.config.context_length
+    if a.max_new_tokens >= context:  # no turn could ever fit: refuse now, not at every turn
+        raise RequestError(f"max_new_tokens={a.max_new_tokens} leaves no room for a prompt in the model's "
+                           f"context of {context} positions")
     talk = Conversation(session, system=system, max_new_tokens=a.max_new_tokens, sampling=options or None)
     console.print("[dim]chat: an empty line or /exit ends, /reset starts over[/dim]")
+    failed = 0
     while True:
         try:
             line = input("> " if sys.stdin.isatty() else "")
@@ -300,14 +306,21 @@ def cmd_chat(a) -> int:
             talk = Conversation(session, system=system, max_new_tokens=a.max_new_tokens, sampling=options or None)
             continue
         try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable input bytes (surrogates): nothing was sent
+            console.print("[red]error:[/red] that line is not valid UTF-8 text; it was not sent")
+            failed += 1
+            continue
+        try:
             for d in talk.say(line):
                 sys.stdout.write(d.text)
                 sys.stdout.flush()
         except RequestError as exc:  # e.g. the conversation outgrew the cache: say so, keep going
-            console.print(f"[red]error:[/red] {escape(str(exc))}")
+            console.print(f"[red]error:[/red] {escape(_flag_names(str(exc)))}")
+            failed += 1
             continue
         print(flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 def _sampling_args(parser: argparse.ArgumentParser, stop: bool = True) -> None:
@@ -533,7 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lockstep`` and ``python -m core``; returns the exit status (2 for a
-    refused request, printed as one line without traceback; 130 when interrupted)."""
+    refused request, printed as one line without traceback; 130 when interrupted; 0, quietly,
+    when the reader of stdout closes it early, as ``| head`` does)."""
     from core.errors import USER_ERRORS
     from core.parallel.session import RankError
 
@@ -553,6 +567,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("[red]interrupted[/red]")
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (lockstep run ... | head): stop quietly
+        with contextlib.suppress(Exception):  # stdout onto /dev/null, so the last flush cannot raise again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ class ProfileRow:
     kv_bytes_moved: int
     peak_device_bytes: int | None
     kv_bytes: int
-    row0_matches_batch1: bool
+    row0_matches_batch1: bool | None  # None: the point was refused (did not run)
     fallback_reasons: list = attrs.field(factory=list)
     weight_bytes_streamed_per_step: int = 0
     htod_bytes_per_token: float = 0.0
@@ -64,7 +64,7 @@ class ProfileRow:
     prefill_ms: float = 0.0
     anchor_tokens_per_s: float | None = None
     anchor_note: str = ""
-    refused: str = ""  # why this point did not run (out of device memory); its numbers are 0
+    refused: str = ""  # why this point did not run (out of memory); its numbers are 0
     weight_device_bytes: int = 0  # resident weights + staging ring (Runner.memory)
     kv_device_bytes: int = 0
     workspace_bytes: int = 0
@@ -156,10 +156,16 @@ def profile(model_dir, provider, batches: list[int], args, progress=None) -> lis
         prompt = list(rng.integers(3, model.config.vocab_size, length))
         reference = None
         for batch in batches:
+            too_big = _does_not_fit(model, runner.provider, batch, capacity)
+            if too_big:  # refused before it runs: a host provider would meet the OOM killer, not MemoryError
+                rows.append(_refused(batch, length, capacity, too_big))
+                if progress is not None:
+                    progress(len(rows), total, rows[-1])
+                continue
             try:
                 row, stream = _stream(runner, batch, args, prompt, rng, bandwidth, h2d, capacity)
             except MemoryError as exc:  # this point does not fit: say so, keep the sweep going
-                rows.append(_refused(batch, length, capacity, f"out of device memory ({exc})"))
+                rows.append(_refused(batch, length, capacity, f"out of memory ({exc})"))
                 runner.release_states()
                 if progress is not None:
                     progress(len(rows), total, rows[-1])
@@ -177,7 +183,31 @@ def profile(model_dir, provider, batches: list[int], args, progress=None) -> lis
 def _refused(batch: int, length: int, capacity: int, why: str) -> ProfileRow:
     return ProfileRow(batch=batch, tokens_per_s=0.0, step_ms_p50=0.0, step_ms_p95=0.0, floor_ms=None, captures=0,
                       replays=0, fallbacks=0, invalidations=0, kv_bytes_moved=0, peak_device_bytes=None,
-                      kv_bytes=0, row0_matches_batch1=True, prompt_len=length, capacity=capacity, refused=why)
+                      kv_bytes=0, row0_matches_batch1=None, prompt_len=length, capacity=capacity, refused=why)
+
+
+def _does_not_fit(model, provider, batch: int, capacity: int) -> str:
+    """Why a sweep point would not fit in memory, or "" when it does (or nothing is known): its KV
+    cache (2 x layers x batch x kv heads x capacity x head size x the KV dtype's bytes) and its
+    last-position logits (batch x vocab x 4 bytes) against the provider's free device memory
+    (``free_device_bytes()``), or, for a provider that reports none (a host provider), the host's
+    available memory. The KV estimate is the cache's exact size; the step's other buffers are not
+    counted, so a point just under the limit can still fail, with MemoryError where the provider
+    raises it."""
+    from core.testing.parity import _available_host_bytes
+
+    cfg = model.config
+    item = np.dtype(model.io_dtype).itemsize
+    need = (2 * cfg.num_layers * batch * cfg.num_kv_heads * capacity * cfg.head_size * item
+            + batch * cfg.vocab_size * 4)
+    free = getattr(provider, "free_device_bytes", lambda: None)()
+    where = f"{getattr(provider, 'name', 'the provider')} has" if free is not None else "the host has"
+    if free is None:
+        free = _available_host_bytes()
+    if free is None or need <= free:
+        return ""
+    gib = 2 ** 30
+    return f"out of memory (needs ~{need / gib:,.1f} GiB of KV cache and logits; {where} {free / gib:,.1f} GiB free)"
 
 
 def load_anchor(path: str) -> dict[tuple[int, int], dict]:
@@ -346,4 +376,6 @@ def profile_main(args, console, table_console) -> int:
                       f, indent=2)
     if args.plot_out:
         plot(rows, str(Path(args.plot_out).expanduser()), title)
-    return 0 if all(r.row0_matches_batch1 for r in rows) else 1
+    measured = [r for r in rows if not r.refused]
+    # 1: a row 0 that differed from its batch-1 run, or nothing measured at all (every point refused)
+    return 0 if measured and all(r.row0_matches_batch1 for r in measured) else 1

@@ -187,18 +187,19 @@ def _merge_sampling(sampling: Any, options: dict) -> Any:
 
 
 def check_request(max_new_tokens: Any = 64, sampling: Any = None, stop: Any = None,
-                  weight_budget: Any = None, device_budget: Any = None) -> None:
+                  weight_budget: Any = None, device_budget: Any = None, tensor_parallel: Any = 1) -> None:
     """Check what a request can be checked for without the model: ``max_new_tokens`` (a
     non-negative int or a list of them), shared sampling options (a dict: every value in
-    range), shared stop strings, and the form of the budgets. :func:`start` and the CLI call
-    it before any model is prepared or loaded.
+    range; with ``tensor_parallel`` > 1, no sampling asked for), shared stop strings, and the
+    form of the budgets (a device budget in bytes, never a fraction). :func:`start` and the CLI
+    call it before any model is prepared or loaded.
 
     Raises:
         core.session.RequestError: any of those is bad.
     """
     from core.generation import sampling as sampling_mod
     from core.generation.stream import _max_new, _stop_strings
-    from core.runtime.residency import BudgetError, parse_budget
+    from core.runtime.residency import BudgetError, check_device_budget_form, parse_budget
 
     for m in max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens]:
         _max_new(m)
@@ -207,12 +208,19 @@ def check_request(max_new_tokens: Any = 64, sampling: Any = None, stop: Any = No
             sampling_mod.make_params(sampling)
         except sampling_mod.SamplingError as exc:
             raise RequestError(str(exc)) from None
+        asks_sampling = sampling.get("do_sample") is True or sampling.get("repetition_penalty", 1) != 1
+        if asks_sampling and tensor_parallel != 1 and not isinstance(tensor_parallel, bool):
+            from core.parallel.session import GREEDY_ONLY
+
+            raise RequestError(GREEDY_ONLY)
     per_row = isinstance(stop, (list, tuple)) and any(x is None or isinstance(x, (list, tuple)) for x in stop)
     if not per_row:  # one set of stop strings for every row (per-row lists: checked with the batch)
         _stop_strings(stop)
     for name, value in (("weight_budget", weight_budget), ("device_budget", device_budget)):
         if value is not None:
             try:
+                if name == "device_budget":
+                    check_device_budget_form(value)
                 parse_budget(value, 1 << 40)
             except BudgetError as exc:
                 raise RequestError(f"{name}: {exc}") from None

@@ -90,6 +90,11 @@ def rank_timeout() -> float:
     return value
 
 
+#: Why a sampled request is refused with tensor_parallel > 1.
+GREEDY_ONLY = ("tensor_parallel decodes greedily only (no sampler over vocab-sharded logits yet): it needs "
+               "do_sample=False and repetition_penalty=1")
+
+
 def check_greedy(sampling: Any, batch: int, model: Model) -> list:
     """The per-row sampling options (:func:`core.generation.sampling.resolve_rows`, defaults
     from the model's "search" section) when every row is plain greedy.
@@ -103,8 +108,7 @@ def check_greedy(sampling: Any, batch: int, model: Model) -> list:
     except sampling_mod.SamplingError as exc:
         raise RequestError(str(exc)) from None
     if not all(r.greedy_plain for r in rows):
-        raise RequestError("tensor_parallel decodes greedily only (no sampler over vocab-sharded logits "
-                           "yet): do_sample=False and repetition_penalty=1")
+        raise RequestError(GREEDY_ONLY)
     return rows
 
 

@@ -181,6 +181,17 @@ def weights_of(plan) -> tuple[Weight, ...]:
     return tuple(out)
 
 
+def check_device_budget_form(value) -> None:
+    """A device budget is bytes or a size, never a fraction (of what would it be one?).
+
+    Raises:
+        BudgetError: a float, or a string that reads as a percentage or a fraction.
+    """
+    text = value.strip() if isinstance(value, str) else ""
+    if isinstance(value, float) or text.endswith("%") or ("." in text and text[-1:].isdigit()):
+        raise BudgetError(f"device_budget takes bytes (4294967296) or a size (4GiB), not a fraction: got {value!r}")
+
+
 def parse_budget(value, total: int) -> int | None:
     """A budget in bytes from ``value``: None (everything resident), an int of bytes, a float
     fraction in (0, 1] of ``total``, or a string "2GiB", "512MB", "40%", "0.4".

@@ -83,10 +83,7 @@ class Runner:
         self._weights = residency.weights_of(self.plan)
         total = sum(w.nbytes for w in self._weights)
         self._other_bytes = self.plan.weight_bytes() - total  # constants no step reads (folded inputs)
-        if isinstance(device_budget, float) or (isinstance(device_budget, str) and (
-                device_budget.strip().endswith("%") or "." in device_budget and device_budget.strip()[-1].isdigit())):
-            raise residency.BudgetError(f"device_budget takes bytes (4294967296) or a size (4GiB), not a "
-                                        f"fraction: got {device_budget!r}")
+        residency.check_device_budget_form(device_budget)
         self.device_budget = residency.parse_budget(device_budget, total)
         self.kv_device_bytes = 0  # KV bytes held by this runner's decode states
         budget = residency.parse_budget(weight_budget, total)

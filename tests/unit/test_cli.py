@@ -308,7 +308,9 @@ def test_parity_refuses_requests_that_cannot_fit_before_any_run(tmp_path, capsys
 
 @pytest.mark.parametrize("argv", [["--temperature", "-1"], ["--top-p", "0"], ["--top-k", "-3"], ["--min-p", "2"],
                                   ["--repetition-penalty", "0"], ["--seed", "-1"], ["--max-new-tokens", "-1"],
-                                  ["--stop", ""], ["--weight-budget", "foo"]])
+                                  ["--stop", ""], ["--weight-budget", "foo"], ["--device-budget", "10%"],
+                                  ["--device-budget", "0.5"], ["--tensor-parallel", "2", "--do-sample"],
+                                  ["--tensor-parallel", "2", "--repetition-penalty", "1.2"]])
 def test_run_refuses_bad_request_values_before_preparing_the_model(monkeypatch, capsys, argv):
     """A value that needs no model to check is refused (exit 2, one line) before the default
     model is prepared: on a cold cache that would be minutes of building first."""
@@ -388,3 +390,45 @@ def test_an_unknown_flag_is_reported_with_its_commands_usage(capsys, command):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"usage: lockstep {command}" in err
     assert f"lockstep {command}: error: unrecognized arguments: --bogus-flag" in err
+
+
+def test_tensor_parallel_with_sampling_is_refused_in_flag_terms(monkeypatch, capsys):
+    import core.cli
+
+    monkeypatch.setattr(core.cli, "_resolve_model", lambda *a, **k: pytest.fail("model prepared"))
+    code, out = run(capsys, "run", "--prompt", "hi", "--tensor-parallel", "2", "--do-sample")
+    assert code == 2 and "--tensor-parallel decodes greedily only" in out.err
+    assert "it needs --no-do-sample and --repetition-penalty=1" in out.err
+
+
+def test_a_closed_stdout_ends_the_command_quietly(monkeypatch, capsys):
+    """``lockstep ... | head``: when the reader goes away the command stops with status 0 and
+    no traceback (the write that failed raised BrokenPipeError)."""
+    import core.cli
+
+    def closed(_args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    dup2 = []
+    monkeypatch.setattr(core.cli.os, "dup2", lambda fd, target: dup2.append(target))
+    monkeypatch.setattr(core.cli, "cmd_providers", closed)  # build_parser binds it when main runs
+    assert core.cli.main(["providers"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_chat_refuses_max_new_tokens_past_the_context_once_and_reports_bad_turns(monkeypatch, capsys, words_model,
+                                                                                    tmp_path):
+    """A --max-new-tokens no turn can fit is refused at start (exit 2, by its flag), not at every
+    turn; an undecodable line is reported in plain words, the next line still runs, and the exit
+    status is 1 because a turn failed."""
+    import io
+    import shutil
+
+    code, out = run(capsys, "chat", "--model", str(words_model), "--max-new-tokens", "100000")
+    assert code == 2 and "--max-new-tokens=100000 leaves no room" in out.err
+    folder = shutil.copytree(words_model, tmp_path / "chat")
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\udcff there\nhi there\n\n"))
+    code, out = run(capsys, "chat", "--model", str(folder), "--max-new-tokens", "2")
+    assert code == 1 and "that line is not valid UTF-8 text; it was not sent" in out.err
+    assert out.err.count("error:") == 1  # the second line was answered

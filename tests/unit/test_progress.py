@@ -77,7 +77,7 @@ def test_the_profile_plot_title_fits_the_figure(tmp_path):
     plt.close(fig)
 
 
-def test_a_sweep_point_out_of_device_memory_is_reported_and_the_sweep_goes_on(model_dir, capsys, monkeypatch):
+def test_a_sweep_point_out_of_memory_is_reported_and_the_sweep_goes_on(model_dir, capsys, monkeypatch):
     """Batch 2 runs out of device memory (simulated): its row says so, batches 1 and 3 still run,
     and the pooled decode states are dropped between points."""
     import json
@@ -100,7 +100,36 @@ def test_a_sweep_point_out_of_device_memory_is_reported_and_the_sweep_goes_on(mo
     text = capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert code == 0 and [r["batch"] for r in rows] == [1, 2, 3]
-    assert rows[1]["refused"].startswith("out of device memory") and rows[1]["tokens_per_s"] == 0.0
+    assert rows[1]["refused"].startswith("out of memory") and rows[1]["tokens_per_s"] == 0.0
+    assert rows[1]["row0_matches_batch1"] is None  # it did not run: no claim either way
     assert rows[0]["tokens_per_s"] > 0 and rows[2]["tokens_per_s"] > 0
-    assert "out of device memory" in text
+    assert "out of memory" in text
     assert seen == [0, 0, 0]
+
+
+def test_a_sweep_point_too_large_for_memory_is_refused_before_it_runs(model_dir, capsys, monkeypatch):
+    """A batch whose KV cache cannot fit the memory available (here: the host's, reported as
+    1 MiB) is refused before any of its work, named with the estimate; when every point is
+    refused the exit status is 1 (nothing was measured)."""
+    import json
+
+    from core import profile as prof
+    from core.testing import parity
+
+    monkeypatch.setattr(parity, "_available_host_bytes", lambda: 1 << 20)
+    ran = []
+    real = prof._stream
+
+    def stream(runner, batch, *a, **kw):
+        ran.append(batch)
+        return real(runner, batch, *a, **kw)
+
+    monkeypatch.setattr(prof, "_stream", stream)
+    out = model_dir.parent / "refused.json"
+    code = main(["profile", str(model_dir), "--batch-sweep", "100000", "--tokens", "2", "--warmup", "1",
+                 "--context", "32", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert code == 1 and ran == []
+    assert rows[0]["refused"].startswith("out of memory (needs ~") and "the host has" in rows[0]["refused"]
+    assert rows[0]["row0_matches_batch1"] is None
+    assert "out of memory" in capsys.readouterr().out
