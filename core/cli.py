@@ -551,7 +551,11 @@ def main(argv: list[str] | None = None) -> int:
     from core.errors import USER_ERRORS
     from core.parallel.session import RankError
 
-    args, unknown = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    given = sys.argv[1:] if argv is None else argv
+    if given and given[0].startswith("-") and given[0] not in ("-h", "--help", "--version"):
+        parser.error(f"unrecognized arguments: {given[0]} (options follow the command: lockstep run --help)")
+    args, unknown = parser.parse_known_args(argv)
     if unknown:
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:

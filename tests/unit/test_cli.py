@@ -432,3 +432,9 @@ def test_chat_refuses_max_new_tokens_past_the_context_once_and_reports_bad_turns
     code, out = run(capsys, "chat", "--model", str(folder), "--max-new-tokens", "2")
     assert code == 1 and "that line is not valid UTF-8 text; it was not sent" in out.err
     assert out.err.count("error:") == 1  # the second line was answered
+
+
+def test_an_unknown_flag_before_the_command_is_named(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--bogus"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
