@@ -359,6 +359,13 @@ def _print_known_models() -> None:
 
 def cmd_prepare(a) -> int:
     if a.list:
+        ignored = [name for name, given in (("--precision", a.precision is not None), ("--target", a.target != "cpu"),
+                                            ("--output", a.output is not None), ("--force", a.force),
+                                            (a.model, a.model != DEFAULT_MODEL)) if given]
+        if ignored:
+            from core.session import RequestError
+
+            raise RequestError(f"--list builds nothing and lists every model and variant; drop {' '.join(ignored)}")
         _print_known_models()
         return 0
     if a.precision is None:

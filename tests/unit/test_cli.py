@@ -438,3 +438,9 @@ def test_an_unknown_flag_before_the_command_is_named(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--bogus"])
     assert exit_.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--precision", "int4"], ["--target", "cuda"], ["--force"], ["smollm2-135m-x"]])
+def test_prepare_list_refuses_options_it_would_ignore(capsys, argv):
+    code, out = run(capsys, "prepare", "--list", *argv)
+    assert code == 2 and "--list builds nothing" in out.err and out.out == ""
