@@ -207,8 +207,11 @@ def load_model(folder: str | Path) -> Model:
     try:
         data = json.loads(cfg_path.read_text())
         config = ModelConfig.from_json(data)
-    except (KeyError, ValueError, TypeError) as exc:
-        raise ModelError(f"{cfg_path} is malformed: {exc!r}") from exc
+    except KeyError as exc:  # a missing key: name it, as the builder writes it
+        raise ModelError(f"{cfg_path} is malformed: it has no {exc.args[0]!r} entry where the ONNX Runtime "
+                         "GenAI builder writes one (model, model.decoder, and their sizes)") from exc
+    except (ValueError, TypeError) as exc:
+        raise ModelError(f"{cfg_path} is malformed: {exc}") from exc
     onnx_name = data["model"]["decoder"].get("filename", "model.onnx")
     onnx_path = folder / onnx_name
     if not onnx_path.is_file():

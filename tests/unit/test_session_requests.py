@@ -99,7 +99,8 @@ def _tiny_with_tokenizer(folder):
 @pytest.mark.parametrize("case,match", [
     ("tokenizer", "tokenizer.json"), ("config", "tokenizer_config.json"),
     ("template", "chat_template.jinja"), ("template_in_config", "does not parse"),
-    ("names", "past_key_names")])
+    ("names", "past_key_names"), ("empty_genai_config", "genai_config.json is malformed: it has no 'model' entry"),
+    ("no_decoder_sizes", "it has no 'num_hidden_layers' entry")])
 def test_malformed_model_files_are_model_errors_naming_the_file(tmp_path, case, match):
     import json
 
@@ -112,6 +113,12 @@ def test_malformed_model_files_are_model_errors_naming_the_file(tmp_path, case, 
         (folder / "chat_template.jinja").write_text("{% if %}")
     elif case == "template_in_config":
         (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x "}))
+    elif case == "empty_genai_config":
+        (folder / "genai_config.json").write_text("{}")
+    elif case == "no_decoder_sizes":
+        cfg = json.loads((folder / "genai_config.json").read_text())
+        del cfg["model"]["decoder"]["num_hidden_layers"]
+        (folder / "genai_config.json").write_text(json.dumps(cfg))
     else:
         cfg = json.loads((folder / "genai_config.json").read_text())
         cfg["model"]["decoder"].setdefault("inputs", {})["past_key_names"] = "past_key_values.key"
