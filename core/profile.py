@@ -30,7 +30,7 @@ import numpy as np
 
 from core.generation.loop import decode
 from core.models.model import load_model
-from core.runtime.kv import round_capacity
+from core.runtime.kv import cache_bytes, round_capacity
 from core.runtime.runner import Runner
 from core.session import RequestError, Session
 
@@ -194,16 +194,14 @@ def _does_not_fit(model, provider, batch: int, capacity: int) -> str:
     available memory. The KV estimate is the cache's exact size; the step's other buffers are not
     counted, so a point just under the limit can still fail, with MemoryError where the provider
     raises it."""
-    from core.testing.parity import _available_host_bytes
+    from core.runtime import residency
 
     cfg = model.config
-    item = np.dtype(model.io_dtype).itemsize
-    need = (2 * cfg.num_layers * batch * cfg.num_kv_heads * capacity * cfg.head_size * item
-            + batch * cfg.vocab_size * 4)
+    need = cache_bytes(cfg, batch, capacity, np.dtype(model.io_dtype).itemsize) + batch * cfg.vocab_size * 4
     free = getattr(provider, "free_device_bytes", lambda: None)()
     where = f"{getattr(provider, 'name', 'the provider')} has" if free is not None else "the host has"
     if free is None:
-        free = _available_host_bytes()
+        free = residency.available_host_bytes()
     if free is None or need <= free:
         return ""
     gib = 2 ** 30

@@ -205,11 +205,11 @@ def check_request(max_new_tokens: Any = 64, sampling: Any = None, stop: Any = No
         _max_new(m)
     if isinstance(sampling, dict):
         try:
-            sampling_mod.make_params(sampling)
+            params = sampling_mod.make_params(sampling)
         except sampling_mod.SamplingError as exc:
             raise RequestError(str(exc)) from None
-        asks_sampling = sampling.get("do_sample") is True or sampling.get("repetition_penalty", 1) != 1
-        if asks_sampling and tensor_parallel != 1 and not isinstance(tensor_parallel, bool):
+        # the options given ask for sampling (the model's defaults are checked with the model)
+        if not params.greedy_plain and tensor_parallel != 1 and not isinstance(tensor_parallel, bool):
             from core.parallel.session import GREEDY_ONLY
 
             raise RequestError(GREEDY_ONLY)

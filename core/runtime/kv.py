@@ -167,6 +167,13 @@ def _check_lengths(geo: KVGeometry, lengths: list[int]) -> None:
         raise KVLayoutError(f"lengths {bad} outside [0, capacity={geo.capacity}]")
 
 
+def cache_bytes(config, batch: int, capacity: int, itemsize: int) -> int:
+    """Bytes of a KV cache of ``batch`` rows and ``capacity`` positions: K and V for every
+    layer, [batch, kv heads, capacity, head size] each, ``itemsize`` bytes a value
+    (``config``: a :class:`core.models.model.ModelConfig`)."""
+    return 2 * config.num_layers * batch * config.num_kv_heads * capacity * config.head_size * itemsize
+
+
 def round_capacity(needed: int, context_length: int, multiple: int = 64) -> int:
     """Capacity for ``needed`` tokens: rounded up to ``multiple``, at most the model context."""
     return min(context_length, -(-needed // multiple) * multiple)

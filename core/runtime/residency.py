@@ -42,6 +42,7 @@ step, by tensor) and ``byte_hit_rate`` (by bytes).
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Sequence
 
@@ -179,6 +180,21 @@ def weights_of(plan) -> tuple[Weight, ...]:
         out.append(Weight(r.constant, int(r.nbytes), bool(r.gathered), int(m.group(1)) if m else -1, r.node,
                           max(count, 1), tuple(r.aliases)))
     return tuple(out)
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (bytes), else free physical pages; None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def check_device_budget_form(value) -> None:

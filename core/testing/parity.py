@@ -32,7 +32,6 @@ Bitwise gates compare a digest of every row's fp32 logits at every step plus the
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import Any, Callable, Collection, Sequence
 
@@ -43,7 +42,8 @@ from core.generation.generate import generate
 from core.generation.loop import decode
 from core.models.model import Model, load_model
 from core.plugins import get_provider
-from core.runtime.kv import round_capacity
+from core.runtime import residency
+from core.runtime.kv import cache_bytes, round_capacity
 from core.runtime.runner import Runner
 from core.session import RequestError, Session
 
@@ -438,21 +438,6 @@ def check_request(model: Model, provider: Any, batches: Sequence[int], steps: in
     return batches, rows, need
 
 
-def _available_host_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (bytes), else free physical pages; None when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def check_memory(model: Model, provider: Any, batches: Sequence[int], steps: int, prompt_len: int,
                  need: int) -> None:
     """Refuse a parity run whose kept logits and largest KV cache exceed the memory free now.
@@ -469,11 +454,10 @@ def check_memory(model: Model, provider: Any, batches: Sequence[int], steps: int
     n_max = max(batches)
     item = np.dtype(model.io_dtype).itemsize
     capacity = round_capacity(need, cfg.context_length)
-    session = (2 * cfg.num_layers * n_max * cfg.num_kv_heads * capacity * cfg.head_size * item
-               + n_max * prompt_len * cfg.vocab_size * max(item, 4))
+    session = cache_bytes(cfg, n_max, capacity, item) + n_max * prompt_len * cfg.vocab_size * max(item, 4)
     kept = (2 * n_max + sum(b for b in batches if b > 1)) * (steps + 1) * cfg.vocab_size * 4
     gib = 2 ** 30
-    host = _available_host_bytes()
+    host = residency.available_host_bytes()
     if host is not None and kept + session > host:
         raise RequestError(f"parity at batches up to {n_max} with {steps} steps keeps ~{(kept + session) / gib:,.1f} "
                            f"GiB of logits and KV cache in host memory; {host / gib:,.1f} GiB is available. "

@@ -40,11 +40,11 @@ _counts = {"replayed": 0, "launched": 0, "unreplayable": 0, "pdl_launches": 0}
 _recording: list | None = None
 #: Set by :func:`not_replayable` during a recording.
 _spoiled = False
-#: Rows of the node whose launches are being made (:class:`ReplayKernel` sets it from the node's
-#: first device input: its elements over its last dimension; a decode step's nodes have one row
-#: per sequence). It stays set after the node, so the provider's own launches that follow the
-#: lm_head (argmax, decode_advance) take the step's rows; None before any node. Read by
-#: :class:`Launch` for the PDL rows rule.
+#: Rows of the node whose launches are being made, while PDL is on (:class:`ReplayKernel` sets it
+#: from the node's first device input: its elements over its last dimension; a decode step's
+#: nodes have one row per sequence). It stays set after the node, so the provider's own launches
+#: that follow the lm_head (argmax, decode_advance) take the step's rows; None before any node.
+#: Kept by each :class:`Launch` for the PDL rows rule.
 _rows: int | None = None
 
 
@@ -74,7 +74,7 @@ class Launch:
             would choose its width); the caller then does not record the node.
     """
 
-    __slots__ = ("fn", "dims", "pdl_rows", "shared", "params", "_keep", "_config")
+    __slots__ = ("fn", "dims", "rows", "shared", "params", "_keep", "_config")
 
     def __init__(self, fn: int, grid: tuple, block: tuple, args: tuple, shared: int):
         import cupy
@@ -90,8 +90,7 @@ class Launch:
         g, b = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
         self.fn = fn
         self.dims = (int(g[0]), int(g[1]), int(g[2]), int(b[0]), int(b[1]), int(b[2]))
-        # made inside a node of at most pdl_max_rows() rows (the rule of pdl_max_rows)
-        self.pdl_rows = _rows is not None and _rows <= _pdl_max_rows
+        self.rows = _rows  # of the node that made it (the rule of pdl_max_rows)
         self.shared = int(shared)
         pointers = np.array([v.ctypes.data for v in values], np.uint64)
         self.params = int(pointers.ctypes.data) if len(values) else 0
@@ -109,7 +108,7 @@ class Launch:
         Raises:
             RuntimeError: the driver refused the launch (the CUresult is named).
         """
-        if self.pdl_rows and pdl_enabled():
+        if pdl_enabled() and self.rows is not None and self.rows <= _pdl_max_rows:
             config = self._config
             if config is None or config[0] != stream:
                 config = self._config = (stream, _pdl_config(self.dims, self.shared, stream))
@@ -159,10 +158,10 @@ def pdl_max_rows() -> int:
     """The most rows a node may have for its launches to take the programmatic attribute while
     PDL is on: ``LOCKSTEP_CUDA_PDL_ROWS`` (default 16; "all": no limit). A node's rows are its
     first device input's elements over its last dimension (:class:`ReplayKernel`): the batch of a
-    decode step, batch x length for a prompt; launches outside a node never take it. Measured on
+    decode step, batch x length for a prompt; launches before any node never take it. Measured on
     the H200 (docs/benchmarks/kernels.md section 13), PDL made decode steps of up to 8 rows 4-8%
     faster on SmolLM2-135M and Llama-3.2-1B and cost Llama-3.2-1B 3% at 32 rows and 10% at 256.
-    Read when the launch is made (a recorded launch keeps its choice) and by :func:`set_pdl`."""
+    Read with :func:`pdl_enabled` and by :func:`set_pdl`; a recorded launch keeps its node's rows."""
     global _pdl_max_rows
     from providers.cuda import env
 
@@ -298,9 +297,9 @@ class ReplayKernel:
 
     def __call__(self, ctx, *inputs):
         global _recording, _spoiled, _rows
-        nd = self._ndarray
-        first = next((x for x in inputs if isinstance(x, nd)), None)
-        _rows = None if first is None or not first.shape else _prod(first.shape[:-1])
+        if pdl_enabled():  # only the PDL rows rule reads it: no work per node on the default path
+            first = next((x for x in inputs if isinstance(x, self._ndarray)), None)
+            _rows = None if first is None or not first.shape else _prod(first.shape[:-1])
         if ctx.frozen:
             return self.run(ctx, *inputs)
         key = self._key(ctx, inputs)

@@ -300,7 +300,7 @@ def test_parity_full_mode_runs_every_gate_on_the_model(tmp_path, capsys):
     (["--batch", "100000"], "GiB is available"), (["--steps", "1000"], "the model context is 128")])
 def test_parity_refuses_requests_that_cannot_fit_before_any_run(tmp_path, capsys, monkeypatch, argv, message):
     folder = make_tiny_model(tmp_path / "m")
-    monkeypatch.setattr("core.testing.parity._available_host_bytes", lambda: 2**30)
+    monkeypatch.setattr("core.runtime.residency.available_host_bytes", lambda: 2**30)
     monkeypatch.setattr("core.testing.parity._decode", lambda *a, **k: pytest.fail("a gate ran"))
     code, out = run(capsys, "parity", "--provider", "cpu_reference", "--model", str(folder), *argv)
     assert code == 2 and message in out.err

@@ -124,6 +124,7 @@ def test_pdl_launch_builds_its_config_once_per_stream(fake_cupy, monkeypatch):
     """With programmatic dependent launch on, a prepared launch goes through cuLaunchKernelEx
     (here a recorder) with a launch config built once per stream, never through cuLaunchKernel."""
     monkeypatch.setattr(replay, "_pdl", True)
+    monkeypatch.setattr(replay, "_rows", 1)  # made as a one-row node makes it (the PDL rows rule)
     configs, ex = [], []
     monkeypatch.setattr(replay, "_pdl_config", lambda dims, shared, stream: configs.append((dims, shared, stream))
                         or ("cfg", stream))

@@ -114,9 +114,9 @@ def test_a_sweep_point_too_large_for_memory_is_refused_before_it_runs(model_dir,
     import json
 
     from core import profile as prof
-    from core.testing import parity
+    from core.runtime import residency
 
-    monkeypatch.setattr(parity, "_available_host_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(residency, "available_host_bytes", lambda: 1 << 20)
     ran = []
     real = prof._stream
 

@@ -21,14 +21,15 @@ VECTOR = True
 counts = {"rms_norm_h8": 0, "rms_norm": 0}
 
 
-def _pieces(arrays, skip, x, gamma, d: int) -> int:
+def _pieces(d: int, x, skip, gamma, *others) -> int:
     """rms_norm_h8's V for this call, or 0 where it does not apply: not fp16, D not a multiple of
-    8 or over 8,192, a skip not broadcast by whole rows, or a pointer not 16-byte aligned."""
+    8 or over 8,192, a skip not broadcast by whole rows, or a pointer of x, skip, gamma or
+    ``others`` (bias, y, sum_out; None where absent) not 16-byte aligned."""
     if not VECTOR or x.dtype != np.float16 or gamma.dtype != np.float16 or d % 8 or d > 256 * 8 * _H8[-1]:
         return 0
     if skip is not None and skip.size % d:
         return 0
-    if any(a.data.ptr % 16 for a in arrays if a is not None):
+    if any(a.data.ptr % 16 for a in (x, skip, gamma, *others) if a is not None):
         return 0
     return next(v for v in _H8 if d <= 256 * 8 * v)
 
@@ -47,7 +48,7 @@ def launch(x, skip, bias, gamma, y, sum_out, mean_out, inv_out, d: int, eps: flo
 
     args = (x, opt(skip), np.int64(0 if skip is None else skip.size), opt(bias), gamma,
             y, opt(sum_out), opt(mean_out), opt(inv_out), np.int32(d), np.float32(eps))
-    v = _pieces((x, skip, bias, gamma, y, sum_out), skip, x, gamma, d)
+    v = _pieces(d, x, skip, gamma, bias, y, sum_out)
     if v:
         kern = function("rms_norm", f"rms_norm_h8<{v}>", EXPRS)
         counts["rms_norm_h8"] += 1
