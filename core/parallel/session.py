@@ -237,7 +237,11 @@ class TensorParallelSession(Session):
                 try:
                     self._ctrls[r].send((op, args))
                 except (OSError, ValueError):
-                    raise self._fail(f"rank {r} is gone (its pipe is closed) before {op}") from None
+                    self._procs[r].join(1.0)  # a closed pipe: the rank is exiting, reap it
+                    if self._procs[r].is_alive():
+                        raise self._fail(f"rank {r} is gone (its pipe is closed) before {op}") from None
+                    raise self._fail(f"rank {r} died (exit code {self._procs[r].exitcode}) "
+                                     f"before {op}") from None
         replies: dict[int, tuple] = {}
         # a call outlasts the ranks' own receive timeout, so that a rank waiting on a silent
         # peer reports it (naming the peer) before the coordinator gives up on both
