@@ -3,12 +3,15 @@
 # .before/before.tar is carried), and the streaming sweep. Logs land in /tmp/gpu_suite and are
 # packed into $OUT/gpu_suite.tgz at the end (the device tool brings back at most 8 files).
 #   carry: [".whl", ".before"]   (the onnxruntime-genai cp312 wheel for the builder; see README)
-#   STAGE=models|tests|profile|sampling|stream|context|kernels|ort|schedules|all (comma list), TEST_TIMEOUT, SWEEP
+#   STAGE=models|tests|profile|sampling|stream|context|kernels|ort|schedules|pdl|all (comma list), TEST_TIMEOUT, SWEEP
 #   context: the batch x prompt-length sweep (CSWEEP, LENS); kernels: --kernels at KSWEEP;
 #   ort: ONNX Runtime GenAI CUDA on the same grid (needs it importable from /tmp/ort, or the
 #   onnxruntime-gpu and onnxruntime-genai-cuda wheels in $ORT_WHEELS), then the sweep with --anchor
 #   schedules: the GEMM schedules (LOCKSTEP_CUDA_GEMM_PIPELINE / _WIDE) tested, profiled off / all / default,
 #     the int4 RMSNorm prologue off / on, ncu
+#   pdl: programmatic dependent launch by rows (docs/benchmarks/kernels.md section 13): tests/cuda with
+#     LOCKSTEP_CUDA_PDL=1, then off / on / off / on on six folders (SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B;
+#     fp16 and int4) at PDL_SWEEP, each rows cap in PDL_ROWS (the evidence for turning PDL on by default)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 FINAL_OUT=$OUT; LOG=/tmp/gpu_suite; mkdir -p $LOG
@@ -122,5 +125,27 @@ if has schedules; then  # the GEMM schedules (docs/benchmarks/kernels.md section
   command -v ncu >/dev/null && for n in 0 1; do
     LOCKSTEP_CUDA_NORM_FUSION_INT4=$n timeout 300 python3 benchmarks/ncu_step.py \
       $M/llama-int4 --batch 1 2>&1 | tee $LOG/ncu_llama_int4_b1_n$n.txt | head -14
+  done
+fi
+if has pdl; then
+  for v in "fp16 smollm2-135m" "int4 smollm2-135m" "qwen05-fp16 qwen2.5-0.5b" "qwen05-int4 qwen2.5-0.5b" \
+           "llama-fp16 llama-3.2-1b" "llama-int4 llama-3.2-1b"; do
+    set -- $v
+    [ -f $M/$1/model.onnx ] || python3 benchmarks/build_test_model.py $M/$1 --arch $2 --precision ${1##*-} \
+      --target cuda > $LOG/build_$1.txt 2>&1 &
+  done
+  wait
+  LOCKSTEP_CUDA_PDL=1 LOCKSTEP_CUDA_MODELS=$M timeout ${TEST_TIMEOUT:-900} python3 -m pytest -q -p no:cacheprovider \
+    tests/cuda -rs 2>&1 | tee $LOG/tests_cuda_pdl.log | tail -8
+  for v in fp16 int4 qwen05-fp16 qwen05-int4 llama-fp16 llama-int4; do
+    for run in 1 2; do
+      python3 -m core profile $M/$v --provider cuda --batch-sweep ${PDL_SWEEP:-1,8,16,32,256} --prompt-len 32 \
+        --tokens 64 --json $LOG/pdl_${v}_off$run.json 2>&1 | tail -7 | tee -a $LOG/pdl.txt
+      for rows in ${PDL_ROWS:-16}; do
+        LOCKSTEP_CUDA_PDL=1 LOCKSTEP_CUDA_PDL_ROWS=$rows python3 -m core profile $M/$v --provider cuda \
+          --batch-sweep ${PDL_SWEEP:-1,8,16,32,256} --prompt-len 32 --tokens 64 \
+          --json $LOG/pdl_${v}_r${rows}_$run.json 2>&1 | tail -7 | tee -a $LOG/pdl.txt
+      done
+    done
   done
 fi
