@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -219,14 +220,22 @@ def test_cli_tensor_parallel_runs_core_run_sharded_and_stops_its_ranks(tiny, tp2
     assert _tp_pids() == before  # core.run stopped the ranks it started
 
 
-@pytest.mark.parametrize("how", ["killed", "stopped"])
+@pytest.mark.parametrize("how", ["killed", "exited", "stopped"])
 def test_a_dead_or_hung_rank_ends_the_request_and_leaves_nothing(how, tiny, monkeypatch):
+    """``killed``: the step races the kill; ``exited``: the rank has exited before the step, so
+    the coordinator's send meets a closed pipe; both name the rank as died. ``stopped``: a
+    silent rank is named by its peer's receive timeout."""
     monkeypatch.setenv("LOCKSTEP_RANK_TIMEOUT", "2")
     tp = Session(tiny, batch=2, capacity=64, tensor_parallel=2)
     pids = tp.rank_pids
     tp.prefill(PROMPTS[:2])
-    os.kill(pids[1], signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-    expect = "rank 1 died" if how == "killed" else "rank 1 sent nothing for 2 s"
+    os.kill(pids[1], signal.SIGSTOP if how == "stopped" else signal.SIGKILL)
+    if how == "exited":
+        deadline = time.monotonic() + 10
+        while not _gone(pids[1]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _gone(pids[1])
+    expect = "rank 1 sent nothing for 2 s" if how == "stopped" else r"rank 1 died \(exit code -9\)"
     with pytest.raises(RankError, match=expect):
         tp.step()
     assert tp.alive_ranks() == [] and all(_gone(p) for p in pids)
