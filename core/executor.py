@@ -68,6 +68,19 @@ plain program otherwise (decode steps). The three nodes are appended to ``nodes`
 own contexts; the projection keeps its kernel and context. A provider that refuses one of them
 gets no such program (prefill then computes every position).
 
+Activation memory. A decode step keeps every node's output buffers from step to step (stable
+pointers for capture and eager replay; a few rows each). A prefill does not need to: its buffers
+are [B * S, ...] and the next decode step uses other shapes. So a *transient* run (by default
+every run of the last-position program, the prefills; ``Plan.run(..., transient=...)`` chooses)
+marks every kernel context ``transient`` and, right after the last node that reads a node's
+outputs, drops that node's buffers of this run (:meth:`KernelContext.release_transient`; a buffer
+a captured graph holds is never dropped) and the run's references to them. The provider's
+allocator then hands the same memory to later nodes, so the run's peak is its live activations
+(a layer or two) rather than one buffer per node of every layer: for 8,192 prompt tokens of a
+16-layer model, hundreds of MB instead of several GB. Nodes that make a graph output keep their
+buffers until the run returns; after it, every buffer of the run is dropped (also when a kernel
+raised). The lifetimes are computed once per program (:meth:`Plan._deaths`).
+
 Observer. :attr:`Plan.observer`, when set, is told about every node of a run (``begin(node)``,
 ``end(node, args, results)``; :class:`core.kernel_profile.NodeObserver` counts and times them).
 """
@@ -394,6 +407,7 @@ class Plan:
             if isinstance(value, np.ndarray):
                 value.flags.writeable = False  # constants are shared by every step: never written
         self._programs: dict[tuple, list[_Step]] = {}  # (last-position?, feed types or None)
+        self._deaths_of: dict[tuple, list] = {}  # the same keys: activation lifetimes (_deaths)
         self._program: list[_Step] = []
         #: an optional node observer (core.kernel_profile): when set, runs every cached program
         self.observer: Any = None
@@ -417,7 +431,7 @@ class Plan:
         other._host_contexts = [None if c is None else fresh(c) for c in self._host_contexts]
         other.kernels = list(self.kernels)
         other.host_kernels = list(self.host_kernels)
-        other._programs, other._program = {}, []
+        other._programs, other._program, other._deaths_of = {}, [], {}
         return other
 
     def _step(self, i: int, args: list, node: NodeInfo | None = None) -> _Step:
@@ -703,9 +717,13 @@ class Plan:
         """Names of the nodes the latest run ran on host (cpu_reference) kernels."""
         return [self.nodes[s.index].name for s in self._program if s.host]
 
-    def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+    def run(self, feeds: dict[str, Any], transient: bool | None = None) -> dict[str, Any]:
         """Run the graph. ``feeds`` maps every graph input to a tensor (and optionally
         :data:`core.fusion.LAST_INDEX`: the last-position program); returns graph outputs.
+
+        ``transient``: free each node's buffers once the run no longer reads them ("Activation
+        memory" in the module docstring); None (default): for runs of the last-position
+        program, the prefills, and not for the others (decode steps keep theirs).
 
         Raises:
             KeyError: a graph input is not fed.
@@ -719,48 +737,113 @@ class Plan:
         gathered = self.last_position_steps if feeds.get(fusion.LAST_INDEX) is not None else None
         if gathered is not None:
             values.update(self.last_position_constants)
+        if transient is None:
+            transient = gathered is not None
         key = (gathered is not None, tuple(type(feeds[n]) for n in self.input_names) if self.host_dispatch else None)
         program = self._programs.get(key)
+        order: list[tuple[int, NodeInfo]] = []
         if program is None:
             order = gathered if gathered is not None else [(i, self.nodes[i]) for i in self.steps]
-            self._program = self._programs[key] = self._dispatch(values, order)
-            return {name: values[name] for name in self.output_names}
-        self._program = program
-        if self.observer is not None:
-            self._run_observed(program, values)
-            return {name: values[name] for name in self.output_names}
-        for step in program:
-            results = step.kernel(step.ctx, *[values[x] if x else None for x in step.inputs])
-            if results is not step.last:
-                self._check_outputs(step, results)
-            for name, value in zip(step.outputs, results):
-                if name:
-                    values[name] = value
+        deaths = self._deaths(key, order if program is None else program) if transient else None
+        if deaths is not None:
+            for ctx in self._every_context():
+                ctx.transient = True
+        try:
+            if program is None:
+                self._program = self._programs[key] = self._dispatch(values, order, deaths)
+            else:
+                self._program = program
+                self._execute(program, values, deaths)
+        finally:
+            if deaths is not None:
+                for ctx in self._every_context():
+                    ctx.transient = False
+                    ctx.release_transient()  # a run that raised: nothing of it is kept either
         return {name: values[name] for name in self.output_names}
 
-    def _run_observed(self, program: list[_Step], values: dict[str, Any]) -> None:
-        """:meth:`run`'s loop with :attr:`observer` told about every node: ``begin(node)``
-        before its kernel, ``end(node, args, results)`` after (``node`` a NodeInfo; the
-        observer may time it, e.g. with device events, or count its work)."""
+    def _deaths(self, key: tuple, order: list) -> list[tuple[list[int], list[str]]]:
+        """Activation lifetimes of the program ``key`` (``order``: its steps or its ``(index,
+        node)`` pairs): after position p, the positions whose nodes' buffers die (every output
+        read for the last time, or never read) and the value names that die. A node with a
+        graph output never dies (its buffer is what the run returns)."""
+        cached = self._deaths_of.get(key)
+        if cached is not None:
+            return cached
+        ios = [(s.inputs, s.outputs) if isinstance(s, _Step) else (s[1].inputs, s[1].outputs) for s in order]
+        last_read: dict[str, int] = {}
+        made: dict[str, int] = {}
+        for pos, (inputs, outputs) in enumerate(ios):
+            for x in inputs:
+                if x:
+                    last_read[x] = pos
+            for y in outputs:
+                if y:
+                    made[y] = pos
+        kept = set(self.output_names)
+        deaths: list[tuple[list[int], list[str]]] = [([], []) for _ in ios]
+        for pos, (_, outputs) in enumerate(ios):
+            names = [y for y in outputs if y]
+            if any(y in kept for y in names):
+                continue
+            ends = [max(pos, last_read.get(y, pos)) for y in names]
+            deaths[max(ends, default=pos)][0].append(pos)
+            for y, end in zip(names, ends):
+                if made[y] == pos:  # the name's last producer (a graph never writes a name twice)
+                    deaths[end][1].append(y)
+        self._deaths_of[key] = deaths
+        return deaths
+
+    @staticmethod
+    def _free(program: list[_Step], values: dict[str, Any], death: tuple[list[int], list[str]]) -> None:
+        """Drop what dies after one position of a transient run (:meth:`_deaths`)."""
+        for pos in death[0]:
+            step = program[pos]
+            step.ctx.release_transient()
+            step.last = None
+        for name in death[1]:
+            values.pop(name, None)
+
+    def _execute(self, program: list[_Step], values: dict[str, Any],
+                 deaths: list[tuple[list[int], list[str]]] | None) -> None:
+        """:meth:`run`'s loop over a cached program; with :attr:`observer` set, the observer is
+        told about every node: ``begin(node)`` before its kernel, ``end(node, args, results)``
+        after (``node`` a NodeInfo; it may time it, e.g. with device events, or count its
+        work). ``deaths``: a transient run's lifetimes (:meth:`_deaths`), or None."""
         observer = self.observer
-        for step in program:
-            node = self.nodes[step.index]
+        if observer is None and deaths is None:  # the decode step: nothing but the kernels
+            for step in program:
+                results = step.kernel(step.ctx, *[values[x] if x else None for x in step.inputs])
+                if results is not step.last:
+                    self._check_outputs(step, results)
+                for name, value in zip(step.outputs, results):
+                    if name:
+                        values[name] = value
+            return
+        for pos, step in enumerate(program):
             args = [values[x] if x else None for x in step.inputs]
-            observer.begin(node)
+            if observer is not None:
+                observer.begin(self.nodes[step.index])
             results = step.kernel(step.ctx, *args)
-            observer.end(node, args, results)
+            if observer is not None:
+                observer.end(self.nodes[step.index], args, results)
+            del args
             if results is not step.last:
                 self._check_outputs(step, results)
             for name, value in zip(step.outputs, results):
                 if name:
                     values[name] = value
+            del results
+            if deaths is not None:
+                self._free(program, values, deaths[pos])
 
-    def _dispatch(self, values: dict[str, Any], order: list[tuple[int, NodeInfo]]) -> list[_Step]:
+    def _dispatch(self, values: dict[str, Any], order: list[tuple[int, NodeInfo]],
+                  deaths: list[tuple[list[int], list[str]]] | None = None) -> list[_Step]:
         """Run the nodes of ``order`` (``(index, node)`` pairs), choosing each node's kernel
-        from its argument values (host dispatch); returns the program of the choices."""
+        from its argument values (host dispatch); returns the program of the choices.
+        ``deaths``: as :meth:`_execute`'s."""
         program = []
         observer = self.observer
-        for i, node in order:
+        for pos, (i, node) in enumerate(order):
             args = [values[x] if x else None for x in node.inputs]
             step = self._step(i, args, node)
             if observer is not None:
@@ -768,11 +851,15 @@ class Plan:
             results = step.kernel(step.ctx, *args)
             if observer is not None:
                 observer.end(self.nodes[i], args, results)
+            del args
             self._check_outputs(step, results)
             for name, value in zip(node.outputs, results):
                 if name:
                     values[name] = value
+            del results
             program.append(step)
+            if deaths is not None:
+                self._free(program, values, deaths[pos])
         return program
 
 

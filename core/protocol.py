@@ -137,6 +137,11 @@ class KernelContext:
             kernels read persistent KV buffers in this layout.
         cache: free per-node storage for derived constants (e.g. dequantized weights).
         frozen: set by the capture policy; output/scratch allocation then raises.
+        transient: set by the executor for a run whose activations die with it (a prefill,
+            :meth:`core.executor.Plan.run`): the buffers this node allocates then are dropped by
+            :meth:`release_transient` once the run no longer reads them, so a kernel must not keep
+            a reference to its inputs or outputs past the call (an eager launch cache skips such
+            runs).
         allocations: number of buffers this node allocated (a counter).
         evictions: number of buffers dropped to keep at most KEEP_SHAPES shapes per slot
             (never one a captured graph uses).
@@ -148,11 +153,13 @@ class KernelContext:
         self.kv_layout = kv_layout
         self.cache: dict = {}
         self.frozen = False
+        self.transient = False
         self.allocations = 0
         self.evictions = 0
         self._buffers: dict = {}
         self._last: dict = {}  # slot -> (shape, dtype, buffer) of the latest call
         self._pinned: set = set()  # keys of buffers a captured graph uses
+        self._transient: list = []  # keys handed out while transient, not yet released
 
     def output(self, slot: Any, shape: Sequence[int], dtype: Any) -> Any:
         """A persistent buffer for output ``slot`` (int index or a scratch name).
@@ -161,6 +168,8 @@ class KernelContext:
         slot, plus every buffer handed out while frozen (a captured graph holds its pointer, so
         it is never dropped). Prefill shapes therefore never displace decode-step buffers.
         The common case, the same request as last time for this slot, is one dict lookup.
+        A buffer allocated while :attr:`transient` is set is also noted for
+        :meth:`release_transient` (one that existed before, a decode step's, is not).
 
         Raises:
             RuntimeError: a new allocation is needed while the context is frozen (capture).
@@ -180,6 +189,8 @@ class KernelContext:
                     "buffer to exist before capture (docs/cases.md 10)")
             buf = self.provider.allocate(shape, dtype)
             self.allocations += 1
+            if self.transient:
+                self._transient.append(key)
             same_slot = [k for k in self._buffers if k[0] == slot and k not in self._pinned]
             if len(same_slot) >= KEEP_SHAPES:
                 del self._buffers[same_slot[0]]
@@ -198,6 +209,27 @@ class KernelContext:
         for k in dropped:
             del self._buffers[k]
         self._last.clear()
+        return freed
+
+    def release_transient(self) -> int:
+        """Drop the buffers allocated while :attr:`transient` was set since the last call (the
+        memory goes back to the provider's allocator, which can hand it to a later node of the
+        same run); returns the bytes dropped. Buffers that existed before, such as a decode
+        step's buffer of the same shape that a one-token prompt reuses, stay: something outside
+        the run (a captured graph, a decode state's output reference) may hold them. Called by
+        the executor after the last reader of this node's outputs."""
+        freed = 0
+        for key in self._transient:
+            if key in self._pinned:
+                continue
+            buf = self._buffers.pop(key, None)
+            if buf is None:
+                continue
+            freed += int(buf.nbytes)
+            last = self._last.get(key[0])
+            if last is not None and last[2] is buf:
+                del self._last[key[0]]
+        self._transient.clear()
         return freed
 
     def buffer_bytes(self) -> int:

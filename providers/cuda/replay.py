@@ -20,7 +20,9 @@ launched by the host, one ``cuLaunchKernel`` each.
 A node is never replayed when its op module sets ``REPLAY = False`` or its run made device work
 outside :class:`~providers.cuda.module.Kernel` (a CuPy expression: the launcher calls
 :func:`not_replayable`), nor while its context is frozen (capture always runs the launcher,
-so the context can check and pin its buffers).
+so the context can check and pin its buffers). A transient run (a prefill, whose buffers the
+executor frees as soon as their last reader has run) is neither replayed nor recorded: a record
+would hold those buffers, and the decode step's record stays for the next step.
 
 The recording state is process-global: plans of one process run nodes one at a time (the
 cuda provider launches on one process-wide stream), as they do today.
@@ -300,7 +302,7 @@ class ReplayKernel:
         if pdl_enabled():  # only the PDL rows rule reads it: no work per node on the default path
             first = next((x for x in inputs if isinstance(x, self._ndarray)), None)
             _rows = None if first is None or not first.shape else _prod(first.shape[:-1])
-        if ctx.frozen:
+        if ctx.frozen or ctx.transient:  # capture pins buffers; a transient run's buffers die with it
             return self.run(ctx, *inputs)
         key = self._key(ctx, inputs)
         memo = ctx.cache.get("_replay")

@@ -37,6 +37,7 @@ def fake_cupy(monkeypatch):
 class Ctx:
     def __init__(self):
         self.frozen = False
+        self.transient = False
         self.cache = {}
         self.kv_layout = "head_major"
 
@@ -92,6 +93,22 @@ def test_frozen_contexts_always_run_the_launcher(fake_cupy):
     kernel(ctx, x)
     kernel(ctx, x)
     assert len(calls) == 3 and fake_cupy == []
+
+
+def test_transient_runs_neither_replay_nor_replace_the_decode_record(fake_cupy):
+    calls = []
+    run, _ = make_op(calls)
+    kernel, ctx, x = replay.ReplayKernel(run), Ctx(), FakeArray(0xA000)
+    kernel(ctx, x)  # a decode step: recorded
+    record = ctx.cache["_replay"]
+    ctx.transient = True  # a prefill: its buffers die after the run, so nothing may hold them
+    prompt = FakeArray(0xC000)
+    kernel(ctx, prompt)
+    kernel(ctx, x)  # even the decode step's inputs: the launcher runs
+    assert len(calls) == 3 and fake_cupy == [] and ctx.cache["_replay"] is record
+    ctx.transient = False
+    kernel(ctx, x)  # the next decode step replays the decode record
+    assert len(calls) == 3 and len(fake_cupy) == 1
 
 
 @pytest.mark.parametrize("kw", [{"spoil": True}, {"python_int": True}])
