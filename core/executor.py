@@ -79,7 +79,8 @@ allocator then hands the same memory to later nodes, so the run's peak is its li
 (a layer or two) rather than one buffer per node of every layer: for 8,192 prompt tokens of a
 16-layer model, hundreds of MB instead of several GB. Nodes that make a graph output keep their
 buffers until the run returns; after it, every buffer of the run is dropped (also when a kernel
-raised). The lifetimes are computed once per program (:meth:`Plan._deaths`).
+raised). The lifetimes are computed once per program (:meth:`Plan._deaths`), and
+:attr:`Plan.transient_peak_bytes` says how many bytes the run's node buffers held at once.
 
 Observer. :attr:`Plan.observer`, when set, is told about every node of a run (``begin(node)``,
 ``end(node, args, results)``; :class:`core.kernel_profile.NodeObserver` counts and times them).
@@ -408,6 +409,11 @@ class Plan:
                 value.flags.writeable = False  # constants are shared by every step: never written
         self._programs: dict[tuple, list[_Step]] = {}  # (last-position?, feed types or None)
         self._deaths_of: dict[tuple, list] = {}  # the same keys: activation lifetimes (_deaths)
+        #: the provider's bytes the last transient run's node buffers held at once, at most (its
+        #: live activations: outputs and scratch from ``ctx.output``; a kernel's own temporaries
+        #: and the host nodes' buffers are not counted); 0 before any transient run
+        self.transient_peak_bytes = 0
+        self._live = 0
         self._program: list[_Step] = []
         #: an optional node observer (core.kernel_profile): when set, runs every cached program
         self.observer: Any = None
@@ -746,6 +752,7 @@ class Plan:
             order = gathered if gathered is not None else [(i, self.nodes[i]) for i in self.steps]
         deaths = self._deaths(key, order if program is None else program) if transient else None
         if deaths is not None:
+            self._live = self.transient_peak_bytes = 0
             for ctx in self._every_context():
                 ctx.transient = True
         try:
@@ -793,13 +800,19 @@ class Plan:
         self._deaths_of[key] = deaths
         return deaths
 
-    @staticmethod
-    def _free(program: list[_Step], values: dict[str, Any], death: tuple[list[int], list[str]]) -> None:
-        """Drop what dies after one position of a transient run (:meth:`_deaths`)."""
-        for pos in death[0]:
-            step = program[pos]
-            step.ctx.release_transient()
-            step.last = None
+    def _free(self, program: list[_Step], values: dict[str, Any], pos: int,
+              death: tuple[list[int], list[str]]) -> None:
+        """After position ``pos`` of a transient run: count what its node allocated, then drop
+        what dies there (:meth:`_deaths`), keeping :attr:`transient_peak_bytes` up to date."""
+        step = program[pos]
+        if not step.host:
+            self._live += step.ctx.take_transient_allocated()
+            self.transient_peak_bytes = max(self.transient_peak_bytes, self._live)
+        for dead in death[0]:
+            freed = program[dead].ctx.release_transient()
+            if not program[dead].host:
+                self._live -= freed
+            program[dead].last = None
         for name in death[1]:
             values.pop(name, None)
 
@@ -834,7 +847,7 @@ class Plan:
                     values[name] = value
             del results
             if deaths is not None:
-                self._free(program, values, deaths[pos])
+                self._free(program, values, pos, deaths[pos])
 
     def _dispatch(self, values: dict[str, Any], order: list[tuple[int, NodeInfo]],
                   deaths: list[tuple[list[int], list[str]]] | None = None) -> list[_Step]:
@@ -859,7 +872,7 @@ class Plan:
             del results
             program.append(step)
             if deaths is not None:
-                self._free(program, values, deaths[pos])
+                self._free(program, values, pos, deaths[pos])
         return program
 
 

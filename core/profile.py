@@ -14,7 +14,10 @@ prefill and steps ("peak MiB"). Beside it, what holds those bytes at the end of 
 resident weights in the kernels' layout (the staging ring included when weights stream), the
 KV cache, the workspace (activation buffers, the provider's shared kernel scratch, the decode
 state's buffers) and "other", the peak minus those three: pool blocks freed during the row and
-cached (a prefill's temporaries, a grouped prefill's KV scratch).
+cached (a prefill's activations, freed node by node as the run goes, its temporaries, a grouped
+prefill's KV scratch). The JSON's ``prefill_activation_bytes`` is the most bytes the prefill's node
+buffers held at once (:attr:`core.executor.Plan.transient_peak_bytes`): the part of "other" the
+prefill's activations explain.
 
 The floor column is the time to read once every weight byte a step reads (gather tables
 excluded) at the provider's measured device bandwidth (``provider.device_bandwidth()`` in
@@ -68,6 +71,7 @@ class ProfileRow:
     weight_device_bytes: int = 0  # resident weights + staging ring (Runner.memory)
     kv_device_bytes: int = 0
     workspace_bytes: int = 0
+    prefill_activation_bytes: int = 0  # the prefill's node buffers held at once (Plan.transient_peak_bytes)
     settings: dict = attrs.field(factory=dict)  # the provider's switches (ExecutionProvider settings())
 
     @property
@@ -111,7 +115,8 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capac
                      False, list(c.fallbacks), streamed, c.htod_bytes_per_token, c.page_ins_per_token,
                      c.hit_rate, c.byte_hit_rate, None if not (h2d and streamed) else streamed / h2d * 1e3,
                      len(prompt), capacity, trace.seconds[0] * 1e3, weight_device_bytes=memory.weights + memory.staging,
-                     kv_device_bytes=memory.kv, workspace_bytes=memory.workspace, settings=provider_settings(p))
+                     kv_device_bytes=memory.kv, workspace_bytes=memory.workspace,
+                     prefill_activation_bytes=runner.plan.transient_peak_bytes, settings=provider_settings(p))
     session.close()
     return row, trace.tokens[:, 0].tolist()
 

@@ -159,7 +159,8 @@ class KernelContext:
         self._buffers: dict = {}
         self._last: dict = {}  # slot -> (shape, dtype, buffer) of the latest call
         self._pinned: set = set()  # keys of buffers a captured graph uses
-        self._transient: list = []  # keys handed out while transient, not yet released
+        self._transient: list = []  # keys allocated while transient, not yet released
+        self._transient_new = 0  # bytes of those allocated since take_transient_allocated()
 
     def output(self, slot: Any, shape: Sequence[int], dtype: Any) -> Any:
         """A persistent buffer for output ``slot`` (int index or a scratch name).
@@ -191,6 +192,7 @@ class KernelContext:
             self.allocations += 1
             if self.transient:
                 self._transient.append(key)
+                self._transient_new += int(buf.nbytes)
             same_slot = [k for k in self._buffers if k[0] == slot and k not in self._pinned]
             if len(same_slot) >= KEEP_SHAPES:
                 del self._buffers[same_slot[0]]
@@ -211,6 +213,12 @@ class KernelContext:
         self._last.clear()
         return freed
 
+    def take_transient_allocated(self) -> int:
+        """Bytes allocated while :attr:`transient` since the last call (the executor's count of a
+        transient run's live activations)."""
+        new, self._transient_new = self._transient_new, 0
+        return new
+
     def release_transient(self) -> int:
         """Drop the buffers allocated while :attr:`transient` was set since the last call (the
         memory goes back to the provider's allocator, which can hand it to a later node of the
@@ -230,6 +238,7 @@ class KernelContext:
             if last is not None and last[2] is buf:
                 del self._last[key[0]]
         self._transient.clear()
+        self._transient_new = 0
         return freed
 
     def buffer_bytes(self) -> int:

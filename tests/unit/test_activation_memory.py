@@ -48,7 +48,7 @@ def _prefill_peak(model_dir, monkeypatch, transient):
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
-    held = runner.plan.activation_bytes()
+    held = runner.plan.activation_bytes(), runner.plan.transient_peak_bytes
     logits = session.last_logits().copy()
     tokens = decode(Session(runner, batch=len(ROWS), capacity=256), ROWS, 4).tokens
     monkeypatch.setattr(Plan, "run", real)
@@ -65,7 +65,10 @@ def test_a_transient_prefill_peaks_at_its_live_set_with_the_same_bits(model_dir,
     unit = sum(len(r) for r in ROWS) * CONFIG.hidden * 4
     assert kept_peak > 8 * CONFIG.layers * unit / 2, (kept_peak, unit)  # sanity: it holds every layer's buffers
     assert freed_peak < kept_peak / 3, (freed_peak, kept_peak)
-    assert freed_held < kept_held / 4, (freed_held, kept_held)
+    assert freed_held[0] < kept_held[0] / 4, (freed_held, kept_held)
+    # the executor's own count of the live node buffers: at least the widest activation, at most
+    # what NumPy held over the run (which adds the kernels' temporaries)
+    assert 4 * unit <= freed_held[1] <= freed_peak, (freed_held, freed_peak, unit)
 
 
 def test_the_default_frees_prefill_buffers_and_keeps_decode_step_buffers(model_dir):

@@ -84,6 +84,8 @@ def test_profile_sweep_on_cpu_reference_writes_json(tmp_path, capsys):
         assert r["weight_device_bytes"] == weights and r["kv_device_bytes"] == r["kv_bytes"] > 0
         assert r["workspace_bytes"] > 0 and r["other_bytes"] is None  # cpu_reference has no peak
     assert data["rows"][1]["workspace_bytes"] > data["rows"][0]["workspace_bytes"]  # batch 3's activations
+    # the prefill's live node buffers: counted, and three rows' worth of the one row's
+    assert 0 < data["rows"][0]["prefill_activation_bytes"] < data["rows"][1]["prefill_activation_bytes"]
 
 
 def test_profile_sweeps_prompt_lengths_with_a_capacity_per_length(tmp_path, capsys):
