@@ -414,6 +414,7 @@ class Plan:
         #: and the host nodes' buffers are not counted); 0 before any transient run
         self.transient_peak_bytes = 0
         self._live = 0
+        self._frozen = False
         self._program: list[_Step] = []
         #: an optional node observer (core.kernel_profile): when set, runs every cached program
         self.observer: Any = None
@@ -643,6 +644,7 @@ class Plan:
 
     def set_frozen(self, frozen: bool) -> None:
         """Forbid (True) or allow (False) buffer allocation in every kernel context (capture)."""
+        self._frozen = frozen
         for ctx in self._every_context():
             ctx.frozen = frozen
 
@@ -729,7 +731,8 @@ class Plan:
 
         ``transient``: free each node's buffers once the run no longer reads them ("Activation
         memory" in the module docstring); None (default): for runs of the last-position
-        program, the prefills, and not for the others (decode steps keep theirs).
+        program, the prefills, and not for the others (decode steps keep theirs). Never while
+        the plan is frozen (a capture: the graph keeps the buffers' pointers).
 
         Raises:
             KeyError: a graph input is not fed.
@@ -743,8 +746,8 @@ class Plan:
         gathered = self.last_position_steps if feeds.get(fusion.LAST_INDEX) is not None else None
         if gathered is not None:
             values.update(self.last_position_constants)
-        if transient is None:
-            transient = gathered is not None
+        if transient is None or self._frozen:  # a capture records buffers that must outlive it
+            transient = gathered is not None and not self._frozen
         key = (gathered is not None, tuple(type(feeds[n]) for n in self.input_names) if self.host_dispatch else None)
         program = self._programs.get(key)
         order: list[tuple[int, NodeInfo]] = []
