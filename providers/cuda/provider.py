@@ -191,7 +191,16 @@ class CudaProvider(ProviderBase):
 
             self._bandwidth = 2 * a.nbytes / self._median_seconds(copy)
             del a, b
+            self._return_probe()
         return self._bandwidth
+
+    def _return_probe(self) -> None:
+        """Give a bandwidth probe's freed buffers back to the device at once. Left cached in the
+        pool, the next allocations (a session's KV and buffers) are carved out of them, and the
+        pool can no longer free those 1 GiB chunks: the process then holds a GiB it does not use
+        (measured on the H200: SmolLM2-135M int4 peaked at 1,097 MiB for 73 MiB of weights)."""
+        self.stream.synchronize()
+        self.cupy.get_default_memory_pool().free_all_blocks()
 
     def settings(self) -> dict[str, str]:
         """The cuda provider's switches (docs/cuda.md): programmatic dependent launch and its
@@ -267,6 +276,7 @@ class CudaProvider(ProviderBase):
 
             self._h2d = n / self._median_seconds(copy)
             del dev, mem
+            self._return_probe()
         return self._h2d
 
     def free_device_bytes(self) -> int:

@@ -121,3 +121,17 @@ def test_profile_peak_covers_weights_kv_and_workspace(model_dir, gpu):
         assert r.row0_matches_batch1 and r.weight_device_bytes == runner_weights
         assert r.kv_device_bytes == r.kv_bytes > 0 and r.workspace_bytes > 0
         assert r.other_bytes >= 0  # nothing counted twice: the holders fit inside the pool's total
+        # and nothing beyond them but the prefill's live activations (freed as it went) and slack:
+        # the bandwidth probes' GiB buffers once stayed in the pool here
+        assert r.other_bytes <= 2 * r.prefill_activation_bytes + (32 << 20), r
+
+
+def test_bandwidth_probes_give_their_memory_back():
+    pool = cupy.get_default_memory_pool()
+    keep = cupy.ones(1 << 20, cupy.float32)  # something live while the probes run, as a session would be
+    provider = CudaProvider()  # a new provider measures again
+    before = pool.total_bytes()
+    assert provider.device_bandwidth() > 0 and provider.host_to_device_bandwidth() > 0
+    after = cupy.ones(1 << 20, cupy.float32)  # an allocation after the probes: not carved from a probe's chunk
+    assert pool.total_bytes() <= before + after.nbytes, (pool.total_bytes(), before)
+    del keep, after
