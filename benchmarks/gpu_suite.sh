@@ -9,8 +9,8 @@
 #   onnxruntime-gpu and onnxruntime-genai-cuda wheels in $ORT_WHEELS), then the sweep with --anchor
 #   schedules: the GEMM schedules (LOCKSTEP_CUDA_GEMM_PIPELINE / _WIDE) tested, profiled off / all / default,
 #     the int4 RMSNorm prologue off / on, ncu
-#   pdl: programmatic dependent launch by rows (docs/benchmarks/kernels.md section 13): tests/cuda with
-#     LOCKSTEP_CUDA_PDL=1, then off / on / off / on on six folders (SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B;
+#   pdl: programmatic dependent launch by rows (docs/benchmarks/kernels.md sections 13-14; on by default
+#     since): tests/cuda with LOCKSTEP_CUDA_PDL=1, then off (=0) / on / off / on on six folders (SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B;
 #     fp16 and int4) at PDL_SWEEP, each rows cap in PDL_ROWS (the evidence for turning PDL on by default)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -139,7 +139,7 @@ if has pdl; then
     tests/cuda -rs 2>&1 | tee $LOG/tests_cuda_pdl.log | tail -8
   for v in fp16 int4 qwen05-fp16 qwen05-int4 llama-fp16 llama-int4; do
     for run in 1 2; do
-      python3 -m core profile $M/$v --provider cuda --batch-sweep ${PDL_SWEEP:-1,8,16,32,256} --prompt-len 32 \
+      LOCKSTEP_CUDA_PDL=0 python3 -m core profile $M/$v --provider cuda --batch-sweep ${PDL_SWEEP:-1,8,16,32,256} --prompt-len 32 \
         --tokens 64 --json $LOG/pdl_${v}_off$run.json 2>&1 | tail -7 | tee -a $LOG/pdl.txt
       for rows in ${PDL_ROWS:-16}; do
         LOCKSTEP_CUDA_PDL=1 LOCKSTEP_CUDA_PDL_ROWS=$rows python3 -m core profile $M/$v --provider cuda \

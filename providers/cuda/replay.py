@@ -142,11 +142,11 @@ def _pdl_capable() -> bool:
 
 def pdl_enabled() -> bool:
     """Whether kernels launch with the programmatic stream-serialization attribute: the device
-    can (:func:`_pdl_capable`) and ``LOCKSTEP_CUDA_PDL`` is on (off by default; only launches of
-    nodes of at most :func:`pdl_max_rows` rows take the attribute). Measured on the H200
-    (docs/benchmarks/kernels.md section 13) it made SmolLM2-135M and Llama-3.2-1B fp16 4-8%
-    faster at batch 1 and 8; it stays opt-in until the int4 and Qwen2.5 folders are measured with
-    it too. Decided once per process (:func:`set_pdl` changes it)."""
+    can (:func:`_pdl_capable`) and ``LOCKSTEP_CUDA_PDL`` is on (the default; ``0`` turns it off;
+    only launches of nodes of at most :func:`pdl_max_rows` rows take the attribute). Measured on
+    the H200 (docs/benchmarks/kernels.md section 14, two passes on six builder folders) it made
+    decode steps of 1 and 8 rows 2-23% faster on SmolLM2-135M, Qwen2.5-0.5B and Llama-3.2-1B,
+    fp16 and int4. Decided once per process (:func:`set_pdl` changes it)."""
     global _pdl
     if _pdl is None:
         from providers.cuda import env
