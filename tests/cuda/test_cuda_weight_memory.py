@@ -123,7 +123,7 @@ def test_profile_peak_covers_weights_kv_and_workspace(model_dir, gpu):
         assert r.other_bytes >= 0  # nothing counted twice: the holders fit inside the pool's total
         # and nothing beyond them but the prefill's live activations (freed as it went) and slack:
         # the bandwidth probes' GiB buffers once stayed in the pool here
-        assert r.other_bytes <= 2 * r.prefill_activation_bytes + (32 << 20), r
+        assert r.other_bytes <= 2 * r.prefill_activation_bytes + (64 << 20), r
 
 
 def test_bandwidth_probes_give_their_memory_back():
