@@ -13,11 +13,11 @@ from _gpu import require_gpu
 cupy = require_gpu()
 
 from core.executor import Plan  # noqa: E402
-from core.fusion import LAST_INDEX  # noqa: E402
 from core.generation.loop import decode  # noqa: E402
 from core.runtime.runner import Runner  # noqa: E402
 from core.session import Session  # noqa: E402
 from core.testing.tiny_model import TinyConfig, make_tiny_model  # noqa: E402
+from core.testing.transient import force_prefill_transient  # noqa: E402
 from providers.cuda.provider import CudaProvider  # noqa: E402
 
 CONFIG = TinyConfig(layers=8, hidden=256, intermediate=1024, heads=8, kv_heads=2, head_size=32, context=512)
@@ -32,15 +32,7 @@ def model_dir(request, tmp_path_factory):
 
 def _prefill(model_dir, monkeypatch, transient):
     real = Plan.run
-    seen = []
-
-    def run(self, feeds, transient_=None):  # the prefills forced; decode steps as by default (never)
-        if feeds.get(LAST_INDEX) is None:
-            return real(self, feeds)
-        seen.append(transient)
-        return real(self, feeds, transient)
-
-    monkeypatch.setattr(Plan, "run", run)
+    seen = force_prefill_transient(monkeypatch, transient)  # decode steps as by default (never)
     provider = CudaProvider()
     runner = Runner(model_dir, provider)
     session = Session(runner, batch=len(ROWS), capacity=512)

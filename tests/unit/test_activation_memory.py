@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from core.executor import Plan
-from core.fusion import LAST_INDEX
 from core.generation.loop import decode
 from core.protocol import KernelContext, NodeInfo
 from core.runtime.runner import Runner
 from core.session import Session
 from core.testing.tiny_model import TinyConfig, make_tiny_model
+from core.testing.transient import force_prefill_transient
 from providers.cpu_reference.provider import CpuReferenceProvider
 
 # eight layers, so a run that keeps one buffer per node holds several times its live set
@@ -31,15 +31,7 @@ def _prefill_peak(model_dir, monkeypatch, transient):
     """(peak NumPy bytes over one prefill, the prompt logits, the decoded tokens, activation
     bytes held after the prefill) with Plan.run's ``transient`` forced."""
     real = Plan.run
-    seen = []
-
-    def run(self, feeds, transient_=None):  # the prefills forced; decode steps as by default (never)
-        if feeds.get(LAST_INDEX) is None:
-            return real(self, feeds)
-        seen.append(transient)
-        return real(self, feeds, transient)
-
-    monkeypatch.setattr(Plan, "run", run)
+    seen = force_prefill_transient(monkeypatch, transient)  # decode steps as by default (never)
     runner = Runner(model_dir, CpuReferenceProvider())
     session = Session(runner, batch=len(ROWS), capacity=256)
     session.prefill([ROWS[0][:4]] * len(ROWS))  # every program planned once, outside the measurement
