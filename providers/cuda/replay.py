@@ -145,7 +145,7 @@ def pdl_enabled() -> bool:
     can (:func:`_pdl_capable`) and ``LOCKSTEP_CUDA_PDL`` is on (the default; ``0`` turns it off;
     only launches of nodes of at most :func:`pdl_max_rows` rows take the attribute). Measured on
     the H200 (docs/benchmarks/kernels.md section 14, two passes on six builder folders) it made
-    decode steps of 1 and 8 rows 2-23% faster on SmolLM2-135M, Qwen2.5-0.5B and Llama-3.2-1B,
+    decode steps of 1 and 8 rows 2-24% faster on SmolLM2-135M, Qwen2.5-0.5B and Llama-3.2-1B,
     fp16 and int4. Decided once per process (:func:`set_pdl` changes it)."""
     global _pdl
     if _pdl is None:
