@@ -77,10 +77,11 @@ outputs, drops that node's buffers of this run (:meth:`KernelContext.release_tra
 a captured graph holds is never dropped) and the run's references to them. The provider's
 allocator then hands the same memory to later nodes, so the run's peak is its live activations
 (a layer or two) rather than one buffer per node of every layer: for 8,192 prompt tokens of a
-16-layer model, hundreds of MB instead of several GB. Nodes that make a graph output keep their
-buffers until the run returns; after it, every buffer of the run is dropped (also when a kernel
-raised). The lifetimes are computed once per program (:meth:`Plan._deaths`), and
-:attr:`Plan.transient_peak_bytes` says how many bytes the run's node buffers held at once.
+16-layer model, hundreds of MB instead of several GB. Dropping a buffer only drops the context's
+reference, so a graph output the run returns (the logits) keeps its memory; after the run every
+buffer of it is dropped from the contexts (also when a kernel raised). The lifetimes are
+computed once per program (:meth:`Plan._deaths`), and :attr:`Plan.transient_peak_bytes` says
+how many bytes the run's node buffers held at once.
 
 Observer. :attr:`Plan.observer`, when set, is told about every node of a run (``begin(node)``,
 ``end(node, args, results)``; :class:`core.kernel_profile.NodeObserver` counts and times them).
@@ -774,8 +775,10 @@ class Plan:
     def _deaths(self, key: tuple, order: list) -> list[tuple[list[int], list[str]]]:
         """Activation lifetimes of the program ``key`` (``order``: its steps or its ``(index,
         node)`` pairs): after position p, the positions whose nodes' buffers die (every output
-        read for the last time, or never read) and the value names that die. A node with a
-        graph output never dies (its buffer is what the run returns)."""
+        read for the last time, or never read) and the value names that die (graph outputs
+        never do: the run returns them). A node that also writes a graph output (attention
+        with its present KV, the lm_head with the logits) still drops its buffers: what the
+        run returns keeps its own reference, so its memory is not reused while it lives."""
         cached = self._deaths_of.get(key)
         if cached is not None:
             return cached
@@ -789,16 +792,16 @@ class Plan:
             for y in outputs:
                 if y:
                     made[y] = pos
-        kept = set(self.output_names)
+        returned = set(self.output_names)
         deaths: list[tuple[list[int], list[str]]] = [([], []) for _ in ios]
         for pos, (_, outputs) in enumerate(ios):
             names = [y for y in outputs if y]
-            if any(y in kept for y in names):
-                continue
             ends = [max(pos, last_read.get(y, pos)) for y in names]
             deaths[max(ends, default=pos)][0].append(pos)
             for y, end in zip(names, ends):
-                if made[y] == pos:  # the name's last producer (a graph never writes a name twice)
+                # the run returns graph outputs: their values stay (and so does their memory: a
+                # context that drops a buffer only drops its own reference)
+                if made[y] == pos and y not in returned:  # a graph never writes a name twice
                     deaths[end][1].append(y)
         self._deaths_of[key] = deaths
         return deaths

@@ -139,3 +139,17 @@ def test_release_transient_drops_only_what_the_run_allocated(captured):
     assert ctx.output("work", (4,), np.float32) is scratch  # not this run's: kept
     assert ctx.output(0, (2, 64, 8), np.float32) is not prefill  # dropped: allocated again
     assert ctx.release_transient() == 0  # nothing noted outside a transient run
+
+
+def test_the_live_set_does_not_grow_with_the_layers(tmp_path):
+    """Every layer's buffers die within it, attention's output too (its node also writes the
+    present KV graph outputs, which the run returns): 8 layers peak as 2 do."""
+    peaks = []
+    for layers in (2, 8):
+        cfg = TinyConfig(layers=layers, hidden=128, intermediate=512, heads=4, kv_heads=2, head_size=32,
+                         context=256)
+        runner = Runner(make_tiny_model(tmp_path / str(layers), config=cfg), CpuReferenceProvider())
+        Session(runner, batch=4, capacity=256).prefill([list(range(3, 203))] * 4)
+        peaks.append(runner.plan.transient_peak_bytes)
+    unit = 4 * 200 * 128 * 4  # one [B * S, hidden] fp32 activation
+    assert 4 * unit <= peaks[1] <= peaks[0], peaks
