@@ -153,3 +153,29 @@ def test_the_live_set_does_not_grow_with_the_layers(tmp_path):
         peaks.append(runner.plan.transient_peak_bytes)
     unit = 4 * 200 * 128 * 4  # one [B * S, hidden] fp32 activation
     assert 4 * unit <= peaks[1] <= peaks[0], peaks
+
+
+def test_a_frozen_plan_never_runs_transient(model_dir, monkeypatch):
+    """While capturing (the plan frozen) a run asked to be transient keeps its buffers: the
+    graph being recorded holds their pointers."""
+    runner = Runner(model_dir, CpuReferenceProvider())
+    force_prefill_transient(monkeypatch, False)
+    Session(runner, batch=1, capacity=256).prefill([[5, 6, 7]])  # every buffer of this shape kept
+    monkeypatch.undo()  # prefills transient by default again
+    plan = runner.plan
+    kept = {id(b) for c in plan.contexts for b in c._buffers.values()}
+    plan.set_frozen(True)
+    seen = []
+    real = KernelContext.release_transient
+
+    def spy(ctx):
+        seen.append(ctx.transient)
+        return real(ctx)
+
+    monkeypatch.setattr(KernelContext, "release_transient", spy)
+    try:
+        Session(runner, batch=1, capacity=256).prefill([[8, 9, 10]])  # same shapes: no allocation
+    finally:
+        plan.set_frozen(False)
+    assert not seen  # no release at all: the run was not transient
+    assert kept <= {id(b) for c in plan.contexts for b in c._buffers.values()}

@@ -82,3 +82,12 @@ def test_every_switch_is_documented_and_named_in_the_profile_titles():
         assert f"| `{name}` |" in table, name
         key = name.removeprefix("LOCKSTEP_CUDA_").lower()
         assert {"replay": "eager_replay"}.get(key, key) in settings, name
+
+
+def test_pdl_is_on_unless_turned_off(monkeypatch):
+    """Programmatic dependent launch is on by default (docs/benchmarks/kernels.md section 14);
+    LOCKSTEP_CUDA_PDL=0 turns it off."""
+    monkeypatch.delenv("LOCKSTEP_CUDA_PDL", raising=False)
+    assert env.switch("LOCKSTEP_CUDA_PDL") is True
+    monkeypatch.setenv("LOCKSTEP_CUDA_PDL", "0")
+    assert env.switch("LOCKSTEP_CUDA_PDL") is False
