@@ -185,3 +185,87 @@ def test_norm_fused_plan_is_bitwise_the_unfused_plan_in_prefill_and_decode(tmp_p
             assert any(n.op_type == "RMSNormMatMul" for n in plan.nodes) == (not isinstance(provider, NoNorm))
             outs.append(_prefill_and_step(plan, model, prompt))
         assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1]), (dtype, quant)
+
+
+class PostNormParts(CpuReferenceProvider):
+    """cpu_reference with the MatMulRMSNorm pass (computed as its two parts, as a provider without
+    a one-launch kernel would) instead of the RMSNormMatMul pass."""
+
+    from providers.cpu_reference.ops import matmul, matmul_nbits, skip_simplified_layer_normalization
+
+    MODULES = fusion.part_modules(matmul, matmul_nbits, skip_simplified_layer_normalization)
+
+    def supports(self, node):
+        if node.op_type == "MatMulRMSNorm":
+            return fusion.post_parts_supported(node, self.MODULES)
+        return node.op_type != "RMSNormMatMul" and super().supports(node)
+
+    def kernel(self, node):
+        if node.op_type == "MatMulRMSNorm":
+            return lambda ctx, *inputs: fusion.run_post_parts(ctx, self.MODULES, *inputs)
+        return super().kernel(node)
+
+
+def test_post_norm_pass_fuses_o_proj_and_down_with_the_norm_after_them(tmp_path):
+    for quant, producer in ((None, "MatMul"), ("int4", "MatMulNBits")):
+        model = load_model(make_tiny_model(tmp_path / str(quant), dtype="float16", quant=quant))
+        nodes = node_infos(model.graph)
+        fused = fusion.apply(nodes, {o.name for o in model.graph.output}, PostNormParts().supports,
+                             set(model.initializers))
+        layers = sum(n.op_type == "GroupQueryAttention" for n in nodes)
+        post = [n for n in fused if n.op_type == "MatMulRMSNorm"]
+        # per layer: o_proj + post-attention norm, down + the next input norm (the last: the final norm)
+        assert len(post) == 2 * layers > 0 and {n.attrs["producer"] for n in post} == {producer}
+        left = [n for n in fused if n.op_type.endswith("SimplifiedLayerNormalization")]
+        assert [n.op_type for n in left] == ["SimplifiedLayerNormalization"]  # layer 0's input norm
+        # the builder's wiring: the projection's output is the norm's skip (input 1)
+        assert {n.attrs["projection_slot"] for n in post} == {1}
+        # every norm output keeps its name: the residual sum and the normalised rows are read on
+        produced = {o for n in fused for o in n.outputs if o}
+        assert all(x in produced or x in model.initializers or x in {i.name for i in model.graph.input}
+                   for n in fused for x in n.inputs if x)
+
+
+def test_post_norm_pass_needs_a_sole_reader_without_bias_and_no_graph_output():
+    from core.protocol import NodeInfo
+
+    f16 = np.dtype(np.float16)
+
+    def nodes(norm_inputs, extra_reader=False):
+        proj = NodeInfo(name="p", op_type="MatMul", domain="", attrs={}, inputs=("x", "w"), outputs=("y",),
+                        input_dtypes=(f16, f16))
+        norm = NodeInfo(name="n", op_type="SkipSimplifiedLayerNormalization", domain="com.microsoft", attrs={},
+                        inputs=norm_inputs, outputs=("o", "", "", "sum"), input_dtypes=(f16,) * len(norm_inputs))
+        reader = [NodeInfo(name="r", op_type="Add", domain="", attrs={}, inputs=("y", "y"), outputs=("z",),
+                           input_dtypes=(f16, f16))] if extra_reader else []
+        return [proj, norm, *reader]
+
+    def ops(ns, outputs=frozenset()):
+        return [n.op_type for n in fusion.fuse_matmul_norm(ns, set(outputs), lambda n: True)]
+
+    assert ops(nodes(("y", "res", "g"))) == ["MatMulRMSNorm"]
+    (fused,) = fusion.fuse_matmul_norm(nodes(("res", "y", "g")), set(), lambda n: True)
+    assert fused.inputs == ("res", "g", "", "x", "w") and fused.outputs == ("o", "", "", "sum")
+    assert fused.attrs["projection_slot"] == 1 and fusion.post_norm_part(fused).inputs[0] == "res"
+    assert ops(nodes(("res", "y", "g", "bias"))) == ["MatMul", "SkipSimplifiedLayerNormalization"]
+    assert ops(nodes(("y", "y", "g"))) == ["MatMul", "SkipSimplifiedLayerNormalization"]
+    assert ops(nodes(("res", "y", "g"), extra_reader=True)) == ["MatMul", "SkipSimplifiedLayerNormalization", "Add"]
+    assert ops(nodes(("res", "y", "g")), {"y"}) == ["MatMul", "SkipSimplifiedLayerNormalization"]
+    assert [n.op_type for n in fusion.fuse_matmul_norm(nodes(("res", "y", "g")), set(), lambda n: False)] == [
+        "MatMul", "SkipSimplifiedLayerNormalization"]
+
+
+def test_post_norm_plan_is_bitwise_the_unfused_plan_in_prefill_and_decode(tmp_path):
+    class Plain(PostNormParts):
+        def supports(self, node):
+            return node.op_type != "MatMulRMSNorm" and super().supports(node)
+
+    for dtype, quant in (("float32", None), ("float16", None), ("float16", "int4")):
+        model = load_model(make_tiny_model(tmp_path / f"{dtype}{quant}", dtype=dtype, quant=quant))
+        prompt = np.random.default_rng(11).integers(0, model.config.vocab_size, (2, 5)).astype(np.int64)
+        outs = []
+        for provider in (PostNormParts(), Plain()):
+            plan = Plan(model.graph, model.initializers, provider)
+            assert any(n.op_type == "MatMulRMSNorm" for n in plan.nodes) == (not isinstance(provider, Plain))
+            outs.append(_prefill_and_step(plan, model, prompt))
+        assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1]), (dtype, quant)
