@@ -61,7 +61,7 @@ def prepare(ctx, residual, gamma, bias, x, *weights):
     if ctx.cache.get(TICKETS) is None:
         try:
             _tickets(ctx)
-        except ImportError:  # planned on a host without CuPy (host-side tests): made on first use
+        except Exception:  # noqa: BLE001 - no CuPy or no device here (host-side planning): made on first use
             pass
     return fusion.prepare_parts(ctx, MODULES, weights)
 
