@@ -13,6 +13,8 @@ two per layer (docs/benchmarks/kernels.md section 15). On by default; LOCKSTEP_C
 turns the pass off.
 """
 
+import contextlib
+
 import numpy as np
 
 from core import fusion
@@ -58,11 +60,9 @@ def _tickets(ctx):
 def prepare(ctx, residual, gamma, bias, x, *weights):
     """The projection's own plan-time hook (core.fusion.prepare_parts: the packed dense weight),
     and the node's tickets."""
-    if ctx.cache.get(TICKETS) is None:
-        try:
-            _tickets(ctx)
-        except Exception:  # noqa: BLE001 - no CuPy or no device here (host-side planning): made on first use
-            pass
+    # no CuPy or no device here (host-side planning): the tickets are made on first use instead
+    with contextlib.suppress(Exception):
+        _tickets(ctx)
     return fusion.prepare_parts(ctx, MODULES, weights)
 
 
