@@ -27,15 +27,6 @@ values have no other consumer and are not graph outputs.
   x + skip; "" where unused). So a provider can normalise inside the projection's launch: 2
   nodes -> 1, twice per layer. The projection that makes a graph output (the lm_head) is left
   alone, so the last-position program still finds it.
-- ``lockstep.MatMulRMSNorm(residual, gamma, bias, x, *w)`` with attributes ``producer`` (MatMul
-  or MatMulNBits), ``norm_epsilon``, ``projection_slot`` (0 or 1: which input of the norm the
-  projection's output was) and the projection's own attributes:
-  ``SkipSimplifiedLayerNormalization(Producer(x, *w), residual, gamma, bias)`` with the
-  projection's output at ``projection_slot`` and ``residual`` at the other. Outputs: the norm's
-  (normalised, mean, inv_std_var, the residual sum; "" where unused). The projection's output
-  must feed only that norm. So a provider can normalise in the projection's epilogue (the o_proj
-  and the post-attention norm, the down projection and the next layer's input norm): 2 nodes -> 1,
-  twice per layer. It runs after the RMSNormMatMul pass, so a norm that pass took stays there.
 
 Beside these passes, :func:`last_position_nodes` builds the nodes of a plan's last-position
 program (:class:`core.executor.Plan`, "Last-position program"): prefill gathers each row's last
@@ -244,53 +235,14 @@ def fuse_norm_matmul(nodes: list[NodeInfo], graph_outputs: set[str], supports) -
     return _rewrite(nodes, replaced)
 
 
-#: Projections a MatMulRMSNorm may absorb (its producer): (op_type, domain).
-POST_PRODUCERS = (("MatMul", ""), ("MatMulNBits", "com.microsoft"))
-
-
-def fuse_matmul_norm(nodes: list[NodeInfo], graph_outputs: set[str], supports) -> list[NodeInfo]:
-    """Replace a projection (:data:`POST_PRODUCERS`) whose one output feeds only a
-    SkipSimplifiedLayerNormalization without a bias, as its input or its skip, by one
-    ``lockstep.MatMulRMSNorm`` node at the norm's place (module docstring)."""
-    users = _consumers(nodes)
-    replaced: dict[int, NodeInfo | None] = {}
-    for i, proj in enumerate(nodes):
-        if (proj.op_type, proj.domain) not in POST_PRODUCERS or len(proj.outputs) != 1:
-            continue
-        y = proj.outputs[0]
-        if not y or y in graph_outputs or len(users[y]) != 1:
-            continue
-        j = users[y][0]
-        norm = nodes[j]
-        if ((norm.op_type, norm.domain) != ("SkipSimplifiedLayerNormalization", "com.microsoft")
-                or len(norm.inputs) != 3 or norm.inputs[:2].count(y) != 1 or norm.inputs[2] == y or j < i):
-            continue
-        slot = norm.inputs.index(y)
-        residual, gamma = norm.inputs[1 - slot], norm.inputs[2]
-        known = dict(zip(norm.inputs, norm.input_dtypes)) if norm.input_dtypes else {}
-        dtypes = (known.get(residual), known.get(gamma), None, *(proj.input_dtypes or (None,)))
-        attrs = dict(proj.attrs)
-        attrs.update({"producer": proj.op_type, "projection_slot": slot,
-                      NORM_EPSILON: float(norm.attrs.get("epsilon", 1e-12))})
-        fused = NodeInfo(name=f"{norm.name}/MatMulRMSNorm", op_type="MatMulRMSNorm", domain=FUSED_DOMAIN,
-                         attrs=attrs, inputs=(residual, gamma, "", *proj.inputs),
-                         outputs=tuple(norm.outputs), input_dtypes=dtypes)
-        if not supports(fused):
-            continue
-        replaced[i], replaced[j] = None, fused
-    return _rewrite(nodes, replaced)
-
-
 def apply(nodes: list[NodeInfo], graph_outputs: set[str], supports,
           constants: Set[str] = frozenset()) -> list[NodeInfo]:
     """Run the passes in order: :func:`fuse_silu_mul`, :func:`fuse_gated_matmul` (which
-    fuses only projections whose weights are in ``constants``), :func:`fuse_norm_matmul`,
-    :func:`fuse_matmul_norm`, then :func:`fuse_tied_gather` (only for a transposed weight in
-    ``constants``)."""
+    fuses only projections whose weights are in ``constants``), :func:`fuse_norm_matmul`, then
+    :func:`fuse_tied_gather` (only for a transposed weight in ``constants``)."""
     nodes = fuse_silu_mul(nodes, graph_outputs, supports)
     nodes = fuse_gated_matmul(nodes, graph_outputs, supports, constants)
     nodes = fuse_norm_matmul(nodes, graph_outputs, supports)
-    nodes = fuse_matmul_norm(nodes, graph_outputs, supports)
     return fuse_tied_gather(nodes, graph_outputs, supports, constants)
 
 
@@ -455,71 +407,11 @@ def run_parts(ctx, modules: dict, x, skip, gamma, bias, *weights) -> tuple:
 
 def prepare_parts(ctx, modules: dict, weights: tuple) -> dict | None:
     """The projection's plan-time ``prepare`` hook (if its module has one) run for an
-    ``RMSNormMatMul`` or ``MatMulRMSNorm`` node, its input indices moved to the fused node's
-    (projection input j is fused input j + 3 in both)."""
-    cctx = consumer_context(ctx) if ctx.node.op_type == "RMSNormMatMul" else producer_context(ctx)
+    ``RMSNormMatMul`` node, its input indices moved to the fused node's (projection input j is
+    fused input j + 3)."""
+    cctx = consumer_context(ctx)
     hook = getattr(modules[(cctx.node.domain, cctx.node.op_type)], "prepare", None)
     if hook is None:
         return None
     changes = hook(cctx, None, *weights)
     return None if not changes else {j + 3: v for j, v in changes.items()}
-
-
-#: The scratch slot of a ``MatMulRMSNorm`` context that holds the projection's output (its
-#: parts' runs and a provider's one-launch kernel use the same buffer).
-PROJECTED = ("projection", 0)
-
-
-def producer_part(node: NodeInfo) -> NodeInfo:
-    """The projection node a ``MatMulRMSNorm`` node was made from (inputs: the fused node's
-    inputs 3..; its output named ``f"{node.name}:projected"``)."""
-    op_type = node.attrs["producer"]
-    attrs = {k: v for k, v in node.attrs.items() if k not in ("producer", "projection_slot", NORM_EPSILON)}
-    dtypes = tuple(node.input_dtypes[3:]) if node.input_dtypes else ()
-    return NodeInfo(name=f"{node.name}:projection", op_type=op_type, domain=dict(POST_PRODUCERS)[op_type],
-                    attrs=attrs, inputs=tuple(node.inputs[3:]), outputs=(f"{node.name}:projected",),
-                    input_dtypes=dtypes)
-
-
-def post_norm_part(node: NodeInfo) -> NodeInfo:
-    """The SkipSimplifiedLayerNormalization node a ``MatMulRMSNorm`` node was made from (the
-    projection's output at ``projection_slot``, the residual at the other input)."""
-    residual, gamma = node.inputs[:2]
-    projected = f"{node.name}:projected"
-    pair = (projected, residual) if int(node.attrs["projection_slot"]) == 0 else (residual, projected)
-    dt = node.input_dtypes[0] if node.input_dtypes else None
-    gt = node.input_dtypes[1] if node.input_dtypes else None
-    return NodeInfo(name=f"{node.name}:norm", op_type="SkipSimplifiedLayerNormalization", domain="com.microsoft",
-                    attrs={"epsilon": node.attrs[NORM_EPSILON]}, inputs=(*pair, gamma),
-                    outputs=tuple(node.outputs), input_dtypes=(dt, dt, gt) if node.input_dtypes else ())
-
-
-def producer_context(ctx) -> PartContext:
-    """The fused context as :func:`producer_part` sees it (its output is the scratch
-    :data:`PROJECTED`)."""
-    return PartContext(ctx, producer_part(ctx.node), {0: PROJECTED}, "projection")
-
-
-def post_parts_supported(node: NodeInfo, modules: dict) -> bool:
-    """Whether both parts of a ``MatMulRMSNorm`` node (:func:`producer_part`,
-    :func:`post_norm_part`) have a module in ``modules`` whose ``supports`` (if any) accepts them."""
-    for part in (producer_part(node), post_norm_part(node)):
-        module = modules.get((part.domain, part.op_type))
-        check = getattr(module, "supports", None)
-        if module is None or (check is not None and not check(part)):
-            return False
-    return True
-
-
-def run_post_parts(ctx, modules: dict, residual, gamma, bias, x, *weights) -> tuple:
-    """A ``MatMulRMSNorm`` computed as its two parts with the op modules of ``modules``: the
-    projection into the scratch :data:`PROJECTED`, then the norm of it and ``residual``.
-    Returns the norm's outputs (the fused node's)."""
-    if bias is not None:
-        raise ValueError(f"MatMulRMSNorm {ctx.node.name}: the norm has no bias input")
-    pctx = producer_context(ctx)
-    (y,) = modules[(pctx.node.domain, pctx.node.op_type)].run(pctx, x, *weights)[:1]
-    node = post_norm_part(ctx.node)
-    pair = (y, residual) if int(ctx.node.attrs["projection_slot"]) == 0 else (residual, y)
-    nctx = PartContext(ctx, node, {s: s for s in range(4)}, "norm")
-    return tuple(modules[(node.domain, node.op_type)].run(nctx, *pair, gamma))

@@ -153,14 +153,11 @@ class NodeObserver:
                 st.bytes_read += _nbytes(value)
         st.bytes_written += out_bytes + sum(_nbytes(r) * self.kv_write_fraction for r in results
                                             if r is not None and id(r) in self.kv)
-        # fused projections count their projection's FLOPs (the activation of MatMulRMSNorm is
-        # its input 3; RMSNormMatMul's output 0 is the projection's)
-        mult = PROJECTION_OPS.get(node.op_type) or PROJECTION_OPS.get(
-            str(node.attrs.get("consumer") or node.attrs.get("producer") or ""))
-        act = args[3] if node.op_type == "MatMulRMSNorm" and len(args) > 3 else first
-        k = int(getattr(act, "shape", (0,))[-1]) if getattr(act, "ndim", 0) else 0
+        # an RMSNormMatMul counts its projection's FLOPs (its activation is input 0, its output 0
+        # the projection's)
+        mult = PROJECTION_OPS.get(node.op_type) or PROJECTION_OPS.get(str(node.attrs.get("consumer", "")))
         if mult and results and results[0] is not None and len(shape) >= 2:
-            st.flops += 2.0 * rows * k * int(results[0].shape[-1]) * mult
+            st.flops += 2.0 * rows * int(shape[-1]) * int(results[0].shape[-1]) * mult
         if end is not None:
             self._pending.append((st, self._start, end))
 

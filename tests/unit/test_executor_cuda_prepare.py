@@ -291,9 +291,7 @@ def test_one_int4_row_with_the_prologue_is_one_launch_and_other_scales_are_not(l
     assert y.shape == (1, n) and total.shape == (1, k)
     (expr, grid, block, args, shared), = launches
     assert expr == "mma_nbits4<1, __half, false, true, true>"  # the prologue, PIPE (auto: every int4 launch)
-    # then the split-K arguments (3) and the post-norm ones (6, unused here)
-    assert args[-13] is skip and args[-12] is gamma and args[-11] is total
-    assert int(args[-1]) == 0  # no post-norm tickets: the epilogue is off for this launch
+    assert args[-7] is skip and args[-6] is gamma and args[-5] is total  # then the split-K arguments
     assert shared > _mma.config(1, n, k, 1, True)[2]  # the prologue's shared memory on top of the GEMM's
     assert rms_norm_matmul._fused(ctx, x, skip, gamma, None, (b, s.astype(np.float32))) is None  # fp32 scales
     assert rms_norm_matmul._fused(ctx, np.concatenate([x, x]), np.concatenate([skip, skip]), gamma, None,

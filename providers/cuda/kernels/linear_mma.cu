@@ -235,117 +235,6 @@ __device__ __forceinline__ void ld_xs16(const __half* xs, int g, int K, int kl, 
     }
 }
 
-
-// Whether chain c (of R * 256) has an element j (d = c % 256 + 256 j < D).
-__device__ __forceinline__ bool vt_ok(int c, int R, int D, int j) { return c < R * 256 && (c & 255) + 256 * j < D; }
-
-// Post-norm epilogue (lockstep.MatMulRMSNorm, providers/cuda/ops/matmul_rms_norm.py): the
-// projection's output y feeds a SkipSimplifiedLayerNormalization, v = y + skip.  Every block stores
-// its y tile as always, then takes a ticket of its token block (one per 8 NJ rows; the launch's
-// feature tiles each take one, split-K launches only their fold blocks); the last block to arrive
-// normalises the token block's rows with exactly the arithmetic of kernels/rms_norm.cu (the
-// header of norm_rows: 256 virtual threads' fmaf chains over d = t, t + 256, ..., the xor tree of
-// each virtual warp, the 8 warp sums in ascending order, inv = 1 / sqrtf(sum / D + eps),
-// out = fp16((v * inv) * gamma), sum_out = fp16(v)), so the launch is bitwise the projection kernel
-// followed by the norm kernel, and resets the ticket to 0 (so every launch, captured or not, finds
-// it at 0).  A virtual warp (row r, warp vw) runs on real lanes of one warp, so its xor tree is the
-// same.  y is read through L2 (__ldcg): other blocks wrote it in this launch.  Needs D % 8 == 0, 16-byte
-// aligned rows and at most POST_MAX_ROWS rows per token block.
-#define POST_MAX_ROWS 32
-struct PostNorm {
-    const __half* skip;   // [M, D] (the norm's other input), null: no post-norm
-    const __half* gamma;  // [D]
-    __half* out;          // [M, D] normalised rows (the norm's output 0)
-    __half* sum_out;      // [M, D] v rounded to fp16 (output 3) or null
-    float eps;
-    int* tickets;         // one per token block, all 0 between launches
-};
-
-__device__ __forceinline__ float2 h2f(unsigned u) { return __half22float2(*reinterpret_cast<const __half2*>(&u)); }
-
-__device__ void post_norm(const PostNorm& p, const __half* y, int M, int D, int m0, int rows, int arrivals,
-                          int token_block) {
-    __shared__ int last;
-    __shared__ float red[POST_MAX_ROWS * 8], inv[POST_MAX_ROWS];
-    __threadfence();  // this block's y stores, before its ticket
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int t = atomicAdd(p.tickets + token_block, 1);
-        last = t == arrivals - 1;
-        if (last) p.tickets[token_block] = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const int R = min(rows, M - m0), lane = threadIdx.x & 31, nt = blockDim.x;
-    // sum(v^2): chain c = (row c / 256, virtual thread c % 256); a real warp holds 32 chains of one
-    // virtual warp (nt and 256 are multiples of 32).  Up to 8 elements of 2 chains in flight.
-    for (int c0 = threadIdx.x; c0 < R * 256; c0 += 2 * nt) {
-        float s[2] = {0.f, 0.f};
-        for (int j0 = 0; j0 * 256 < D; j0 += 8) {
-            float v[2][8];
-#pragma unroll
-            for (int b = 0; b < 2; ++b) {
-                const int c = c0 + b * nt, r = c >> 8, vt = c & 255;
-                const long long base = (long long)(m0 + min(r, R - 1)) * D;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int d = vt + 256 * (j0 + j);
-                    v[b][j] = 0.f;
-                    if (c < R * 256 && d < D)
-                        v[b][j] = __fadd_rn(__half2float(__ldcg(y + base + d)), __half2float(__ldcg(p.skip + base + d)));
-                }
-            }
-#pragma unroll
-            for (int b = 0; b < 2; ++b)
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    if (vt_ok(c0 + b * nt, R, D, j0 + j)) s[b] = fmaf(v[b][j], v[b][j], s[b]);
-        }
-#pragma unroll
-        for (int b = 0; b < 2; ++b) {
-            const int c = c0 + b * nt;
-            float x = s[b];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) x = __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, o));
-            if (lane == 0 && c < R * 256) red[(c >> 8) * 8 + ((c & 255) >> 5)] = x;
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x < R) {
-        float tot = 0.f;
-#pragma unroll
-        for (int w = 0; w < 8; ++w) tot = __fadd_rn(tot, red[threadIdx.x * 8 + w]);
-        inv[threadIdx.x] = __fdiv_rn(1.f, sqrtf(__fadd_rn(__fdiv_rn(tot, (float)D), p.eps)));
-    }
-    __syncthreads();
-    // outputs: 8 values of one row per thread and round, 16-byte loads and stores
-    const int u8 = D >> 3;
-#pragma unroll 2
-    for (int u = threadIdx.x; u < R * u8; u += nt) {
-        const int r = u / u8;
-        const long long off = (long long)(m0 + r) * D + 8 * (u - r * u8);
-        const uint4 yv = __ldcg(reinterpret_cast<const uint4*>(y + off));
-        const uint4 sv = __ldcg(reinterpret_cast<const uint4*>(p.skip + off));
-        const uint4 gv = __ldg(reinterpret_cast<const uint4*>(p.gamma + (off - (long long)(m0 + r) * D)));
-        const unsigned* yw = &yv.x; const unsigned* sw = &sv.x; const unsigned* gw = &gv.x;
-        uint4 o, q;
-        unsigned* ow = &o.x; unsigned* qw = &q.x;
-        const float ir = inv[r];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float2 a = h2f(yw[e]), b = h2f(sw[e]), gg = h2f(gw[e]);
-            const float t0 = __fadd_rn(a.x, b.x), t1 = __fadd_rn(a.y, b.y);
-            const __half2 hn = __floats2half2_rn(__fmul_rn(__fmul_rn(t0, ir), gg.x), __fmul_rn(__fmul_rn(t1, ir), gg.y));
-            const __half2 hs = __floats2half2_rn(t0, t1);
-            ow[e] = *reinterpret_cast<const unsigned*>(&hn);
-            qw[e] = *reinterpret_cast<const unsigned*>(&hs);
-        }
-        *reinterpret_cast<uint4*>(p.out + off) = o;
-        if (p.sum_out) *reinterpret_cast<uint4*>(p.sum_out + off) = q;
-    }
-}
-
 // 64-wide k chunks of K segment s (SEG_K / 64 but the last one's).
 __device__ __forceinline__ int seg_chunks(int K, int s) { return (min(K, (s + 1) * SEG_K) - s * SEG_K + 63) >> 6; }
 
@@ -370,9 +259,7 @@ template <int NJ, bool GLU, bool NORM, bool PIPE>
 __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, const uint4* __restrict__ wp,
                                                  const __half* __restrict__ bias, __half* __restrict__ y,
                                                  int M, int N, int K, int n_out, const __half* n_skip, const __half* n_gamma,
-                                                 __half* n_sum, float n_eps,
-                                                 const __half* p_skip, const __half* p_gamma, __half* p_out, __half* p_sum, float p_eps, int* p_tickets) {
-    const PostNorm post{p_skip, p_gamma, p_out, p_sum, p_eps, p_tickets};
+                                                 __half* n_sum, float n_eps) {
     const NormArgs norm{n_skip, n_gamma, n_sum, n_eps};
     static_assert(!NORM || NJ == 1, "the RMSNorm prologue holds 8 rows");
     extern __shared__ float part[];
@@ -457,7 +344,6 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
     }
     PDL_LATE_TRIGGER();
     finish<NJ, GLU>(part, nseg, bias, y, M, N, nt * 16, m0, n_out);
-    if (!GLU && post.skip) post_norm(post, y, M, N, m0, 8 * NJ, PIPE ? gridDim.y : gridDim.x, PIPE ? blockIdx.x : blockIdx.y);
 }
 
 // Tiled dense GEMM for many rows (mma_wide): the per-element arithmetic of mma_dense (per K
@@ -779,8 +665,7 @@ __global__ void __launch_bounds__(256, NJ == 1 ? 4 : NJ == 4 ? 2 : 1) mma_nbits4
                                                   __half* __restrict__ y, int M, int N, int K, int bs,
                                                   int n_out, const __half* n_skip, const __half* n_gamma,
                                                   __half* n_sum, float n_eps, float* sk_part, int* sk_tickets,
-                                                  int spb, const __half* p_skip, const __half* p_gamma, __half* p_out, __half* p_sum, float p_eps, int* p_tickets) {
-    const PostNorm post{p_skip, p_gamma, p_out, p_sum, p_eps, p_tickets};
+                                                  int spb) {
     static_assert(!NORM || NJ == 1, "the RMSNorm prologue holds 8 rows");
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -850,7 +735,6 @@ __global__ void __launch_bounds__(256, NJ == 1 ? 4 : NJ == 4 ? 2 : 1) mma_nbits4
     PDL_LATE_TRIGGER();
     if (split && !split_last(sk_tickets, tile_block)) return;
     finish<NJ, GLU>(pout, nseg, bias, y, M, N, n0, m0, n_out);
-    if (!GLU && post.skip) post_norm(post, y, M, N, m0, 8 * NJ, PIPE ? gridDim.y : gridDim.x, PIPE ? blockIdx.x : blockIdx.y);
 }
 
 // Activations of int4 chunk stage xst for a token warp in the int4 slot map: token tile j, row g,

@@ -110,45 +110,6 @@ class Norm(NamedTuple):
     eps: float
 
 
-class Post(NamedTuple):
-    """The post-norm epilogue of a row launch (kernels/linear_mma.cu ``post_norm``): the launch's
-    output y [M, N] feeds SkipSimplifiedLayerNormalization(y, skip, gamma), computed by the last
-    block of each token block to finish, bitwise the norm kernel (lockstep.MatMulRMSNorm).
-
-    Attributes:
-        skip: fp16 [M, N] device array (the norm's other input); gamma: fp16 [N]; out: fp16
-        [M, N] (the norm's output 0); sum_out: fp16 [M, N] (y + skip rounded, output 3) or None;
-        eps: the norm's epsilon; tickets: int32 device array of at least :data:`POST_TICKETS`
-        zeros, owned by the calling node (every launch leaves them at zero).
-    """
-
-    skip: Any
-    gamma: Any
-    out: Any
-    sum_out: Any
-    eps: float
-    tickets: Any
-
-
-#: Most rows a post-norm launch takes (one launch of the row kernels, at most two token blocks
-#: of 8 rows or one of 16: the last block of a token block normalises all of its rows) and the
-#: tickets a node holds for them.
-POST_ROWS, POST_TICKETS = 16, 4
-
-
-def post_applies(m: int, n: int) -> bool:
-    """Whether a launch of ``m`` rows over ``n`` output features can take the post-norm epilogue:
-    1 to :data:`POST_ROWS` rows (the row kernels, never the tiled ones) and N a multiple of 8."""
-    return 0 < m <= POST_ROWS and n % 8 == 0
-
-
-def _post_args(post: Post | None, null) -> tuple:
-    if post is None:
-        return (null, null, null, null, np.float32(0), null)
-    return (post.skip, post.gamma, post.out, null if post.sum_out is None else post.sum_out,
-            np.float32(post.eps), post.tickets)
-
-
 def norm_applies(a, k: int, m: int) -> bool:
     """Whether a projection of ``m`` rows of fp16 ``a`` [.., K] can take the fused RMSNorm
     prologue: at most :data:`NORM_ROWS` rows, K a multiple of 8, contiguous."""
@@ -494,18 +455,17 @@ def contiguous(ctx, a):
     return buf
 
 
-def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = None, post: Post | None = None):
+def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = None):
     """y = a @ w (+ bias) for the packed weight ``wp`` (:func:`pack`); with ``glu``: wp packs a
     gate/up pair and y = silu_mul(a @ w_gate, a @ w_up) (GLU, n = y's width). With ``norm``
     (:func:`norm_applies` must hold) the activations are RMSNorm(a + skip) * gamma, computed in
-    the same launch; with ``post`` (:func:`post_applies` must hold, not ``glu``) y also feeds
-    the post-norm epilogue (:class:`Post`)."""
+    the same launch."""
     rows = glu_width(n) if glu else n
     for r0, r1 in row_slices(m, 32):
         args = (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
                 np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n))
         wide, tw = None, 2
-        if norm is None and post is None:
+        if norm is None:
             wide = wide32_config(r1 - r0, rows, k)
             if wide is not None:
                 tw = 1
@@ -518,7 +478,7 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
         pipe, nj = pipelined(rows, False, r1 - r0, norm is not None), row_nj(r1 - r0, rows)
         grid, block, shared, _ = config(r1 - r0, rows, k, nj, pipe)
         _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>", grid, block,
-                (*args, *_norm_args(norm, null), *_post_args(post, null)), _norm_shared(norm, shared, k, r1 - r0))
+                (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0))
 
 
 def int4_layout_applies(bs: int, zp_mode: int) -> bool:
@@ -530,12 +490,11 @@ def int4_layout_applies(bs: int, zp_mode: int) -> bool:
 
 
 def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0,
-           norm: Norm | None = None, post: Post | None = None):
+           norm: Norm | None = None):
     """y = a @ dequant(b)^T (+ bias), n weight rows. ``glu_out`` > 0: b, scales and zp hold
     gate/up rows in :func:`glu_rows` order and y [m, glu_out] = silu_mul(gate, up). With ``norm``
     (:func:`norm_applies` must hold, fp16 scales) the activations are RMSNorm(a + skip) * gamma,
-    computed in the same launch; with ``post`` (:func:`post_applies` must hold, no ``glu_out``) y
-    also feeds the post-norm epilogue (:class:`Post`).
+    computed in the same launch.
 
     Raises:
         ValueError: a layout the kernels do not compute (:func:`int4_layout_applies`).
@@ -549,7 +508,7 @@ def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, n
         args = (rows_of(a, r0, r1, k), b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
                 null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
                 np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out))
-        wide = (wide_config(r1 - r0, n, True) if norm is None and post is None and wide_int4_applies(r1 - r0, k, bs)
+        wide = (wide_config(r1 - r0, n, True) if norm is None and wide_int4_applies(r1 - r0, k, bs)
                 else None)
         if wide is not None:
             f, grid, block, shared = wide
@@ -558,5 +517,5 @@ def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, n
             nj = row_nj(r1 - r0, n, True)
             expr = f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>"
             grid, block, shared, spb = config(r1 - r0, n, k, nj, pipe, 0 if norm else _per_multiprocessor(expr))
-            _launch(expr, grid, block, (*args, *_norm_args(norm, null), *_split_args(grid, spb, null),
-                                        *_post_args(post, null)), _norm_shared(norm, shared, k, r1 - r0))
+            _launch(expr, grid, block, (*args, *_norm_args(norm, null), *_split_args(grid, spb, null)),
+                    _norm_shared(norm, shared, k, r1 - r0))
