@@ -219,6 +219,10 @@ def _report(a, result) -> int:
         c = result.counters
         tokens = sum(len(r.output_ids) for r in result.rows)
         rows = "1 row" if len(result.rows) == 1 else f"{len(result.rows)} rows"
+        if not c["prefill_tokens"] and not c["decode_steps"]:  # --max-new-tokens 0: nothing ran
+            console.print(f"[dim]{result.provider}: {rows}, no tokens asked for (--max-new-tokens 0): "
+                          "nothing was prefilled or decoded[/dim]")
+            return 0
         console.print(f"[dim]{result.provider}: {rows}, {_tokens(tokens)}; prefill "
                       f"{_tokens(c['prefill_tokens'])} in {c['prefill_s'] * 1e3:.0f} ms "
                       f"({_rate(result.prefill_tokens_per_s)}); decode {c['decode_steps']} steps in "
@@ -445,10 +449,18 @@ def _version() -> str:
     return f"lockstep {core.__version__} ({Path(core.__file__).parent})"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, like the command's own checks (``lockstep run: error: ...``)
+    rather than the whole usage block first; exits with status 2 as argparse does."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of ``lockstep`` (one subcommand per job)."""
-    p = argparse.ArgumentParser(prog="lockstep", description="Batch-N decoding of ONNX LLMs on "
-                                "pluggable execution providers.")
+    p = _Parser(prog="lockstep", description="Batch-N decoding of ONNX LLMs on "
+                "pluggable execution providers.")
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True)
 

@@ -13,8 +13,9 @@ from core.provider import ProviderBase
 from providers.cuda import env
 from providers.cuda.replay import ReplayKernel
 
-_MISSING_CUPY = ("the 'cuda' provider needs CuPy: from a checkout, pip install -e \".[cuda13]\" (CUDA 13) or "
-                 "-e \".[cuda12]\" (CUDA 12); from an installed lockstep, pip install \"lockstep[cuda13]\"")
+_MISSING_CUPY = ("the 'cuda' provider needs CuPy (and an NVIDIA GPU with its driver): from a checkout, "
+                 "pip install -e \".[cuda13]\" (CUDA 13) or -e \".[cuda12]\" (CUDA 12); from an installed "
+                 "lockstep, pip install \"lockstep[cuda13]\"")
 
 
 def _import_cupy():

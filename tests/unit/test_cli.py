@@ -386,12 +386,19 @@ def test_one_row_summary_counts_its_tokens_in_the_singular(capsys, words_model):
 
 
 @pytest.mark.parametrize("command", ["run", "profile", "prepare"])
-def test_an_unknown_flag_is_reported_with_its_commands_usage(capsys, command):
+def test_an_unknown_flag_is_one_line_naming_the_commands_help(capsys, command):
     with pytest.raises(SystemExit) as exc:
         main([command, "--bogus-flag"] + (["DIR"] if command == "profile" else []))
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and f"usage: lockstep {command}" in err
-    assert f"lockstep {command}: error: unrecognized arguments: --bogus-flag" in err
+    assert exc.value.code == 2 and err == (f"lockstep {command}: error: unrecognized arguments: --bogus-flag "
+                                           f"(see `lockstep {command} --help`)\n")
+
+
+def test_a_bad_option_value_is_one_line_like_the_commands_own_checks(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", "DIR", "--tokens", "-1"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "--tokens" in err and "usage" not in err
 
 
 def test_tensor_parallel_with_sampling_is_refused_in_flag_terms(monkeypatch, capsys):
@@ -446,3 +453,8 @@ def test_an_unknown_flag_before_the_command_is_named(capsys):
 def test_prepare_list_refuses_options_it_would_ignore(capsys, argv):
     code, out = run(capsys, "prepare", "--list", *argv)
     assert code == 2 and "--list builds nothing" in out.err and out.out == ""
+
+
+def test_zero_new_tokens_says_nothing_ran(capsys, words_model):
+    code, out = run(capsys, "run", "--model", str(words_model), "--raw", "--max-new-tokens", "0", "--prompt", "sky")
+    assert code == 0 and "no tokens asked for (--max-new-tokens 0)" in out.err and "prefill 0" not in out.err
