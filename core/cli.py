@@ -20,6 +20,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from rich.console import Console
 from rich.markup import escape
@@ -453,7 +454,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors, like the command's own checks (``lockstep run: error: ...``)
     rather than the whole usage block first; exits with status 2 as argparse does."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
