@@ -319,6 +319,7 @@ class Session:
         t0 = time.perf_counter()
         before = self.runner.stream_meter()
         steps.prefill(state, input_ids, self.all_logits, self.prefill_groups)
+        self.runner.outputs_owner = state
         self._prefilled_at = self.counters.decode_steps
         self._count_streamed(tuple(b - a for a, b in zip(before, self.runner.stream_meter())), 0)
         out = steps.read_result(state)
@@ -357,6 +358,7 @@ class Session:
         t0 = time.perf_counter()
         state.reserve(needed)
         self._count_streamed(state.capture.run(self.counters), self.batch)
+        self.runner.outputs_owner = state
         state.advanced()
         out = steps.read_result(state)
         self.counters.decode_s += time.perf_counter() - t0
@@ -377,7 +379,13 @@ class Session:
 
     def last_logits(self) -> np.ndarray:
         """fp32 ``[B, V]`` logits the last step chose from (the prompt's last real position
-        after prefill)."""
+        after prefill).
+
+        Raises:
+            RequestError: no prefill yet, or another Session on the same Runner ran since this
+                one's last step (the plan's logits buffer then holds that session's values).
+        """
+        self._check_logits_owner("last_logits()")
         host = self.provider.download(self.state.logits).astype(np.float32)
         if host.shape[1] == 1:
             return host[:, 0]
@@ -396,7 +404,16 @@ class Session:
             raise RequestError("prompt_logits() needs a Session made with all_logits=True")
         if not self.started or self._prefilled_at != self.counters.decode_steps:
             raise RequestError("prompt_logits() reads the last prefill; call it before step()")
+        self._check_logits_owner("prompt_logits()")
         return self.provider.download(self.state.logits).astype(np.float32)
+
+    def _check_logits_owner(self, what: str) -> None:
+        if self.state.logits is None:
+            raise RequestError(f"{what} reads the last prefill or step; call prefill() first")
+        if self.runner.outputs_owner is not self.state and not self.state.logits_are_own():
+            raise RequestError(f"{what}: another Session on the same Runner ran since this one's last "
+                               "prefill or step, and the Runner's logits buffer now holds its values; call "
+                               f"{what} right after this session's step(), or give each session its own Runner")
 
     def _count_streamed(self, done: tuple, decode_tokens: int) -> None:
         if done:

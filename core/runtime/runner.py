@@ -77,6 +77,9 @@ class Runner:
         self.plan = Plan(self.model.graph, self.model.initializers, self.provider, kv_layout)
         self.weight_upload_bytes = getattr(self.provider, "uploaded_bytes", 0) - before
         self._free: list = []
+        #: The decode state whose prefill or step ran the plan last: the plan's output buffers
+        #: (the logits among them) hold its values (Session.last_logits checks it).
+        self.outputs_owner: Any = None
         self.weight_budget = weight_budget
         self.stream = None
         self._slots = staging_slots

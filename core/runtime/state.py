@@ -74,6 +74,11 @@ class DecodeState:
             buf = self._prompt_logits = self.runner.provider.allocate(shape, dtype)
         return buf
 
+    def logits_are_own(self) -> bool:
+        """Whether :attr:`logits` is this state's own buffer (a grouped prefill's), not one of
+        the plan's outputs, which every state of the runner shares."""
+        return self.logits is not None and self.logits is self._prompt_logits
+
     def buffer_bytes(self) -> int:
         """Bytes of this state's own step buffers (ids, mask, result, positions, lengths,
         sampling and prompt-logits buffers; the KV cache not included)."""
