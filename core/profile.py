@@ -267,7 +267,7 @@ def render(rows: list[ProfileRow], title: str):
             table.add_row(str(r.prompt_len), str(r.batch), f"[yellow]{r.refused.split(' (')[0]}[/yellow]",
                           *["-"] * (len(cols) - 3))
             continue
-        table.add_row(str(r.prompt_len), str(r.batch), f"{r.tokens_per_s:,.0f}", f"{r.step_ms_p50:.3f}",
+        table.add_row(str(r.prompt_len), str(r.batch), _rate(r.tokens_per_s), f"{r.step_ms_p50:.3f}",
                       f"{r.step_ms_p95:.3f}", "-" if r.floor_ms is None else f"{r.floor_ms:.3f}",
                       f"{r.prefill_ms:,.1f}", str(r.captures), str(r.replays),
                       str(r.fallbacks), str(r.invalidations), str(r.kv_bytes_moved), mib(r.peak_device_bytes),
@@ -284,7 +284,7 @@ def render(rows: list[ProfileRow], title: str):
 def _anchor_cell(r: ProfileRow) -> str:
     if r.anchor_tokens_per_s is None:
         return r.anchor_note or "-"
-    return f"{r.anchor_tokens_per_s:,.0f}" + (f" ({r.anchor_note})" if r.anchor_note else "")
+    return _rate(r.anchor_tokens_per_s) + (f" ({r.anchor_note})" if r.anchor_note else "")
 
 
 def plot(rows: list[ProfileRow], path: str, title: str) -> None:
@@ -382,3 +382,9 @@ def profile_main(args, console, table_console) -> int:
     measured = [r for r in rows if not r.refused]
     # 1: a row 0 that differed from its batch-1 run, or nothing measured at all (every point refused)
     return 0 if measured and all(r.row0_matches_batch1 for r in measured) else 1
+
+
+def _rate(tokens_per_s: float) -> str:
+    """tok/s for the table: whole numbers with thousands separators, one decimal under 100
+    (a CPU reference runs a few tokens a second)."""
+    return f"{tokens_per_s:,.0f}" if tokens_per_s >= 100 else f"{tokens_per_s:.1f}"

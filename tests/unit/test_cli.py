@@ -458,3 +458,9 @@ def test_prepare_list_refuses_options_it_would_ignore(capsys, argv):
 def test_zero_new_tokens_says_nothing_ran(capsys, words_model):
     code, out = run(capsys, "run", "--model", str(words_model), "--raw", "--max-new-tokens", "0", "--prompt", "sky")
     assert code == 0 and "no tokens asked for (--max-new-tokens 0)" in out.err and "prefill 0" not in out.err
+
+
+def test_profile_rates_keep_a_decimal_below_100_tok_s():
+    from core.profile import _rate
+
+    assert [_rate(3.24), _rate(99.96), _rate(100.4), _rate(12345.6)] == ["3.2", "100.0", "100", "12,346"]
