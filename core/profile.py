@@ -246,39 +246,46 @@ def with_anchor(rows: list[ProfileRow], anchor: dict[tuple[int, int], dict]) -> 
 
 
 def render(rows: list[ProfileRow], title: str):
-    """A rich Table of the sweep, one row per batch size."""
+    """The sweep as two rich Tables in a Group, one row per batch size: speed (tok/s, step times,
+    floor, prefill, batch invariance, the weight-stream and anchor columns when present), then
+    capture and device memory (captures, replays, fallbacks, KV bytes moved, the peak and its
+    parts). Two tables of about 100 columns each rather than one of 220."""
+    from rich.console import Group
     from rich.table import Table
 
-    table = Table(title=title)
     streams = any(r.weight_bytes_streamed_per_step for r in rows)
-    cols = ["prompt", "batch", "tok/s", "ms/step p50", "p95", "floor ms", "prefill ms", "captures", "replays",
-            "fallbacks", "invalid.", "kv moved", "peak MiB", "= weights", "+ KV", "+ work", "+ other",
-            "row0==b1"]
-    if streams:
-        cols += ["copy floor ms", "htod MiB/tok", "page-ins/tok", "byte hit"]
     anchored = any(r.anchor_note or r.anchor_tokens_per_s is not None for r in rows)
+    speed_cols = ["prompt", "batch", "tok/s", "ms/step p50", "p95", "floor ms", "prefill ms", "row0==b1"]
+    if streams:
+        speed_cols += ["copy floor ms", "htod MiB/tok", "page-ins/tok", "byte hit"]
     if anchored:
-        cols += ["anchor tok/s", "x anchor"]
-    for col in cols:
-        table.add_column(col, justify="right")
+        speed_cols += ["anchor tok/s", "x anchor"]
+    memory_cols = ["prompt", "batch", "captures", "replays", "fallbacks", "invalid.", "kv moved", "peak MiB",
+                   "= weights", "+ KV", "+ work", "+ other"]
+    speed, memory = Table(title=title), Table(title="capture and device memory")
+    for table, cols in ((speed, speed_cols), (memory, memory_cols)):
+        for col in cols:
+            table.add_column(col, justify="right")
     mib = lambda x: "-" if x is None else f"{x / 2**20:,.1f}"  # noqa: E731
     for r in rows:
+        head = (str(r.prompt_len), str(r.batch))
         if r.refused:
-            table.add_row(str(r.prompt_len), str(r.batch), f"[yellow]{r.refused.split(' (')[0]}[/yellow]",
-                          *["-"] * (len(cols) - 3))
+            note = f"[yellow]{r.refused.split(' (')[0]}[/yellow]"
+            speed.add_row(*head, note, *["-"] * (len(speed_cols) - 3))
+            memory.add_row(*head, note, *["-"] * (len(memory_cols) - 3))
             continue
-        table.add_row(str(r.prompt_len), str(r.batch), _rate(r.tokens_per_s), f"{r.step_ms_p50:.3f}",
-                      f"{r.step_ms_p95:.3f}", "-" if r.floor_ms is None else f"{r.floor_ms:.3f}",
-                      f"{r.prefill_ms:,.1f}", str(r.captures), str(r.replays),
-                      str(r.fallbacks), str(r.invalidations), str(r.kv_bytes_moved), mib(r.peak_device_bytes),
-                      mib(r.weight_device_bytes), mib(r.kv_device_bytes or r.kv_bytes), mib(r.workspace_bytes),
-                      mib(r.other_bytes), "yes" if r.row0_matches_batch1 else "[red]NO[/red]",
+        speed.add_row(*head, _rate(r.tokens_per_s), f"{r.step_ms_p50:.3f}", f"{r.step_ms_p95:.3f}",
+                      "-" if r.floor_ms is None else f"{r.floor_ms:.3f}", f"{r.prefill_ms:,.1f}",
+                      "yes" if r.row0_matches_batch1 else "[red]NO[/red]",
                       *(["-" if r.copy_floor_ms is None else f"{r.copy_floor_ms:.3f}",
                          f"{r.htod_bytes_per_token / 2**20:,.2f}", f"{r.page_ins_per_token:.1f}",
                          f"{r.byte_hit_rate:.2f}"] if streams else []),
                       *([_anchor_cell(r), "-" if not r.anchor_tokens_per_s else
                          f"{r.tokens_per_s / r.anchor_tokens_per_s:.2f}"] if anchored else []))
-    return table
+        memory.add_row(*head, str(r.captures), str(r.replays), str(r.fallbacks), str(r.invalidations),
+                       str(r.kv_bytes_moved), mib(r.peak_device_bytes), mib(r.weight_device_bytes),
+                       mib(r.kv_device_bytes or r.kv_bytes), mib(r.workspace_bytes), mib(r.other_bytes))
+    return Group(speed, memory)
 
 
 def _anchor_cell(r: ProfileRow) -> str:
