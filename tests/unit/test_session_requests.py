@@ -282,16 +282,11 @@ def test_genai_config_naming_other_bound_tensors_is_refused(tmp_path):
         core.load_model(folder)
 
 
-def test_last_logits_of_a_session_another_one_overwrote_is_a_clear_error(tmp_path):
+def test_last_logits_of_a_session_another_one_overwrote_is_a_clear_error(model_dir):
     """Two sessions on one Runner share the plan's output buffers: after the second one steps,
     the first one's last_logits() would read the second one's logits. It raises instead, and
     the first session still serves its next step (whose logits it then reads)."""
-    from core.errors import RequestError
-    from core.runtime.runner import Runner
-    from core.session import Session
-    from core.testing.tiny_model import make_tiny_model
-
-    runner = Runner(make_tiny_model(tmp_path / "m"))
+    runner = core.Runner(model_dir)
     a, b = Session(runner, batch=1, capacity=32), Session(runner, batch=1, capacity=32)
     with pytest.raises(RequestError, match="call prefill"):
         a.last_logits()
@@ -303,7 +298,7 @@ def test_last_logits_of_a_session_another_one_overwrote_is_a_clear_error(tmp_pat
     assert not np.array_equal(b.last_logits(), mine)  # what a would have read
     a.step()
     assert a.last_logits().shape == mine.shape  # a's own step again
-    alone = Session(Runner(make_tiny_model(tmp_path / "n")), batch=1, capacity=32)
+    alone = Session(core.Runner(model_dir), batch=1, capacity=32)
     alone.prefill([[5, 6, 7]])
     alone.step()
     assert np.array_equal(a.last_logits(), alone.last_logits())
