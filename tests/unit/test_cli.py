@@ -75,6 +75,10 @@ def test_profile_sweep_on_cpu_reference_writes_json(tmp_path, capsys):
     data = json.loads(out_json.read_text())
     assert code == 0 and [r["batch"] for r in data["rows"]] == [1, 3]
     assert all(r["row0_matches_batch1"] and r["tokens_per_s"] > 0 for r in data["rows"])
+    # two tables: speed first, then capture and device memory (each header whole, none cut)
+    speed, memory = out.out.split("capture and device memory")
+    assert "tok/s" in speed and "row0==b1" in speed and "peak MiB" not in speed
+    assert "captures" in memory and "peak MiB" in memory and "tok/s" not in memory
     # the memory columns: the weights each once (the tied table too), the KV cache, a workspace
     from core.runtime.runner import Runner
 
