@@ -53,6 +53,7 @@ def main() -> None:
         nb = -(-k // 32)
         codes = cp.asarray(rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8))
         scales = cp.asarray((rng.random((rows, nb)) * 0.02).astype(np.float16))
+        w4 = _mma.pack_int4(cp, codes, scales, None, rows, k, 32)
         for kind in CONFIGS:
             cells = []
             for m in args.rows:
@@ -61,8 +62,7 @@ def main() -> None:
                 if kind == "fp16":
                     fn = functools.partial(_mma.dense, a, wp, None, y, m, n, k, NULL, glu=glu)
                 else:
-                    fn = functools.partial(_mma.nbits4, a, codes, scales, NULL, 0, 0, None, y, m, rows, k, 32,
-                                           "__half", NULL, glu_out=n if glu else 0)
+                    fn = functools.partial(_mma.nbits4, a, w4, None, y, m, NULL, glu_out=n if glu else 0)
                 times, outs = [], []
                 for nj, pipeline in CONFIGS[kind]:
                     _mma.TOKEN_TILES, _mma.PIPELINE = nj, pipeline

@@ -1,11 +1,11 @@
 """Weight memory on the GPU: one resident copy per weight, in the layout the kernels read.
 
 - the device packing (CuPy) is bitwise the host packing (NumPy) the CPU tests check against
-  the fragment order;
+  the fragment order (dense fp16 and int4);
 - after a Runner loads a model, the CuPy pool holds the runner's weight bytes (to its 512-byte
   rounding), those are the model's weight bytes exactly (the builder's shapes are aligned, so
   packing pads nothing), no raw weight a hook replaced is left, and the tied embedding is the
-  lm_head's weight (fp16: one packed constant; int4: a view of the codes);
+  lm_head's weight (one packed constant, fp16 and int4);
 - the load's peak is the weights plus one node's transient;
 - a plan whose weights are prepared computes the bits of the same plan unprepared (the kernels
   then pack per call), so preparing changes no output;
@@ -44,6 +44,17 @@ def test_device_packing_is_the_host_packing(gpu, k, n):
     codes = rng.integers(0, 256, (n, 3, 8)).astype(np.uint8), rng.integers(0, 256, (n, 3, 8)).astype(np.uint8)
     host = _mma.glu_interleave(np, *(c.reshape(n, -1) for c in codes))
     assert np.array_equal(_mma.glu_interleave(cupy, *(cupy.asarray(c).reshape(n, -1) for c in codes)).get(), host)
+    # the int4 layout (_mma.pack_int4), with and without zero points, K aligned or not
+    if k % 16 == 0:
+        scales = rng.random((n, -(-k // 32))).astype(np.float16)
+        q = rng.integers(0, 256, (n, scales.shape[1], 16)).astype(np.uint8)
+        zp = rng.integers(0, 256, (n, -(-scales.shape[1] // 2))).astype(np.uint8)
+        for z in (None, zp):
+            want = _mma.pack_int4(np, q, scales, z, n, k, 32)
+            got = _mma.pack_int4(cupy, cupy.asarray(q), cupy.asarray(scales), None if z is None else cupy.asarray(z),
+                                 n, k, 32)
+            for a, b in zip(got[:3], want[:3]):
+                assert (a is None and b is None) or (np.array_equal(a.get(), b) and a.dtype == b.dtype)
 
 
 def _load(model_dir, provider):

@@ -57,8 +57,14 @@ def _both(monkeypatch, ran, call):
         monkeypatch.setattr(_mma, "PIPELINE", "all" if pipe else "off")
         del ran[:]
         out.append(call().get())
-        assert ran and all(e.endswith(f", {_mma._BOOL[pipe]}>") for e in ran)
+        assert ran and all(_pipe_of(e) == _mma._BOOL[pipe] for e in ran)
     return out
+
+
+def _pipe_of(expr: str) -> str:
+    """The PIPE template argument of a row-kernel expression (mma_dense's 4th, mma_nbits4's 5th)."""
+    args = expr[expr.index("<") + 1:-1].split(", ")
+    return args[3] if expr.startswith("mma_dense<") else args[4]
 
 
 @pytest.mark.parametrize("glu", [False, True])
@@ -126,14 +132,15 @@ class Int4Case:
         self.m, self.k, self.n, self.bs, self.zp_mode = m, k, n, bs, zp_mode
         self.a, self.codes, self.scales = cupy.asarray(a), cupy.asarray(codes), cupy.asarray(scales)
         self.zp = NULL if zps is None else cupy.asarray(zps)
-        self.stride = 0 if zps is None else zps.shape[1]
         self.s_type = "__half" if scale_dtype == np.float16 else "float"
+        #: the operands packed on the device, as the prepare hooks do (_mma.pack_int4)
+        self.w = _mma.pack_int4(cupy, self.codes, self.scales, None if zps is None else self.zp, n, k, bs)
+        self.zp_flag = _mma._BOOL[zps is not None]
 
     def __call__(self):
         """y = a @ dequant(codes)^T through ``_mma.nbits4`` (fp16 [m, n], NaN-poisoned first)."""
         y = cupy.full((self.m, self.n), np.nan, np.float16)
-        _mma.nbits4(self.a, self.codes, self.scales, self.zp, self.zp_mode, self.stride, None, y, self.m, self.n,
-                    self.k, self.bs, self.s_type, NULL)
+        _mma.nbits4(self.a, self.w, None, y, self.m, NULL)
         return y
 
     def close(self, y) -> bool:
@@ -209,7 +216,8 @@ def test_wide_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, glu, b
                                       (300, 4864, 72, 64), (70, 352, 40, 32)])
 def test_wide_int4_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, bs, zp, scale_dtype, f):
     case = Int4Case(np.random.default_rng(m + k + n + zp), m, k, n, bs, scale_dtype, zp)
-    out = _rows_and_wide(monkeypatch, ran, f, case, f"mma_wide4<{f}, {case.s_type}, false>", "mma_nbits4<")
+    wide = f"mma_wide4<{f}, {case.s_type}, false, {case.zp_flag}>"
+    out = _rows_and_wide(monkeypatch, ran, f, case, wide, "mma_nbits4<")
     assert np.array_equal(out[0].view(np.uint16), out[1].view(np.uint16))
     assert case.close(out[1])
 
@@ -224,11 +232,10 @@ def test_wide_int4_gate_up_and_bias_are_bitwise_the_row_kernel(monkeypatch, ran,
 
     def call():
         y = cupy.full((m, n), np.nan, np.float16)
-        _mma.nbits4(case.a, case.codes, case.scales, case.zp, 1, case.stride, bias, y, m, rows, k, bs,
-                    "__half", NULL, glu_out=n if glu else 0)
+        _mma.nbits4(case.a, case.w, bias, y, m, NULL, glu_out=n if glu else 0)
         return y
 
-    out = _rows_and_wide(monkeypatch, ran, f, call, f"mma_wide4<{f}, __half, {_mma._BOOL[glu]}>", "mma_nbits4<")
+    out = _rows_and_wide(monkeypatch, ran, f, call, f"mma_wide4<{f}, __half, {_mma._BOOL[glu]}, true>", "mma_nbits4<")
     assert np.array_equal(out[0].view(np.uint16), out[1].view(np.uint16))
     if not glu:
         assert case.close(out[1] - bias.get().astype(np.float64))
@@ -268,8 +275,7 @@ def test_int4_norm_prologue_is_bitwise_the_norm_then_the_projection(monkeypatch,
 
     def project(x, norm=None):
         y = cupy.full((1, width), np.nan, np.float16)
-        _mma.nbits4(x, case.codes, case.scales, case.zp, 1, case.stride, None, y, 1, rows, k, 32, "__half", NULL,
-                    glu_out=n if glu else 0, norm=norm)
+        _mma.nbits4(x, case.w, None, y, 1, NULL, glu_out=n if glu else 0, norm=norm)
         return y
 
     outs = _both(monkeypatch, ran, lambda: project(nc.x, nc.norm(sums)))
@@ -339,8 +345,7 @@ def test_split_k_int4_gate_up_is_bitwise_the_unsplit_kernel(monkeypatch, ran):
 
     def call():
         y = cupy.full((1, n), np.nan, np.float16)
-        _mma.nbits4(case.a, case.codes, case.scales, case.zp, 0, 0, None, y, 1, rows, k, 32, "float", NULL,
-                    glu_out=n)
+        _mma.nbits4(case.a, case.w, None, y, 1, NULL, glu_out=n)
         return y
 
     assert _bitwise(_split_and_unsplit(monkeypatch, ran, call))
@@ -362,7 +367,7 @@ def test_split_k_int4_captured_and_replayed_is_bitwise_the_unsplit_kernel(monkey
     y = cupy.full((1, n), np.nan, np.float16)
 
     def launch():
-        _mma.nbits4(case.a, case.codes, case.scales, case.zp, 1, case.stride, None, y, 1, n, k, 32, "__half", NULL)
+        _mma.nbits4(case.a, case.w, None, y, 1, NULL)
 
     monkeypatch.setattr(replay, "_rows", 1)  # launches as a one-row node makes them (the PDL rows rule)
     before_pdl = replay.set_pdl(pdl)

@@ -103,13 +103,44 @@ def test_prepared_gated_nbits_interleaves_once_and_launches_what_the_unprepared_
     changes = silu_gated_matmul_nbits.prepare(ctx, None, *gate, *up)
     assert set(changes) == ({1, 2, 3, 4, 5, 6} if zp else {1, 2, 4, 5})
     assert all(changes[j] is None for j in changes if j > 3)
-    for j in (1, 2) + ((3,) if zp else ()):
-        g, u = gate[j - 1], up[j - 1]
-        assert np.array_equal(changes[j], _mma.glu_interleave(np, g.reshape(n, -1), u.reshape(n, -1)))
+    # the pair interleaved in glu_rows order, then packed for the kernel
+    b, sc, z = (None if g is None else _mma.glu_interleave(np, g.reshape(n, -1), u.reshape(n, -1))
+                for g, u in zip(gate, up))
+    want = _mma.pack_int4(np, b, sc, z, _mma.glu_width(n), k, bs)
+    for j, field in ((1, want.codes), (2, want.scales)) + (((3, want.zq),) if zp else ()):
+        assert np.array_equal(changes[j], field) and changes[j].dtype == field.dtype
+    assert ctx.cache[silu_gated_matmul_nbits.PREPARED] == (k, n, bs)
     prepared = [changes.get(j) for j in (1, 2, 3)]
     silu_gated_matmul_nbits.run(ctx, x, *prepared, None, None, None)
-    assert launches[0][0] == f"mma_nbits4<1, __half, true, false, {_mma._BOOL[_mma.pipelined(2 * n, True)]}>"
+    pipe = _mma._BOOL[_mma.pipelined(2 * n, True)]
+    assert launches[0][0] == f"mma_nbits4<1, __half, true, false, {pipe}, {_mma._BOOL[zp]}>"
     _same_launch(launches[0], launches[1])
+
+
+@pytest.mark.parametrize("zp", [False, True])
+def test_prepared_nbits_packs_once_and_launches_what_the_unprepared_one_does(launches, zp):
+    rng = np.random.default_rng(12)
+    n, k, bs = 48, 256, 64
+    b, sc, z = _nbits(rng, n, k, bs, zp)
+    names = ("a", "b", "s", "z" if zp else "")
+    attrs = {"K": k, "N": n, "bits": 4, "block_size": bs}
+    a = rng.standard_normal((3, k)).astype(np.float16)
+    matmul_nbits.run(_ctx("MatMulNBits", names, attrs, (np.float16,)), a, b, sc, z)
+    ctx = _ctx("MatMulNBits", names, attrs, (np.float16,))
+    changes = matmul_nbits.prepare(ctx, None, b, sc, z)
+    want = _mma.pack_int4(np, b, sc, z, n, k, bs)
+    assert set(changes) == ({1, 2, 3} if zp else {1, 2}) and ctx.cache[_mma.INT4_PREPARED] == (k, n, bs)
+    assert np.array_equal(changes[1], want.codes) and np.array_equal(changes[2], want.scales)
+    # the packed bytes are the raw bytes (K a multiple of 64 and bs, N of 16: nothing padded)
+    assert changes[1].nbytes == b.nbytes and changes[2].nbytes == sc.nbytes
+    matmul_nbits.run(ctx, a, changes[1], changes[2], changes.get(3))
+    assert launches[0][0].startswith("mma_nbits4<1, __half, false, false, ")
+    _same_launch(launches[0], launches[1])
+    # fed weights, fp32 activations and g_idx are left alone
+    assert matmul_nbits.prepare(_ctx("MatMulNBits", names, attrs, (np.float16,)), None, None, sc, z) is None
+    assert matmul_nbits.prepare(_ctx("MatMulNBits", names, attrs, (np.float32,)), None, b, sc, z) is None
+    with_g_idx = ("a", "b", "s", "z" if zp else "", "g")
+    assert matmul_nbits.prepare(_ctx("MatMulNBits", with_g_idx, attrs, (np.float16,)), None, b, sc, z, None) is None
 
 
 def test_gated_nbits_prepare_leaves_fed_weights_and_fp32_activations_alone():
@@ -139,7 +170,10 @@ def test_the_load_schedule_flag_picks_the_kernel_and_every_launch_is_compiled(la
                                          (np.float16,)), x, *gate, *up)
     exprs = [launch[0] for launch in launches]
     assert len(exprs) == 6 and all(e in _mma.EXPRS for e in exprs)
-    assert all(e.endswith(f", {_mma._BOOL[pipeline]}>") for e in exprs)
+    # PIPE: mma_dense's last template argument, mma_nbits4's fifth (the zero-point flag is last)
+    pipes = [e[e.index("<") + 1:-1].split(", ")[3 if e.startswith("mma_dense") else 4] for e in exprs]
+    assert pipes == [_mma._BOOL[pipeline]] * 6
+    assert all(e.endswith(", true>") for e in exprs if e.startswith("mma_nbits4"))  # packed zero points
     # the PIPE grid is (token blocks, feature tiles, splits): 40 rows are 2 blocks of 32, N = 48 is
     # 3 tiles, K = 96 is one segment (no split)
     assert launches[4][1] == ((2, 3, 1) if pipeline else (3, 2, 1))
@@ -171,17 +205,18 @@ def test_the_wide_flag_routes_int4_launches_that_fit_the_tiled_kernel(launches, 
     _mma.wide_config.cache_clear()
     rng = np.random.default_rng(6)
 
-    def launch(m, k, bs):
-        b, s, _ = _nbits(rng, 40, k, bs, False)
-        _mma.nbits4(np.zeros((m, k), np.float16), b, s, None, 0, 0, None, np.zeros((m, 40), np.float16),
-                    m, 40, k, bs, "__half", None)
+    def launch(m, k, bs, zp=False):
+        w = _mma.pack_int4(np, *_nbits(rng, 40, k, bs, zp), 40, k, bs)
+        _mma.nbits4(np.zeros((m, k), np.float16), w, None, np.zeros((m, 40), np.float16), m, None)
         return launches[-1]
 
     assert launch(31, 128, 32)[0].startswith("mma_nbits4<")
     wide = launch(64, 128, 32)
-    assert wide[0] == "mma_wide4<1, __half, false>" and wide[0] in _mma.EXPRS
+    assert wide[0] == "mma_wide4<1, __half, false, false>" and wide[0] in _mma.EXPRS
     assert wide[1] == (1, 1) and wide[4] == _mma._WIDE_STAGES * (2 * 64 + 64 * 80 // 8) * 16
-    assert launch(64, 48, 32)[0].startswith("mma_nbits4<")  # K % 32 != 0
+    # the packed codes, scales, zero points (null), blocks per row and log2(block_size)
+    assert [int(v) for v in wide[3][4:6]] == [4, 5]
+    assert launch(64, 256, 128, zp=True)[0] == "mma_wide4<1, __half, false, true>" in _mma.EXPRS
 
 
 
@@ -194,10 +229,10 @@ def test_int4_tensor_core_kernels_take_integer_zero_points_and_blocks_of_32_or_m
     assert not matmul_nbits.mma_config(f16, 4, 128, 16, 0)
     assert not matmul_nbits.mma_config(f16, 4, 128, 32, 2)
     b, s, _ = _nbits(np.random.default_rng(8), 40, 128, 16, False)
-    for bs, zp_mode in ((16, 0), (32, 2)):
+    for bs, zp in ((16, None), (32, np.full((40, 4), 8, np.float16)), (48, None)):
         with pytest.raises(ValueError, match="int4 tensor-core kernel"):
-            _mma.nbits4(np.zeros((1, 128), np.float16), b, s, None, zp_mode, 0, None, np.zeros((1, 40), np.float16),
-                        1, 40, 128, bs, "__half", None)
+            _mma.pack_int4(np, b, s, zp, 40, 128, bs)
+    assert not launches  # refused before any launch
     assert not launches
 
 
@@ -215,11 +250,11 @@ def test_the_default_switches_pick_the_measured_schedules(launches, monkeypatch)
     b, sc, _ = _nbits(rng, 40, 128, 32, False)
     for m in (8, 64):
         _mma.dense(np.zeros((m, 96), np.float16), wp, None, np.zeros((m, 40), np.float16), m, 40, 96, None)
-        _mma.nbits4(np.zeros((m, 128), np.float16), b, sc, None, 0, 0, None, np.zeros((m, 40), np.float16),
-                    m, 40, 128, 32, "__half", None)
+        _mma.nbits4(np.zeros((m, 128), np.float16), _mma.pack_int4(np, b, sc, None, 40, 128, 32), None,
+                    np.zeros((m, 40), np.float16), m, None)
     assert [launch[0] for launch in launches] == [
-        "mma_dense<1, false, false, true>", "mma_nbits4<1, __half, false, false, true>",
-        "mma_wide<1, false, 2>", "mma_nbits4<4, __half, false, false, true>"]
+        "mma_dense<1, false, false, true>", "mma_nbits4<1, __half, false, false, true, false>",
+        "mma_wide<1, false, 2>", "mma_nbits4<4, __half, false, false, true, false>"]
     for value, one_row, prologue, tiles4, int4 in (("off", False, False, False, False), ("all", True, True, True, True),
                                                    ("auto", True, False, False, True)):
         monkeypatch.setattr(_mma, "PIPELINE", value)
@@ -227,7 +262,7 @@ def test_the_default_switches_pick_the_measured_schedules(launches, monkeypatch)
                 _mma.pipelined(40, True, 32)) == (one_row, prologue, tiles4, int4)
     for value, dense, int4 in (("off", False, False), ("all", True, True), ("dense", True, False)):
         monkeypatch.setattr(_mma, "WIDE", value)
-        assert (_mma.wide_dense_applies(64, 96), _mma.wide_int4_applies(64, 128, 32)) == (dense, int4)
+        assert (_mma.wide_dense_applies(64, 96), _mma.wide_int4_applies(64, 128)) == (dense, int4)
 
 
 
@@ -287,15 +322,20 @@ def test_one_int4_row_with_the_prologue_is_one_launch_and_other_scales_are_not(l
     ctx = KernelContext(_norm_node("MatMulNBits", attrs), HostMemory(), "head_major")
     x, skip = (rng.standard_normal((1, k)).astype(np.float16) for _ in range(2))
     gamma = rng.standard_normal(k).astype(np.float16)
-    y, _, _, total = rms_norm_matmul._fused(ctx, x, skip, gamma, None, (b, s))
+    assert rms_norm_matmul._fused(ctx, x, skip, gamma, None, (b, s)) is None  # raw weights: the two parts run
+    changes = rms_norm_matmul.prepare(ctx, None, None, None, None, b, s)  # the MatMulNBits hook, moved by 3
+    assert set(changes) == {4, 5}
+    packed = (changes[4], changes[5])
+    y, _, _, total = rms_norm_matmul._fused(ctx, x, skip, gamma, None, packed)
     assert y.shape == (1, n) and total.shape == (1, k)
     (expr, grid, block, args, shared), = launches
-    assert expr == "mma_nbits4<1, __half, false, true, true>"  # the prologue, PIPE (auto: every int4 launch)
+    assert expr == "mma_nbits4<1, __half, false, true, true, false>"  # the prologue, PIPE (auto: every int4 launch)
+    assert args[1] is packed[0] and args[2] is packed[1]
     assert args[-7] is skip and args[-6] is gamma and args[-5] is total  # then the split-K arguments
     assert shared > _mma.config(1, n, k, 1, True)[2]  # the prologue's shared memory on top of the GEMM's
-    assert rms_norm_matmul._fused(ctx, x, skip, gamma, None, (b, s.astype(np.float32))) is None  # fp32 scales
+    assert rms_norm_matmul._fused(ctx, x, skip, gamma, None, (packed[0], packed[1].astype(np.float32))) is None
     assert rms_norm_matmul._fused(ctx, np.concatenate([x, x]), np.concatenate([skip, skip]), gamma, None,
-                                  (b, s)) is None  # two rows: the two parts run
+                                  packed) is None  # two rows: the two parts run
     assert len(launches) == 1
 
 

@@ -94,3 +94,33 @@ __global__ void gather_packed_columns(const unsigned short* w, const long long* 
     }
   }
 }
+
+// gather_block_quantized on an int4 table in the tensor-core kernels' packed layout
+// (kernels/linear_mma.cu, the int4 section; the tied lm_head's packed weight): the same values,
+// (q - z) * scale in fp32, read there.  qp: codes of rows x D; sp: scales and zq (1024 + z, or
+// null: z = 8) per row and block, nbp blocks of 2^lbs per row.
+template <typename S>
+__global__ void gather_packed_int4(const unsigned char* qp, const long long* idx, const S* sp, const __half* zq,
+                                   S* out, long long rows, int D, int nbp, int lbs, long long nidx) {
+    PDL_ENTER();
+  const long long nc = (D + 63) / 64;
+  for (long long i = blockIdx.y; i < nidx; i += gridDim.y) {
+    long long r = idx[i];
+    if (r < 0) r += rows;
+    const bool ok = r >= 0 && r < rows;
+    const long long nt = r >> 4;
+    const int hi = (int)((r >> 3) & 1), g = (int)(r & 7);
+    for (int d = blockIdx.x * blockDim.x + threadIdx.x; d < D; d += gridDim.x * blockDim.x) {
+        float v = 0.f;
+        if (ok) {
+            const int t = (d >> 2) & 3, vt = (d >> 4) & 3, i0 = d & 1, i1 = (d >> 1) & 1;
+            const unsigned char byte = qp[((nt * nc + (d >> 6)) * 32 + g * 4 + t) * 16 + vt * 4 + 2 * i0 + i1];
+            const float q = (float)((byte >> (4 * hi)) & 15u);
+            const long long s = ((nt * nbp + (d >> lbs)) * 8 + g) * 2 + hi;
+            const float z = zq ? __half2float(zq[s]) - 1024.f : 8.f;
+            v = __fmul_rn(__fsub_rn(q, z), to_f(sp[s]));
+        }
+        store(out + i * D + d, v);
+    }
+  }
+}

@@ -510,89 +510,79 @@ __global__ void __launch_bounds__(128 * TW, 4 / TW) mma_wide(const __half* __res
 // ---- int4 (MatMulNBits) ------------------------------------------------------------------------
 // k-slot map: virtual k tile v (0..3) of the 64-wide chunk at k0 is the natural tile
 // k0 + 16 v .. k0 + 16 v + 15 (tiles 2h, 2h + 1 form a 32-wide group, one quantisation block
-// as block_size >= 32); lane
-// (g, t)'s slots (2t, 2t+1, 2t+8, 2t+9) hold k0 + 16 v + 4 t + (0, 1, 2, 3), for the weights
-// and the activations alike.  A lane loads the 16 contiguous codes k0 + 16 t .. + 15 of rows g
-// and g + 8 (8 bytes each, 4 pieces of 4 codes); quad_transpose hands piece t of lane v to lane
-// t as its piece v, so lane t then holds its 4 codes of every tile.
+// as block_size >= 32); lane (g, t)'s slots (2t, 2t+1, 2t+8, 2t+9) hold k0 + 16 v + 4 t + (0..3),
+// for the weights and the activations alike.
+//
+// Packed layout (made once at plan time by providers/cuda/ops/_mma.py pack_int4; rows and k
+// zero-padded to 16 and 64; tile nt = rows 16 nt .. 16 nt + 15, chunk c = k 64 c .. 64 c + 63):
+//   codes uint4 qp[nt][c][lane]: lane (g, t)'s 16 bytes, word v = the 8 codes of its slots in
+//     tile v, nibble p = hi + 2 i1 + 4 i0 (LSB first) holding row 16 nt + 8 hi + g at
+//     k = 64 c + 16 v + 4 t + 2 i1 + i0.  So (W >> 4 j) & 0x000f000f puts the A fragment pair
+//     a[j] in the low nibbles of its two halves: a[0] row g (k +0, +1), a[1] row g + 8 (k +0, +1),
+//     a[2] row g (k +2, +3), a[3] row g + 8 (k +2, +3); or-ing 0x6400 makes each half 1024 + q.
+//   scales S sp[nt][b][g][hi] (nbp blocks b of block_size bs = 2^lbs per row: the model's own
+//     n_blocks when K is a multiple of 64 and bs, else padded to cover the chunks): the scale of
+//     row 16 nt + 8 hi + g for k in b bs .. b bs + bs - 1 (0 past N and K).  Group h of chunk c
+//     (k 64 c + 32 h .. + 31) lies in block (64 c + 32 h) >> lbs.
+//   zero points (optional) __half zq[nt][b][g][hi], the same indexing: 1024 + z (z = 8 when absent).
+// One 16-byte code load and one or two (bs = 32) scale-pair loads per lane per chunk, and no
+// shuffles: the layout does what a quad transpose and per-lane scale loads did on the raw
+// MatMulNBits bytes.
 //
 // Arithmetic of output (m, n) ("scale after", exact products): per 32-wide k group (tiles
 // 2h, 2h + 1 of a chunk, inside one quantisation block),
 //   T = mma(q - z, x) over the group's 32 k: two mmas, the first from 0 (fp32 accumulation),
-//       q - z an exact fp16 integer (q the code, z the zero point: 8 when absent, else the
-//       packed nibble);
+//       q - z an exact fp16 integer (1024 + q minus 1024 + z);
 //   acc = fmaf(T, s, acc), s = float(scale[n, the group's block]);
 // acc runs over a K segment's groups in ascending order from 0; segments fold as in finish().
 // Every product (q - z) x is exact in fp32, so the one rounding of the weight side is the
 // fmaf by s.  mma_nbits4 (every schedule) and mma_wide4 run this same sequence per element.
 
-template <typename S> struct is_half_t { static constexpr bool value = false; };
-template <> struct is_half_t<__half> { static constexpr bool value = true; };
-
-// The two scales of a lane's rows (g, g + 8) for one quantisation block, as the scale type holds them.
+// A lane's (row g, row g + 8) scale pair of one block (sp's last axis) as loaded.
 template <typename S> struct ScalePair { using type = float2; };
 template <> struct ScalePair<__half> { using type = __half2; };
-
-// One 64-wide k chunk of int4 weights as one lane holds it: its 16 codes of rows g and g + 8
-// (ca, cb, before quad_transpose), and the scales and zero points (zq = 1024 + z, as halves)
-// of the quantisation block of its own codes (k0 + 16 t).
-template <typename S> struct Chunk4 {
-    uint2 ca, cb;
-    typename ScalePair<S>::type s;
-    __half2 zq;
-};
-
-// Lane t of each quad receives piece t (16 bits) of lane v as its piece v (v = 0..3): a 4 x 4
-// transpose of 16-bit pieces across the quad, two xor shuffles.  Every lane of the warp calls it.
-__device__ __forceinline__ uint2 quad_transpose(uint2 w) {
-    const int t = threadIdx.x & 3;
-    const bool hi = t & 2, odd = t & 1;
-    const unsigned r = __shfl_xor_sync(0xffffffffu, hi ? w.x : w.y, 2);
-    const unsigned w0 = hi ? r : w.x, w1 = hi ? w.y : r;  // pieces 2(t>>1), +1 of lanes t & 1 and (t & 1) + 2
-    const unsigned r2 = __shfl_xor_sync(0xffffffffu, odd ? __byte_perm(w0, w1, 0x5410) : __byte_perm(w0, w1, 0x7632), 1);
-    uint2 o;
-    o.x = odd ? __byte_perm(r2, w0, 0x7610) : __byte_perm(w0, r2, 0x5410);
-    o.y = odd ? __byte_perm(r2, w1, 0x7632) : __byte_perm(w1, r2, 0x7610);
-    return o;
-}
-
-// The scale pair and zq pair of rows ra (g) and rb (g + 8) for quantisation block blk, into ``w``
-// (scale 0 where va / vb is false: a row past N or codes past K).  zp_mode: 0 none (z = 8), 1 packed uint8 nibbles [N, zp_stride].
-template <typename S>
-__device__ __forceinline__ void load_scales(Chunk4<S>& w, const S* __restrict__ scales, const void* __restrict__ zp,
-                                            int zp_mode, int zp_stride, int nb, int ra, bool va, int rb, bool vb,
-                                            int blk) {
-    const S sa = va ? scales[(long long)ra * nb + blk] : S(0.f), sb = vb ? scales[(long long)rb * nb + blk] : S(0.f);
-    if constexpr (is_half_t<S>::value) w.s = __halves2half2(sa, sb);
-    else w.s = make_float2(sa, sb);
-    float za = 8.f, zb = 8.f;
-    if (zp_mode == 1) {
-        const int e = blk * 4;
-        const unsigned char* z = (const unsigned char*)zp;
-        za = (float)((z[(long long)ra * zp_stride + (e >> 3)] >> (e & 7)) & 15u);
-        zb = (float)((z[(long long)rb * zp_stride + (e >> 3)] >> (e & 7)) & 15u);
-    }
-    w.zq = __floats2half2_rn(1024.f + za, 1024.f + zb);
-}
-
 __device__ __forceinline__ float2 scale_f2(__half2 s) { return __half22float2(s); }
 __device__ __forceinline__ float2 scale_f2(float2 s) { return s; }
-template <typename T> __device__ __forceinline__ T shfl_from(T v, int src) {
-    return __shfl_sync(0xffffffffu, v, src);
+
+// Where a launch's packed int4 weights are: codes, scales, zero points (or null) and blocks.
+template <typename S> struct Packed4 {
+    const uint4* __restrict__ qp;
+    const typename ScalePair<S>::type* __restrict__ sp;
+    const __half2* __restrict__ zq;
+    int nchunks, nbp, lbs;  // chunks per tile, scale blocks per tile row, log2(block_size)
+};
+
+// One 64-wide k chunk of packed int4 weights as one lane holds it.
+template <typename S> struct Chunk4 {
+    uint4 c;                                 // codes (qp)
+    typename ScalePair<S>::type s[2];        // scales of groups h = 0, 1
+    __half2 zq[2];                           // 1024 + z of groups h = 0, 1 (ZP kernels only)
+};
+
+// Chunk c of feature tile ``tile`` (nchunks per tile) for lane (g, t).
+// The scales (and zero points) of chunk c of feature tile ``tile`` for lane (g, t): one pair,
+// used by both groups, when bs >= 64; two when bs = 32.  mma_wide4 stages the codes apart.
+template <typename S, bool ZP>
+__device__ __forceinline__ void load_scales4(Chunk4<S>& w, const Packed4<S>& p, long long tile, int c) {
+    const long long b0 = (tile * p.nbp + ((64 * c) >> p.lbs)) * 8 + ((threadIdx.x & 31) >> 2);
+    w.s[0] = p.sp[b0];
+    w.s[1] = p.lbs == 5 ? p.sp[b0 + 8] : w.s[0];
+    if constexpr (ZP) {
+        w.zq[0] = p.zq[b0];
+        w.zq[1] = p.lbs == 5 ? p.zq[b0 + 8] : w.zq[0];
+    }
 }
-template <> __device__ __forceinline__ float2 shfl_from<float2>(float2 v, int src) {
-    return make_float2(__shfl_sync(0xffffffffu, v.x, src), __shfl_sync(0xffffffffu, v.y, src));
+template <typename S, bool ZP>
+__device__ __forceinline__ void load_chunk4(Chunk4<S>& w, const Packed4<S>& p, long long tile, int c) {
+    w.c = p.qp[(tile * p.nchunks + c) * 32 + (threadIdx.x & 31)];
+    load_scales4<S, ZP>(w, p, tile, c);
 }
 
-// q - z of the 4 codes of a 16-bit piece (k + 0 .. + 3, low nibble first) as the halves
-// (k + 0, k + 1) in lo and (k + 2, k + 3) in hi: 1024 + q by the 0x6400 exponent bits, minus zq (exact).
-__device__ __forceinline__ void codes_minus_z(unsigned p, __half2 zq, unsigned& lo, unsigned& hi) {
-    const unsigned bl = (p & 0xfu) | ((p & 0xf0u) << 12) | 0x64006400u;
-    const unsigned bh = ((p >> 8) & 0xfu) | ((p & 0xf000u) << 4) | 0x64006400u;
-    const __half2 l = __hsub2(*reinterpret_cast<const __half2*>(&bl), zq);
-    const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&bh), zq);
-    lo = *reinterpret_cast<const unsigned*>(&l);
-    hi = *reinterpret_cast<const unsigned*>(&h);
+// 1024 + q of the two nibbles at bits 0-3 and 16-19 of w, as two halves, minus zq (exact).
+__device__ __forceinline__ unsigned codes_minus_z(unsigned w, __half2 zq) {
+    const unsigned b = (w & 0x000f000fu) | 0x64006400u;
+    const __half2 d = __hsub2(*reinterpret_cast<const __half2*>(&b), zq);
+    return *reinterpret_cast<const unsigned*>(&d);
 }
 
 // d = A B (C = 0): the tile's products summed by the tensor core, from zero.
@@ -603,25 +593,27 @@ __device__ __forceinline__ void mma16816_zero(float* d, const unsigned* a, unsig
 }
 
 // The 2 k groups of one chunk (weights ``w`` as loaded, activations xq[j][v]: token tile j's B
-// fragment of tile v) into acc[j] with the arithmetic above.  Every lane of the warp calls it.
-template <int NJ, typename S>
+// fragment of tile v) into acc[j] with the arithmetic above.
+template <int NJ, typename S, bool ZP>
 __device__ __forceinline__ void mma4_chunk(float (*acc)[4], const Chunk4<S>& w, uint2 (*xq)[4]) {
-    const int base = threadIdx.x & 28;  // lane 0 of this lane's quad
-    const uint2 ta = quad_transpose(w.ca), tb = quad_transpose(w.cb);
+    const unsigned words[4] = {w.c.x, w.c.y, w.c.z, w.c.w};
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // tiles 2h, 2h + 1: the block of lanes t = 2h, 2h + 1's own codes
-        const float2 s = scale_f2(shfl_from(w.s, base | 2 * h));
-        const __half2 zq = shfl_from(w.zq, base | 2 * h);
+    for (int h = 0; h < 2; ++h) {  // tiles 2h, 2h + 1: one 32-wide group
+        const float2 s = scale_f2(w.s[h]);
+        const unsigned nozp = 0x64086408u;  // 1024 + 8 in both halves: no zero points
+        __half2 zq = *reinterpret_cast<const __half2*>(&nozp);
+        if constexpr (ZP) zq = w.zq[h];
         const __half2 zqa = __low2half2(zq), zqb = __high2half2(zq);
         float d[NJ][4];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
             const int v = 2 * h + u;
-            const unsigned pa = ((v < 2 ? ta.x : ta.y) >> (16 * u)) & 0xffffu;
-            const unsigned pb = ((v < 2 ? tb.x : tb.y) >> (16 * u)) & 0xffffu;
+            const unsigned W = words[v];
             unsigned a[4];  // rows g (a[0], a[2]) and g + 8 (a[1], a[3]) at k (+0, +1) and (+2, +3)
-            codes_minus_z(pa, zqa, a[0], a[2]);
-            codes_minus_z(pb, zqb, a[1], a[3]);
+            a[0] = codes_minus_z(W, zqa);
+            a[1] = codes_minus_z(W >> 4, zqb);
+            a[2] = codes_minus_z(W >> 8, zqa);
+            a[3] = codes_minus_z(W >> 12, zqb);
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 if (u == 0) mma16816_zero(d[j], a, xq[j][v].x, xq[j][v].y);
@@ -648,55 +640,46 @@ __device__ __forceinline__ void ld_x4q(const __half* x, long long m, int K, int 
     }
 }
 
-// int4 MatMulNBits.  grid/block/shared/GLU as mma_dense (GLU: the rows of q, scales and zero
-// points interleaved as dense's packed rows), but for split-K: grid z is the split (block
-// 32 * min(spb, 8), spb = segments per split block, nseg unsplit; warp w computes segments
-// s_lo + w, s_lo + w + 8, ...; no shared partials when split, see split_last).  Requires K % 16 == 0, block_size >= 32, fp16 X and
-// zero points absent or packed.  PIPE as in mma_dense: false holds one 64-chunk of weights per
-// lane (load, wait, 4 tiles); true holds the segment's 4 chunks and refills each with the warp's
-// next segment once its tiles have issued.  NORM (NJ = 1): mma_dense's RMSNorm prologue
-// (norm_rows), the activations then read from shared memory (lockstep.RMSNormMatMul, opt-in:
-// measured slower than the two launches, see providers/cuda/ops/rms_norm_matmul.py).  The
-// sequence of every element (the header of this section) is the same for every schedule.
-template <int NJ, typename S, bool GLU, bool NORM, bool PIPE>
-__global__ void __launch_bounds__(256, NJ == 1 ? 4 : NJ == 4 ? 2 : 1) mma_nbits4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
-                                                  const S* __restrict__ scales, const void* __restrict__ zp,
-                                                  int zp_mode, int zp_stride, const __half* __restrict__ bias,
-                                                  __half* __restrict__ y, int M, int N, int K, int bs,
+// int4 MatMulNBits on packed weights (qp, sp, zqp: the layout above; ZP: zero points present).
+// grid/block/shared/GLU as mma_dense (GLU: the packed rows are gate and up interleaved as
+// dense's), but for split-K: grid z is the split (block 32 * min(spb, 8), spb = segments per
+// split block, nseg unsplit; warp w computes segments s_lo + w, s_lo + w + 8, ...; no shared
+// partials when split, see split_last).  Requires K % 16 == 0 and fp16 X.  PIPE as in mma_dense:
+// false holds one 64-chunk of weights per lane (load, wait, 4 tiles); true holds the segment's 4
+// chunks and refills each with the warp's next segment once its tiles have issued.  NORM
+// (NJ = 1): mma_dense's RMSNorm prologue (norm_rows), the activations then read from shared
+// memory (lockstep.RMSNormMatMul, opt-in: measured slower than the two launches, see
+// providers/cuda/ops/rms_norm_matmul.py).  The sequence of every element (the header of this
+// section) is the same for every schedule.
+template <int NJ, typename S, bool GLU, bool NORM, bool PIPE, bool ZP>
+__global__ void __launch_bounds__(256, NJ == 1 ? 4 : NJ == 4 ? 2 : 1) mma_nbits4(const __half* __restrict__ x, const uint4* __restrict__ qp,
+                                                  const typename ScalePair<S>::type* __restrict__ sp,
+                                                  const __half2* __restrict__ zqp, int nbp, int lbs,
+                                                  const __half* __restrict__ bias,
+                                                  __half* __restrict__ y, int M, int N, int K,
                                                   int n_out, const __half* n_skip, const __half* n_gamma,
                                                   __half* n_sum, float n_eps, float* sk_part, int* sk_tickets,
                                                   int spb) {
     static_assert(!NORM || NJ == 1, "the RMSNorm prologue holds 8 rows");
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int nseg = (K + SEG_K - 1) / SEG_K, nwarps = blockDim.x >> 5;
+    const int nseg = (K + SEG_K - 1) / SEG_K, nwarps = blockDim.x >> 5, nchunks = (K + 63) >> 6;
     // split-K only for one token tile (the launcher's rule; NJ > 1 keeps its unsplit registers)
     constexpr bool CAN_SPLIT = NJ == 1;
     const bool split = CAN_SPLIT && gridDim.z > 1;
     const int s_lo = split ? blockIdx.z * spb : 0, s_hi = split ? min(nseg, s_lo + spb) : nseg, seg0 = s_lo + warp;
     const int tile_block = blockIdx.y * gridDim.x + blockIdx.x;
     float* pout = split ? sk_part + (long long)tile_block * nseg * 16 * 8 * NJ : part;
-    const int nb = (K + bs - 1) / bs;
-    const long long rowbytes = (long long)nb * (bs / 2);
-    const int n0 = (PIPE ? blockIdx.y : blockIdx.x) * 16, m0 = (PIPE ? blockIdx.x : blockIdx.y) * 8 * NJ;
-    const int na = min(n0 + g, N - 1), nbr = min(n0 + g + 8, N - 1);
-    const bool va = n0 + g < N, vb = n0 + g + 8 < N;
-    // Codes, scales and zero points of the 64-wide k chunk at k0 (weights: constants of the step).
-    auto load_w = [&](Chunk4<S>& w, int k0) {
-        const int kl = k0 + 16 * t;
-        w.ca = make_uint2(0, 0); w.cb = make_uint2(0, 0);
-        if (kl < K) {
-            w.ca = *reinterpret_cast<const uint2*>(q + na * rowbytes + kl / 2);
-            w.cb = *reinterpret_cast<const uint2*>(q + nbr * rowbytes + kl / 2);
-        }
-        load_scales(w, scales, zp, zp_mode, zp_stride, nb, na, va && kl < K, nbr, vb && kl < K, min(kl, K - 1) / bs);
-    };
+    const int nt = PIPE ? blockIdx.y : blockIdx.x, n0 = nt * 16, m0 = (PIPE ? blockIdx.x : blockIdx.y) * 8 * NJ;
+    // Codes, scales and zero points of 64-chunk c (weights: constants of the step).
+    const Packed4<S> pk{qp, sp, zqp, nchunks, nbp, lbs};
+    auto load_w = [&](Chunk4<S>& w, int c) { load_chunk4<S, ZP>(w, pk, nt, c); };
     constexpr int NC = PIPE ? 4 : 1;  // 64-chunks of weights held per lane
     Chunk4<S> w[NC];
     {  // before PDL_ENTER: overlaps the end of the previous kernel (kernels/pdl.cuh)
         const int first = seg0 < s_hi ? min(NC, seg_chunks(K, seg0)) : 0;
 #pragma unroll
-        for (int c = 0; c < NC; ++c) if (c < first) load_w(w[c], seg0 * SEG_K + 64 * c);
+        for (int c = 0; c < NC; ++c) if (c < first) load_w(w[c], seg0 * (SEG_K / 64) + c);
     }
     PDL_ENTER_GEMM();
     float* nsm = part + (split ? 0 : nseg * 16 * 8 * NJ);  // NORM: the prologue's shared memory (norm_rows)
@@ -711,22 +694,22 @@ __global__ void __launch_bounds__(256, NJ == 1 ? 4 : NJ == 4 ? 2 : 1) mma_nbits4
             if constexpr (NORM) ld_x4q(xs + g * (K + 8), 0, K, k0, t, g < M - m0, xq[j]);  // rows >= R: zeros
             else ld_x4q(x, m, K, k0, t, m < M, xq[j]);
         }
-        mma4_chunk<NJ, S>(acc, wc, xq);
+        mma4_chunk<NJ, S, ZP>(acc, wc, xq);
     };
     for (int seg = seg0; seg < s_hi; seg += nwarps) {  // K segments: warp w takes s_lo + w, + nwarps, ...
         float acc[NJ][4];
 #pragma unroll
         for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-        const int chunks = seg_chunks(K, seg), kbeg = seg * SEG_K;
+        const int chunks = seg_chunks(K, seg), kbeg = seg * SEG_K, cbeg = seg * (SEG_K / 64);
         const int next = seg + nwarps, refill = PIPE && next < s_hi ? seg_chunks(K, next) : 0;
 #pragma unroll
         for (int c = 0; c < 4; ++c) {  // SEG_K / 64 chunks, ascending
             if (c >= chunks) break;
             if constexpr (PIPE) {
                 mma_chunk(acc, w[c], kbeg + 64 * c);
-                if (c < refill) load_w(w[c], next * SEG_K + 64 * c);
+                if (c < refill) load_w(w[c], next * (SEG_K / 64) + c);
             } else {
-                if (c != 0 || seg != seg0) load_w(w[0], kbeg + 64 * c);
+                if (c != 0 || seg != seg0) load_w(w[0], cbeg + c);
                 mma_chunk(acc, w[0], kbeg + 64 * c);
             }
         }
@@ -751,44 +734,40 @@ __device__ __forceinline__ void wide_load_x4q(uint2 (*xq)[4], const __half* xst,
 
 // Tiled int4 GEMM for many rows (mma_wide4): mma_wide's tiling with mma_nbits4's arithmetic (the
 // groups of mma4_chunk in ascending k, the segment fold after every 4 chunks), so every row is
-// bitwise its mma_nbits4 result.  Per chunk the block's 64 F weight rows' 32 code bytes and the
+// bitwise its mma_nbits4 result.  Per chunk the block's 4 F packed tiles (512 bytes each) and the
 // activations are staged by cp.async; each lane's scales and zero points of the next chunk are
 // loaded into registers while the current chunk computes.  grid (ceil(M / 64), ceil(N / (64 F))),
-// shared WIDE_STAGES * (128 F + 64 * WIDE_XS4 / 8) uint4.  Needs K % 32 == 0 and row bytes
-// (n_blocks * bs / 2) % 16 == 0.
-template <int F, typename S, bool GLU>
-__global__ void __launch_bounds__(256) mma_wide4(const __half* __restrict__ x, const unsigned char* __restrict__ q,
-                                                 const S* __restrict__ scales, const void* __restrict__ zp,
-                                                 int zp_mode, int zp_stride, const __half* __restrict__ bias,
-                                                 __half* __restrict__ y, int M, int N, int K, int bs, int n_out) {
+// shared WIDE_STAGES * (128 F + 64 * WIDE_XS4 / 8) uint4.  Needs K % 16 == 0.
+template <int F, typename S, bool GLU, bool ZP>
+__global__ void __launch_bounds__(256) mma_wide4(const __half* __restrict__ x, const uint4* __restrict__ qp,
+                                                 const typename ScalePair<S>::type* __restrict__ sp,
+                                                 const __half2* __restrict__ zqp, int nbp, int lbs,
+                                                 const __half* __restrict__ bias,
+                                                 __half* __restrict__ y, int M, int N, int K, int n_out) {
     extern __shared__ uint4 wsm[];
-    constexpr int ROWS = 64 * F, CS = 2 * ROWS, XS = 64 * WIDE_XS4 / 8;
+    constexpr int TILES = 4 * F, CS = TILES * 32, XS = 64 * WIDE_XS4 / 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int wt = warp >> 2, wf = warp & 3;
-    const int m0 = blockIdx.x * 64, r0 = blockIdx.y * ROWS, nchunks = (K + 63) >> 6;
-    const int nb = (K + bs - 1) / bs;
-    const long long rowbytes = (long long)nb * (bs / 2);
-    uint4* cs = wsm;                                                 // [STAGES][ROWS][32 bytes]
+    const int m0 = blockIdx.x * 64, tile0 = blockIdx.y * TILES, nchunks = (K + 63) >> 6, ntiles = (N + 15) >> 4;
+    const Packed4<S> pk{qp, sp, zqp, nchunks, nbp, lbs};
+    uint4* cs = wsm;                                                 // [STAGES][TILES][32 lanes]
     __half* xs = reinterpret_cast<__half*>(wsm + WIDE_STAGES * CS);  // [STAGES][64 tokens][WIDE_XS4]
     PDL_ENTER_GEMM();
     auto stage = [&](int c) {
         uint4* cdst = cs + (c % WIDE_STAGES) * CS;
         for (int p = threadIdx.x; p < CS; p += blockDim.x) {
-            const int row = r0 + (p >> 1), k = 64 * c + 32 * (p & 1);
-            const bool ok = row < N && k < K;
-            cp_async16_zfill(cdst + p, q + (ok ? row * rowbytes + k / 2 : 0), ok);
+            const int tile = tile0 + (p >> 5);
+            const bool ok = tile < ntiles;
+            cp_async16_zfill(cdst + p, qp + (ok ? ((long long)tile * nchunks + c) * 32 + (p & 31) : 0), ok);
         }
         wide_stage_x<WIDE_XS4>(xs + (c % WIDE_STAGES) * XS * 8, x, M, K, m0, c);
         asm volatile("cp.async.commit_group;\n" ::: "memory");
     };
-    // scales and zero points of chunk c for the lane's rows g and g + 8 of each of its tiles
+    // scales and zero points of chunk c for the lane's rows of each of its tiles (tiles past N: 0)
     auto load_sz = [&](Chunk4<S>* w, int c) {
-        const int kl = 64 * c + 16 * t;
 #pragma unroll
         for (int f = 0; f < F; ++f) {
-            const int ra = r0 + (wf * F + f) * 16 + g, rb = ra + 8;
-            load_scales(w[f], scales, zp, zp_mode, zp_stride, nb, min(ra, N - 1), ra < N && kl < K, min(rb, N - 1),
-                        rb < N && kl < K, min(kl, K - 1) / bs);
+            load_scales4<S, ZP>(w[f], pk, min(tile0 + wf * F + f, ntiles - 1), c);  // past N: never stored
         }
     };
     float acc[F][4][4], tot[F][4][4];
@@ -805,21 +784,18 @@ __global__ void __launch_bounds__(256) mma_wide4(const __half* __restrict__ x, c
         __syncthreads();  // everyone's; and every warp is done with chunk c - 1, whose stage is refilled next
         if (c + WIDE_STAGES - 1 < nchunks) stage(c + WIDE_STAGES - 1);
         else asm volatile("cp.async.commit_group;\n" ::: "memory");
-        const unsigned char* cst = reinterpret_cast<const unsigned char*>(cs + (c % WIDE_STAGES) * CS);
-        const bool kv = 64 * c + 16 * t < K;
+        const uint4* cst = cs + (c % WIDE_STAGES) * CS;
         uint2 xq[4][4];
         wide_load_x4q(xq, xs + (c % WIDE_STAGES) * XS * 8, wt, g, t);
 #pragma unroll
-        for (int f = 0; f < F; ++f) {  // codes 16 t .. 16 t + 15 of rows g and g + 8 (zeros past K)
-            const int la = (wf * F + f) * 16 + g;
-            cur[f].ca = kv ? *reinterpret_cast<const uint2*>(cst + la * 32 + 8 * t) : make_uint2(0, 0);
-            cur[f].cb = kv ? *reinterpret_cast<const uint2*>(cst + (la + 8) * 32 + 8 * t) : make_uint2(0, 0);
-            mma4_chunk<4, S>(acc[f], cur[f], xq);
+        for (int f = 0; f < F; ++f) {
+            cur[f].c = cst[(wf * F + f) * 32 + lane];
+            mma4_chunk<4, S, ZP>(acc[f], cur[f], xq);
         }
         if ((c & 3) == 3 || c == nchunks - 1) wide_fold<F>(acc, tot);
 #pragma unroll
         for (int f = 0; f < F; ++f) cur[f] = nxt[f];
     }
     PDL_LATE_TRIGGER();
-    wide_store<F, GLU>(tot, bias, y, M, N, n_out, m0 + wt * 32, r0 / 16 + wf * F);
+    wide_store<F, GLU>(tot, bias, y, M, N, n_out, m0 + wt * 32, tile0 + wf * F);
 }

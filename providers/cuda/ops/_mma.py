@@ -18,7 +18,7 @@ import numpy as np
 
 from core.ops import PREPARE_SHARED
 from providers.cuda import env
-from providers.cuda.module import function, multiprocessors
+from providers.cuda.module import ctype, function, multiprocessors
 from providers.cuda.ops import MAX_GRID_Y, array_module, row_slices, rows_of
 
 SEG_K = 256
@@ -31,17 +31,23 @@ _BOOL = ("false", "true")
 def _schedule_exprs(pipe: str) -> tuple[str, ...]:
     return (tuple(f"mma_dense<{nj}, {glu}, false, {pipe}>" for nj in (1, 2, 4) for glu in _BOOL)
             + tuple(f"mma_dense<1, {glu}, true, {pipe}>" for glu in _BOOL)
-            + tuple(f"mma_nbits4<{nj}, {s}, {glu}, false, {pipe}>" for nj in (1, 2, 4) for s in ("__half", "float")
-                    for glu in _BOOL)
-            + tuple(f"mma_nbits4<1, __half, {glu}, true, {pipe}>" for glu in _BOOL))
+            + _nbits4_exprs(pipe, "false"))
 
 
-#: The kernels' instantiations in three modules of kernels/linear_mma.cu, each compiled on its
-#: first launch: the plain schedule, the PIPE schedule and the tiled kernels (so a schedule no
-#: launch uses costs no compile time).
+def _nbits4_exprs(pipe: str, zp: str) -> tuple[str, ...]:
+    return (tuple(f"mma_nbits4<{nj}, {s}, {glu}, false, {pipe}, {zp}>" for nj in (1, 2, 4)
+                  for s in ("__half", "float") for glu in _BOOL)
+            + tuple(f"mma_nbits4<1, __half, {glu}, true, {pipe}, {zp}>" for glu in _BOOL))
+
+
+#: The kernels' instantiations in four modules of kernels/linear_mma.cu, each compiled on its
+#: first launch: the plain schedule, the PIPE schedule, the tiled kernels, and the int4 kernels
+#: with zero points (so a schedule no launch uses costs no compile time).
 MODULES = (_schedule_exprs("false"), _schedule_exprs("true"),
            tuple(f"mma_wide<{f}, {glu}, {tw}>" for f in (1, 2) for glu in _BOOL for tw in (1, 2))
-           + tuple(f"mma_wide4<{f}, {s}, {glu}>" for f in (1, 2) for s in ("__half", "float") for glu in _BOOL))
+           + tuple(f"mma_wide4<{f}, {s}, {glu}, false>" for f in (1, 2) for s in ("__half", "float") for glu in _BOOL),
+           _nbits4_exprs("false", "true") + _nbits4_exprs("true", "true")
+           + tuple(f"mma_wide4<{f}, {s}, {glu}, true>" for f in (1, 2) for s in ("__half", "float") for glu in _BOOL))
 EXPRS = tuple(e for module in MODULES for e in module)
 _MODULE_OF = {e: module for module in MODULES for e in module}
 #: Which launches take the PIPE weight-load schedule (kernels/linear_mma.cu ``PIPE``: a whole K
@@ -297,11 +303,11 @@ def wide_dense_applies(m: int, k: int) -> bool:
     return WIDE != "off" and m >= WIDE_ROWS and k % 8 == 0
 
 
-def wide_int4_applies(m: int, k: int, bs: int) -> bool:
+def wide_int4_applies(m: int, k: int) -> bool:
     """Whether an int4 launch of m rows takes ``mma_wide4``: :data:`WIDE` "all", at least
-    :data:`WIDE_ROWS` rows, K a multiple of 32 and a row of codes a multiple of 16 bytes (its
-    16-byte copies stay inside the row)."""
-    return WIDE == "all" and m >= WIDE_ROWS and k % 32 == 0 and (-(-k // bs) * bs // 2) % 16 == 0
+    :data:`WIDE_ROWS` rows and K a multiple of 16 (the packed codes are whole 16-row x 64-k
+    chunks)."""
+    return WIDE == "all" and m >= WIDE_ROWS and k % 16 == 0
 
 
 def pipelined(n: int, int4: bool, m: int = 1, norm: bool = False) -> bool:
@@ -489,33 +495,153 @@ def int4_layout_applies(bs: int, zp_mode: int) -> bool:
     return bs >= 32 and zp_mode in (0, 1)
 
 
-def nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s_type, null, glu_out: int = 0,
-           norm: Norm | None = None):
-    """y = a @ dequant(b)^T (+ bias), n weight rows. ``glu_out`` > 0: b, scales and zp hold
-    gate/up rows in :func:`glu_rows` order and y [m, glu_out] = silu_mul(gate, up). With ``norm``
-    (:func:`norm_applies` must hold, fp16 scales) the activations are RMSNorm(a + skip) * gamma,
-    computed in the same launch.
+class Int4Weights(NamedTuple):
+    """An int4 weight in the packed layout the tensor-core kernels read (:func:`pack_int4`;
+    kernels/linear_mma.cu, the int4 section), for ``n`` weight rows (output features, or the
+    glu_width(N) interleaved rows of a gate/up pair), ``k`` input features and quantisation
+    block ``bs``.
+
+    Attributes:
+        codes: uint8 [ceil(n/16) * ceil(k/64) * 512]: 512 bytes per 16-row x 64-k chunk, 16 per lane.
+        scales: fp16 or fp32 (the model's) [ceil(n/16) * 16 * :func:`int4_blocks`], per row and block.
+        zq: fp16 of the scales' size, 1024 + the zero point; None without zero points (8).
+        n, k, bs: the weight's rows, K and block_size.
+    """
+
+    codes: Any
+    scales: Any
+    zq: Any
+    n: int
+    k: int
+    bs: int
+
+
+def int4_blocks(k: int, bs: int) -> int:
+    """Scale blocks per row of :func:`pack_int4`'s layout: ceil(K / bs), raised to cover K
+    rounded up to 64 (the model's n_blocks whenever K is a multiple of 64 and of bs)."""
+    return max(-(-k // bs), -(-(-(-k // 64) * 64) // bs))
+
+
+#: Rows of int4 codes :func:`pack_int4` unpacks at a time (its temporaries: 2 x rows x K bytes).
+_PACK_ROWS = 4096
+
+
+def pack_int4(xp, q, scales, zp, n: int, k: int, bs: int) -> Int4Weights:
+    """MatMulNBits weights -> :class:`Int4Weights` (kernels/linear_mma.cu's packed layout).
+
+    Args:
+        xp: the array module of the weights (cupy on the device, numpy on the host; the same
+            reshapes and copies on both).
+        q: uint8 codes [n, n_blocks, bs / 2] (or [n, n_blocks * bs / 2]), two per byte, LSB first.
+        scales: [n, n_blocks] (or flat), fp16 or fp32.
+        zp: packed uint8 zero points [n, ceil(n_blocks / 2)] (or flat), or None (8).
+        n, k, bs: rows, K and block_size (a power of two >= 32, :func:`int4_layout_applies`).
+
+    Codes: tile nt (rows 16 nt ..), chunk c (k 64 c ..), lane (g, t), word v, nibble
+    p = hi + 2 i1 + 4 i0 holds row 16 nt + 8 hi + g at k = 64 c + 16 v + 4 t + 2 i1 + i0.
+    Scales and zq: [tile][block][g][hi]. Rows past n and k past K are zero codes with zero
+    scales. The codes are unpacked :data:`_PACK_ROWS` rows at a time, so packing holds the raw
+    weight, the result and about 2 x 4,096 x K bytes more.
 
     Raises:
-        ValueError: a layout the kernels do not compute (:func:`int4_layout_applies`).
+        ValueError: a layout the kernels do not compute: block_size not a power of two >= 32,
+            zero points other than packed uint8 (:func:`int4_layout_applies`), or K not a
+            multiple of 16.
     """
-    if not int4_layout_applies(bs, zp_mode):
-        raise ValueError(f"int4 tensor-core kernel: block_size {bs} (needs >= 32), zero-point mode {zp_mode} "
-                         "(needs none or packed uint8)")
+    if bs & (bs - 1) or not int4_layout_applies(bs, 0 if zp is None else 1 if zp.dtype == np.uint8 else 2) \
+            or k % 16:
+        raise ValueError(f"int4 tensor-core kernel: block_size {bs} (needs a power of two >= 32), zero points "
+                         f"{None if zp is None else zp.dtype} (needs none or packed uint8), K {k} (needs a "
+                         "multiple of 16)")
+    nb, nbp = -(-k // bs), int4_blocks(k, bs)
+    tiles, chunks = -(-n // 16), -(-k // 64)
+    q = q.reshape(n, nb * bs // 2)
+    codes = xp.empty((tiles, chunks, 8, 4, 4, 2, 2), xp.uint8)  # (tile, chunk, g, t, v, i0, i1)
+    step = _PACK_ROWS // 16
+    for t0 in range(0, tiles, step):
+        t1 = min(tiles, t0 + step)
+        r0, r1 = 16 * t0, min(n, 16 * t1)
+        block = q[r0:r1]
+        nib = xp.stack((block & 15, block >> 4), axis=-1).reshape(r1 - r0, -1)  # codes in k order
+        c = xp.zeros((16 * (t1 - t0), 64 * chunks), xp.uint8)
+        c[:r1 - r0, :k] = nib[:, :k]
+        # row 16 tile + 8 hi + g, k 64 chunk + 16 v + 4 t + 2 i1 + i0 -> (tile, chunk, g, t, v, i0, i1, hi)
+        c = c.reshape(t1 - t0, 2, 8, chunks, 4, 4, 2, 2).transpose(0, 3, 2, 5, 4, 7, 6, 1)
+        codes[t0:t1] = c[..., 0] | (c[..., 1] << 4)
+
+    def per_block(values, fill):
+        out = xp.full((16 * tiles, nbp), fill, values.dtype)
+        out[:n, :nb] = values
+        # row 16 tile + 8 hi + g, block b -> (tile, b, g, hi)
+        return xp.ascontiguousarray(out.reshape(tiles, 2, 8, nbp).transpose(0, 3, 2, 1)).reshape(-1)
+
+    zq = None
+    if zp is not None:
+        blk = xp.arange(nb)
+        z = (zp.reshape(n, -1)[:, blk // 2] >> (4 * (blk % 2)).astype(xp.uint8)) & 15
+        zq = per_block((z.astype(xp.float32) + 1024).astype(xp.float16), 1032)
+    return Int4Weights(codes.reshape(-1), per_block(scales.reshape(n, nb), 0), zq, n, k, bs)
+
+
+#: ctx.cache key of an int4 node whose weights prepare() packed: (K, N, block_size) (N: the output features).
+INT4_PREPARED = "int4_prepared"
+
+
+def prepare_int4(ctx, q, scales, zp, n: int, k: int, bs: int) -> Int4Weights:
+    """The prepare hooks' packing of raw int4 weights (MatMulNBits, the tied embedding's
+    GatherBlockQuantized): :func:`pack_int4`, made once per prepare pass for one set of
+    constants and the same objects returned to every hook that asks (the lm_head and the
+    lookup of a tied table, whose codes are one storage under two names), so the table is
+    resident once. Keyed by the constants' storage objects, alive for the whole pass, never
+    by a device pointer."""
+    from core.executor import storage
+
+    shared = ctx.cache.get(PREPARE_SHARED)
+    key = ("int4.pack", id(storage(q)), id(storage(scales)), None if zp is None else id(storage(zp)), n, k, bs)
+    packed = None if shared is None else shared.get(key)
+    if packed is None:
+        packed = pack_int4(array_module(q), q, scales, zp, n, k, bs)
+        if shared is not None:
+            shared[key] = packed
+    return packed
+
+
+def unprepared_int4(ctx, q, scales, zp, n: int, k: int, bs: int, key: str = "int4_unprepared") -> Int4Weights:
+    """:func:`pack_int4` of raw weights passed to a kernel (direct calls, fed weights), kept
+    in ctx.cache[key] while the same objects come back (by identity, references held; never
+    by device pointer)."""
+    hit = ctx.cache.get(key)
+    if hit is not None and hit[0] is q and hit[1] is scales and hit[2] is zp and hit[3] == (n, k, bs):
+        return hit[4]
+    out = pack_int4(array_module(q), q, scales, zp, n, k, bs)
+    ctx.cache[key] = (q, scales, zp, (n, k, bs), out)
+    return out
+
+
+def nbits4(a, w: Int4Weights, bias, y, m, null, glu_out: int = 0, norm: Norm | None = None):
+    """y = a @ dequant(w)^T (+ bias) for packed int4 weights ``w`` (:func:`pack_int4`).
+    ``glu_out`` > 0: w holds gate/up rows in :func:`glu_rows` order and y [m, glu_out] =
+    silu_mul(gate, up). With ``norm`` (:func:`norm_applies` must hold, fp16 scales) the
+    activations are RMSNorm(a + skip) * gamma, computed in the same launch. a: fp16 [m, K]
+    contiguous; y: fp16 [m, N or glu_out]."""
+    n, k = w.n, w.k
+    s_type, zp = ctype(w.scales.dtype), _BOOL[w.zq is not None]
+    blocks = (np.int32(int4_blocks(k, w.bs)), np.int32(w.bs.bit_length() - 1))
     width = glu_out if glu_out > 0 else n
     pipe = pipelined(n, True)
     for r0, r1 in row_slices(m, 32):
-        args = (rows_of(a, r0, r1, k), b, scales, zp, np.int32(zp_mode), np.int32(zp_stride),
+        args = (rows_of(a, r0, r1, k), w.codes, w.scales, null if w.zq is None else w.zq, *blocks,
                 null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
-                np.int32(n), np.int32(k), np.int32(bs), np.int32(glu_out))
-        wide = (wide_config(r1 - r0, n, True) if norm is None and wide_int4_applies(r1 - r0, k, bs)
+                np.int32(n), np.int32(k), np.int32(glu_out))
+        wide = (wide_config(r1 - r0, n, True) if norm is None and wide_int4_applies(r1 - r0, k)
                 else None)
         if wide is not None:
             f, grid, block, shared = wide
-            _launch(f"mma_wide4<{f}, {s_type}, {_BOOL[glu_out > 0]}>", grid, block, args, shared)
+            _launch(f"mma_wide4<{f}, {s_type}, {_BOOL[glu_out > 0]}, {zp}>", grid, block, args, shared)
         else:
             nj = row_nj(r1 - r0, n, True)
-            expr = f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>"
+            expr = (f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}, "
+                    f"{zp}>")
             grid, block, shared, spb = config(r1 - r0, n, k, nj, pipe, 0 if norm else _per_multiprocessor(expr))
             _launch(expr, grid, block, (*args, *_norm_args(norm, null), *_split_args(grid, spb, null)),
                     _norm_shared(norm, shared, k, r1 - r0))

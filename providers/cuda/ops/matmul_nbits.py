@@ -5,7 +5,8 @@ zero_points absent (2^(bits-1)), packed uint8 [N, ceil(n_blocks*bits/8)] or floa
 bits 2/4/8, block_size a power of two >= 16; g_idx and prepacked weights are rejected.
 Kernels: kernels/linear_mma.cu ``mma_nbits4`` / ``mma_wide4`` (tensor cores, :func:`mma_config`:
 per 32-wide k group the exact products (q - z) x summed by two mmas, then scaled by one fmaf
-into the accumulator), else kernels/linear.cu ``nbits`` (dequantisation in registers; K
+into the accumulator; the weights packed once at plan time by :func:`prepare`, in the layout
+``_mma.pack_int4`` defines), else kernels/linear.cu ``nbits`` (dequantisation in registers; K
 order fixed per (K, block_size): one fmaf chain per quantisation block, blocks folded in
 ascending order). Which one a node takes is fixed by its attributes and dtypes, never by M.
 """
@@ -14,7 +15,7 @@ import numpy as np
 
 from core.opdefs import matmul_nbits_supports
 from providers.cuda.module import ctype, function
-from providers.cuda.ops import NULL, _mma, row_slices, rows_of
+from providers.cuda.ops import NULL, _mma, array_module, row_slices, rows_of
 from providers.cuda.ops._linear import config, i32
 
 OP_TYPE = "MatMulNBits"
@@ -35,8 +36,48 @@ def run(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
     if g_idx is not None:
         raise ValueError("MatMulNBits: g_idx is not supported")
     y = ctx.output(0, (*a.shape[:-1], int(ctx.node.attrs["N"])), a.dtype)
-    launch(ctx.node.attrs, a, b, scales, zero_points, bias, y)
+    prepared = ctx.cache.get(_mma.INT4_PREPARED)
+    if prepared is not None:  # b, scales, zero_points: the packed weights (_mma.Int4Weights)
+        k, n, bs = prepared
+        if a.shape[-1] != k or a.dtype != np.float16:
+            raise ValueError(f"MatMulNBits (cuda): A {a.dtype}{a.shape} for prepared fp16 weights, K={k}")
+        if bias is not None and bias.dtype != a.dtype:
+            raise ValueError("MatMulNBits: bias dtype must match A")
+        if a.size:
+            w = _mma.Int4Weights(b, scales, zero_points, n, k, bs)
+            _mma.nbits4(_mma.contiguous(ctx, a), w, bias, y, a.size // k, NULL)
+        return (y,)
+    launch(ctx.node.attrs, a, b, scales, zero_points, bias, y, ctx)
     return (y,)
+
+
+def prepare(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
+    """Plan-time hook (core.ops): where the tensor-core kernel applies to every call (fp16 A,
+    as declared or else as the scales' dtype, which ORT's schema gives A too; the static
+    conditions of :func:`mma_config`), inputs 1..3 become the packed codes, scales and zero
+    points (``_mma.prepare_int4``, shared with the tied embedding's lookup) and
+    ctx.cache[_mma.INT4_PREPARED] = (K, N, block_size). None (nothing prepared) for fed weights or a
+    configuration ``run`` would reject."""
+    node = ctx.node
+    names = list(node.inputs) + [""] * 6
+    if b is None or scales is None or (names[3] and zero_points is None) or names[4]:
+        return None
+    dtype = node.input_dtypes[0] if node.input_dtypes else None
+    if (scales.dtype if dtype is None else dtype) != np.float16:
+        return None
+    try:
+        k, n, bits, bs, nb = geometry(node.attrs, None, b, scales)
+        _, zp_mode, _ = zero_point_mode(zero_points, np.dtype(np.float16), n, nb)
+    except ValueError:
+        return None  # run() raises it on the raw inputs
+    if not mma_config(np.dtype(np.float16), bits, k, bs, zp_mode):
+        return None
+    w = _mma.prepare_int4(ctx, b, scales, zero_points, n, k, bs)
+    ctx.cache[_mma.INT4_PREPARED] = (k, n, bs)
+    changes = {1: w.codes, 2: w.scales}
+    if zero_points is not None:
+        changes[3] = w.zq
+    return changes
 
 
 def zero_point_mode(zero_points, a_dtype, n: int, nb: int):
@@ -88,8 +129,10 @@ def geometry(attrs: dict, a, b, scales) -> tuple[int, int, int, int, int]:
     return k, n, bits, bs, nb
 
 
-def launch(attrs: dict, a, b, scales, zero_points, bias, y) -> None:
-    """y = a @ dequant(b)^T (+ bias) into ``y`` [..., N] (checks as in the module docstring).
+def launch(attrs: dict, a, b, scales, zero_points, bias, y, ctx=None) -> None:
+    """y = a @ dequant(b)^T (+ bias) into ``y`` [..., N] (checks as in the module docstring),
+    for raw MatMulNBits weights; on the tensor-core kernel they are packed first
+    (``_mma.unprepared_int4``, kept in ``ctx``'s cache while the same weights come back).
 
     Raises:
         ValueError: shapes that do not match the attributes (:func:`geometry`), or unsupported
@@ -104,7 +147,9 @@ def launch(attrs: dict, a, b, scales, zero_points, bias, y) -> None:
         return
     t, s = ctype(a.dtype), ctype(scales.dtype)
     if uses_mma(a, bits, k, bs, zp_mode):
-        _mma.nbits4(a, b, scales, zp, zp_mode, zp_stride, bias, y, m, n, k, bs, s, NULL)
+        w = (_mma.unprepared_int4(ctx, b, scales, zero_points, n, k, bs) if ctx is not None
+             else _mma.pack_int4(array_module(b), b, scales, zero_points, n, k, bs))
+        _mma.nbits4(a, w, bias, y, m, NULL)
         return
     for r0, r1 in row_slices(m, 8):
         rt, grid, block, shared = config(r1 - r0, n, nb)

@@ -120,26 +120,21 @@ def _dense_launch(ctx, k: int, weights):
 
 def _int4_launch(ctx, x, weights):
     """(N, launch(x, y, m, norm)) of an int4 projection on the tensor-core kernel with fp16
-    scales (MatMulNBits without g_idx or bias; SiluGatedMatMulNBits with prepared, interleaved
-    weights), else None (the two parts then run, and raise on bad inputs)."""
+    scales and prepared (packed) weights (MatMulNBits without g_idx or bias; SiluGatedMatMulNBits
+    with its gate/up pair interleaved), else None (the two parts then run, and raise on bad
+    inputs)."""
     attrs, k = ctx.node.attrs, x.shape[-1]
     if attrs["consumer"] == "SiluGatedMatMulNBits":
         prepared = ctx.cache.get(silu_gated_matmul_nbits.PREPARED)
         if prepared is None or prepared[0] != k or weights[1].dtype != np.float16:
             return None
-        _, n, bs, zp_mode, zp_stride = prepared
-        b, s, z = weights[:3]
-        return n, lambda x, y, m, norm: _mma.nbits4(x, b, s, NULL if z is None else z, zp_mode, zp_stride, None, y, m,
-                                                    _mma.glu_width(n), k, bs, "__half", NULL, glu_out=n, norm=norm)
+        n, bs = prepared[1:]
+        w = _mma.Int4Weights(weights[0], weights[1], weights[2], _mma.glu_width(n), k, bs)
+        return n, lambda x, y, m, norm: _mma.nbits4(x, w, None, y, m, NULL, glu_out=n, norm=norm)
     b, s, z, g_idx, proj_bias = (list(weights) + [None] * 5)[:5]
-    if g_idx is not None or proj_bias is not None or s.dtype != np.float16:
+    prepared = ctx.cache.get(_mma.INT4_PREPARED)
+    if prepared is None or prepared[0] != k or g_idx is not None or proj_bias is not None or s.dtype != np.float16:
         return None
-    try:
-        k, n, bits, bs, nb = matmul_nbits.geometry(attrs, x, b, s)
-        zp, zp_mode, zp_stride = matmul_nbits.zero_point_mode(z, x.dtype, n, nb)
-    except ValueError:
-        return None
-    if not matmul_nbits.uses_mma(x, bits, k, bs, zp_mode):
-        return None
-    return n, lambda x, y, m, norm: _mma.nbits4(x, b, s, zp, zp_mode, zp_stride, None, y, m, n, k, bs, "__half", NULL,
-                                                norm=norm)
+    n, bs = prepared[1:]
+    w = _mma.Int4Weights(b, s, z, n, k, bs)
+    return n, lambda x, y, m, norm: _mma.nbits4(x, w, None, y, m, NULL, norm=norm)

@@ -4,20 +4,19 @@ MatMulNBits(X, up)) with the MatMulNBits attributes shared by both projections (
 Inputs: X, B_gate, scales_gate, zero_points_gate (or absent), B_up, scales_up, zero_points_up
 (graph constants of equal shapes and dtypes). Where MatMulNBits would use the tensor-core
 int4 kernel: ONE launch over the gate and up rows interleaved in groups of 8 features
-(``_mma.glu_rows``; codes, scales and zero points interleaved once at plan time by
-:func:`prepare`) with the SiluMul in its epilogue, bitwise the unfused MatMulNBits,
+(``_mma.glu_rows``; codes, scales and zero points interleaved and packed (``_mma.pack_int4``)
+once at plan time by :func:`prepare`) with the SiluMul in its epilogue, bitwise the unfused MatMulNBits,
 MatMulNBits, SiluMul of this provider. Otherwise those three kernels run in turn.
 """
 
 import numpy as np
 
 from core.opdefs import gate_view
-from providers.cuda.module import ctype
 from providers.cuda.ops import NULL, _mma, array_module, matmul_nbits, silu_mul
 
 OP_TYPE = "SiluGatedMatMulNBits"
 DOMAIN = "lockstep"
-#: ctx.cache key of a prepared node: (K, N, block_size, zp_mode, zp_stride).
+#: ctx.cache key of a prepared node: (K, N, block_size).
 PREPARED = "glu_prepared"
 
 
@@ -45,7 +44,7 @@ def prepare(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
     (fp16 X, as declared or else as the scales' dtype, which ORT's schema gives A too; the
     static conditions of ``matmul_nbits.mma_config``), inputs 1..3 become the interleaved
     codes, scales and zero points (:func:`interleave`), inputs 4..6 are dropped and
-    ctx.cache[PREPARED] = (K, N, block_size, zp_mode, zp_stride). Returns None (nothing
+    ctx.cache[PREPARED] = (K, N, block_size). Returns None (nothing
     prepared) for fed weights or a configuration ``run`` would reject."""
     node = ctx.node
     weights = (b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up)
@@ -57,57 +56,62 @@ def prepare(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
     try:
         k, n, bits, bs, nb = matmul_nbits.geometry(node.attrs, None, b_gate, scales_gate)
         _check_pair(*weights)
-        _, zp_mode, zp_stride = matmul_nbits.zero_point_mode(zp_gate, np.dtype(np.float16), n, nb)
+        _, zp_mode, _ = matmul_nbits.zero_point_mode(zp_gate, np.dtype(np.float16), n, nb)
     except ValueError:
         return None  # run() raises it on the raw inputs
     if not matmul_nbits.mma_config(np.dtype(np.float16), bits, k, bs, zp_mode):
         return None
-    b, s, z = interleave(array_module(b_gate), n, ((b_gate, b_up), (scales_gate, scales_up), (zp_gate, zp_up)))
-    ctx.cache[PREPARED] = (k, n, bs, zp_mode, zp_stride)
-    changes = {1: b, 2: s, 4: None, 5: None}
-    if z is not None:
-        changes.update({3: z, 6: None})
+    w = packed(array_module(b_gate), n, k, bs, weights)
+    ctx.cache[PREPARED] = (k, n, bs)
+    changes = {1: w.codes, 2: w.scales, 4: None, 5: None}
+    if zp_gate is not None:
+        changes.update({3: w.zq, 6: None})
     return changes
 
 
-def _unprepared(ctx, n: int, pairs):
-    """:func:`interleave` of raw weights passed to the kernel (no prepare: direct calls, fed
+def packed(xp, n: int, k: int, bs: int, weights) -> "_mma.Int4Weights":
+    """The raw (gate codes, scales, zero points, up codes, scales, zero points) interleaved
+    (:func:`interleave`) and packed (``_mma.pack_int4``) as one weight of glu_width(N) rows."""
+    b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up = weights
+    b, s, z = interleave(xp, n, ((b_gate, b_up), (scales_gate, scales_up), (zp_gate, zp_up)))
+    return _mma.pack_int4(xp, b, s, z, _mma.glu_width(n), k, bs)
+
+
+def _unprepared(ctx, n: int, k: int, bs: int, weights) -> "_mma.Int4Weights":
+    """:func:`packed` of raw weights passed to the kernel (no prepare: direct calls, fed
     weights), kept while the same objects come back (by identity, references held; never by
     device pointer)."""
-    flat = tuple(x for pair in pairs for x in pair)
     hit = ctx.cache.get("glu_unprepared")
-    if hit is not None and all(a is b for a, b in zip(hit[0], flat)):
-        return hit[1]
-    out = interleave(array_module(pairs[0][0]), n, pairs)
-    ctx.cache["glu_unprepared"] = (flat, out)
+    if hit is not None and len(hit[0]) == len(weights) and all(a is b for a, b in zip(hit[0], weights)) \
+            and hit[1] == (n, k, bs):
+        return hit[2]
+    out = packed(array_module(weights[0]), n, k, bs, weights)
+    ctx.cache["glu_unprepared"] = (tuple(weights), (n, k, bs), out)
     return out
 
 
 def run(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
     prepared = ctx.cache.get(PREPARED)
-    if prepared is not None:  # inputs 1..3 interleaved gate/up (zp None when absent), 4..6 None
-        k, n, bs, zp_mode, zp_stride = prepared
+    if prepared is not None:  # inputs 1..3 the packed gate/up pair (zq None when absent), 4..6 None
+        k, n, bs = prepared
         if x.shape[-1] != k or x.dtype != np.float16:
             raise ValueError(f"SiluGatedMatMulNBits (cuda): X {x.dtype}{x.shape} for prepared fp16 weights, K={k}")
         y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
         if x.size:
-            _mma.nbits4(_mma.contiguous(ctx, x), b_gate, scales_gate, NULL if zp_gate is None else zp_gate, zp_mode,
-                        zp_stride, None, y, x.size // k, _mma.glu_width(n), k, bs, ctype(scales_gate.dtype), NULL,
-                        glu_out=n)
+            w = _mma.Int4Weights(b_gate, scales_gate, zp_gate, _mma.glu_width(n), k, bs)
+            _mma.nbits4(_mma.contiguous(ctx, x), w, None, y, x.size // k, NULL, glu_out=n)
         return (y,)
     attrs = ctx.node.attrs
     k, n, bits, bs, nb = matmul_nbits.geometry(attrs, x, b_gate, scales_gate)
     _check_pair(b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up)
-    _, zp_mode, zp_stride = matmul_nbits.zero_point_mode(zp_gate, x.dtype, n, nb)
+    _, zp_mode, _ = matmul_nbits.zero_point_mode(zp_gate, x.dtype, n, nb)
     y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
     m = x.size // k
     if m == 0:
         return (y,)
     if matmul_nbits.uses_mma(x, bits, k, bs, zp_mode):
-        b, s, z = _unprepared(ctx, n, ((b_gate, b_up), (scales_gate, scales_up),
-                                       (None, None) if zp_gate is None else (zp_gate, zp_up)))
-        _mma.nbits4(x, b, s, NULL if z is None else z, zp_mode, zp_stride, None, y, m, _mma.glu_width(n), k, bs,
-                    ctype(s.dtype), NULL, glu_out=n)
+        w = _unprepared(ctx, n, k, bs, (b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up))
+        _mma.nbits4(x, w, None, y, m, NULL, glu_out=n)
         return (y,)
     gate, up = ctx.output("gate", y.shape, x.dtype), ctx.output("up", y.shape, x.dtype)
     matmul_nbits.launch(attrs, x, b_gate, scales_gate, zp_gate, None, gate)
