@@ -102,7 +102,7 @@ from onnx import helper, numpy_helper
 
 from core import fusion
 from core.opdefs import constant_supports, constant_value, is_host
-from core.ops import PREPARE_SHARED, OpTable
+from core.ops import PREPARE_SHARED, STORAGE_NAMES, OpTable
 from core.protocol import ExecutionProvider, Kernel, KernelContext, NodeInfo
 
 HOST_CONSTANT_MAX = 64
@@ -533,7 +533,7 @@ class Plan:
         kept: set[str] = set(self.output_names)  # constants a processed node still reads as they are
         replaced: set[str] = set()
         names: dict[int, str] = {}  # id of a prepared value -> its constant name (shared forms)
-        shared: dict = {}  # ctx.cache[PREPARE_SHARED] of every hook of this pass
+        shared: dict = {STORAGE_NAMES: self._storage_names()}  # ctx.cache[PREPARE_SHARED] of every hook
         for i in self._prepare_order():
             node = self.nodes[i]
             hook = lookup(node)
@@ -558,6 +558,17 @@ class Plan:
         for name in replaced - still_read:
             self._drop(name)
         return made
+
+    def _storage_names(self) -> dict[str, str]:
+        """{constant: the first constant (in name order) over the same storage}, for the uploaded
+        constants (core.ops.STORAGE_NAMES). Every value is alive while this runs, so the ids of
+        their storages are distinct; the result holds names only."""
+        first: dict[int, str] = {}
+        out: dict[str, str] = {}
+        for name in sorted(self.constants):
+            if name not in self._pending:
+                out[name] = first.setdefault(id(storage(self.constants[name])), name)
+        return out
 
     def _prepare_order(self) -> list[int]:
         """:attr:`steps` with the later readers of a weight moved up behind its first reader (the

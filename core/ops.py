@@ -23,8 +23,10 @@ executor checks this, :class:`core.executor.KernelOutputError`), and optionally:
   prepare pass (removed afterwards): hooks of different nodes that derive the same form of
   one constant store it there under a key naming the constant (``ctx.node.inputs[j]``) and
   return that same object, which the executor then keeps once (the cuda provider's tied
-  embedding and lm_head read one packed weight). A weight is uploaded just before the first
-  hook that receives it, and dropped once its last reader has replaced it.
+  embedding and lm_head read one packed weight). A constant that is a view of another (a
+  folded Reshape of a weight) is named there by the constant it views (:func:`storage_name`).
+  Never key on an object's id: a weight is uploaded just before the first hook that receives
+  it, and dropped once its last reader has replaced it, so ids are reused during the pass.
 
 Modules whose name starts with "_" are helpers. The table is built by
 introspecting the package (the registry comes from the modules, not a hand-kept
@@ -44,6 +46,18 @@ from core.protocol import Kernel, NodeInfo
 
 #: ``ctx.cache`` key of the dict a prepare pass shares between its hooks (module docstring).
 PREPARE_SHARED = "prepare_shared"
+#: Key, in that shared dict, of {constant name: the name of the constant whose storage it is a
+#: view of (its own name when it owns its storage)}, as the pass began: hooks that share a form
+#: of one weight read under two names (the builder's tied int4 table and its reshaped view) key
+#: it by :func:`storage_name`.
+STORAGE_NAMES = "storage_names"
+
+
+def storage_name(ctx, name: str) -> str:
+    """The constant whose storage constant ``name`` views (``name`` itself when none, or outside
+    a prepare pass), by :data:`STORAGE_NAMES`."""
+    shared = ctx.cache.get(PREPARE_SHARED) or {}
+    return shared.get(STORAGE_NAMES, {}).get(name, name)
 
 
 class OpTable:

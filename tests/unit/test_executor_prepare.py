@@ -196,3 +196,33 @@ def test_a_constant_viewing_another_is_one_weight_counted_once_and_never_streame
     assert w.aliases == (codes,) and w.readers == 2
     budget = residency.budget_for(weights, 0.9)  # stream as much as the policy lets
     assert view not in residency.plan_residency(weights, budget).streamed
+
+
+class SeeingStorageNames(ViewingReshape):
+    """ViewingReshape with a prepare hook on every node that records the pass's storage names."""
+
+    seen: dict = {}
+
+    def prepare(self, node):
+        def hook(ctx, *inputs):
+            from core.ops import PREPARE_SHARED, STORAGE_NAMES, storage_name
+
+            names = ctx.cache[PREPARE_SHARED][STORAGE_NAMES]
+            SeeingStorageNames.seen.update({x: storage_name(ctx, x) for x in node.inputs if x in names})
+            return None
+
+        return hook
+
+
+def test_prepare_hooks_see_a_view_named_by_the_constant_it_views(tmp_path):
+    """The builder's tied int4 table: the lookup reads a folded Reshape of the lm_head's codes.
+    During the prepare pass both names lead to the codes' name (core.ops.STORAGE_NAMES), so hooks
+    can share one prepared form by name; every other constant names itself."""
+    model, _ = _tiny(tmp_path, "float16", "int4")
+    SeeingStorageNames.seen = {}
+    Plan(model.graph, model.initializers, SeeingStorageNames())
+    seen = SeeingStorageNames.seen
+    codes, view = "lm_head.MatMul.weight_Q4", "/model/embed_tokens/Reshape/output_0"
+    assert seen[view] == seen[codes] == min(codes, view)
+    assert all(root == name for name, root in seen.items() if name not in (codes, view))
+    assert len(seen) > 2  # weights still on the host (uploaded at their hook) are not views

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from core.executor import storage
-from core.ops import PREPARE_SHARED
+from core.ops import PREPARE_SHARED, STORAGE_NAMES
 from core.protocol import KernelContext, NodeInfo
 from providers.cuda.ops import _mma, gather_block_quantized, matmul_nbits
 
@@ -162,14 +162,16 @@ def _ctx(op, inputs, attrs, dtypes, shared):
 
 def test_a_tied_table_and_its_lm_head_share_one_packed_weight():
     """The builder's tied int4 embedding: the lookup reads a reshaped view of the lm_head's codes
-    and the same scales. Both hooks of one prepare pass return the same packed objects, so the
-    executor keeps one table."""
+    and the same scales. Both hooks of one prepare pass return the same packed objects (keyed by
+    the names of the constants viewed), so the executor keeps one table; another weight of the
+    same shape, freed and replaced during the pass, never finds it."""
     rng = np.random.default_rng(3)
     v, d, bs = 64, 128, 32
     q, s, _ = _raw(rng, v, d, bs, False)
     table = q.reshape(v, d // 2)  # a view: the folded Reshape of a device provider
     assert storage(table) is storage(q)
-    shared: dict = {}
+    # the pass's storage names (core.executor: the view is named by the constant it views)
+    shared: dict = {STORAGE_NAMES: {"q": "q", "q2": "q", "s": "s", "q3": "q3"}}
     attrs = {"K": d, "N": v, "bits": 4, "block_size": bs}
     head = matmul_nbits.prepare(_ctx("MatMulNBits", ("x", "q", "s"), attrs, (np.float16,), shared), None, q, s)
     lookup_ctx = _ctx("GatherBlockQuantized", ("q2", "ids", "s"), {"bits": 4, "block_size": bs}, (np.uint8,), shared)

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from core.ops import PREPARE_SHARED
+from core.ops import PREPARE_SHARED, storage_name
 from providers.cuda import env
 from providers.cuda.module import ctype, function, multiprocessors
 from providers.cuda.ops import MAX_GRID_Y, array_module, row_slices, rows_of
@@ -587,17 +587,16 @@ def pack_int4(xp, q, scales, zp, n: int, k: int, bs: int) -> Int4Weights:
 INT4_PREPARED = "int4_prepared"
 
 
-def prepare_int4(ctx, q, scales, zp, n: int, k: int, bs: int) -> Int4Weights:
+def prepare_int4(ctx, q, scales, zp, n: int, k: int, bs: int, names: tuple[str, ...]) -> Int4Weights:
     """The prepare hooks' packing of raw int4 weights (MatMulNBits, the tied embedding's
     GatherBlockQuantized): :func:`pack_int4`, made once per prepare pass for one set of
     constants and the same objects returned to every hook that asks (the lm_head and the
     lookup of a tied table, whose codes are one storage under two names), so the table is
-    resident once. Keyed by the constants' storage objects, alive for the whole pass, never
-    by a device pointer."""
-    from core.executor import storage
-
+    resident once. ``names``: the constants q, scales and zp are ("" for absent zero points),
+    keyed by the constants they view (``core.ops.storage_name``), never by object ids or device
+    pointers (a weight a hook replaced is freed during the pass, and its id reused)."""
     shared = ctx.cache.get(PREPARE_SHARED)
-    key = ("int4.pack", id(storage(q)), id(storage(scales)), None if zp is None else id(storage(zp)), n, k, bs)
+    key = ("int4.pack", *(storage_name(ctx, x) if x else "" for x in names), n, k, bs)
     packed = None if shared is None else shared.get(key)
     if packed is None:
         packed = pack_int4(array_module(q), q, scales, zp, n, k, bs)

@@ -72,7 +72,7 @@ def prepare(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
         return None  # run() raises it on the raw inputs
     if not mma_config(np.dtype(np.float16), bits, k, bs, zp_mode):
         return None
-    w = _mma.prepare_int4(ctx, b, scales, zero_points, n, k, bs)
+    w = _mma.prepare_int4(ctx, b, scales, zero_points, n, k, bs, tuple(names[1:4]))
     ctx.cache[_mma.INT4_PREPARED] = (k, n, bs)
     changes = {1: w.codes, 2: w.scales}
     if zero_points is not None:
