@@ -58,7 +58,7 @@ SWITCHES: dict[str, tuple] = {
     "LOCKSTEP_CUDA_PDL_TRIGGER": ("entry", ("entry", "late")),
     "LOCKSTEP_CUDA_PDL_ROWS": ("16", ("1", "8", "16", "32", "all")),
     "LOCKSTEP_CUDA_GEMM_PIPELINE": ("auto", ("auto", "all", "off")),
-    "LOCKSTEP_CUDA_GEMM_WIDE": ("dense", ("dense", "all", "off")),
+    "LOCKSTEP_CUDA_GEMM_WIDE": ("auto", ("auto", "dense", "all", "off")),
     "LOCKSTEP_CUDA_GEMM_SPLIT": ("auto", ("auto", "off")),
     "LOCKSTEP_CUDA_GEMM_TOKEN_TILES": ("auto", ("auto", "1", "2", "4")),
 }

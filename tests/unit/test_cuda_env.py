@@ -64,7 +64,7 @@ def test_every_switch_has_a_default_that_parses(monkeypatch):
     for name in env.SWITCHES:
         monkeypatch.delenv(name, raising=False)
     env.check_all()
-    assert {name: env.switch(name) for name in env.SWITCHES}["LOCKSTEP_CUDA_GEMM_WIDE"] == "dense"
+    assert {name: env.switch(name) for name in env.SWITCHES}["LOCKSTEP_CUDA_GEMM_WIDE"] == "auto"
 
 
 def test_every_switch_is_documented_and_named_in_the_profile_titles():

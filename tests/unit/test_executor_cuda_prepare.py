@@ -260,9 +260,11 @@ def test_the_default_switches_pick_the_measured_schedules(launches, monkeypatch)
         monkeypatch.setattr(_mma, "PIPELINE", value)
         assert (_mma.pipelined(40, False, 8), _mma.pipelined(40, False, 1, norm=True), _mma.pipelined(40, False, 32),
                 _mma.pipelined(40, True, 32)) == (one_row, prologue, tiles4, int4)
-    for value, dense, int4 in (("off", False, False), ("all", True, True), ("dense", True, False)):
+    for value, dense, int4, int4_32 in (("off", False, False, False), ("all", True, True, True),
+                                        ("dense", True, False, False), ("auto", True, True, False)):
         monkeypatch.setattr(_mma, "WIDE", value)
         assert (_mma.wide_dense_applies(64, 96), _mma.wide_int4_applies(64, 128)) == (dense, int4)
+        assert _mma.wide_int4_applies(32, 128) == int4_32  # int4 tiles from 32 rows under "all" only
 
 
 

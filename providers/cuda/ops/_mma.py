@@ -63,10 +63,15 @@ PIPELINE = env.switch("LOCKSTEP_CUDA_GEMM_PIPELINE")
 #: Which projections take the tiled kernels for launches of at least :data:`WIDE_ROWS` rows
 #: (kernels/linear_mma.cu ``mma_wide`` for dense fp16, ``mma_wide4`` for int4: 64-token x
 #: 64/128-feature block tiles staged in shared memory), bitwise the row kernels' results:
-#: "dense" (default), "all" or "off" (``LOCKSTEP_CUDA_GEMM_WIDE``). Measured, the dense tiles
-#: made batch 256 1.2-1.6x faster, and the int4 ones were slower than ``mma_nbits4``.
+#: "auto" (default: dense launches, and int4 launches of at least :data:`WIDE4_ROWS` rows),
+#: "dense", "all" or "off" (``LOCKSTEP_CUDA_GEMM_WIDE``). Measured, the dense tiles made batch
+#: 256 1.2-1.6x faster; the int4 tiles were slower than ``mma_nbits4`` on the raw MatMulNBits
+#: bytes, and on the packed layout made Llama-3.2-1B int4 19-20% faster at 64 and 256 rows and
+#: SmolLM2-135M int4 13% at 256 (-2% at 64; docs/benchmarks/kernels.md section 17).
 WIDE = env.switch("LOCKSTEP_CUDA_GEMM_WIDE")
 WIDE_ROWS = 32
+#: Fewest rows of an int4 launch that takes ``mma_wide4`` under "auto" (measured from 64).
+WIDE4_ROWS = 64
 #: Launches of more than WIDE32_MIN_ROWS and at most 32 rows take the one-token-warp tiles
 #: (``mma_wide<F, GLU, 1>``: 32 tokens x 64 F features a block) where K is at least WIDE32_MIN_K
 #: and the grid has at least WIDE32_FILL blocks per multiprocessor (:func:`wide32_config`).
@@ -298,16 +303,17 @@ def wide32_config(m: int, n: int, k: int) -> tuple[int, tuple, tuple, int] | Non
 
 
 def wide_dense_applies(m: int, k: int) -> bool:
-    """Whether a dense launch of m rows takes ``mma_wide``: :data:`WIDE` "dense" or "all", at
+    """Whether a dense launch of m rows takes ``mma_wide``: :data:`WIDE` "auto", "dense" or "all", at
     least :data:`WIDE_ROWS` rows and K a multiple of 8."""
     return WIDE != "off" and m >= WIDE_ROWS and k % 8 == 0
 
 
 def wide_int4_applies(m: int, k: int) -> bool:
-    """Whether an int4 launch of m rows takes ``mma_wide4``: :data:`WIDE` "all", at least
-    :data:`WIDE_ROWS` rows and K a multiple of 16 (the packed codes are whole 16-row x 64-k
-    chunks)."""
-    return WIDE == "all" and m >= WIDE_ROWS and k % 16 == 0
+    """Whether an int4 launch of m rows takes ``mma_wide4``: at least :data:`WIDE_ROWS` rows
+    under :data:`WIDE` "all", :data:`WIDE4_ROWS` under "auto", and K a multiple of 16 (the
+    packed codes are whole 16-row x 64-k chunks)."""
+    least = {"all": WIDE_ROWS, "auto": WIDE4_ROWS}.get(WIDE)
+    return least is not None and m >= least and k % 16 == 0
 
 
 def pipelined(n: int, int4: bool, m: int = 1, norm: bool = False) -> bool:
