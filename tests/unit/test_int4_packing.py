@@ -129,11 +129,12 @@ def test_the_packed_lookup_reads_the_raw_rows(zp):
     r = rows[:, None]
     nt, hi, g = r >> 4, (r >> 3) & 1, r & 7
     t, vt, i0, i1 = (col >> 2) & 3, (col >> 4) & 3, col & 1, (col >> 1) & 1
-    byte = w.codes[((nt * nc + (col >> 6)) * 32 + g * 4 + t) * 16 + vt * 4 + 2 * i0 + i1]
+    codes, scales = w.codes.reshape(-1), w.scales.reshape(-1)  # the kernel reads flat pointers
+    byte = codes[((nt * nc + (col >> 6)) * 32 + g * 4 + t) * 16 + vt * 4 + 2 * i0 + i1]
     code = (byte >> (4 * hi)) & 15
     si = ((nt * nbp + (col >> lbs)) * 8 + g) * 2 + hi
-    zero = 8.0 if w.zq is None else w.zq[si].astype(np.float32) - 1024
-    got = ((code.astype(np.float32) - zero) * w.scales[si].astype(np.float32)).astype(np.float16)
+    zero = 8.0 if w.zq is None else w.zq.reshape(-1)[si].astype(np.float32) - 1024
+    got = ((code.astype(np.float32) - zero) * scales[si].astype(np.float32)).astype(np.float16)
     nb = -(-d // bs)
     want = ((_codes(q, v)[rows, :d] - np.repeat(_zero_points(z, v, nb), bs, 1)[rows, :d]).astype(np.float32)
             * np.repeat(s.astype(np.float32), bs, 1)[rows, :d]).astype(np.float16)
@@ -150,6 +151,8 @@ def test_aligned_weights_pack_to_their_own_bytes():
         w = _mma.pack_int4(np, q, s, z, n, k, bs)
         assert w.codes.nbytes == q.nbytes and w.scales.nbytes == s.nbytes and w.zq.size == s.size
         assert _mma.int4_blocks(k, bs) == k // bs
+        # shaped rows x per-row bytes, so a lookup's rows are counted at their size
+        assert w.codes.shape == (n, k // 2) and w.scales.shape == s.shape and w.codes.flags.c_contiguous
 
 
 def _ctx(op, inputs, attrs, dtypes, shared):

@@ -508,10 +508,15 @@ class Int4Weights(NamedTuple):
     block ``bs``.
 
     Attributes:
-        codes: uint8 [ceil(n/16) * ceil(k/64) * 512]: 512 bytes per 16-row x 64-k chunk, 16 per lane.
-        scales: fp16 or fp32 (the model's) [ceil(n/16) * 16 * :func:`int4_blocks`], per row and block.
-        zq: fp16 of the scales' size, 1024 + the zero point; None without zero points (8).
+        codes: uint8 [16 ceil(n/16), 32 ceil(k/64)]: 512 bytes per 16-row x 64-k chunk, 16 per lane.
+        scales: fp16 or fp32 (the model's) [16 ceil(n/16), :func:`int4_blocks`], per row and block.
+        zq: fp16 of the scales' shape, 1024 + the zero point; None without zero points (8).
         n, k, bs: the weight's rows, K and block_size.
+
+    The arrays are contiguous and their elements run in the packed order, not row-major: the
+    kernels take them as flat pointers. Their 2-D shapes (padded rows x bytes or blocks per row)
+    keep per-row byte counts right for whoever divides by rows (the kernel profile's gathered
+    rows of a lookup table).
     """
 
     codes: Any
@@ -586,7 +591,9 @@ def pack_int4(xp, q, scales, zp, n: int, k: int, bs: int) -> Int4Weights:
         blk = xp.arange(nb)
         z = (zp.reshape(n, -1)[:, blk // 2] >> (4 * (blk % 2)).astype(xp.uint8)) & 15
         zq = per_block((z.astype(xp.float32) + 1024).astype(xp.float16), 1032)
-    return Int4Weights(codes.reshape(-1), per_block(scales.reshape(n, nb), 0), zq, n, k, bs)
+    rows = 16 * tiles
+    return Int4Weights(codes.reshape(rows, -1), per_block(scales.reshape(n, nb), 0).reshape(rows, -1),
+                       None if zq is None else zq.reshape(rows, -1), n, k, bs)
 
 
 #: ctx.cache key of an int4 node whose weights prepare() packed: (K, N, block_size) (N: the output features).
