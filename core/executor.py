@@ -134,6 +134,24 @@ def storage(value: Any) -> Any:
         root = base
 
 
+def _bytes_key(value: Any) -> tuple:
+    """What identifies the bytes ``value`` shows, in order: its storage, its offset there, its
+    size and, unless C-contiguous, its shape and strides (two C-contiguous views of one range
+    show the same bytes in the same order, whatever their shapes)."""
+    root = storage(value)
+
+    def address(a: Any) -> int:
+        ptr = getattr(getattr(a, "data", None), "ptr", None)  # CuPy
+        if ptr is None:
+            ptr = getattr(a, "__array_interface__", {}).get("data", (0,))[0]  # NumPy
+        return int(ptr)
+
+    flags = getattr(value, "flags", None)
+    contiguous = bool(getattr(flags, "c_contiguous", True))
+    key: tuple = (id(root), address(value) - address(root), int(getattr(value, "nbytes", 0)), contiguous)
+    return key if contiguous else (*key, tuple(getattr(value, "shape", ())), tuple(getattr(value, "strides", ())))
+
+
 class WeightRead(NamedTuple):
     """A constant read by a per-step node (:meth:`Plan.weight_reads`).
 
@@ -494,6 +512,10 @@ class Plan:
                 self._check_outputs(step, outs)
                 self.constants.update((n, v) for n, v in zip(node.outputs, outs) if n)
                 consumed.update(x for x in node.inputs if x)
+                # a folded node never runs again: what its context kept (a replay memo of its
+                # inputs, output buffers) must not keep a weight alive once hooks replace it
+                step.ctx.cache.clear()
+                step.ctx.release()
             else:
                 steps.append(i)
         read = {x for i in steps for x in self.nodes[i].inputs} | set(self.output_names)
@@ -560,14 +582,16 @@ class Plan:
         return made
 
     def _storage_names(self) -> dict[str, str]:
-        """{constant: the first constant (in name order) over the same storage}, for the uploaded
-        constants (core.ops.STORAGE_NAMES). Every value is alive while this runs, so the ids of
-        their storages are distinct; the result holds names only."""
-        first: dict[int, str] = {}
+        """{constant: the first constant (in name order) holding the same bytes in the same
+        order}, for the uploaded constants (core.ops.STORAGE_NAMES): a contiguous view of a whole
+        weight (a folded Reshape) is named by that weight; a slice or a transposed view is not.
+        Every value is alive while this runs, so the ids of their storages are distinct; the
+        result holds names only."""
+        first: dict[tuple, str] = {}
         out: dict[str, str] = {}
         for name in sorted(self.constants):
             if name not in self._pending:
-                out[name] = first.setdefault(id(storage(self.constants[name])), name)
+                out[name] = first.setdefault(_bytes_key(self.constants[name]), name)
         return out
 
     def _prepare_order(self) -> list[int]:

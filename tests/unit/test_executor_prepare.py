@@ -226,3 +226,43 @@ def test_prepare_hooks_see_a_view_named_by_the_constant_it_views(tmp_path):
     assert seen[view] == seen[codes] == min(codes, view)
     assert all(root == name for name, root in seen.items() if name not in (codes, view))
     assert len(seen) > 2  # weights still on the host (uploaded at their hook) are not views
+
+
+class MemoizingReshape(ViewingReshape):
+    """ViewingReshape whose Reshape also keeps its input in its context and writes a buffer, as
+    the cuda provider's eager replay memo (``ctx.cache["_replay"]``) and ``ctx.output`` do."""
+
+    def kernel(self, node):
+        view = super().kernel(node)
+        if node.op_type != "Reshape":
+            return view
+
+        def memo(ctx, data, shape):
+            ctx.cache["_memo"] = (data,)
+            ctx.output("scratch", (4,), np.float32)
+            return view(ctx, data, shape)
+
+        return memo
+
+
+def test_a_folded_node_keeps_nothing_of_its_inputs(tmp_path):
+    """A folded node never runs again, so its context is emptied after the fold: a memo of its
+    inputs (the tied int4 table's raw codes, on cuda) must not outlive the prepare hooks that
+    replace them."""
+    model, _ = _tiny(tmp_path, "float16", "int4")
+    plan = Plan(model.graph, model.initializers, MemoizingReshape())
+    folded = [i for i, n in enumerate(plan.nodes) if n.op_type == "Reshape" and i not in plan.steps]
+    assert folded  # the tied table's Reshape was folded
+    for i in folded:
+        assert plan.contexts[i].cache == {} and plan.contexts[i].buffer_bytes() == 0
+
+
+def test_storage_names_join_whole_contiguous_views_only():
+    """Two constants get one storage name only when they show the same bytes in the same order:
+    a reshape of a whole weight does; a slice or a transposed view of it does not."""
+    from core.executor import _bytes_key
+
+    w = np.arange(48, dtype=np.float16).reshape(6, 8)
+    assert _bytes_key(w.reshape(12, 4)) == _bytes_key(w) == _bytes_key(w.reshape(-1))
+    assert _bytes_key(w[:3]) != _bytes_key(w) and _bytes_key(w[3:]) != _bytes_key(w[:3])
+    assert _bytes_key(w.T) != _bytes_key(w) and _bytes_key(w.copy()) != _bytes_key(w)

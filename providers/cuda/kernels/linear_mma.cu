@@ -522,7 +522,8 @@ __global__ void __launch_bounds__(128 * TW, 4 / TW) mma_wide(const __half* __res
 //     a[2] row g (k +2, +3), a[3] row g + 8 (k +2, +3); or-ing 0x6400 makes each half 1024 + q.
 //   scales S sp[nt][b][g][hi] (nbp blocks b of block_size bs = 2^lbs per row: the model's own
 //     n_blocks when K is a multiple of 64 and bs, else padded to cover the chunks): the scale of
-//     row 16 nt + 8 hi + g for k in b bs .. b bs + bs - 1 (0 past N and K).  Group h of chunk c
+//     row 16 nt + 8 hi + g for k in b bs .. b bs + bs - 1 (0 for rows past N and blocks past the
+//     model's n_blocks; a block that ends past K keeps its scale, its codes there are 0).  Group h of chunk c
 //     (k 64 c + 32 h .. + 31) lies in block (64 c + 32 h) >> lbs.
 //   zero points (optional) __half zq[nt][b][g][hi], the same indexing: 1024 + z (z = 8 when absent).
 // One 16-byte code load and one or two (bs = 32) scale-pair loads per lane per chunk, and no

@@ -550,21 +550,23 @@ def pack_int4(xp, q, scales, zp, n: int, k: int, bs: int) -> Int4Weights:
 
     Codes: tile nt (rows 16 nt ..), chunk c (k 64 c ..), lane (g, t), word v, nibble
     p = hi + 2 i1 + 4 i0 holds row 16 nt + 8 hi + g at k = 64 c + 16 v + 4 t + 2 i1 + i0.
-    Scales and zq: [tile][block][g][hi]. Rows past n and k past K are zero codes with zero
-    scales. The codes are unpacked :data:`_PACK_ROWS` rows at a time, so packing holds the raw
-    weight, the result and about 2 x 4,096 x K bytes more.
+    Scales and zq: [tile][block][g][hi]. Rows past n and k past K are zero codes; rows past n
+    and blocks past n_blocks have zero scales (a block ending past K keeps its scale: its codes
+    there are zero, and so are the activations the kernels pair them with). The codes are
+    unpacked :data:`_PACK_ROWS` rows at a time, so packing holds the raw weight, the result and
+    about 2 x 4,096 x K bytes more.
 
     Raises:
         ValueError: a layout the kernels do not compute: block_size not a power of two >= 32,
             zero points other than packed uint8 (:func:`int4_layout_applies`), or K not a
             multiple of 16.
     """
-    if bs & (bs - 1) or not int4_layout_applies(bs, 0 if zp is None else 1 if zp.dtype == np.uint8 else 2) \
-            or k % 16:
-        raise ValueError(f"int4 tensor-core kernel: block_size {bs} (needs a power of two >= 32), zero points "
-                         f"{None if zp is None else zp.dtype} (needs none or packed uint8), K {k} (needs a "
-                         "multiple of 16)")
     nb, nbp = -(-k // bs), int4_blocks(k, bs)
+    if bs & (bs - 1) or not int4_layout_applies(bs, 0 if zp is None else 1 if zp.dtype == np.uint8 else 2) \
+            or k % 16 or (zp is not None and zp.size != n * -(-nb // 2)):
+        raise ValueError(f"int4 tensor-core kernel: block_size {bs} (needs a power of two >= 32), zero points "
+                         f"{None if zp is None else f'{zp.dtype}{tuple(zp.shape)}'} (needs none or packed uint8 "
+                         f"[{n}, {-(-nb // 2)}]), K {k} (needs a multiple of 16)")
     tiles, chunks = -(-n // 16), -(-k // 64)
     q = q.reshape(n, nb * bs // 2)
     codes = xp.empty((tiles, chunks, 8, 4, 4, 2, 2), xp.uint8)  # (tile, chunk, g, t, v, i0, i1)

@@ -54,7 +54,10 @@ def prepare(ctx, data, indices, scales, zero_points=None):
     if (bits != 4 or d % 16 or d > _mma.MAX_K or not _mma.int4_layout_applies(bs, zp_mode)
             or (zero_points is not None and zero_points.size != v * -(-nb // 2))):
         return None
-    w = _mma.prepare_int4(ctx, data, scales, zero_points, v, d, bs, (names[0], names[2], names[3]))
+    try:
+        w = _mma.prepare_int4(ctx, data, scales, zero_points, v, d, bs, (names[0], names[2], names[3]))
+    except ValueError:
+        return None
     ctx.cache[PREPARED] = (v, d, bs)
     changes = {0: w.codes, 2: w.scales}
     if zero_points is not None:

@@ -72,7 +72,10 @@ def prepare(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
         return None  # run() raises it on the raw inputs
     if not mma_config(np.dtype(np.float16), bits, k, bs, zp_mode):
         return None
-    w = _mma.prepare_int4(ctx, b, scales, zero_points, n, k, bs, tuple(names[1:4]))
+    try:
+        w = _mma.prepare_int4(ctx, b, scales, zero_points, n, k, bs, tuple(names[1:4]))
+    except ValueError:
+        return None  # zero points of another size: run() raises it
     ctx.cache[_mma.INT4_PREPARED] = (k, n, bs)
     changes = {1: w.codes, 2: w.scales}
     if zero_points is not None:
@@ -146,10 +149,11 @@ def launch(attrs: dict, a, b, scales, zero_points, bias, y, ctx=None) -> None:
     if m == 0:
         return
     t, s = ctype(a.dtype), ctype(scales.dtype)
-    if uses_mma(a, bits, k, bs, zp_mode):
+    if mma_config(a.dtype, bits, k, bs, zp_mode) and (a.flags.c_contiguous or ctx is not None):
+        # with a context, a strided A is copied as the prepared path does, so both compute alike
         w = (_mma.unprepared_int4(ctx, b, scales, zero_points, n, k, bs) if ctx is not None
              else _mma.pack_int4(array_module(b), b, scales, zero_points, n, k, bs))
-        _mma.nbits4(a, w, bias, y, m, NULL)
+        _mma.nbits4(a if ctx is None else _mma.contiguous(ctx, a), w, bias, y, m, NULL)
         return
     for r0, r1 in row_slices(m, 8):
         rt, grid, block, shared = config(r1 - r0, n, nb)

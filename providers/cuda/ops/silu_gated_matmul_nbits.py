@@ -61,7 +61,10 @@ def prepare(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
         return None  # run() raises it on the raw inputs
     if not matmul_nbits.mma_config(np.dtype(np.float16), bits, k, bs, zp_mode):
         return None
-    w = packed(array_module(b_gate), n, k, bs, weights)
+    try:
+        w = packed(array_module(b_gate), n, k, bs, weights)
+    except ValueError:
+        return None  # zero points of another size: run() raises it
     ctx.cache[PREPARED] = (k, n, bs)
     changes = {1: w.codes, 2: w.scales, 4: None, 5: None}
     if zp_gate is not None:
@@ -109,9 +112,9 @@ def run(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
     m = x.size // k
     if m == 0:
         return (y,)
-    if matmul_nbits.uses_mma(x, bits, k, bs, zp_mode):
+    if matmul_nbits.mma_config(x.dtype, bits, k, bs, zp_mode):  # a strided X is copied, as when prepared
         w = _unprepared(ctx, n, k, bs, (b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up))
-        _mma.nbits4(x, w, None, y, m, NULL, glu_out=n)
+        _mma.nbits4(_mma.contiguous(ctx, x), w, None, y, m, NULL, glu_out=n)
         return (y,)
     gate, up = ctx.output("gate", y.shape, x.dtype), ctx.output("up", y.shape, x.dtype)
     matmul_nbits.launch(attrs, x, b_gate, scales_gate, zp_gate, None, gate)
