@@ -119,22 +119,30 @@ def test_prepared_weights_compute_the_unprepared_bits(model_dir, gpu):
 
 
 def test_profile_peak_covers_weights_kv_and_workspace(model_dir, gpu):
+    import gc
     from types import SimpleNamespace
 
     from core.profile import profile
 
     args = SimpleNamespace(prompt_len=16, warmup=2, tokens=4, context=64, layout="head_major", no_capture=False)
+    # the peak is the process's (the CuPy pool's total and this provider's VMM pages): what other
+    # tests of this process still hold (arrays, KV arenas of sessions not yet collected) is in it
+    # too, so it is measured first and left out
+    gc.collect()
+    gpu.reset_peak()
+    held = gpu.peak_bytes()
     rows = profile(str(model_dir), gpu, [1, 8], args)
     runner_weights = Runner(model_dir, gpu).weight_bytes
     for r in rows:
         print(f"\nbatch {r.batch}: peak {r.peak_device_bytes:,} = weights {r.weight_device_bytes:,} + KV "
-              f"{r.kv_device_bytes:,} + workspace {r.workspace_bytes:,} + other {r.other_bytes:,}")
+              f"{r.kv_device_bytes:,} + workspace {r.workspace_bytes:,} + other {r.other_bytes:,} "
+              f"(held by the process before: {held:,})")
         assert r.row0_matches_batch1 and r.weight_device_bytes == runner_weights
         assert r.kv_device_bytes == r.kv_bytes > 0 and r.workspace_bytes > 0
         assert r.other_bytes >= 0  # nothing counted twice: the holders fit inside the pool's total
         # and nothing beyond them but the prefill's live activations (freed as it went) and slack:
         # the bandwidth probes' GiB buffers once stayed in the pool here
-        assert r.other_bytes <= 2 * r.prefill_activation_bytes + (64 << 20), r
+        assert r.other_bytes - held <= 2 * r.prefill_activation_bytes + (64 << 20), (r, held)
 
 
 def test_bandwidth_probes_give_their_memory_back():
