@@ -406,3 +406,42 @@ def test_a_wide32_launch_names_the_one_token_warp_kernel(launches, monkeypatch):
     (expr, grid, block, args, shared), = launches
     assert expr == "mma_wide<1, false, 1>" and expr in _mma.EXPRS
     assert grid == (1, 1) and block == (128,) and [int(v) for v in args[4:]] == [24, 40, 96, 40]
+
+
+def test_strided_int4_activations_take_the_tensor_core_kernel_prepared_or_not(launches, monkeypatch):
+    """A strided A is copied (``_mma.contiguous``) and runs the kernel the prepared path runs,
+    so preparing a weight never changes which arithmetic a call gets."""
+    copied = []
+
+    def contiguous(ctx, a):
+        copied.append(a.flags.c_contiguous)
+        return np.ascontiguousarray(a)
+
+    monkeypatch.setattr(_mma, "contiguous", contiguous)
+    rng = np.random.default_rng(13)
+    n, k, bs = 48, 128, 32
+    b, sc, _ = _nbits(rng, n, k, bs, False)
+    attrs = {"K": k, "N": n, "bits": 4, "block_size": bs}
+    a = rng.standard_normal((4, 2 * k)).astype(np.float16)[:, ::2]  # strided rows
+    assert not a.flags.c_contiguous
+    matmul_nbits.run(_ctx("MatMulNBits", ("a", "b", "s"), attrs, (np.float16,)), a, b, sc)
+    ctx = _ctx("MatMulNBits", ("a", "b", "s"), attrs, (np.float16,))
+    changes = matmul_nbits.prepare(ctx, None, b, sc)
+    matmul_nbits.run(ctx, a, changes[1], changes[2])
+    assert copied == [False, False] and len(launches) == 2
+    assert launches[0][0].startswith("mma_nbits4<")
+    _same_launch(launches[0], launches[1])
+
+
+def test_int4_zero_points_of_another_size_are_refused_with_their_expected_shape():
+    rng = np.random.default_rng(14)
+    n, k, bs = 32, 128, 32
+    b, sc, z = _nbits(rng, n, k, bs, True)
+    short = z[:, :1]  # [32, 1] where [32, 2] is due
+    with pytest.raises(ValueError, match=r"zero points uint8\(32, 1\).*\[32, 2\]"):
+        _mma.pack_int4(np, b, sc, short, n, k, bs)
+    attrs = {"K": k, "N": n, "bits": 4, "block_size": bs}
+    ctx = _ctx("MatMulNBits", ("a", "b", "s", "z"), attrs, (np.float16,))
+    assert matmul_nbits.prepare(ctx, None, b, sc, short) is None  # left raw: run() raises the error
+    assert _mma.INT4_PREPARED not in ctx.cache
+    assert matmul_nbits.prepare(ctx, None, b, sc, z) is not None  # the same node with its right zero points

@@ -439,17 +439,22 @@ def packed_offset(xp, k, n, k_total: int):
     return ((((((nt * kc_total + kc) * 4 + v) * 8 + g) * 4 + t) * 2 + e2) * 2 + e1) * 2 + e0
 
 
-def unprepared(ctx, w, up=None):
-    """:func:`pack` of raw weights passed to the kernel (no prepare: direct calls, fed
-    weights), kept while the same objects come back (by identity, with a reference held so
-    the ids stay unique; never by device pointer). A plan prepares its constant weights, so
-    streamed weights never come here."""
-    hit = ctx.cache.get("mma_unprepared")
-    if hit is not None and hit[0] is w and hit[1] is up:
-        return hit[2]
-    out = pack(array_module(w), w, up)
-    ctx.cache["mma_unprepared"] = (w, up, out)
+def per_call(ctx, key: str, weights: tuple, make):
+    """``make()``, the kernel's form of raw weights passed to it (no prepare: direct calls, fed
+    weights), kept in ctx.cache[key] while the same objects come back: by identity, with
+    references held so the ids stay unique; never by device pointer. A plan prepares its
+    constant weights, so streamed weights never come here."""
+    hit = ctx.cache.get(key)
+    if hit is not None and len(hit[0]) == len(weights) and all(a is b for a, b in zip(hit[0], weights)):
+        return hit[1]
+    out = make()
+    ctx.cache[key] = (weights, out)
     return out
+
+
+def unprepared(ctx, w, up=None):
+    """:func:`pack` of raw weights passed to the kernel (:func:`per_call`)."""
+    return per_call(ctx, "mma_unprepared", (w, up), lambda: pack(array_module(w), w, up))
 
 
 def contiguous(ctx, a):
@@ -620,16 +625,11 @@ def prepare_int4(ctx, q, scales, zp, n: int, k: int, bs: int, names: tuple[str, 
     return packed
 
 
-def unprepared_int4(ctx, q, scales, zp, n: int, k: int, bs: int, key: str = "int4_unprepared") -> Int4Weights:
-    """:func:`pack_int4` of raw weights passed to a kernel (direct calls, fed weights), kept
-    in ctx.cache[key] while the same objects come back (by identity, references held; never
-    by device pointer)."""
-    hit = ctx.cache.get(key)
-    if hit is not None and hit[0] is q and hit[1] is scales and hit[2] is zp and hit[3] == (n, k, bs):
-        return hit[4]
-    out = pack_int4(array_module(q), q, scales, zp, n, k, bs)
-    ctx.cache[key] = (q, scales, zp, (n, k, bs), out)
-    return out
+def unprepared_int4(ctx, q, scales, zp, n: int, k: int, bs: int) -> Int4Weights:
+    """:func:`pack_int4` of raw weights passed to a kernel (:func:`per_call`; n, k and bs are
+    the node's attributes, fixed with its weights)."""
+    return per_call(ctx, "int4_unprepared", (q, scales, zp),
+                    lambda: pack_int4(array_module(q), q, scales, zp, n, k, bs))
 
 
 def nbits4(a, w: Int4Weights, bias, y, m, null, glu_out: int = 0, norm: Norm | None = None):

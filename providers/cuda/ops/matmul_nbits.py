@@ -15,7 +15,7 @@ import numpy as np
 
 from core.opdefs import matmul_nbits_supports
 from providers.cuda.module import ctype, function
-from providers.cuda.ops import NULL, _mma, array_module, row_slices, rows_of
+from providers.cuda.ops import NULL, _mma, row_slices, rows_of
 from providers.cuda.ops._linear import config, i32
 
 OP_TYPE = "MatMulNBits"
@@ -47,7 +47,7 @@ def run(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
             w = _mma.Int4Weights(b, scales, zero_points, n, k, bs)
             _mma.nbits4(_mma.contiguous(ctx, a), w, bias, y, a.size // k, NULL)
         return (y,)
-    launch(ctx.node.attrs, a, b, scales, zero_points, bias, y, ctx)
+    launch(ctx, ctx.node.attrs, a, b, scales, zero_points, bias, y)
     return (y,)
 
 
@@ -99,14 +99,9 @@ def zero_point_mode(zero_points, a_dtype, n: int, nb: int):
     raise ValueError(f"MatMulNBits: zero_points {zero_points.dtype}{zero_points.shape} unsupported")
 
 
-def uses_mma(a, bits: int, k: int, bs: int, zp_mode: int) -> bool:
-    """True when the product runs on the tensor-core int4 kernel."""
-    return a.flags.c_contiguous and mma_config(a.dtype, bits, k, bs, zp_mode)
-
-
 def mma_config(a_dtype, bits: int, k: int, bs: int, zp_mode: int) -> bool:
-    """The static part of :func:`uses_mma` (all but A's contiguity): fp16 A, 4 bits, K a
-    multiple of 16 and at most MAX_K, and a layout the kernels compute
+    """Whether the product runs on the tensor-core int4 kernel (a strided A is copied first):
+    fp16 A, 4 bits, K a multiple of 16 and at most MAX_K, and a layout the kernels compute
     (``_mma.int4_layout_applies``: block_size at least 32, zero points absent or packed). Float
     zero points and smaller blocks take the CUDA-core kernel."""
     return (a_dtype == np.float16 and bits == 4 and k % 16 == 0 and k <= _mma.MAX_K
@@ -132,10 +127,11 @@ def geometry(attrs: dict, a, b, scales) -> tuple[int, int, int, int, int]:
     return k, n, bits, bs, nb
 
 
-def launch(attrs: dict, a, b, scales, zero_points, bias, y, ctx=None) -> None:
+def launch(ctx, attrs: dict, a, b, scales, zero_points, bias, y) -> None:
     """y = a @ dequant(b)^T (+ bias) into ``y`` [..., N] (checks as in the module docstring),
     for raw MatMulNBits weights; on the tensor-core kernel they are packed first
-    (``_mma.unprepared_int4``, kept in ``ctx``'s cache while the same weights come back).
+    (``_mma.unprepared_int4``, kept in ``ctx``'s cache while the same weights come back) and a
+    strided A is copied, as the prepared path does, so both compute alike.
 
     Raises:
         ValueError: shapes that do not match the attributes (:func:`geometry`), or unsupported
@@ -149,11 +145,9 @@ def launch(attrs: dict, a, b, scales, zero_points, bias, y, ctx=None) -> None:
     if m == 0:
         return
     t, s = ctype(a.dtype), ctype(scales.dtype)
-    if mma_config(a.dtype, bits, k, bs, zp_mode) and (a.flags.c_contiguous or ctx is not None):
-        # with a context, a strided A is copied as the prepared path does, so both compute alike
-        w = (_mma.unprepared_int4(ctx, b, scales, zero_points, n, k, bs) if ctx is not None
-             else _mma.pack_int4(array_module(b), b, scales, zero_points, n, k, bs))
-        _mma.nbits4(a if ctx is None else _mma.contiguous(ctx, a), w, bias, y, m, NULL)
+    if mma_config(a.dtype, bits, k, bs, zp_mode):
+        w = _mma.unprepared_int4(ctx, b, scales, zero_points, n, k, bs)
+        _mma.nbits4(_mma.contiguous(ctx, a), w, bias, y, m, NULL)
         return
     for r0, r1 in row_slices(m, 8):
         rt, grid, block, shared = config(r1 - r0, n, nb)

@@ -81,16 +81,9 @@ def packed(xp, n: int, k: int, bs: int, weights) -> "_mma.Int4Weights":
 
 
 def _unprepared(ctx, n: int, k: int, bs: int, weights) -> "_mma.Int4Weights":
-    """:func:`packed` of raw weights passed to the kernel (no prepare: direct calls, fed
-    weights), kept while the same objects come back (by identity, references held; never by
-    device pointer)."""
-    hit = ctx.cache.get("glu_unprepared")
-    if hit is not None and len(hit[0]) == len(weights) and all(a is b for a, b in zip(hit[0], weights)) \
-            and hit[1] == (n, k, bs):
-        return hit[2]
-    out = packed(array_module(weights[0]), n, k, bs, weights)
-    ctx.cache["glu_unprepared"] = (tuple(weights), (n, k, bs), out)
-    return out
+    """:func:`packed` of raw weights passed to the kernel (``_mma.per_call``)."""
+    return _mma.per_call(ctx, "glu_unprepared", tuple(weights),
+                         lambda: packed(array_module(weights[0]), n, k, bs, weights))
 
 
 def run(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
@@ -117,7 +110,7 @@ def run(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
         _mma.nbits4(_mma.contiguous(ctx, x), w, None, y, m, NULL, glu_out=n)
         return (y,)
     gate, up = ctx.output("gate", y.shape, x.dtype), ctx.output("up", y.shape, x.dtype)
-    matmul_nbits.launch(attrs, x, b_gate, scales_gate, zp_gate, None, gate)
-    matmul_nbits.launch(attrs, x, b_up, scales_up, zp_up, None, up)
+    matmul_nbits.launch(ctx, attrs, x, b_gate, scales_gate, zp_gate, None, gate)
+    matmul_nbits.launch(ctx, attrs, x, b_up, scales_up, zp_up, None, up)
     silu_mul.launch(gate, up, y)
     return (y,)
