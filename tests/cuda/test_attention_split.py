@@ -94,3 +94,29 @@ def test_decode_block_sizes_give_the_same_bits(long_model, gpu, monkeypatch):
         assert gqa.stats()[f"decode_{threads}"] > before  # that block size ran
     assert np.array_equal(runs[128].tokens, runs[256].tokens)
     assert np.array_equal(runs[128].logits, runs[256].logits)
+
+
+def test_a_wrong_position_guess_gives_the_same_bits(long_model, gpu, monkeypatch):
+    """gqa_decode loads the cos/sin rows and a chunk's first K/V tiles before the PDL wait at a
+    guess of each row's position (kernels/group_query_attention.cu QkvRound) and reloads them
+    after the wait when the guess was wrong. Guesses shifted by -1, +1 and far off (every block
+    then reloads, or, for -1 across a chunk boundary, a live block guesses dead and a dead one
+    live) give the tokens and logits of the right guess, bitwise, eager and captured, across
+    chunk boundaries (rows of 5, 63, 64 and 300 tokens, 24 steps); so does the path turned off."""
+    from providers.cuda.ops import group_query_attention as gqa
+
+    rows = _prompts([5, 63, 64, 300])
+    runs = {}
+    for shift in (0, -1, 1, -100000):
+        monkeypatch.setattr(gqa, "HINT_SHIFT", shift)
+        before = gqa.stats()["decode_hinted"]
+        runs[shift] = decode(Session(long_model, gpu, batch=4, capture=shift == 0), rows, 24, keep_logits=True)
+        assert gqa.stats()["decode_hinted"] > before  # the hinted prologue ran
+    monkeypatch.setattr(gqa, "HINT", False)  # LOCKSTEP_CUDA_ATTN_HINT=off: the loads after the wait
+    before = gqa.stats()["decode_hinted"]
+    runs["off"] = decode(Session(long_model, gpu, batch=4, capture=True), rows, 24, keep_logits=True)
+    assert gqa.stats()["decode_hinted"] == before
+    for shift in (-1, 1, -100000, "off"):
+        assert np.array_equal(runs[0].tokens, runs[shift].tokens), shift
+        assert np.array_equal(runs[0].logits, runs[shift].logits), shift
+    assert not gqa.hinted(16, 128, 128) and gqa.hinted(7, 64, 128) and gqa.hinted(14, 64, 256)

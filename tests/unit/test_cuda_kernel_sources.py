@@ -2,7 +2,8 @@
 
 Every kernel is launched with programmatic dependent launch (kernels/pdl.cuh), so a kernel
 that does not call PDL_ENTER() could run while its predecessor is still writing its inputs.
-Code before PDL_ENTER() may only load weights: no store, no early return.
+Code before PDL_ENTER() may only load what no kernel of the step writes, or a guess it checks
+after the wait (kernels/pdl.cuh): no store, no early return.
 """
 
 import re

@@ -438,6 +438,92 @@ __device__ __forceinline__ void decode_qkv(const T* qsrc, const T* ksrc, const T
     }
 }
 
+
+// The hinted prologue of gqa_decode (the common case: no fused q/k norm and the group's q, new k
+// and new v in one round of RQ values per thread).  The q/k/v loads do not depend on P_b, so they
+// leave right after PDL_ENTER together with the seqlens read; the cos/sin rows and the chunk's
+// first round of K/V tiles do depend on P_b, so they are loaded before PDL_ENTER at a guess of
+// P_b (`hint`, null to turn the path off, else the seqlens array, read through L2 before the wait: the value this step's mask kernels
+// wrote, or the previous step's while they still run) and loaded again after the wait when the
+// guess was wrong.
+// Same values either way, so the same bits.  QkvRound holds one thread's elements: e = tid + r NTT
+// over the G H query values, then the new key's H, then the new value's H.
+struct QkvRound { float x[RQ], y[RQ], c[RQ], s[RQ]; };
+
+// Whether the decode prologue of G query heads of H values takes the hinted path at NTT threads.
+__host__ __device__ constexpr bool qkv_one_round(int G, int H, int ntt) { return (G + 2) * H <= RQ * ntt; }
+
+// cos/sin at position p of the thread's rotated elements (q and the new key): rope()'s indices.
+template <typename T, int NTT>
+__device__ __forceinline__ void qkv_trig(QkvRound& q, const T* cosc, const T* sinc, int do_rotary, int p, int G, int H,
+                                         int half_rot) {
+    const int r2 = do_rotary ? 2 * half_rot : 0, nqv = G * H;
+#pragma unroll
+    for (int r = 0; r < RQ; ++r) {
+        const int e = threadIdx.x + r * NTT;
+        if (e >= nqv + H) continue;
+        const int d = e < nqv ? e % H : e - nqv;
+        if (d < r2) {
+            const int i = d < half_rot ? d : d - half_rot;
+            q.c[r] = to_f(cosc[(long long)p * half_rot + i]);
+            q.s[r] = to_f(sinc[(long long)p * half_rot + i]);
+        }
+    }
+}
+
+// The thread's q, new k and new v values (and each rotated value's rotation partner).
+template <typename T, int NTT>
+__device__ __forceinline__ void qkv_values(QkvRound& q, const T* qsrc, const T* ksrc, const T* vsrc, int do_rotary,
+                                           int G, int H, int half_rot) {
+    const int r2 = do_rotary ? 2 * half_rot : 0, nqv = G * H;
+#pragma unroll
+    for (int r = 0; r < RQ; ++r) {
+        const int e = threadIdx.x + r * NTT;
+        if (e >= nqv + 2 * H) continue;
+        const bool isv = e >= nqv + H;
+        const T* src = e < nqv ? qsrc + e - e % H : (isv ? vsrc : ksrc);
+        const int d = e < nqv ? e % H : (isv ? e - nqv - H : e - nqv);
+        q.x[r] = to_f(src[d]);
+        if (!isv && d < r2) q.y[r] = to_f(src[d < half_rot ? d + half_rot : d - half_rot]);
+    }
+}
+
+// decode_qkv's rotation and stores for the values of qkv_values: q into qs, and when `last` the
+// new key and value into the tile rows kt, vt and the cache rows krow, vrow.
+template <typename T, int NTT>
+__device__ __forceinline__ void qkv_store(const QkvRound& q, float* qs, T* kt, T* vt, T* krow, T* vrow, int do_rotary,
+                                          int G, int H, int half_rot, bool last) {
+    const int r2 = do_rotary ? 2 * half_rot : 0, nqv = G * H, total = last ? nqv + 2 * H : nqv;
+#pragma unroll
+    for (int r = 0; r < RQ; ++r) {
+        const int e = threadIdx.x + r * NTT;
+        if (e >= total) continue;
+        const bool isv = e >= nqv + H;
+        const int d = e < nqv ? e % H : (isv ? e - nqv - H : e - nqv);
+        float v = q.x[r];
+        if (!isv && d < r2) {
+            if (d < half_rot) v = __fsub_rn(__fmul_rn(v, q.c[r]), __fmul_rn(q.y[r], q.s[r]));
+            else v = __fadd_rn(__fmul_rn(v, q.c[r]), __fmul_rn(q.y[r], q.s[r]));
+        }
+        const T t = from_f<T>(v);
+        if (e < nqv) qs[e] = to_f(t);
+        else if (!isv) { kt[d] = t; krow[d] = t; }
+        else { vt[d] = t; vrow[d] = t; }
+    }
+}
+
+// The cache rows [j0, j0 + nc) of chunk c for position p (nc without row p itself), or false
+// where chunk c is not live for p (gqa_decode's block of chunk c then exits).
+__device__ __forceinline__ bool chunk_rows(const Geo& g, int c, int p, int& j0, int& nc) {
+    if (p < 0 || p >= g.cap) return false;
+    const int lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
+    if (c < lo / CH || c > p / CH) return false;
+    j0 = max(lo, c * CH);
+    const int n = min(p, c * CH + CH - 1) - j0 + 1;
+    nc = c == p / CH ? n - 1 : n;
+    return true;
+}
+
 // Decode (S == 1, not the first prompt): grid (ceil(cap / CH), Nkv, B), block NTT (128 or 256), dynamic smem
 // 2 CH DTS T + (G H + G CH + 2 G + 1 + H) floats (G = Nq / Nkv, DTS = dtile_stride).  Block
 // (c, kv head, b) computes chunk c of row b for the G query heads of its group (blocks whose chunk
@@ -450,13 +536,12 @@ __device__ __forceinline__ void decode_qkv(const T* qsrc, const T* ksrc, const T
 // tickets[b, kv head] folds them in chunk order and resets the ticket to 0.  Scores are one thread
 // per (head, key) and values one thread per (head, two adjacent dims): the chains of the header.
 template <typename T, int NTT>
-__global__ void __launch_bounds__(NTT) gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
+__global__ void __launch_bounds__(NTT, 1) gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
                            const T* __restrict__ vin,
-                           T* kc, T* vc, const int* __restrict__ seqlens, const T* cosc, const T* sinc,
-                           int do_rotary, const T* sinks, T* out, float* part, int* tickets,
+                           T* kc, T* vc, const int* __restrict__ seqlens, const int* hint, const T* cosc,
+                           const T* sinc, int do_rotary, const T* sinks, T* out, float* part, int* tickets,
                            const T* qnw, const T* knw, float qeps, float keps,
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
-    PDL_ENTER();
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
     extern __shared__ uint4 sm4[];  // 16-byte aligned: the tiles first
     const int c = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, G = g.nq / g.nkv, tid = threadIdx.x;
@@ -466,7 +551,25 @@ __global__ void __launch_bounds__(NTT) gqa_decode(const T* __restrict__ qin, con
     float* qs = reinterpret_cast<float*>(vt + CH * ts); float* sc = qs + G * g.H; float* stats = sc + G * CH;
     int* flag = (int*)(stats + 2 * G);
     float* kn = (float*)(flag + 1);
+    T* kb = kc + b * g.cb + kvh * g.cg;
+    T* vb = vc + b * g.cb + kvh * g.cg;
+    const T* ksrc = kin + (long long)b * g.k_row + g.k_off + kvh * g.H;
+    const T* vsrc = vin + (long long)b * g.k_row + g.v_off + kvh * g.H;
+    const T* qsrc = qin + (long long)b * g.q_row + kvh * G * g.H;  // the group's heads are adjacent
+    const bool hinted = hint != nullptr && qnw == nullptr && qkv_one_round(G, g.H, NTT);
+    TileRound<TU> round0;  // the first round's loads stay in flight while q and the new k are rotated
+    QkvRound qv;
+    int ph = -1, j0 = 0, nc = 0;
+    if (hinted) {  // before PDL_ENTER: a guess of P_b (see QkvRound), cache rows of earlier steps, cos/sin
+        ph = __ldcg(hint + b);  // seqlens itself, but for the tests of a wrong guess
+        if (chunk_rows(g, c, ph, j0, nc)) {
+            tiles_issue<T, TU, NTT>(round0, kb + (long long)j0 * g.cj, vb + (long long)j0 * g.cj, g.cj, nc, g.H, tid);
+            qkv_trig<T, NTT>(qv, cosc, sinc, do_rotary, ph, G, g.H, g.half_rot);
+        }
+    }
+    PDL_ENTER();
     const int p = seqlens[b];
+    if (hinted) qkv_values<T, NTT>(qv, qsrc, ksrc, vsrc, do_rotary, G, g.H, g.half_rot);  // with the seqlens read
     const int lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
     T* ob = out + ((long long)b * g.nq + kvh * G) * g.H;  // the group's G heads are adjacent
     if (p < 0 || p >= g.cap) {
@@ -475,17 +578,18 @@ __global__ void __launch_bounds__(NTT) gqa_decode(const T* __restrict__ qin, con
     }
     const int c0 = lo / CH, c1 = p / CH;
     if (c < c0 || c > c1) return;
-    const int j0 = max(lo, c * CH), n = min(p, c * CH + CH - 1) - j0 + 1;
-    T* kb = kc + b * g.cb + kvh * g.cg;
-    T* vb = vc + b * g.cb + kvh * g.cg;
-    const T* ksrc = kin + (long long)b * g.k_row + g.k_off + kvh * g.H;
-    const T* vsrc = vin + (long long)b * g.k_row + g.v_off + kvh * g.H;
+    const int n = min(p, c * CH + CH - 1) - max(lo, c * CH) + 1;
     const bool last = c == c1;
-    const int nc = last ? n - 1 : n, jn = n - 1;  // cache rows of the chunk; tile row of key P_b (last)
-    TileRound<TU> round0;  // the first round's loads stay in flight while q and the new k are rotated
-    tiles_issue<T, TU, NTT>(round0, kb + (long long)j0 * g.cj, vb + (long long)j0 * g.cj, g.cj, nc, g.H, tid);
-    const T* qsrc = qin + (long long)b * g.q_row + kvh * G * g.H;  // the group's heads are adjacent
-    if (qnw != nullptr) {  // fused q/k norm (the block's whole grid takes this branch): synchronises
+    const int jn = n - 1;  // tile row of key P_b (last)
+    if (!hinted || p != ph) {  // no guess, or a wrong one: this block's rows and cos/sin at p now
+        chunk_rows(g, c, p, j0, nc);
+        tiles_issue<T, TU, NTT>(round0, kb + (long long)j0 * g.cj, vb + (long long)j0 * g.cj, g.cj, nc, g.H, tid);
+        if (hinted) qkv_trig<T, NTT>(qv, cosc, sinc, do_rotary, p, G, g.H, g.half_rot);
+    }
+    if (hinted) {
+        qkv_store<T, NTT>(qv, qs, kt + jn * ts, vt + jn * ts, kb + (long long)p * g.cj, vb + (long long)p * g.cj,
+                          do_rotary, G, g.H, g.half_rot, last);
+    } else if (qnw != nullptr) {  // fused q/k norm (the block's whole grid takes this branch): synchronises
         norm_rope<T, NTT>(ksrc, kn, knw, keps, cosc, sinc, p, g.H, g.half_rot, 1, do_rotary);
         norm_rope<T, NTT>(qsrc, qs, qnw, qeps, cosc, sinc, p, g.H, g.half_rot, G, do_rotary);
         if (last) {

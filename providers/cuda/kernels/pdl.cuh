@@ -6,7 +6,9 @@
 // does griddepcontrol.launch_dependents let the next kernel start.  Invariant: while a kernel
 // runs the code before its PDL_ENTER(), every kernel before its predecessor has completed.
 // Code before PDL_ENTER() may therefore read only memory that no kernel of the current step
-// writes (weights); it must not write anything nor return early.
+// writes (weights, cos/sin tables, a KV cache's rows of earlier steps), or read other memory
+// through L2 as a guess that it checks after the wait (gqa_decode's positions); it must not
+// write anything nor return early.
 // On older architectures, and for a launch without the attribute, both are no-ops.
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
 #define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")

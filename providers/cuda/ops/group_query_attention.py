@@ -29,7 +29,7 @@ import math
 import numpy as np
 
 from core.opdefs import gqa_unsupported
-from providers.cuda import replay
+from providers.cuda import env, replay
 from providers.cuda.module import ctype, function, multiprocessors
 from providers.cuda.ops import MAX_GRID_Y, NULL, device_array
 from providers.cuda.ops._linear import i32
@@ -43,7 +43,14 @@ CH = 64  # positions per KV chunk (the kernel's CH)
 #: Launcher runs per path since import (replayed launches are not counted): "qk_norm" took the
 #: fused q/k RMSNorm, "plain" did not; "decode_128" and "decode_256" count decode launches by
 #: block size (:func:`decode_threads`).
-_counts = {"qk_norm": 0, "plain": 0, "decode_128": 0, "decode_256": 0}
+_counts = {"qk_norm": 0, "plain": 0, "decode_128": 0, "decode_256": 0, "decode_hinted": 0}
+#: Whether ``gqa_decode`` may take its hinted prologue (:func:`hinted`; ``LOCKSTEP_CUDA_ATTN_HINT``,
+#: default on). Either way every output bit is the same.
+HINT = env.switch("LOCKSTEP_CUDA_ATTN_HINT")
+#: Added to the decode kernel's guess of each row's position (its ``hint`` argument,
+#: kernels/group_query_attention.cu QkvRound): 0, the seqlens array itself. Tests set it to make
+#: every guess wrong, so the kernel's reload path runs (the bits must not change); eager only.
+HINT_SHIFT = 0
 
 
 def stats() -> dict:
@@ -170,11 +177,14 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         part, tickets = _workspace(ctx, bsz, nq, nkv, chunks, h)
         threads = decode_threads(bsz, nkv)
         _counts[f"decode_{threads}"] += 1
+        if HINT and not norm and hinted(group, h, threads):
+            _counts["decode_hinted"] += 1
+        hint = NULL if not HINT else seqlens if HINT_SHIFT == 0 else _shifted(ctx, seqlens, HINT_SHIFT)
         kern = function("group_query_attention", f"gqa_decode<{t}, {threads}>", _exprs(t))
         tiles = 2 * CH * _decode_tile_stride(h, dtype) * dtype.itemsize
         shared = tiles + (group * h + group * CH + 2 * group + 1 + h) * 4
         _shared_limit(kern, shared)
-        kern((chunks, nkv, bsz), (threads,), (query, kin, vin, past_key, past_value, seqlens, cos, sin,
+        kern((chunks, nkv, bsz), (threads,), (query, kin, vin, past_key, past_value, seqlens, hint, cos, sin,
                                           i32(rotary), sinks, out, part, tickets, qnw, knw, qeps, keps) + geo,
              shared_mem=shared)
     else:
@@ -190,6 +200,27 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
     names = ctx.node.outputs
     outs = (out, past_key, past_value)
     return tuple(o if i < len(names) and names[i] else None for i, o in enumerate(outs))
+
+
+def hinted(group: int, h: int, threads: int) -> bool:
+    """Whether ``gqa_decode`` takes its hinted prologue (kernels/group_query_attention.cu QkvRound,
+    ``qkv_one_round``) for ``group`` query heads of ``h`` values at ``threads`` threads, without
+    a fused q/k norm: the group's q, new k and new v fit one round of RQ = 4 values per thread.
+    The cos/sin rows and the chunk's first K/V tiles then load before the PDL wait at a guess of
+    the position, checked after it."""
+    return (group + 2) * h <= 4 * threads
+
+
+def _shifted(ctx, seqlens, shift: int):
+    """seqlens + ``shift`` in the node's scratch "seqlens_hint" (a CuPy op: eager only)."""
+    import cupy
+
+    from providers.cuda import replay
+
+    replay.not_replayable()
+    buf = ctx.output("seqlens_hint", seqlens.shape, seqlens.dtype)
+    cupy.add(seqlens, shift, out=buf)
+    return buf
 
 
 def _tile_stride(h: int, dtype) -> int:
