@@ -102,7 +102,8 @@ def test_a_wrong_position_guess_gives_the_same_bits(long_model, gpu, monkeypatch
     after the wait when the guess was wrong. Guesses shifted by -1, +1 and far off (every block
     then reloads, or, for -1 across a chunk boundary, a live block guesses dead and a dead one
     live) give the tokens and logits of the right guess, bitwise, eager and captured, across
-    chunk boundaries (rows of 5, 63, 64 and 300 tokens, 24 steps); so does the path turned off."""
+    chunk boundaries (rows of 5, 63, 64 and 300 tokens, 24 steps); so does the path left off, for
+    more rows than HINT_ROWS or by the switch."""
     from providers.cuda.ops import group_query_attention as gqa
 
     rows = _prompts([5, 63, 64, 300])
@@ -113,11 +114,12 @@ def test_a_wrong_position_guess_gives_the_same_bits(long_model, gpu, monkeypatch
         before = gqa.stats()["decode_hinted"]
         runs[shift] = decode(Session(long_model, gpu, batch=4, capture=shift == 0), rows, 24, keep_logits=True)
         assert gqa.stats()["decode_hinted"] > before  # the hinted prologue ran
-    monkeypatch.setattr(gqa, "HINT", False)  # LOCKSTEP_CUDA_ATTN_HINT=off: the loads after the wait
-    before = gqa.stats()["decode_hinted"]
-    runs["off"] = decode(Session(long_model, gpu, batch=4, capture=True), rows, 24, keep_logits=True)
-    assert gqa.stats()["decode_hinted"] == before
-    for shift in (-1, 1, -100000, "off"):
+    for off in ("rows", "switch"):  # more rows than HINT_ROWS, or LOCKSTEP_CUDA_ATTN_HINT=off
+        monkeypatch.setattr(gqa, *(("HINT_ROWS", 2) if off == "rows" else ("HINT", False)))
+        before = gqa.stats()["decode_hinted"]
+        runs[off] = decode(Session(long_model, gpu, batch=4, capture=True), rows, 24, keep_logits=True)
+        assert gqa.stats()["decode_hinted"] == before  # the loads after the wait
+    for shift in (-1, 1, -100000, "rows", "switch"):
         assert np.array_equal(runs[0].tokens, runs[shift].tokens), shift
         assert np.array_equal(runs[0].logits, runs[shift].logits), shift
     # (G + 2) H <= 4 threads: SmolLM2's group of 3 (H 64) fits 128 threads; Qwen2.5-0.5B's of 7 only 256

@@ -45,8 +45,12 @@ CH = 64  # positions per KV chunk (the kernel's CH)
 #: block size (:func:`decode_threads`).
 _counts = {"qk_norm": 0, "plain": 0, "decode_128": 0, "decode_256": 0, "decode_hinted": 0}
 #: Whether ``gqa_decode`` may take its hinted prologue (:func:`hinted`; ``LOCKSTEP_CUDA_ATTN_HINT``,
-#: default on). Either way every output bit is the same.
+#: default on), for decode steps of at most HINT_ROWS rows. Measured (docs/benchmarks/kernels.md
+#: section 18): 0 to +8% a step at 1 and 8 rows, 0 to -4% at 16 and 32, where a step's attention
+#: grid is large and the guess's extra read lengthens every block, the many that exit at once too.
+#: Either way every output bit is the same.
 HINT = env.switch("LOCKSTEP_CUDA_ATTN_HINT")
+HINT_ROWS = 8
 #: Added to the decode kernel's guess of each row's position (its ``hint`` argument,
 #: kernels/group_query_attention.cu QkvRound): 0, the seqlens array itself. Tests set it to make
 #: every guess wrong, so the kernel's reload path runs (the bits must not change); eager only.
@@ -177,9 +181,10 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         part, tickets = _workspace(ctx, bsz, nq, nkv, chunks, h)
         threads = decode_threads(bsz, nkv)
         _counts[f"decode_{threads}"] += 1
-        if HINT and not norm and hinted(group, h, threads):
+        use_hint = HINT and bsz <= HINT_ROWS
+        if use_hint and not norm and hinted(group, h, threads):
             _counts["decode_hinted"] += 1
-        hint = NULL if not HINT else seqlens if HINT_SHIFT == 0 else _shifted(ctx, seqlens, HINT_SHIFT)
+        hint = NULL if not use_hint else seqlens if HINT_SHIFT == 0 else _shifted(ctx, seqlens, HINT_SHIFT)
         kern = function("group_query_attention", f"gqa_decode<{t}, {threads}>", _exprs(t))
         tiles = 2 * CH * _decode_tile_stride(h, dtype) * dtype.itemsize
         shared = tiles + (group * h + group * CH + 2 * group + 1 + h) * 4
