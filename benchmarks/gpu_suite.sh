@@ -6,7 +6,7 @@
 #   STAGE=models|tests|profile|sampling|stream|context|kernels|ort|schedules|pdl|all (comma list), TEST_TIMEOUT, SWEEP
 #   context: the batch x prompt-length sweep (CSWEEP, LENS); kernels: --kernels at KSWEEP;
 #   ort: ONNX Runtime GenAI CUDA on the same grid (needs it importable from /tmp/ort, or the
-#   onnxruntime-gpu and onnxruntime-genai-cuda wheels in $ORT_WHEELS), then the sweep with --anchor
+#   onnxruntime-gpu and onnxruntime-genai-cuda wheels in $ORT_WHEELS, or benchmarks/ort_pack.sh's parts), then the sweep with --anchor
 #   schedules: the GEMM schedules (LOCKSTEP_CUDA_GEMM_PIPELINE / _WIDE) tested, profiled off / all / default,
 #     the int4 RMSNorm prologue off / on, ncu
 #   pdl: programmatic dependent launch by rows (docs/benchmarks/kernels.md sections 13-14; on by default
@@ -66,6 +66,8 @@ LENS=${LENS:-32,512,1024,4096}
 if has ort; then
   if [ ! -d /tmp/ort/onnxruntime_genai ] && [ -n "${ORT_WHEELS:-}" ]; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/ort "$ORT_WHEELS"/*.whl
+  elif [ ! -d /tmp/ort/onnxruntime_genai ]; then  # the parts of benchmarks/ort_pack.sh, carried call by call
+    bash benchmarks/ort_pack.sh --unpack
   fi
   for v in ${ORT_MODELS:-fp16}; do
     PYTHONPATH=/tmp/ort python3 benchmarks/ort_genai_decode.py $M/$v --batches ${CSWEEP:-1,8,32} --prompt-len $LENS \

@@ -45,11 +45,11 @@ CH = 64  # positions per KV chunk (the kernel's CH)
 #: block size (:func:`decode_threads`).
 _counts = {"qk_norm": 0, "plain": 0, "decode_128": 0, "decode_256": 0, "decode_hinted": 0}
 #: Whether ``gqa_decode`` may take its hinted prologue (:func:`hinted`; ``LOCKSTEP_CUDA_ATTN_HINT``,
-#: default on), for decode steps of at most HINT_ROWS rows. Measured (docs/benchmarks/kernels.md
+#: default on). Either way every output bit is the same.
+HINT = env.switch("LOCKSTEP_CUDA_ATTN_HINT")
+#: The most rows of a decode step that takes the hint. Measured (docs/benchmarks/kernels.md
 #: section 18): 0 to +8% a step at 1 and 8 rows, 0 to -4% at 16 and 32, where a step's attention
 #: grid is large and the guess's extra read lengthens every block, the many that exit at once too.
-#: Either way every output bit is the same.
-HINT = env.switch("LOCKSTEP_CUDA_ATTN_HINT")
 HINT_ROWS = 8
 #: Added to the decode kernel's guess of each row's position (its ``hint`` argument,
 #: kernels/group_query_attention.cu QkvRound): 0, the seqlens array itself. Tests set it to make
@@ -219,8 +219,6 @@ def hinted(group: int, h: int, threads: int) -> bool:
 def _shifted(ctx, seqlens, shift: int):
     """seqlens + ``shift`` in the node's scratch "seqlens_hint" (a CuPy op: eager only)."""
     import cupy
-
-    from providers.cuda import replay
 
     replay.not_replayable()
     buf = ctx.output("seqlens_hint", seqlens.shape, seqlens.dtype)
