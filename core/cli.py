@@ -520,9 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", help="builder folder, Hugging Face folder, .gguf file or model name "
                    "(default: smollm2-135m, prepared for the provider on first use)")
     t.add_argument("--full", action="store_true", help="every gate on the model, batches 1,2,8 for 64 steps "
-                   "(default: the quick mode, about a minute on a CPU: every gate on a tiny model of the same "
-                   "dtype, then the logits, greedy, batch-invariance and prompt gates on the model, batches "
-                   "1,2 for 4 steps)")
+                   "(default: the quick mode, seconds on a CPU once the model is prepared: every gate on a "
+                   "tiny model of the same dtype, then the logits, greedy, batch-invariance and prompt gates "
+                   "on the model, batches 1,2 for 4 steps)")
     t.add_argument("--batch", type=_int_list, default=None,
                    help="batch sizes of the gates on the model, e.g. 1,2,8 (default: 1,2; with --full 1,2,8)")
     t.add_argument("--steps", type=_positive_int, default=None, help="decode steps on the model (default: 4; "

@@ -32,6 +32,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -370,15 +371,21 @@ def _gguf_to_hf(gguf: Path, out: Path, progress: Progress | None) -> Path:
     return out
 
 
-#: Seconds between two forwarded INFO lines of the builder's output (all are kept for an error).
+#: Seconds between two forwarded routine lines of the builder's output (INFO logs and progress
+#: bars; every line but the bars' redraws is kept for an error).
 INFO_EVERY_S = 1.0
+#: A tqdm progress bar's update, e.g. "Loading weights:  42%|████▏     | 115/272 [00:01<00:01, 99.1it/s]".
+_BAR = re.compile(r"\d+%\|.*\|")
 
 
-def _is_info(line: str) -> bool:
-    """Whether a builder output line is a routine INFO log line (the quantizer writes one per
-    node: hundreds for an int4 build)."""
+def _routine(line: str) -> str | None:
+    """The kind of a routine builder output line, thinned separately: "info" for an INFO log line
+    (the quantizer writes one per node: hundreds for an int4 build), "bar" for a progress bar's
+    update (one per tensor read or written); None for any other line."""
     head = line[:120]  # e.g. "2026-12-02 04:20:46,591 onnxruntime.quantization.matmul_nbits_quantizer [INFO] - ..."
-    return line.startswith(("INFO:", "[INFO]")) or " [INFO] " in head or " - INFO - " in head
+    if line.startswith(("INFO:", "[INFO]")) or " [INFO] " in head or " - INFO - " in head:
+        return "info"
+    return "bar" if _BAR.search(head) else None
 
 
 def _run_builder(hf: Path, tmp: Path, variant: Variant, root: Path, progress: Progress | None) -> None:
@@ -392,7 +399,7 @@ def _run_builder(hf: Path, tmp: Path, variant: Variant, root: Path, progress: Pr
            "-p", variant.precision, "-e", variant.target, "-c", str(root / "builder-cache"),
            "--extra_options", *BUILDER_OPTIONS]
     lines: list[str] = []
-    last_info = float("-inf")
+    last: dict[str, float] = {}  # routine kind -> when its last line was passed on
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
         assert proc.stdout is not None
         for raw in proc.stdout:
@@ -400,12 +407,14 @@ def _run_builder(hf: Path, tmp: Path, variant: Variant, root: Path, progress: Pr
                 line = line.strip()
                 if not line:
                     continue
-                lines.append(line)
-                if _is_info(line):  # the int4 quantizer logs every node: one such line a second at most
+                kind = _routine(line)
+                if kind != "bar":  # a failure's tail is the log, not the redraws of a bar
+                    lines.append(line)
+                if kind is not None:  # one line a second at most of each kind
                     now = time.monotonic()
-                    if now - last_info < INFO_EVERY_S:
+                    if now - last.get(kind, float("-inf")) < INFO_EVERY_S:
                         continue
-                    last_info = now
+                    last[kind] = now
                 _status(progress, f"builder: {line[:160]}")
     if proc.returncode != 0 or not (tmp / "model.onnx").exists():
         tail = "\n".join(lines[-30:])

@@ -191,8 +191,9 @@ def test_a_build_removes_what_an_interrupted_build_left_and_writes_readable_fold
 
 
 def test_builder_info_lines_are_thinned_but_kept_for_an_error(tmp_path, monkeypatch):
-    """The int4 quantizer logs every node: at most one INFO line a second reaches the progress
-    callback, every other line does, and a failed build still reports the whole tail."""
+    """The int4 quantizer logs every node and the builder's progress bars redraw once per tensor
+    (carriage returns): at most one such line a second reaches the progress callback, every other
+    line does, and a failed build still reports the whole tail."""
     from core.models import prepare as p
 
     script = tmp_path / "fake_builder.py"
@@ -201,6 +202,9 @@ def test_builder_info_lines_are_thinned_but_kept_for_an_error(tmp_path, monkeypa
         "print('Reading embedding layer')\n"
         "for i in range(500):\n"
         "    print(f'2026-12-02 04:20:46,591 onnxruntime.quantization.matmul_nbits_quantizer [INFO] - node {i}')\n"
+        "for i in range(301):\n"
+        "    print(f'\\rLoading weights: {i // 3:3d}%|####      | {i}/300 [00:01<00:01, 99.1it/s]', end='')\n"
+        "print()\n"
         "print('Saving ONNX model')\n"
         "sys.exit(int(sys.argv[-1] == 'fail'))\n")
     seen: list[str] = []
@@ -212,8 +216,9 @@ def test_builder_info_lines_are_thinned_but_kept_for_an_error(tmp_path, monkeypa
     with pytest.raises(p.PrepareError):  # it wrote no model.onnx
         p._run_builder(tmp_path, out, variant, tmp_path, seen.append)
     info = [s for s in seen if "[INFO]" in s]
+    bars = [s for s in seen if "Loading weights" in s]
     assert "builder: Reading embedding layer" in seen and "builder: Saving ONNX model" in seen
-    assert 1 <= len(info) < 10  # 500 written in well under 10 s
+    assert 1 <= len(info) < 10 and 1 <= len(bars) < 10  # 500 and 301 written in well under 10 s
     monkeypatch.setattr(p, "BUILDER_OPTIONS", ("fail",))
     with pytest.raises(p.PrepareError, match="node 499"):
         p._run_builder(tmp_path, out, variant, tmp_path, None)
