@@ -425,12 +425,14 @@ def cmd_parity(a) -> int:
 
 def cmd_profile(a) -> int:
     from core.plugins import get_provider
-    from core.profile import profile_main
+    from core.profile import check_outputs, profile_main
     from core.session import RequestError
 
     if a.tensor_tflops is not None and not a.kernels:
         raise RequestError("--tensor-tflops sets the FLOPs floor of the --kernels table; add --kernels")
     get_provider(a.provider)  # a missing or unusable provider is reported before any model build
+    if not a.kernels:
+        check_outputs(a)  # --plot, --json and --anchor too
     a.model = _resolve_model(a.model, a.provider)
     return profile_main(a, console, _table_console())
 

@@ -335,23 +335,21 @@ def batch_axes(ax, title: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
-def profile_main(args, console, table_console) -> int:
-    """The ``lockstep profile`` command: checks outputs first, sweeps, prints, writes files.
+def check_outputs(args) -> dict[tuple[int, int], dict] | None:
+    """Check the sweep's files before any work: ``--plot`` needs matplotlib, the folders of
+    ``--json`` and ``--plot`` must exist, and ``--anchor`` must be readable. The command runs this
+    before it resolves (and perhaps builds) the model.
+
+    Returns:
+        The anchor's rows (:func:`load_anchor`), or None without ``--anchor``.
 
     Raises:
-        core.session.RequestError: --plot without matplotlib, or an output folder that does
-            not exist (both checked before the sweep).
+        core.session.RequestError: the first of those that fails.
     """
     from pathlib import Path
 
-    from rich.progress import Progress
-
     from core.session import RequestError
 
-    if getattr(args, "kernels", False):
-        from core.kernel_profile import kernels_main
-
-        return kernels_main(args, console, table_console)
     if args.plot_out:
         try:
             import matplotlib  # noqa: F401
@@ -360,7 +358,26 @@ def profile_main(args, console, table_console) -> int:
     for out in (args.json_out, args.plot_out):
         if out and not Path(out).expanduser().resolve().parent.is_dir():
             raise RequestError(f"cannot write {out}: its folder does not exist")
-    anchor = load_anchor(args.anchor) if getattr(args, "anchor", None) else None
+    return load_anchor(args.anchor) if getattr(args, "anchor", None) else None
+
+
+def profile_main(args, console, table_console) -> int:
+    """The ``lockstep profile`` command: checks outputs first, sweeps, prints, writes files.
+
+    Raises:
+        core.session.RequestError: --plot without matplotlib, an output folder that does not
+            exist or an unreadable --anchor (:func:`check_outputs`, before the sweep).
+    """
+    from pathlib import Path
+
+    from rich.progress import Progress
+
+
+    if getattr(args, "kernels", False):
+        from core.kernel_profile import kernels_main
+
+        return kernels_main(args, console, table_console)
+    anchor = check_outputs(args)
     batches = list(args.batch_sweep)
     title = (f"{args.model} on {args.provider}, {args.layout}, "
              f"{'eager' if args.no_capture else 'capture when supported'}, capacity >= {args.context}")

@@ -383,6 +383,23 @@ def test_tensor_tflops_without_kernels_is_refused_before_any_work(tmp_path, caps
     assert code == 2 and "--tensor-tflops" in out.err and "--kernels" in out.err
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--anchor", "missing.json"], "cannot read the anchor file"),
+    (["--json", "no/such/folder/out.json"], "its folder does not exist"),
+    (["--plot", "no/such/folder/out.png"], "out.png"),  # matplotlib missing, or the folder
+])
+def test_profile_files_are_checked_before_the_model_is_prepared(tmp_path, capsys, monkeypatch, flags, says):
+    """A bad --anchor, --json or --plot is refused before the model is resolved (a named model
+    is built on first use: minutes), not after."""
+    import core.cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(core.cli, "_resolve_model", lambda *a, **k: pytest.fail("model prepared"))
+    code, out = run(capsys, "profile", "smollm2-135m", *flags)
+    assert code == 2 and len(out.err.strip().splitlines()) == 1
+    assert says in out.err or (flags[0] == "--plot" and "matplotlib" in out.err)
+
+
 def test_one_row_summary_counts_its_tokens_in_the_singular(capsys, words_model):
     code, out = run(capsys, "run", "--model", str(words_model), "--raw", "--max-new-tokens", "1", "--prompt", "sky")
     summary = next(line for line in out.err.splitlines() if "prefill" in line)
