@@ -585,10 +585,10 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         # a request the generation library refused names its keyword: here, the flag the user typed
         message = _flag_names(str(exc)) if args.func in (cmd_run, cmd_chat) else str(exc)
-        console.print(f"[red]error:[/red] {escape(message)}")
+        console.print(f"lockstep {args.command}: [red]error:[/red] {escape(message)}")  # as argparse's
         return 2
     except RankError as exc:  # a tensor-parallel rank died or hung: one line, status 1
-        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        console.print(f"lockstep {args.command}: [red]error:[/red] {escape(str(exc))}")
         return 1
     except KeyboardInterrupt:
         console.print("[red]interrupted[/red]")

@@ -329,7 +329,7 @@ def test_run_refuses_bad_request_values_before_preparing_the_model(monkeypatch, 
     code, out = run(capsys, "run", "--prompt", "hi", *argv)
     assert code == 2
     err = out.err
-    assert err.startswith("error:") and len(err.strip().splitlines()) == 1
+    assert err.startswith("lockstep run: error:") and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("argv, flag", [(["--temperature", "-1"], "--temperature"), (["--top-p", "2"], "--top-p"),
