@@ -372,7 +372,6 @@ def profile_main(args, console, table_console) -> int:
 
     from rich.progress import Progress
 
-
     if getattr(args, "kernels", False):
         from core.kernel_profile import kernels_main
 
