@@ -290,6 +290,7 @@ def test_the_launcher_sizes_shared_memory_with_the_kernel_constants():
 
     src = (Path(_mma.__file__).parents[1] / "kernels" / "linear_mma.cu").read_text()
     assert int(re.search(r"#define WIDE_STAGES (\d+)", src).group(1)) == _mma._WIDE_STAGES
+    assert int(re.search(r"#define WIDE32_STAGES (\d+)", src).group(1)) == _mma._WIDE32_STAGES
     assert int(re.search(r"#define WIDE_XS (\d+)", src).group(1)) == _mma._WIDE_XS
 
 
@@ -377,6 +378,16 @@ def test_split_k_cuts_long_k_of_few_rows_into_at_most_one_wave(monkeypatch):
     assert _mma.config(1, 2048, 8192, 1, True, 4)[0][2] == 1
 
 
+def test_the_plain_multi_tile_schedule_adds_its_staged_activations_to_shared_memory():
+    """kernels/linear_mma.cu XSTAGE: 1 KB per token tile per warp (at most 8 warps), only for the
+    plain schedule with NJ >= 2 and no RMSNorm prologue."""
+    assert _mma.x_stage_bytes(8192, 2, False, False) == 8 * 2 * 1024   # Llama's down at 32 rows
+    assert _mma.x_stage_bytes(512, 4, False, False) == 2 * 4 * 1024    # 2 segments: 2 warps
+    assert _mma.x_stage_bytes(8192, 1, False, False) == 0
+    assert _mma.x_stage_bytes(8192, 2, True, False) == 0
+    assert _mma.x_stage_bytes(8192, 2, False, True) == 0
+
+
 def test_launches_of_17_to_32_rows_over_wide_projections_take_the_one_token_warp_tiles(monkeypatch):
     """The rule of _mma.wide32_config (docs/benchmarks/kernels.md section 13), at the H200's 132
     multiprocessors: only projections wide enough for 1.5 blocks of 64 features per
@@ -384,10 +395,10 @@ def test_launches_of_17_to_32_rows_over_wide_projections_take_the_one_token_warp
     only for 17 to 32 rows."""
     monkeypatch.setattr(_mma, "WIDE", "dense")
     monkeypatch.setattr(_mma, "multiprocessors", lambda: 132)
-    shared = _mma._WIDE_STAGES * 16
-    assert _mma.wide32_config(32, 16384, 2048) == (1, (1, 256), (128,), shared * (4 * 128 + 32 * 72 // 8))
+    one, two = _mma._WIDE32_STAGES * 16, _mma._WIDE_STAGES * 16  # F = 1 has its own stage count
+    assert _mma.wide32_config(32, 16384, 2048) == (1, (1, 256), (128,), one * (4 * 128 + 32 * 72 // 8))
     assert _mma.wide32_config(17, 16384, 2048) == _mma.wide32_config(32, 16384, 2048)
-    assert _mma.wide32_config(32, 128256, 2048) == (2, (1, 1002), (128,), shared * (8 * 128 + 32 * 72 // 8))
+    assert _mma.wide32_config(32, 128256, 2048) == (2, (1, 1002), (128,), two * (8 * 128 + 32 * 72 // 8))
     assert _mma.wide32_config(32, 151936, 896) is not None
     for m, n, k in ((16, 16384, 2048), (33, 16384, 2048), (32, 9728, 896), (32, 3072, 2048), (8, 128256, 2048),
                     (32, 49152, 576), (32, 16384, 2052)):

@@ -132,6 +132,29 @@ __device__ __forceinline__ void ld_x16(const __half* x, long long m, int K, int 
     }
 }
 
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool ok) {
+    // 16 bytes, or 16 zero bytes when !ok (src is then not read)
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
+}
+
+// ld_x16's 16 halves of one lane, copied asynchronously into the lane's own two shared slots
+// dst[0] and dst[32] (cp.async; zeros past M and K) instead of registers, so the load costs no
+// registers while it is in flight.  The lane reads the slots back itself after
+// cp.async.wait_group: no other lane touches them, so no barrier is needed.  K % 8 != 0 (a 16-byte
+// piece would straddle rows) takes ld_x16's element path and stores the slots directly.
+__device__ __forceinline__ void cp_x16(uint4* dst, const __half* x, long long m, int K, int kl, bool ok) {
+    if ((K & 7) == 0) {
+        const __half* p = x + m * K + kl;
+        cp_async16_zfill(dst, ok && kl < K ? p : x, ok && kl < K);
+        cp_async16_zfill(dst + 32, ok && kl + 8 < K ? p + 8 : x, ok && kl + 8 < K);
+    } else {
+        uint4 v[2];
+        ld_x16(x, m, K, kl, ok, v);
+        dst[0] = v[0]; dst[32] = v[1];
+    }
+}
+
 // RMSNorm prologue (NORM kernels, lockstep.RMSNormMatMul): the block's rows m0 .. m0 + R - 1
 // (R = min(8, M - m0)) of v = x (+ skip) are normalised with exactly the arithmetic of
 // kernels/rms_norm.cu, so the fused launch is bitwise SkipSimplifiedLayerNormalization followed
@@ -256,7 +279,7 @@ __device__ __forceinline__ uint4 ld_tile(const uint4* base, int s, int i) { retu
 // warp's next segment as soon as its mma has issued, so the loads of segment s + nwarps overlap
 // the mmas of segment s and a warp never waits for more than its first round trip.
 template <int NJ, bool GLU, bool NORM, bool PIPE>
-__global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, const uint4* __restrict__ wp,
+__global__ void __launch_bounds__(256, (NJ == 2 && !PIPE) ? 3 : 1) mma_dense(const __half* __restrict__ x, const uint4* __restrict__ wp,
                                                  const __half* __restrict__ bias, __half* __restrict__ y,
                                                  int M, int N, int K, int n_out, const __half* n_skip, const __half* n_gamma,
                                                  __half* n_sum, float n_eps) {
@@ -278,6 +301,10 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
     }
     PDL_ENTER_GEMM();
     float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
+    // XSTAGE: the plain schedule's second 64-chunk of activations per round goes through shared
+    // memory (cp_x16), slots [warp][NJ][2][32 lanes] uint4 after the partials
+    constexpr bool XSTAGE = !PIPE && !NORM && NJ >= 2;
+    uint4* xst = reinterpret_cast<uint4*>(nsm) + warp * NJ * 64 + lane;
     __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
     if constexpr (NORM) norm_rows(x, norm, M, K, m0, nt == 0, nsm, xs);
     // activations of 64-chunk starting at kc for every token tile: 16 halves per lane
@@ -330,13 +357,26 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 #pragma unroll
                     for (int i = 0; i < 8; ++i) if (i < 4 || two) a[i] = ld_tile(base, seg, i0 + i);
                 }
+                uint4 xa[NJ][2];
+                load_x(xa, kbeg + 16 * i0);
+                if (XSTAGE && two) {  // the second chunk's activations, in the same round trip
+                    const int kl = kbeg + 16 * (i0 + 4) + 16 * t;
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    if (h == 1 && !two) break;
-                    uint4 xa[NJ][2];
-                    load_x(xa, kbeg + 16 * (i0 + 4 * h));
+                    for (int j = 0; j < NJ; ++j) cp_x16(xst + 64 * j, x, m0 + j * 8 + g, K, kl, m0 + j * 8 + g < M);
+                    asm volatile("cp.async.commit_group;\n" ::: "memory");
+                }
 #pragma unroll
-                    for (int v = 0; v < 4; ++v) mma_tile(acc, a[4 * h + v], xa, v);
+                for (int v = 0; v < 4; ++v) mma_tile(acc, a[v], xa, v);
+                if (two) {
+                    if constexpr (XSTAGE) {
+                        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#pragma unroll
+                        for (int j = 0; j < NJ; ++j) { xa[j][0] = xst[64 * j]; xa[j][1] = xst[64 * j + 32]; }
+                    } else {
+                        load_x(xa, kbeg + 16 * (i0 + 4));
+                    }
+#pragma unroll
+                    for (int v = 0; v < 4; ++v) mma_tile(acc, a[4 + v], xa, v);
                 }
             }
         }
@@ -360,13 +400,11 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 // fragment is then read by both token warps and each activation row by all 4 feature warps.
 // Shared: WIDE_STAGES * (4 F * 128 + 64 * WIDE_XS / 8) uint4.  Needs K % 8 == 0.
 #define WIDE_STAGES 3
+// Stages of the one-token-warp tiles of 64 features (TW = 1, F = 1: Llama-3.2-1B's gate/up at 17
+// to 32 rows), whose blocks are too few to keep DRAM busy with 2 chunks in flight each
+// (docs/benchmarks/kernels.md section 19).
+#define WIDE32_STAGES 4
 #define WIDE_XS 72  // halves per staged token row: 64 + 8, so the rows fall on distinct banks
-
-__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool ok) {
-    // 16 bytes, or 16 zero bytes when !ok (src is then not read)
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
-}
 
 
 // Activations of 64-wide k chunk c for the block's ROWS tokens (from m0) into xdst [ROWS][XS]
@@ -447,6 +485,8 @@ __device__ __forceinline__ void wide_store(float (*tot)[4][4], const __half* __r
     }
 }
 
+__host__ __device__ constexpr int wide_stages(int F, int TW) { return TW == 1 && F == 1 ? WIDE32_STAGES : WIDE_STAGES; }
+
 // TW = 2 is the block above; TW = 1 (launches of at most 32 rows) has one token warp: 4 warps,
 // 32 tokens x 64 F features, the same per-warp tiles, so each staged activation row serves the 4
 // feature warps and no token warp computes only padding.
@@ -455,41 +495,42 @@ __global__ void __launch_bounds__(128 * TW, 4 / TW) mma_wide(const __half* __res
                                                    const __half* __restrict__ bias, __half* __restrict__ y,
                                                    int M, int N, int K, int n_out) {
     extern __shared__ uint4 wsm[];
+    constexpr int ST = wide_stages(F, TW);
     constexpr int TILES = 4 * F, WS = TILES * 128, ROWS = 32 * TW, XS = ROWS * WIDE_XS / 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int wt = warp >> 2, wf = warp & 3;  // token warp 0..TW - 1, feature warp 0..3
     const int m0 = blockIdx.x * ROWS, tile0 = blockIdx.y * TILES;
     const int ntiles = (N + 15) >> 4, ktiles = ((K + 63) >> 6) << 2, nchunks = (K + 63) >> 6;
     uint4* ws = wsm;                                                    // [STAGES][TILES][4 k tiles][32 lanes]
-    __half* xs = reinterpret_cast<__half*>(wsm + WIDE_STAGES * WS);     // [STAGES][ROWS tokens][WIDE_XS]
+    __half* xs = reinterpret_cast<__half*>(wsm + ST * WS);     // [STAGES][ROWS tokens][WIDE_XS]
     PDL_ENTER_GEMM();
-    // chunk c into stage c % WIDE_STAGES: zeros for tiles past N (and the activations' zeros)
+    // chunk c into stage c % ST: zeros for tiles past N (and the activations' zeros)
     auto stage = [&](int c) {
-        uint4* wdst = ws + (c % WIDE_STAGES) * WS;
+        uint4* wdst = ws + (c % ST) * WS;
         for (int p = threadIdx.x; p < WS; p += blockDim.x) {
             const int tile = tile0 + (p >> 7);
             const bool ok = tile < ntiles;
             cp_async16_zfill(wdst + p, wp + (ok ? ((long long)tile * ktiles + 4 * c) * 32 + (p & 127) : 0), ok);
         }
-        wide_stage_x<WIDE_XS, ROWS>(xs + (c % WIDE_STAGES) * XS * 8, x, M, K, m0, c);
+        wide_stage_x<WIDE_XS, ROWS>(xs + (c % ST) * XS * 8, x, M, K, m0, c);
         asm volatile("cp.async.commit_group;\n" ::: "memory");
     };
     float acc[F][4][4], tot[F][4][4];
     wide_zero<F>(acc, tot);
-    // chunks 0 .. WIDE_STAGES - 2 in flight; one commit group per chunk (empty past K), so
-    // waiting for all but the newest WIDE_STAGES - 2 groups means chunk c has landed
+    // chunks 0 .. ST - 2 in flight; one commit group per chunk (empty past K), so
+    // waiting for all but the newest ST - 2 groups means chunk c has landed
 #pragma unroll
-    for (int c = 0; c < WIDE_STAGES - 1; ++c) {
+    for (int c = 0; c < ST - 1; ++c) {
         if (c < nchunks) stage(c); else asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
     for (int c = 0; c < nchunks; ++c) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(WIDE_STAGES - 2) : "memory");  // this thread's chunk c landed
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(ST - 2) : "memory");  // this thread's chunk c landed
         __syncthreads();  // everyone's; and every warp is done with chunk c - 1, whose stage is refilled next
-        if (c + WIDE_STAGES - 1 < nchunks) stage(c + WIDE_STAGES - 1);
+        if (c + ST - 1 < nchunks) stage(c + ST - 1);
         else asm volatile("cp.async.commit_group;\n" ::: "memory");
-        const uint4* wst = ws + (c % WIDE_STAGES) * WS + wf * F * 128 + lane;
+        const uint4* wst = ws + (c % ST) * WS + wf * F * 128 + lane;
         uint4 xa[4][2];
-        wide_load_x(xa, xs + (c % WIDE_STAGES) * XS * 8, wt, g, t);
+        wide_load_x(xa, xs + (c % ST) * XS * 8, wt, g, t);
 #pragma unroll
         for (int v = 0; v < 4; ++v)
 #pragma unroll

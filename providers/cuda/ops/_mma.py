@@ -76,8 +76,9 @@ WIDE4_ROWS = 64
 #: (``mma_wide<F, GLU, 1>``: 32 tokens x 64 F features a block) where K is at least WIDE32_MIN_K
 #: and the grid has at least WIDE32_FILL blocks per multiprocessor (:func:`wide32_config`).
 WIDE32_MIN_ROWS, WIDE32_MIN_K, WIDE32_FILL = 16, 768, 1.5
-#: kernels/linear_mma.cu WIDE_STAGES, WIDE_XS and WIDE_XS4 (shared memory of mma_wide / mma_wide4).
-_WIDE_STAGES, _WIDE_XS, _WIDE_XS4 = 3, 72, 80
+#: kernels/linear_mma.cu WIDE_STAGES, WIDE32_STAGES (``mma_wide<1, GLU, 1>``), WIDE_XS and
+#: WIDE_XS4 (shared memory of mma_wide / mma_wide4).
+_WIDE_STAGES, _WIDE32_STAGES, _WIDE_XS, _WIDE_XS4 = 3, 4, 72, 80
 #: Split-K of the int4 row kernel (kernels/linear_mma.cu split_last): "auto" (default) or "off"
 #: (``LOCKSTEP_CUDA_GEMM_SPLIT``). Under "auto" a launch of at most 8 rows with more than 8 K
 #: segments (more than one per warp) is cut into as many blocks per tile as still run in one
@@ -234,6 +235,15 @@ def config(m: int, n: int, k: int, nj: int, pipe: bool = False, per_sm: int = 0)
     return grid, (32 * min(spb, 8),), 0 if splits > 1 else nseg * 16 * 8 * nj * 4, spb
 
 
+def x_stage_bytes(k: int, nj: int, pipe: bool, norm: bool) -> int:
+    """Shared bytes an ``mma_dense`` launch adds for its staged activations (kernels/linear_mma.cu
+    ``XSTAGE``: the plain schedule with NJ >= 2 token tiles and no RMSNorm prologue copies each
+    round's second 64-wide chunk through shared memory, 1 KB per token tile per warp), else 0."""
+    if pipe or norm or nj < 2:
+        return 0
+    return min(-(-k // SEG_K), 8) * nj * 64 * 16
+
+
 def _split_args(grid: tuple, spb: int, null) -> tuple:
     """The split-K kernel arguments (workspace partials, tickets, segments per block) of a row
     launch over ``grid``; the workspace (:data:`SPLIT_BYTES`) is allocated on the first split."""
@@ -299,7 +309,8 @@ def wide32_config(m: int, n: int, k: int) -> tuple[int, tuple, tuple, int] | Non
     features = -(-n // (64 * f))
     if features > MAX_GRID_Y or features < WIDE32_FILL * sms:
         return None
-    return f, (1, features), (128,), _WIDE_STAGES * (4 * f * 128 + 32 * _WIDE_XS // 8) * 16
+    stages = _WIDE32_STAGES if f == 1 else _WIDE_STAGES
+    return f, (1, features), (128,), stages * (4 * f * 128 + 32 * _WIDE_XS // 8) * 16
 
 
 def wide_dense_applies(m: int, k: int) -> bool:
@@ -494,6 +505,7 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
             continue
         pipe, nj = pipelined(rows, False, r1 - r0, norm is not None), row_nj(r1 - r0, rows)
         grid, block, shared, _ = config(r1 - r0, rows, k, nj, pipe)
+        shared += x_stage_bytes(k, nj, pipe, norm is not None)
         _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>", grid, block,
                 (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0))
 
