@@ -40,10 +40,16 @@ __global__ void argmax_partial(const T* __restrict__ logits, const int* __restri
     const int b = blockIdx.x, c = blockIdx.y, nch = gridDim.y;
     const T* row = logits + ((long long)b * S + pos[b]) * V;
     float bv = NEG_INF; int bi = 0x7fffffff, bad = 0;
-    const int end = min(V, (c + 1) * CHUNK);
-    for (int i = c * CHUNK + threadIdx.x; i < end; i += NT) {
-        const float v = to_f(row[i]);
-        if (!finite_f(v)) bad = 1; else better(bv, bi, v, i);
+    const int i0 = c * CHUNK + threadIdx.x, end = min(V, (c + 1) * CHUNK);
+    // all CHUNK / NT loads of a thread issue before the first compare: one memory round trip
+    // rather than one per element (the order of the compares never changes the result)
+    float v[CHUNK / NT];
+#pragma unroll
+    for (int u = 0; u < CHUNK / NT; ++u) v[u] = i0 + u * NT < end ? to_f(row[i0 + u * NT]) : NEG_INF;
+#pragma unroll
+    for (int u = 0; u < CHUNK / NT; ++u) {
+        if (i0 + u * NT >= end) break;
+        if (!finite_f(v[u])) bad = 1; else better(bv, bi, v[u], i0 + u * NT);
     }
     block_best(bv, bi, bad);
     if (threadIdx.x == 0) { pv[b * nch + c] = bv; pi[b * nch + c] = bi; pb[b * nch + c] = bad; }
