@@ -91,26 +91,26 @@ def test_pipelined_dense_is_bitwise_the_plain_schedule(monkeypatch, ran, m, k, n
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("m,k,n", [(9, 2304, 32), (17, 4864, 16), (32, 8192, 24), (13, 200, 24), (20, 100, 16),
                                    (30, 1000, 40), (25, 36, 16)])
-def test_token_tiles_of_the_plain_schedule_are_bitwise_one_tile(monkeypatch, ran, m, k, n, glu):
-    """The plain schedule with 2 and 4 token tiles a block copies each round's second 64-chunk of
-    activations through shared memory (kernels/linear_mma.cu XSTAGE, cp_x16): bitwise the one-tile
-    kernel, for rows that do not fill a tile, K that ends inside a chunk or a 16-byte piece, and
-    K % 8 != 0 (100, 36: the element path)."""
+def test_token_tiles_and_schedules_of_the_row_kernel_are_bitwise_one_tile(monkeypatch, ran, m, k, n, glu):
+    """The dense row kernel with 1, 2 and 4 token tiles a block, plain and PIPE (the launcher takes
+    PIPE for two tiles where the grid fits one wave, _mma.pipelined): bitwise the one-tile plain
+    kernel, for rows that do not fill a tile, K that ends inside a chunk and K % 8 != 0."""
     rng = np.random.default_rng(k + n + m)
     a = cupy.asarray(rng.standard_normal((m, k)).astype(np.float16))
     w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))
     wp = cupy.asarray(_mma.pack(np, w, up if glu else None))
-    out = {}
-    for nj in ("1", "2", "4"):
+    out = []
+    for nj, pipeline in (("1", "off"), ("2", "off"), ("4", "off"), ("2", "all"), ("4", "all")):
         monkeypatch.setattr(_mma, "TOKEN_TILES", nj)
+        monkeypatch.setattr(_mma, "PIPELINE", pipeline)
         del ran[:]
         y = cupy.full((m, n), np.nan, np.float16)
         _mma.dense(a, wp, None, y, m, n, k, NULL, glu=glu)
         tiles = min(int(nj), 1 if m <= 8 else 2 if m <= 16 else 4)
-        assert ran == [f"mma_dense<{tiles}, {_mma._BOOL[glu]}, false, false>"]
-        out[nj] = y.get().view(np.uint16)
-    assert np.array_equal(out["1"], out["2"]) and np.array_equal(out["1"], out["4"])
-    assert not np.isnan(out["1"].view(np.float16)).any()
+        assert ran == [f"mma_dense<{tiles}, {_mma._BOOL[glu]}, false, {_mma._BOOL[pipeline == 'all']}>"]
+        out.append(y.get().view(np.uint16))
+    assert all(np.array_equal(out[0], o) for o in out[1:])
+    assert not np.isnan(out[0].view(np.float16)).any()
 
 
 @pytest.mark.parametrize("k", [64, 200, 576, 2048])

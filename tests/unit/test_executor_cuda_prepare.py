@@ -378,14 +378,21 @@ def test_split_k_cuts_long_k_of_few_rows_into_at_most_one_wave(monkeypatch):
     assert _mma.config(1, 2048, 8192, 1, True, 4)[0][2] == 1
 
 
-def test_the_plain_multi_tile_schedule_adds_its_staged_activations_to_shared_memory():
-    """kernels/linear_mma.cu XSTAGE: 1 KB per token tile per warp (at most 8 warps), only for the
-    plain schedule with NJ >= 2 and no RMSNorm prologue."""
-    assert _mma.x_stage_bytes(8192, 2, False, False) == 8 * 2 * 1024   # Llama's down at 32 rows
-    assert _mma.x_stage_bytes(512, 4, False, False) == 2 * 4 * 1024    # 2 segments: 2 warps
-    assert _mma.x_stage_bytes(8192, 1, False, False) == 0
-    assert _mma.x_stage_bytes(8192, 2, True, False) == 0
-    assert _mma.x_stage_bytes(8192, 2, False, True) == 0
+def test_two_token_tiles_take_the_pipe_schedule_where_the_grid_fits_one_wave(monkeypatch):
+    """_mma.pipelined (docs/benchmarks/kernels.md section 19) at the H200's 132 multiprocessors and
+    2 PIPE blocks each: Llama-3.2-1B's down and o at 32 rows (256 blocks) take PIPE, its qkv (384)
+    does not; one tile always does, four tiles and the RMSNorm prologue never."""
+    monkeypatch.setattr(_mma, "PIPELINE", "auto")
+    monkeypatch.setattr(_mma, "TOKEN_TILES", "auto")
+    monkeypatch.setattr(_mma, "multiprocessors", lambda: 132)
+    monkeypatch.setattr(_mma, "pipe2_per_multiprocessor", lambda: 2)
+    assert _mma.row_nj(32, 2048) == 2 and _mma.pipelined(2048, False, 32)
+    assert _mma.row_nj(32, 3072) == 2 and not _mma.pipelined(3072, False, 32)
+    assert _mma.pipelined(3072, False, 8)                       # one tile
+    assert _mma.row_nj(32, 16384) == 4 and not _mma.pipelined(16384, False, 32)
+    assert not _mma.pipelined(576, False, 1, norm=True)
+    monkeypatch.setattr(_mma, "PIPELINE", "off")
+    assert not _mma.pipelined(2048, False, 32)
 
 
 def test_launches_of_17_to_32_rows_over_wide_projections_take_the_one_token_warp_tiles(monkeypatch):

@@ -132,29 +132,6 @@ __device__ __forceinline__ void ld_x16(const __half* x, long long m, int K, int 
     }
 }
 
-__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool ok) {
-    // 16 bytes, or 16 zero bytes when !ok (src is then not read)
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
-}
-
-// ld_x16's 16 halves of one lane, copied asynchronously into the lane's own two shared slots
-// dst[0] and dst[32] (cp.async; zeros past M and K) instead of registers, so the load costs no
-// registers while it is in flight.  The lane reads the slots back itself after
-// cp.async.wait_group: no other lane touches them, so no barrier is needed.  K % 8 != 0 (a 16-byte
-// piece would straddle rows) takes ld_x16's element path and stores the slots directly.
-__device__ __forceinline__ void cp_x16(uint4* dst, const __half* x, long long m, int K, int kl, bool ok) {
-    if ((K & 7) == 0) {
-        const __half* p = x + m * K + kl;
-        cp_async16_zfill(dst, ok && kl < K ? p : x, ok && kl < K);
-        cp_async16_zfill(dst + 32, ok && kl + 8 < K ? p + 8 : x, ok && kl + 8 < K);
-    } else {
-        uint4 v[2];
-        ld_x16(x, m, K, kl, ok, v);
-        dst[0] = v[0]; dst[32] = v[1];
-    }
-}
-
 // RMSNorm prologue (NORM kernels, lockstep.RMSNormMatMul): the block's rows m0 .. m0 + R - 1
 // (R = min(8, M - m0)) of v = x (+ skip) are normalised with exactly the arithmetic of
 // kernels/rms_norm.cu, so the fused launch is bitwise SkipSimplifiedLayerNormalization followed
@@ -279,7 +256,7 @@ __device__ __forceinline__ uint4 ld_tile(const uint4* base, int s, int i) { retu
 // warp's next segment as soon as its mma has issued, so the loads of segment s + nwarps overlap
 // the mmas of segment s and a warp never waits for more than its first round trip.
 template <int NJ, bool GLU, bool NORM, bool PIPE>
-__global__ void __launch_bounds__(256, (NJ == 2 && !PIPE) ? 3 : 1) mma_dense(const __half* __restrict__ x, const uint4* __restrict__ wp,
+__global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, const uint4* __restrict__ wp,
                                                  const __half* __restrict__ bias, __half* __restrict__ y,
                                                  int M, int N, int K, int n_out, const __half* n_skip, const __half* n_gamma,
                                                  __half* n_sum, float n_eps) {
@@ -301,10 +278,6 @@ __global__ void __launch_bounds__(256, (NJ == 2 && !PIPE) ? 3 : 1) mma_dense(con
     }
     PDL_ENTER_GEMM();
     float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
-    // XSTAGE: the plain schedule's second 64-chunk of activations per round goes through shared
-    // memory (cp_x16), slots [warp][NJ][2][32 lanes] uint4 after the partials
-    constexpr bool XSTAGE = !PIPE && !NORM && NJ >= 2;
-    uint4* xst = reinterpret_cast<uint4*>(nsm) + warp * NJ * 64 + lane;
     __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
     if constexpr (NORM) norm_rows(x, norm, M, K, m0, nt == 0, nsm, xs);
     // activations of 64-chunk starting at kc for every token tile: 16 halves per lane
@@ -357,26 +330,13 @@ __global__ void __launch_bounds__(256, (NJ == 2 && !PIPE) ? 3 : 1) mma_dense(con
 #pragma unroll
                     for (int i = 0; i < 8; ++i) if (i < 4 || two) a[i] = ld_tile(base, seg, i0 + i);
                 }
-                uint4 xa[NJ][2];
-                load_x(xa, kbeg + 16 * i0);
-                if (XSTAGE && two) {  // the second chunk's activations, in the same round trip
-                    const int kl = kbeg + 16 * (i0 + 4) + 16 * t;
 #pragma unroll
-                    for (int j = 0; j < NJ; ++j) cp_x16(xst + 64 * j, x, m0 + j * 8 + g, K, kl, m0 + j * 8 + g < M);
-                    asm volatile("cp.async.commit_group;\n" ::: "memory");
-                }
+                for (int h = 0; h < 2; ++h) {
+                    if (h == 1 && !two) break;
+                    uint4 xa[NJ][2];
+                    load_x(xa, kbeg + 16 * (i0 + 4 * h));
 #pragma unroll
-                for (int v = 0; v < 4; ++v) mma_tile(acc, a[v], xa, v);
-                if (two) {
-                    if constexpr (XSTAGE) {
-                        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-#pragma unroll
-                        for (int j = 0; j < NJ; ++j) { xa[j][0] = xst[64 * j]; xa[j][1] = xst[64 * j + 32]; }
-                    } else {
-                        load_x(xa, kbeg + 16 * (i0 + 4));
-                    }
-#pragma unroll
-                    for (int v = 0; v < 4; ++v) mma_tile(acc, a[4 + v], xa, v);
+                    for (int v = 0; v < 4; ++v) mma_tile(acc, a[4 * h + v], xa, v);
                 }
             }
         }
@@ -405,6 +365,12 @@ __global__ void __launch_bounds__(256, (NJ == 2 && !PIPE) ? 3 : 1) mma_dense(con
 // (docs/benchmarks/kernels.md section 19).
 #define WIDE32_STAGES 4
 #define WIDE_XS 72  // halves per staged token row: 64 + 8, so the rows fall on distinct banks
+
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool ok) {
+    // 16 bytes, or 16 zero bytes when !ok (src is then not read)
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
+}
 
 
 // Activations of 64-wide k chunk c for the block's ROWS tokens (from m0) into xdst [ROWS][XS]

@@ -235,15 +235,6 @@ def config(m: int, n: int, k: int, nj: int, pipe: bool = False, per_sm: int = 0)
     return grid, (32 * min(spb, 8),), 0 if splits > 1 else nseg * 16 * 8 * nj * 4, spb
 
 
-def x_stage_bytes(k: int, nj: int, pipe: bool, norm: bool) -> int:
-    """Shared bytes an ``mma_dense`` launch adds for its staged activations (kernels/linear_mma.cu
-    ``XSTAGE``: the plain schedule with NJ >= 2 token tiles and no RMSNorm prologue copies each
-    round's second 64-wide chunk through shared memory, 1 KB per token tile per warp), else 0."""
-    if pipe or norm or nj < 2:
-        return 0
-    return min(-(-k // SEG_K), 8) * nj * 64 * 16
-
-
 def _split_args(grid: tuple, spb: int, null) -> tuple:
     """The split-K kernel arguments (workspace partials, tickets, segments per block) of a row
     launch over ``grid``; the workspace (:data:`SPLIT_BYTES`) is allocated on the first split."""
@@ -329,11 +320,29 @@ def wide_int4_applies(m: int, k: int) -> bool:
 
 def pipelined(n: int, int4: bool, m: int = 1, norm: bool = False) -> bool:
     """Whether a launch of ``m`` rows over ``n`` weight rows takes the PIPE schedule:
-    :data:`PIPELINE` covers it ("auto": int4, or dense of one token tile per block
-    (:func:`row_nj`) and no RMSNorm prologue) and the feature tiles fit the grid's y (MAX_GRID_Y)."""
+    :data:`PIPELINE` covers it ("auto": int4; dense without the RMSNorm prologue of one token
+    tile per block (:func:`row_nj`), or of two whose grid fits one wave of the PIPE kernel) and
+    the feature tiles fit the grid's y (MAX_GRID_Y).
+
+    Two tiles, measured per launch on the H200 at 32 rows (docs/benchmarks/kernels.md section 19):
+    PIPE took Llama-3.2-1B's down projection from 13.9 to 11.5 us and o from 5.4 to 4.8 (256
+    blocks, one wave at 2 a multiprocessor), and its qkv from 7.2 to 8.2 (384 blocks, two waves)."""
     if PIPELINE == "off" or -(-n // 16) > MAX_GRID_Y:
         return False
-    return PIPELINE == "all" or int4 or (row_nj(m, n) == 1 and not norm)
+    if PIPELINE == "all" or int4:
+        return True
+    nj = row_nj(m, n)
+    if norm or nj > 2:
+        return False
+    blocks = -(-n // 16) * -(-m // (8 * nj))
+    return nj == 1 or blocks <= pipe2_per_multiprocessor() * multiprocessors()
+
+
+def pipe2_per_multiprocessor() -> int:
+    """Blocks of the two-tile PIPE row kernel (``mma_dense<2, false, false, true>``, 124 registers
+    on sm_90) that fit a multiprocessor: the compiled kernel's count, or 2 where no device
+    answers."""
+    return _per_multiprocessor("mma_dense<2, false, false, true>") or 2
 
 
 def glu_width(n: int) -> int:
@@ -505,7 +514,6 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
             continue
         pipe, nj = pipelined(rows, False, r1 - r0, norm is not None), row_nj(r1 - r0, rows)
         grid, block, shared, _ = config(r1 - r0, rows, k, nj, pipe)
-        shared += x_stage_bytes(k, nj, pipe, norm is not None)
         _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>", grid, block,
                 (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0))
 
