@@ -53,12 +53,12 @@ _MODULE_OF = {e: module for module in MODULES for e in module}
 #: Which launches take the PIPE weight-load schedule (kernels/linear_mma.cu ``PIPE``: a whole K
 #: segment of weights in flight per lane, the warp's next segment loaded while the current one's
 #: mmas issue, token-major grid; one-tile kernels also load the segment's activations up front):
-#: "auto" (default: every int4 launch, and dense launches of one token tile per block
-#: (:func:`row_nj`) without the RMSNorm prologue), "all" or "off"
-#: (``LOCKSTEP_CUDA_GEMM_PIPELINE``). The schedule never changes an output bit. Measured on the
-#: H200 (docs/benchmarks/kernels.md section 7) it made int4 2-12% faster up to batch 32 and the
-#: one-row dense GEMMs 6% faster, and the dense prologue and multi-tile kernels slower
-#: (registers), hence "auto".
+#: "auto" (default: every int4 launch, and dense launches without the RMSNorm prologue of one
+#: token tile per block (:func:`row_nj`) or of two in one wave, :func:`pipelined`), "all" or
+#: "off" (``LOCKSTEP_CUDA_GEMM_PIPELINE``). The schedule never changes an output bit. Measured on
+#: the H200 (docs/benchmarks/kernels.md sections 7 and 19) it made int4 2-12% faster up to batch
+#: 32 and the one-row dense GEMMs 6% faster, the dense prologue and multi-tile kernels slower
+#: (registers) except two-tile grids that still fit one wave, hence "auto".
 PIPELINE = env.switch("LOCKSTEP_CUDA_GEMM_PIPELINE")
 #: Which projections take the tiled kernels for launches of at least :data:`WIDE_ROWS` rows
 #: (kernels/linear_mma.cu ``mma_wide`` for dense fp16, ``mma_wide4`` for int4: 64-token x
