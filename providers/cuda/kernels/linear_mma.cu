@@ -358,11 +358,12 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 // 4 k tiles are copied to shared memory with cp.async, WIDE_STAGES chunks deep (WIDE_STAGES - 1
 // in flight while one computes); each weight
 // fragment is then read by both token warps and each activation row by all 4 feature warps.
-// Shared: WIDE_STAGES * (4 F * 128 + 64 * WIDE_XS / 8) uint4.  Needs K % 8 == 0.
+// Shared: ST * (4 F * 128 + ROWS * WIDE_XS / 8) uint4 (ST = wide_stages(F, TW)).  Needs K % 8 == 0.
 #define WIDE_STAGES 3
 // Stages of the one-token-warp tiles of 64 features (TW = 1, F = 1: Llama-3.2-1B's gate/up at 17
-// to 32 rows), whose blocks are too few to keep DRAM busy with 2 chunks in flight each
-// (docs/benchmarks/kernels.md section 19).
+// to 32 rows): 3 chunks in flight a block, measured 26.5 -> 25.5 us a launch at 32 rows
+// (docs/benchmarks/kernels.md section 19).  The 128-feature form keeps WIDE_STAGES: a fourth
+// stage would cost it a block a multiprocessor.
 #define WIDE32_STAGES 4
 #define WIDE_XS 72  // halves per staged token row: 64 + 8, so the rows fall on distinct banks
 
@@ -468,7 +469,7 @@ __global__ void __launch_bounds__(128 * TW, 4 / TW) mma_wide(const __half* __res
     const int m0 = blockIdx.x * ROWS, tile0 = blockIdx.y * TILES;
     const int ntiles = (N + 15) >> 4, ktiles = ((K + 63) >> 6) << 2, nchunks = (K + 63) >> 6;
     uint4* ws = wsm;                                                    // [STAGES][TILES][4 k tiles][32 lanes]
-    __half* xs = reinterpret_cast<__half*>(wsm + ST * WS);     // [STAGES][ROWS tokens][WIDE_XS]
+    __half* xs = reinterpret_cast<__half*>(wsm + ST * WS);              // [STAGES][ROWS tokens][WIDE_XS]
     PDL_ENTER_GEMM();
     // chunk c into stage c % ST: zeros for tiles past N (and the activations' zeros)
     auto stage = [&](int c) {
