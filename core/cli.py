@@ -228,6 +228,11 @@ def _report(a, result) -> int:
                       f"{_tokens(c['prefill_tokens'])} in {c['prefill_s'] * 1e3:.0f} ms "
                       f"({_rate(result.prefill_tokens_per_s)}); decode {c['decode_steps']} steps in "
                       f"{c['decode_s'] * 1e3:.0f} ms ({_rate(result.decode_tokens_per_s)})[/dim]")
+        if c.get("weight_bytes_streamed_per_step"):  # --weight-budget / --device-budget streamed weights
+            console.print(f"[dim]weights: {_size(c['weight_bytes_resident'])} resident, "
+                          f"{_size(c['weight_bytes_streamed_per_step'])} streamed a step through "
+                          f"{_size(c['staging_bytes'])} of staging; {_size(c['htod_bytes_per_token'])} "
+                          f"host-to-device per token, byte hit rate {c['byte_hit_rate']:.0%}[/dim]")
         console.print("[dim]finish: " + "; ".join(
             f"{'' if len(result.rows) == 1 else f'row {i} '}{r.finish_reason} ({_tokens(len(r.output_ids))})"
             for i, r in enumerate(result.rows)) + "[/dim]")
@@ -236,6 +241,14 @@ def _report(a, result) -> int:
         console.print(f"[red]error:[/red] row {i}: the logits became NaN or infinite after "
                       f"{len(result.rows[i].output_ids)} tokens; its text stops there")
     return 1 if failed and len(failed) == len(result.rows) else 0
+
+
+def _size(n: float) -> str:
+    """Bytes for a person: KiB under a MiB, MiB under a GiB, else GiB (binary units)."""
+    for unit, scale in (("KiB", 1 << 10), ("MiB", 1 << 20)):
+        if n < scale << 10:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n / (1 << 30):,.2f} GiB"
 
 
 def _tokens(n: int) -> str:

@@ -485,3 +485,19 @@ def test_profile_rates_keep_a_decimal_below_100_tok_s():
     from core.profile import _rate
 
     assert [_rate(3.24), _rate(99.96), _rate(100.4), _rate(12345.6)] == ["3.2", "100.0", "100", "12,346"]
+
+
+def test_a_run_that_streams_weights_says_so_in_its_report(words_model, capsys, monkeypatch):
+    """Text mode: a weight budget that streams weights adds a line with the resident and streamed
+    bytes and the host-to-device bytes per token; a run with every weight resident has none."""
+    from core.runtime import residency
+
+    monkeypatch.setattr(residency, "SMALL_BYTES", 512)  # the tiny model's matrices are a few KiB
+    code, out = run(capsys, "run", "--model", str(words_model), "--raw", "--max-new-tokens", "3", "--prompt", "a b",
+                    "--weight-budget", "80%")
+    assert code == 0
+    line = next(x for x in out.err.splitlines() if x.startswith("weights:"))
+    assert re.search(r"[\d.]+ KiB resident, [\d.]+ KiB streamed a step through [\d.]+ KiB of staging; "
+                     r"[\d.]+ KiB host-to-device per token, byte hit rate \d+%", line), line
+    code, out = run(capsys, "run", "--model", str(words_model), "--raw", "--max-new-tokens", "3", "--prompt", "a b")
+    assert code == 0 and "finish:" in out.err and "weights:" not in out.err
