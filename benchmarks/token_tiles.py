@@ -3,7 +3,8 @@ block (NJ = 1, 2 or 4: 8, 16 or 32 rows per block) at the projections of SmolLM2
 Qwen2.5-0.5B and Llama-3.2-1B, dense fp16 and int4 (block 32, fp16 scales). Each time is a replay
 of a captured graph of 20 launches, so it holds no host cost; the outputs of the three NJ are
 checked bitwise equal (token columns are independent inside an mma). The table behind
-``_mma.row_nj`` (docs/benchmarks/kernels.md section 12).
+``_mma.row_nj`` (docs/benchmarks/kernels.md section 12) and the PIPE rule for two tiles,
+``_mma.pipelined`` (section 19).
 
     python benchmarks/token_tiles.py [--rows 16,32]
 """
@@ -43,7 +44,7 @@ def main() -> None:
     _mma.WIDE = "off"
     rng = np.random.default_rng(0)
     print("us per launch; fp16 columns NJ 1 / 2 / 2 PIPE / 4 / auto, int4 NJ 1 / 2 / 4 / auto (PIPE always);"
-          " auto's NJ in brackets")
+          " auto's NJ in brackets, P: on the PIPE schedule")
     print(f"{'projection':18s} {'kind':5s} " + "  ".join(f"{m:>3d} rows" for m in args.rows))
     for name, (k, n, glu) in SHAPES.items():
         w = cp.asarray((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float16))
@@ -70,7 +71,8 @@ def main() -> None:
                     outs.append(y.get().view(np.uint16).copy())
                 same = "" if all(np.array_equal(outs[0], o) for o in outs) else " (bits differ!)"
                 chosen = _mma.row_nj(m, rows, kind == "int4")
-                cells.append("/".join(f"{t:.1f}" for t in times) + f" [{chosen}]" + same)
+                pipe = "P" if kind == "fp16" and chosen > 1 and _mma.pipelined(rows, False, m) else ""
+                cells.append("/".join(f"{t:.1f}" for t in times) + f" [{chosen}{pipe}]" + same)
             print(f"{name:18s} {kind:5s} " + "  ".join(f"{c:>30s}" for c in cells), flush=True)
 
 
