@@ -3,7 +3,8 @@ and each seen to run:
 
 - PIPE (``_mma.PIPELINE``, set to "all": whole segments of weights in flight, token-major grid) for dense,
   gate/up (GLU), RMSNorm prologue and int4 kernels, at row counts of every token tiling (NJ = 1,
-  2, 4) and K that end inside a segment, fill it, and take several segments per warp;
+  2, 4) and K that end inside a segment, fill it, and take several segments per warp; the
+  two-tile dense kernel also in blocks of 8, 4 and 2 warps (``_mma.PIPE2_WARPS``);
 - mma_wide / mma_wide4 (``_mma.WIDE``, set to "all": 64-token tiles staged in shared memory) for dense, GLU
   and int4 launches of 64 rows and more (int4: zero points absent or packed, fp16 and fp32 scales,
   quantisation blocks of 32 to 128), both feature widths (F = 1, 2), rows and features that do
@@ -108,6 +109,39 @@ def test_token_tiles_and_schedules_of_the_row_kernel_are_bitwise_one_tile(monkey
         _mma.dense(a, wp, None, y, m, n, k, NULL, glu=glu)
         tiles = min(int(nj), 1 if m <= 8 else 2 if m <= 16 else 4)
         assert ran == [f"mma_dense<{tiles}, {_mma._BOOL[glu]}, false, {_mma._BOOL[pipeline == 'all']}>"]
+        out.append(y.get().view(np.uint16))
+    assert all(np.array_equal(out[0], o) for o in out[1:])
+    assert not np.isnan(out[0].view(np.float16)).any()
+
+
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("m,k,n", [(32, 8192, 24), (20, 2304, 40), (17, 1000, 16), (30, 200, 24)])
+def test_two_tile_pipe_blocks_of_fewer_warps_than_segments_are_bitwise_the_plain_kernel(monkeypatch, ran, m, k, n, glu):
+    """The two-tile PIPE row kernel in blocks of 8, 4 and 2 warps (``_mma.PIPE2_WARPS``; the
+    launcher gives Llama-3.2-1B's qkv at 32 rows 4): with fewer warps than K segments each warp
+    walks several, its PIPE refill loading the next; bitwise the plain two-tile kernel, and each
+    block size seen to run."""
+    rng = np.random.default_rng(k + n + m + 1)
+    a = cupy.asarray(rng.standard_normal((m, k)).astype(np.float16))
+    w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))
+    wp = cupy.asarray(_mma.pack(np, w, up if glu else None))
+    monkeypatch.setattr(_mma, "TOKEN_TILES", "2")
+    blocks, inner = [], _mma._launch
+
+    def launch(expr, grid, block, args, shared):
+        blocks.append(block[0])
+        inner(expr, grid, block, args, shared)
+
+    monkeypatch.setattr(_mma, "_launch", launch)
+    nseg, out = -(-k // _mma.SEG_K), []
+    for pipeline, warps in (("off", 8), ("auto", 8), ("auto", 4), ("auto", 2)):
+        monkeypatch.setattr(_mma, "PIPELINE", pipeline)
+        monkeypatch.setattr(_mma, "PIPE2_WARPS", (warps,))
+        del ran[:], blocks[:]
+        y = cupy.full((m, n), np.nan, np.float16)
+        _mma.dense(a, wp, None, y, m, n, k, NULL, glu=glu)
+        assert ran == [f"mma_dense<2, {_mma._BOOL[glu]}, false, {_mma._BOOL[pipeline == 'auto']}>"]
+        assert blocks == [32 * min(nseg, warps)]
         out.append(y.get().view(np.uint16))
     assert all(np.array_equal(out[0], o) for o in out[1:])
     assert not np.isnan(out[0].view(np.float16)).any()

@@ -292,6 +292,7 @@ def test_the_launcher_sizes_shared_memory_with_the_kernel_constants():
     assert int(re.search(r"#define WIDE_STAGES (\d+)", src).group(1)) == _mma._WIDE_STAGES
     assert int(re.search(r"#define WIDE32_STAGES (\d+)", src).group(1)) == _mma._WIDE32_STAGES
     assert int(re.search(r"#define WIDE_XS (\d+)", src).group(1)) == _mma._WIDE_XS
+    assert int(re.search(r"#define WIDE32_FW (\d+)", src).group(1)) == _mma._WIDE32_FW
 
 
 
@@ -379,31 +380,54 @@ def test_split_k_cuts_long_k_of_few_rows_into_at_most_one_wave(monkeypatch):
 
 
 def test_two_token_tiles_take_the_pipe_schedule_where_the_grid_fits_one_wave(monkeypatch):
-    """_mma.pipelined (docs/benchmarks/kernels.md section 19) at the H200's 132 multiprocessors and
-    2 PIPE blocks each: Llama-3.2-1B's down and o at 32 rows (256 blocks) take PIPE, its qkv (384)
-    does not; one tile always does, four tiles and the RMSNorm prologue never."""
+    """_mma.pipelined and _mma.pipe2_warps (docs/benchmarks/kernels.md sections 19, 20) at the
+    H200's 132 multiprocessors and 16 PIPE warps each: Llama-3.2-1B's down and o at 32 rows (256
+    blocks) take PIPE in blocks of 8 warps, its qkv (384 blocks) in blocks of 4, and a grid that
+    fits neither takes the plain schedule; one tile always takes PIPE, four tiles and the RMSNorm prologue
+    never."""
     monkeypatch.setattr(_mma, "PIPELINE", "auto")
     monkeypatch.setattr(_mma, "TOKEN_TILES", "auto")
     monkeypatch.setattr(_mma, "multiprocessors", lambda: 132)
-    monkeypatch.setattr(_mma, "pipe2_per_multiprocessor", lambda: 2)
-    assert _mma.row_nj(32, 2048) == 2 and _mma.pipelined(2048, False, 32)
-    assert _mma.row_nj(32, 3072) == 2 and not _mma.pipelined(3072, False, 32)
+    monkeypatch.setattr(_mma, "pipe2_per_multiprocessor", lambda threads=256: 512 // threads)
+    assert _mma.row_nj(32, 2048) == 2 and _mma.pipelined(2048, False, 32) and _mma.pipe2_warps(2048, 32) == 8
+    assert _mma.row_nj(32, 3072) == 2 and _mma.pipelined(3072, False, 32) and _mma.pipe2_warps(3072, 32) == 4
+    assert _mma.row_nj(16, 9600) == 2 and not _mma.pipelined(9600, False, 16)  # 600 blocks: 528 a wave at 4
+    assert _mma.pipe2_warps(9600, 16) == 0
     assert _mma.pipelined(3072, False, 8)                       # one tile
     assert _mma.row_nj(32, 16384) == 4 and not _mma.pipelined(16384, False, 32)
     assert not _mma.pipelined(576, False, 1, norm=True)
+    monkeypatch.setattr(_mma, "PIPE2_WARPS", (8,))
+    assert not _mma.pipelined(3072, False, 32) and _mma.pipelined(2048, False, 32)
     monkeypatch.setattr(_mma, "PIPELINE", "off")
     assert not _mma.pipelined(2048, False, 32)
 
 
+def test_a_two_tile_pipe_launch_takes_the_block_of_pipe2_warps(launches, monkeypatch):
+    """The launch itself: Llama-3.2-1B's qkv shape at 32 rows gets blocks of pipe2_warps' 4
+    warps (128 threads), its o projection 8; a K of fewer segments than warps, one warp each."""
+    monkeypatch.setattr(_mma, "PIPELINE", "auto")
+    monkeypatch.setattr(_mma, "TOKEN_TILES", "auto")
+    monkeypatch.setattr(_mma, "multiprocessors", lambda: 132)
+    monkeypatch.setattr(_mma, "pipe2_per_multiprocessor", lambda threads=256: 512 // threads)
+    for k, n, threads in ((2048, 3072, 128), (2048, 2048, 256), (512, 3072, 64)):
+        del launches[:]
+        wp = _mma.pack(np, np.zeros((k, n), np.float16))
+        _mma.dense(np.zeros((32, k), np.float16), wp, None, np.zeros((32, n), np.float16), 32, n, k, None)
+        (expr, grid, block, args, shared), = launches
+        assert expr == "mma_dense<2, false, false, true>" and block == (threads,), (k, n, block)
+        assert grid == (2, n // 16, 1)
+
+
 def test_launches_of_17_to_32_rows_over_wide_projections_take_the_one_token_warp_tiles(monkeypatch):
     """The rule of _mma.wide32_config (docs/benchmarks/kernels.md section 13), at the H200's 132
-    multiprocessors: only projections wide enough for 1.5 blocks of 64 features per
+    multiprocessors: only projections wide enough for 1.5 x 4 feature warps (16 features each) per
     multiprocessor (Llama-3.2-1B's gate/up, the lm_heads) with K >= 768 (not SmolLM2's 576), and
     only for 17 to 32 rows."""
     monkeypatch.setattr(_mma, "WIDE", "dense")
     monkeypatch.setattr(_mma, "multiprocessors", lambda: 132)
     one, two = _mma._WIDE32_STAGES * 16, _mma._WIDE_STAGES * 16  # F = 1 has its own stage count
-    assert _mma.wide32_config(32, 16384, 2048) == (1, (1, 256), (128,), one * (4 * 128 + 32 * 72 // 8))
+    fw = _mma._WIDE32_FW  # feature warps of the F = 1 blocks
+    assert _mma.wide32_config(32, 16384, 2048) == (1, (1, 1024 // fw), (32 * fw,), one * (fw * 128 + 32 * 72 // 8))
     assert _mma.wide32_config(17, 16384, 2048) == _mma.wide32_config(32, 16384, 2048)
     assert _mma.wide32_config(32, 128256, 2048) == (2, (1, 1002), (128,), two * (8 * 128 + 32 * 72 // 8))
     assert _mma.wide32_config(32, 151936, 896) is not None
@@ -423,7 +447,7 @@ def test_a_wide32_launch_names_the_one_token_warp_kernel(launches, monkeypatch):
     _mma.dense(np.zeros((24, 96), np.float16), wp, None, np.zeros((24, 40), np.float16), 24, 40, 96, None)
     (expr, grid, block, args, shared), = launches
     assert expr == "mma_wide<1, false, 1>" and expr in _mma.EXPRS
-    assert grid == (1, 1) and block == (128,) and [int(v) for v in args[4:]] == [24, 40, 96, 40]
+    assert grid == (1, 1) and block == (32 * _mma._WIDE32_FW,) and [int(v) for v in args[4:]] == [24, 40, 96, 40]
 
 
 def test_strided_int4_activations_take_the_tensor_core_kernel_prepared_or_not(launches, monkeypatch):

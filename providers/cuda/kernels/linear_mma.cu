@@ -358,14 +358,20 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 // 4 k tiles are copied to shared memory with cp.async, WIDE_STAGES chunks deep (WIDE_STAGES - 1
 // in flight while one computes); each weight
 // fragment is then read by both token warps and each activation row by all 4 feature warps.
-// Shared: ST * (4 F * 128 + ROWS * WIDE_XS / 8) uint4 (ST = wide_stages(F, TW)).  Needs K % 8 == 0.
+// Shared: ST * (FW F * 128 + ROWS * WIDE_XS / 8) uint4 (ST = wide_stages(F, TW), FW = wide_fw(F, TW)).
+// Needs K % 8 == 0.
 #define WIDE_STAGES 3
-// Stages of the one-token-warp tiles of 64 features (TW = 1, F = 1: Llama-3.2-1B's gate/up at 17
-// to 32 rows): 3 chunks in flight a block, measured 26.5 -> 25.5 us a launch at 32 rows
-// (docs/benchmarks/kernels.md section 19).  The 128-feature form keeps WIDE_STAGES: a fourth
-// stage would cost it a block a multiprocessor.
+// Stages of the one-token-warp tiles of one 16-feature tile a warp (TW = 1, F = 1: Llama-3.2-1B's
+// gate/up at 17 to 32 rows): 3 chunks in flight a block, measured 26.5 -> 25.5 us a launch at 32
+// rows (docs/benchmarks/kernels.md section 19; 6 stages measured no faster end to end, section
+// 20).  The 128-feature-per-warp-pair form (F = 2) keeps WIDE_STAGES: a fourth stage would cost
+// it a block a multiprocessor.
 #define WIDE32_STAGES 4
 #define WIDE_XS 72  // halves per staged token row: 64 + 8, so the rows fall on distinct banks
+// Feature warps of those tiles (TW = 1, F = 1): 8, a block of 128 features, so each staged
+// activation chunk serves 8 warps and the grid copies the activations half as often as with 4
+// (Llama-3.2-1B's gate/up at 32 rows: 26.2 -> 24.0 us a launch, section 20).  Other forms: 4.
+#define WIDE32_FW 8
 
 __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool ok) {
     // 16 bytes, or 16 zero bytes when !ok (src is then not read)
@@ -453,19 +459,22 @@ __device__ __forceinline__ void wide_store(float (*tot)[4][4], const __half* __r
 }
 
 __host__ __device__ constexpr int wide_stages(int F, int TW) { return TW == 1 && F == 1 ? WIDE32_STAGES : WIDE_STAGES; }
+// feature warps of a block (each F 16-feature tiles wide)
+__host__ __device__ constexpr int wide_fw(int F, int TW) { return TW == 1 && F == 1 ? WIDE32_FW : 4; }
 
-// TW = 2 is the block above; TW = 1 (launches of at most 32 rows) has one token warp: 4 warps,
-// 32 tokens x 64 F features, the same per-warp tiles, so each staged activation row serves the 4
-// feature warps and no token warp computes only padding.
+// TW = 2 is the block above; TW = 1 (launches of at most 32 rows) has one token warp and FW =
+// wide_fw(F, 1) feature warps (8 for F = 1, else 4): 32 tokens x 16 FW F features, the same
+// per-warp tiles, so each staged activation row serves the FW feature warps and no token warp
+// computes only padding.
 template <int F, bool GLU, int TW>
-__global__ void __launch_bounds__(128 * TW, 4 / TW) mma_wide(const __half* __restrict__ x, const uint4* __restrict__ wp,
+__global__ void __launch_bounds__(32 * TW * wide_fw(F, TW), 16 / (TW * wide_fw(F, TW))) mma_wide(const __half* __restrict__ x, const uint4* __restrict__ wp,
                                                    const __half* __restrict__ bias, __half* __restrict__ y,
                                                    int M, int N, int K, int n_out) {
     extern __shared__ uint4 wsm[];
-    constexpr int ST = wide_stages(F, TW);
-    constexpr int TILES = 4 * F, WS = TILES * 128, ROWS = 32 * TW, XS = ROWS * WIDE_XS / 8;
+    constexpr int ST = wide_stages(F, TW), FW = wide_fw(F, TW);
+    constexpr int TILES = FW * F, WS = TILES * 128, ROWS = 32 * TW, XS = ROWS * WIDE_XS / 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int wt = warp >> 2, wf = warp & 3;  // token warp 0..TW - 1, feature warp 0..3
+    const int wt = warp / FW, wf = warp % FW;  // token warp 0..TW - 1, feature warp 0..FW - 1
     const int m0 = blockIdx.x * ROWS, tile0 = blockIdx.y * TILES;
     const int ntiles = (N + 15) >> 4, ktiles = ((K + 63) >> 6) << 2, nchunks = (K + 63) >> 6;
     uint4* ws = wsm;                                                    // [STAGES][TILES][4 k tiles][32 lanes]

@@ -73,12 +73,15 @@ WIDE_ROWS = 32
 #: Fewest rows of an int4 launch that takes ``mma_wide4`` under "auto" (measured from 64).
 WIDE4_ROWS = 64
 #: Launches of more than WIDE32_MIN_ROWS and at most 32 rows take the one-token-warp tiles
-#: (``mma_wide<F, GLU, 1>``: 32 tokens x 64 F features a block) where K is at least WIDE32_MIN_K
-#: and the grid has at least WIDE32_FILL blocks per multiprocessor (:func:`wide32_config`).
+#: (``mma_wide<F, GLU, 1>``: 32 tokens x 16 F features a warp) where K is at least WIDE32_MIN_K
+#: and the grid has at least WIDE32_FILL x 4 feature warps per multiprocessor (:func:`wide32_config`).
 WIDE32_MIN_ROWS, WIDE32_MIN_K, WIDE32_FILL = 16, 768, 1.5
 #: kernels/linear_mma.cu WIDE_STAGES, WIDE32_STAGES (``mma_wide<1, GLU, 1>``), WIDE_XS and
 #: WIDE_XS4 (shared memory of mma_wide / mma_wide4).
 _WIDE_STAGES, _WIDE32_STAGES, _WIDE_XS, _WIDE_XS4 = 3, 4, 72, 80
+#: kernels/linear_mma.cu WIDE32_FW: feature warps of ``mma_wide<1, GLU, 1>`` (8: 128 features a
+#: block, 16 a warp); the other forms have 4.
+_WIDE32_FW = 8
 #: Split-K of the int4 row kernel (kernels/linear_mma.cu split_last): "auto" (default) or "off"
 #: (``LOCKSTEP_CUDA_GEMM_SPLIT``). Under "auto" a launch of at most 8 rows with more than 8 K
 #: segments (more than one per warp) is cut into as many blocks per tile as still run in one
@@ -208,23 +211,25 @@ def row_nj(m: int, n: int, int4: bool = False) -> int:
 
 
 @functools.cache
-def _per_multiprocessor(expr: str) -> int:
-    """Blocks of 256 threads of row kernel ``expr`` one multiprocessor holds (compiles it; 0
-    where no device answers, so host-side launches never split). Once per expression: launch
-    paths call it on every eager launch."""
+def _per_multiprocessor(expr: str, threads: int = 256) -> int:
+    """Blocks of ``threads`` threads of row kernel ``expr`` one multiprocessor holds (compiles it;
+    0 where no device answers, so host-side launches never split). Once per expression and block
+    size: launch paths call it on every eager launch."""
     try:
-        return function("linear_mma", expr, _MODULE_OF[expr]).blocks_per_multiprocessor(256)
+        return function("linear_mma", expr, _MODULE_OF[expr]).blocks_per_multiprocessor(threads)
     except Exception:  # noqa: BLE001 - no CuPy or no device (host-side tests)
         return 0
 
 
-def config(m: int, n: int, k: int, nj: int, pipe: bool = False, per_sm: int = 0) -> tuple[tuple, tuple, int, int]:
+def config(m: int, n: int, k: int, nj: int, pipe: bool = False, per_sm: int = 0,
+           warps: int = 8) -> tuple[tuple, tuple, int, int]:
     """(grid, block, shared bytes, segments per block) of a ``mma_dense`` / ``mma_nbits4`` launch
     of ``m`` rows over ``n`` weight rows and ``k`` with ``nj`` token tiles per block
     (:func:`row_nj`); the grid is (feature tiles, token blocks, splits), or (token blocks,
     feature tiles, splits) for the ``pipe`` schedule (kernels/linear_mma.cu PIPE); splits
     (``mma_nbits4`` only) from :func:`split_count` for a kernel that fits ``per_sm`` blocks per
-    multiprocessor (0, the default: unsplit). A split launch keeps its partials in the workspace,
+    multiprocessor (0, the default: unsplit); a block has one warp per K segment, at most ``warps``
+    (a warp walks segments w, w + warps, ...). A split launch keeps its partials in the workspace,
     not shared memory. Not cached: it reads switches (:data:`SPLIT`) and the device that tests
     change, and the caller's kernel expression must name the same ``nj``."""
     nseg = -(-k // SEG_K)
@@ -232,7 +237,7 @@ def config(m: int, n: int, k: int, nj: int, pipe: bool = False, per_sm: int = 0)
     splits = split_count(tiles * blocks, nseg, nj, per_sm)
     spb = -(-nseg // splits)
     grid = (blocks, tiles, splits) if pipe else (tiles, blocks, splits)
-    return grid, (32 * min(spb, 8),), 0 if splits > 1 else nseg * 16 * 8 * nj * 4, spb
+    return grid, (32 * min(spb, warps),), 0 if splits > 1 else nseg * 16 * 8 * nj * 4, spb
 
 
 def _split_args(grid: tuple, spb: int, null) -> tuple:
@@ -284,24 +289,27 @@ def wide_config(m: int, n: int, int4: bool = False) -> tuple[int, tuple, tuple, 
 
 
 def wide32_config(m: int, n: int, k: int) -> tuple[int, tuple, tuple, int] | None:
-    """(F, grid, block, shared bytes) of ``mma_wide<F, GLU, 1>`` (one token warp: 32 tokens x 64 F
-    features a block, 128 threads) for a dense launch of m rows over n weight rows and K = k, or
-    None where it does not apply: :data:`WIDE` "off", m outside (:data:`WIDE32_MIN_ROWS`, 32], K
-    under :data:`WIDE32_MIN_K` or not a multiple of 8, or fewer than :data:`WIDE32_FILL` blocks
-    per multiprocessor. F = 2 where that still gives 4 blocks per multiprocessor. Each block
-    stages its 32 rows of activations once for 64 F features, where the row kernel's blocks read
-    them once per 16. Measured per launch on the H200 (docs/benchmarks/kernels.md section 13):
-    at 32 rows Llama-3.2-1B's lm_head 164 -> 143 us and gate/up 28.7 -> 26.5 us, Qwen2.5-0.5B's
-    lm_head 87 -> 77 us; SmolLM2-135M's lm_head (K = 576) 26.9 -> 27.5 us, hence the K floor."""
+    """(F, grid, block, shared bytes) of ``mma_wide<F, GLU, 1>`` (one token warp: 32 tokens x 16 F
+    features a warp; F = 1 blocks have :data:`_WIDE32_FW` feature warps, F = 2 blocks 4) for a
+    dense launch of m rows over n weight rows and K = k, or None where it does not apply:
+    :data:`WIDE` "off", m outside (:data:`WIDE32_MIN_ROWS`, 32], K under :data:`WIDE32_MIN_K` or
+    not a multiple of 8, or fewer than :data:`WIDE32_FILL` x 4 feature warps per multiprocessor.
+    F = 2 where that still gives 4 blocks per multiprocessor. Each block stages its 32 rows of
+    activations once for all its features, where the row kernel's blocks read them once per 16.
+    Measured per launch on the H200 (docs/benchmarks/kernels.md section 13): at 32 rows
+    Llama-3.2-1B's lm_head 164 -> 143 us and gate/up 28.7 -> 26.5 us, Qwen2.5-0.5B's lm_head
+    87 -> 77 us; SmolLM2-135M's lm_head (K = 576) 26.9 -> 27.5 us, hence the K floor. Eight
+    feature warps took Llama's gate/up on to 24.0 us (section 20)."""
     if WIDE == "off" or not WIDE32_MIN_ROWS < m <= 32 or k < WIDE32_MIN_K or k % 8:
         return None
     sms = multiprocessors()
     f = 2 if -(-n // 128) >= 4 * sms else 1
-    features = -(-n // (64 * f))
-    if features > MAX_GRID_Y or features < WIDE32_FILL * sms:
+    fw = _WIDE32_FW if f == 1 else 4
+    features = -(-n // (16 * fw * f))
+    if features > MAX_GRID_Y or features * fw < 4 * WIDE32_FILL * sms:
         return None
     stages = _WIDE32_STAGES if f == 1 else _WIDE_STAGES
-    return f, (1, features), (128,), stages * (4 * f * 128 + 32 * _WIDE_XS // 8) * 16
+    return f, (1, features), (32 * fw,), stages * (fw * f * 128 + 32 * _WIDE_XS // 8) * 16
 
 
 def wide_dense_applies(m: int, k: int) -> bool:
@@ -326,7 +334,9 @@ def pipelined(n: int, int4: bool, m: int = 1, norm: bool = False) -> bool:
 
     Two tiles, measured per launch on the H200 at 32 rows (docs/benchmarks/kernels.md section 19):
     PIPE took Llama-3.2-1B's down projection from 13.9 to 11.5 us and o from 5.4 to 4.8 (256
-    blocks, one wave at 2 a multiprocessor), and its qkv from 7.2 to 8.2 (384 blocks, two waves)."""
+    blocks, one wave at 2 a multiprocessor), and its qkv from 7.2 to 8.2 (384 blocks, two waves);
+    in blocks of 4 warps (:func:`pipe2_warps`, one wave at 4 a multiprocessor) qkv took 7.0 -> 6.3
+    us (section 20)."""
     if PIPELINE == "off" or -(-n // 16) > MAX_GRID_Y:
         return False
     if PIPELINE == "all" or int4:
@@ -334,15 +344,31 @@ def pipelined(n: int, int4: bool, m: int = 1, norm: bool = False) -> bool:
     nj = row_nj(m, n)
     if norm or nj > 2:
         return False
-    blocks = -(-n // 16) * -(-m // (8 * nj))
-    return nj == 1 or blocks <= pipe2_per_multiprocessor() * multiprocessors()
+    return nj == 1 or pipe2_warps(n, m) > 0
 
 
-def pipe2_per_multiprocessor() -> int:
-    """Blocks of the two-tile PIPE row kernel (``mma_dense<2, false, false, true>``, 124 registers
-    on sm_90) that fit a multiprocessor: the compiled kernel's count, or 2 where no device
-    answers."""
-    return _per_multiprocessor("mma_dense<2, false, false, true>") or 2
+#: Warps per block of a dense two-tile PIPE launch, most first: a launch takes the first count
+#: whose grid fits one wave (:func:`pipe2_warps`). With fewer warps than K segments a warp walks
+#: several, the PIPE refill loading the next while the last computes.
+PIPE2_WARPS = (8, 4)
+
+
+def pipe2_warps(n: int, m: int) -> int:
+    """Warps per block of the two-tile PIPE row kernel for ``m`` rows (two token tiles a block)
+    over ``n`` weight rows: the first of :data:`PIPE2_WARPS` whose ceil(n / 16) x ceil(m / 16)
+    blocks fit one wave, or 0 where none does (the launch then takes the plain schedule)."""
+    blocks = -(-n // 16) * -(-m // 16)
+    for warps in PIPE2_WARPS:
+        if blocks <= pipe2_per_multiprocessor(32 * warps) * multiprocessors():
+            return warps
+    return 0
+
+
+def pipe2_per_multiprocessor(threads: int = 256) -> int:
+    """Blocks of ``threads`` threads of the two-tile PIPE row kernel (``mma_dense<2, false, false,
+    true>``, 124 registers on sm_90) that fit a multiprocessor: the compiled kernel's count, or
+    512 / threads where no device answers (the H200's count)."""
+    return _per_multiprocessor("mma_dense<2, false, false, true>", threads) or max(1, 512 // threads)
 
 
 def glu_width(n: int) -> int:
@@ -513,7 +539,8 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
             _launch(f"mma_wide<{f}, {_BOOL[glu]}, {tw}>", grid, block, args, shared)
             continue
         pipe, nj = pipelined(rows, False, r1 - r0, norm is not None), row_nj(r1 - r0, rows)
-        grid, block, shared, _ = config(r1 - r0, rows, k, nj, pipe)
+        warps = pipe2_warps(rows, r1 - r0) if pipe and nj == 2 else 8
+        grid, block, shared, _ = config(r1 - r0, rows, k, nj, pipe, warps=warps)
         _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>", grid, block,
                 (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0))
 
