@@ -1,0 +1,60 @@
+"""Microseconds per launch of the kernel the launcher itself picks (``_mma.dense``: row kernel,
+token tiles, PIPE schedule and block size, or the tiles) at the dense fp16 projections of
+Llama-3.2-1B, Qwen2.5-0.5B and SmolLM2-135M, with the kernel, grid and block it launched. Each
+time is a replay of a captured graph of 20 launches of one weight, so it holds no host cost. The
+per-launch tables of docs/benchmarks/kernels.md section 20, where trees with different kernel
+constants ran it side by side.
+
+    python benchmarks/projection_launches.py [--rows 16,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import numpy as np
+
+# (K, N, GLU) per projection; GLU: N is the gate (= up) width
+SHAPES = {"Llama qkv": (2048, 3072, False), "Llama o": (2048, 2048, False), "Llama gate/up": (2048, 8192, True),
+          "Llama down": (8192, 2048, False), "Qwen0.5B qkv": (896, 1152, False),
+          "Qwen0.5B gate/up": (896, 4864, True), "Qwen0.5B down": (4864, 896, False),
+          "SmolLM2 gate/up": (576, 1536, True), "SmolLM2 down": (1536, 576, False)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="16,32", type=lambda t: [int(x) for x in t.split(",")])
+    args = ap.parse_args()
+    import cupy as cp
+    from gemm_launch import graph_us
+
+    from providers.cuda.ops import NULL, _mma
+    from providers.cuda.provider import CudaProvider
+
+    stream = CudaProvider().stream
+    launched: list[tuple] = []
+    launch = _mma._launch
+
+    def recording(expr, grid, block, kernel_args, shared):
+        launched.append((expr, grid, block))
+        launch(expr, grid, block, kernel_args, shared)
+
+    _mma._launch = recording
+    rng = np.random.default_rng(0)
+    print(f"{'projection':17s} {'rows':>4s} {'us':>7s}  kernel, grid, block")
+    for name, (k, n, glu) in SHAPES.items():
+        w = cp.asarray((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float16))
+        up = cp.asarray((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float16)) if glu else None
+        wp = _mma.pack(cp, w, up)
+        for m in args.rows:
+            a = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
+            y = cp.empty((m, n), np.float16)
+            launched.clear()
+            us = graph_us(stream, functools.partial(_mma.dense, a, wp, None, y, m, n, k, NULL, glu=glu))
+            expr, grid, block = launched[0]
+            print(f"{name:17s} {m:4d} {us:7.2f}  {expr} {grid} {block}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
