@@ -187,6 +187,7 @@ def cmd_run(a) -> int:
     check_request(a.max_new_tokens, {k: v for k, v in options.items() if k not in ("stop", "system")},
                   options.get("stop"), a.weight_budget, a.device_budget, a.tensor_parallel)  # before any build
     model = _resolve_model(a.model, a.provider)
+    _note_greedy(a, model)
     if a.stream:
         return _run_streamed(a, prompts, model, provider, options)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -267,6 +268,23 @@ def _generation_options(a) -> dict:
     return out
 
 
+def _note_greedy(a, model) -> None:
+    """One line on stderr when sampling options were given to a request that decodes greedily
+    (neither ``--do-sample`` nor the model's genai_config.json "search" do_sample), as
+    transformers warns: they change nothing then."""
+    given = [name for name in ("temperature", "top_k", "top_p", "min_p") if getattr(a, name, None) is not None]
+    if not given or a.do_sample:
+        return
+    if a.do_sample is None:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            search = json.loads((Path(model) / "genai_config.json").read_text()).get("search") or {}
+            if search.get("do_sample"):
+                return
+    flags = ", ".join("--" + name.replace("_", "-") for name in given)
+    console.print(f"[yellow]note:[/yellow] {flags} {'applies' if len(given) == 1 else 'apply'} only with "
+                  "--do-sample; decoding greedily")
+
+
 def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
     """``run --stream``: one prompt's text as it is decoded; several prompts: each row printed
     whole as soon as it ends (interleaved rows are unreadable)."""
@@ -305,6 +323,7 @@ def cmd_chat(a) -> int:
     options.pop("stop", None)
     check_request(a.max_new_tokens, options)  # before any model build
     model = _resolve_model(a.model, a.provider)
+    _note_greedy(a, model)
     session = Session(model, provider, batch=1, capture=False if a.no_capture else None)
     context = session.model.config.context_length
     if a.max_new_tokens >= context:  # no turn could ever fit: refuse now, not at every turn
@@ -419,10 +438,27 @@ def cmd_providers(a) -> int:
     return 0
 
 
+def _check_budgets(a) -> None:
+    """``--weight-budget`` and ``--device-budget`` (where the command has them) read before any
+    model work.
+
+    Raises:
+        core.session.RequestError: a budget that reads as none, worded with its flag.
+    """
+    from core.generation.generate import check_request
+    from core.session import RequestError
+
+    try:
+        check_request(1, None, None, a.weight_budget, getattr(a, "device_budget", None))
+    except RequestError as exc:
+        raise RequestError(_flag_names(str(exc))) from None
+
+
 def cmd_parity(a) -> int:
     from core.plugins import get_provider
     from core.testing.parity import run_kit
 
+    _check_budgets(a)
     provider = get_provider(a.provider)  # a missing provider is reported before any model build
     model = _resolve_model(a.model, a.provider)
     mode = "full" if a.full else "quick"
@@ -443,6 +479,7 @@ def cmd_profile(a) -> int:
 
     if a.tensor_tflops is not None and not a.kernels:
         raise RequestError("--tensor-tflops sets the FLOPs floor of the --kernels table; add --kernels")
+    _check_budgets(a)
     get_provider(a.provider)  # a missing or unusable provider is reported before any model build
     if not a.kernels:
         check_outputs(a)  # --plot, --json and --anchor too
@@ -588,6 +625,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     given = sys.argv[1:] if argv is None else argv
+    if not given:  # bare `lockstep`: the commands, not only "a command is required"
+        parser.print_help(sys.stderr)
+        return 2
     if given and given[0].startswith("-") and given[0] not in ("-h", "--help", "--version"):
         parser.error(f"unrecognized arguments: {given[0]} (options follow the command: lockstep run --help)")
     args, unknown = parser.parse_known_args(argv)

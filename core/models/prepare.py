@@ -319,7 +319,8 @@ def _check_writable(folder: Path, what: str) -> None:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
-        raise PrepareError(f"{what} {folder} cannot be written ({exc.strerror or exc}); give a writable "
+        where = f" at {exc.filename}" if exc.filename and str(exc.filename) != str(folder) else ""
+        raise PrepareError(f"{what} {folder} cannot be written ({exc.strerror or exc}{where}); give a writable "
                            "folder (nothing was built)") from None
 
 

@@ -59,7 +59,15 @@ ALIGN = 256
 
 class BudgetError(ValueError):
     """A weight budget that cannot work (too small for the always-resident weights plus the
-    staging ring, or malformed); the message gives the bytes needed."""
+    staging ring, or malformed); the message gives the bytes needed.
+
+    Attributes:
+        unreadable: the value is no budget at all (text that reads as no number or size).
+    """
+
+    def __init__(self, message: str, unreadable: bool = False) -> None:
+        super().__init__(message)
+        self.unreadable = unreadable
 
 
 @attrs.frozen
@@ -201,11 +209,19 @@ def check_device_budget_form(value) -> None:
     """A device budget is bytes or a size, never a fraction (of what would it be one?).
 
     Raises:
-        BudgetError: a float, or a string that reads as a percentage or a fraction.
+        BudgetError: a float, a string that reads as a percentage or a fraction, or one that is
+            no size at all (then the message offers sizes only, not :func:`parse_budget`'s
+            fractions), or a non-positive size.
     """
     text = value.strip() if isinstance(value, str) else ""
     if isinstance(value, float) or text.endswith("%") or ("." in text and text[-1:].isdigit()):
-        raise BudgetError(f"device_budget takes bytes (4294967296) or a size (4GiB), not a fraction: got {value!r}")
+        raise BudgetError(f"a device budget takes bytes (4294967296) or a size (4GiB), not a fraction: got {value!r}")
+    try:
+        parse_budget(value, 1)
+    except BudgetError as exc:
+        if exc.unreadable:
+            raise BudgetError(f"cannot read the budget {value!r}; use bytes or a size (4GiB, 512MB)") from None
+        raise
 
 
 def parse_budget(value, total: int) -> int | None:
@@ -230,7 +246,7 @@ def parse_budget(value, total: int) -> int | None:
                     float(text) if "." in text else int(text))
         except ValueError:
             raise BudgetError(f"cannot read the budget {value!r}; use bytes, a unit (2GiB, 512MB) or a "
-                              "fraction (40%, 0.4)") from None
+                              "fraction (40%, 0.4)", unreadable=True) from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BudgetError(f"a budget is bytes (int) or a fraction (float), got {value!r}")
     if isinstance(value, float):

@@ -501,3 +501,50 @@ def test_a_run_that_streams_weights_says_so_in_its_report(words_model, capsys, m
                      r"[\d.]+ KiB host-to-device per token, byte hit rate \d+%", line), line
     code, out = run(capsys, "run", "--model", str(words_model), "--raw", "--max-new-tokens", "3", "--prompt", "a b")
     assert code == 0 and "finish:" in out.err and "weights:" not in out.err
+
+
+@pytest.mark.parametrize("command", [["parity", "--provider", "cpu_reference"], ["profile", "m", "--provider",
+                                                                                   "cpu_reference"]])
+@pytest.mark.parametrize("argv, message", [
+    (["--weight-budget", "abc"], "--weight-budget: cannot read the budget 'abc'"),
+    (["--weight-budget", "-1"], "--weight-budget: a budget must be positive"),
+])
+def test_parity_and_profile_read_the_budget_before_any_work(monkeypatch, capsys, command, argv, message):
+    """parity and profile refuse a budget that reads as none before the provider, the model or
+    any gate (one line naming the flag), as run does."""
+    import core.cli
+
+    monkeypatch.setattr(core.cli, "_resolve_model", lambda *a, **k: pytest.fail("model prepared"))
+    monkeypatch.setattr("core.plugins.get_provider", lambda *a, **k: pytest.fail("provider created"))
+    code, out = run(capsys, *command, *argv)
+    assert code == 2 and message in out.err and len(out.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("value, message", [
+    ("50%", "--device-budget: a device budget takes bytes (4294967296) or a size (4GiB), not a fraction"),
+    ("lots", "--device-budget: cannot read the budget 'lots'; use bytes or a size (4GiB, 512MB)"),
+])
+def test_a_bad_device_budget_names_its_flag_once_and_offers_sizes(monkeypatch, capsys, value, message):
+    import core.cli
+
+    monkeypatch.setattr(core.cli, "_resolve_model", lambda *a, **k: pytest.fail("model prepared"))
+    code, out = run(capsys, "run", "--prompt", "hi", "--device-budget", value)
+    assert code == 2 and message in out.err and out.err.count("--device-budget") == 1
+    assert "fraction (40%" not in out.err
+
+
+def test_sampling_options_without_do_sample_say_they_change_nothing(capsys, words_model):
+    """--temperature / --top-p ... on a greedy request (no --do-sample, a model whose search
+    section does not sample): one note on stderr, and the greedy tokens; with --do-sample no note."""
+    code, greedy, _ = _json_run(capsys, words_model, "--prompt", "sky")
+    code_t, tempered, err = _json_run(capsys, words_model, "--prompt", "sky", "--temperature", "0.7", "--top-p", "0.5")
+    assert code == code_t == 0 and "note: --temperature, --top-p apply only with --do-sample" in err
+    assert tempered["rows"][0]["output_ids"] == greedy["rows"][0]["output_ids"]
+    code, _, err = _json_run(capsys, words_model, "--prompt", "sky", "--temperature", "0.7", "--do-sample",
+                             "--seed", "3")
+    assert code == 0 and "note:" not in err
+
+
+def test_bare_lockstep_lists_the_commands(capsys):
+    code, out = run(capsys)
+    assert code == 2 and all(name in out.err for name in ("run", "chat", "prepare", "parity", "profile"))
