@@ -404,7 +404,8 @@ def test_two_token_tiles_take_the_pipe_schedule_where_the_grid_fits_one_wave(mon
 
 def test_a_two_tile_pipe_launch_takes_the_block_of_pipe2_warps(launches, monkeypatch):
     """The launch itself: Llama-3.2-1B's qkv shape at 32 rows gets blocks of pipe2_warps' 4
-    warps (128 threads), its o projection 8; a K of fewer segments than warps, one warp each."""
+    warps (128 threads), its o projection 8; a K of fewer segments than warps, one warp each;
+    PIPE forced on a grid that fits no block size, 8."""
     monkeypatch.setattr(_mma, "PIPELINE", "auto")
     monkeypatch.setattr(_mma, "TOKEN_TILES", "auto")
     monkeypatch.setattr(_mma, "multiprocessors", lambda: 132)
@@ -416,6 +417,13 @@ def test_a_two_tile_pipe_launch_takes_the_block_of_pipe2_warps(launches, monkeyp
         (expr, grid, block, args, shared), = launches
         assert expr == "mma_dense<2, false, false, true>" and block == (threads,), (k, n, block)
         assert grid == (2, n // 16, 1)
+    # PIPE forced where no block size fits one wave (600 blocks at 16 rows): blocks of 8 warps
+    monkeypatch.setattr(_mma, "PIPELINE", "all")
+    del launches[:]
+    wp = _mma.pack(np, np.zeros((2048, 9600), np.float16))
+    _mma.dense(np.zeros((16, 2048), np.float16), wp, None, np.zeros((16, 9600), np.float16), 16, 9600, 2048, None)
+    (expr, grid, block, args, shared), = launches
+    assert expr == "mma_dense<2, false, false, true>" and block == (256,)
 
 
 def test_launches_of_17_to_32_rows_over_wide_projections_take_the_one_token_warp_tiles(monkeypatch):

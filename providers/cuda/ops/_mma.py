@@ -539,7 +539,7 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
             _launch(f"mma_wide<{f}, {_BOOL[glu]}, {tw}>", grid, block, args, shared)
             continue
         pipe, nj = pipelined(rows, False, r1 - r0, norm is not None), row_nj(r1 - r0, rows)
-        warps = pipe2_warps(rows, r1 - r0) if pipe and nj == 2 else 8
+        warps = (pipe2_warps(rows, r1 - r0) or 8) if pipe and nj == 2 else 8  # PIPE forced ("all"): 8
         grid, block, shared, _ = config(r1 - r0, rows, k, nj, pipe, warps=warps)
         _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>", grid, block,
                 (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0))
