@@ -1,6 +1,6 @@
 """Microseconds per launch of the kernel the launcher itself picks (``_mma.dense``: row kernel,
 token tiles, PIPE schedule and block size, or the tiles) at the dense fp16 projections of
-Llama-3.2-1B, Qwen2.5-0.5B and SmolLM2-135M, with the kernel, grid and block it launched. Each
+Llama-3.2-1B, Qwen2.5-0.5B and SmolLM2-135M (``token_tiles.SHAPES``), with the kernel, grid and block it launched. Each
 time is a replay of a captured graph of 20 launches of one weight, so it holds no host cost. The
 per-launch tables of docs/benchmarks/kernels.md section 20, where trees with different kernel
 constants ran it side by side.
@@ -15,12 +15,6 @@ import functools
 
 import numpy as np
 
-# (K, N, GLU) per projection; GLU: N is the gate (= up) width
-SHAPES = {"Llama qkv": (2048, 3072, False), "Llama o": (2048, 2048, False), "Llama gate/up": (2048, 8192, True),
-          "Llama down": (8192, 2048, False), "Qwen0.5B qkv": (896, 1152, False),
-          "Qwen0.5B gate/up": (896, 4864, True), "Qwen0.5B down": (4864, 896, False),
-          "SmolLM2 gate/up": (576, 1536, True), "SmolLM2 down": (1536, 576, False)}
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -28,6 +22,7 @@ def main() -> None:
     args = ap.parse_args()
     import cupy as cp
     from gemm_launch import graph_us
+    from token_tiles import SHAPES  # (K, N, GLU) of the row kernels' projections
 
     from providers.cuda.ops import NULL, _mma
     from providers.cuda.provider import CudaProvider

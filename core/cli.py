@@ -275,10 +275,11 @@ def _note_greedy(a, model) -> None:
     given = [name for name in ("temperature", "top_k", "top_p", "min_p") if getattr(a, name, None) is not None]
     if not given or a.do_sample:
         return
-    if a.do_sample is None:
+    if a.do_sample is None:  # the model's default decides (core.generation.sampling.search_defaults)
+        from core.generation.sampling import search_defaults
+
         with contextlib.suppress(OSError, ValueError, AttributeError):
-            search = json.loads((Path(model) / "genai_config.json").read_text()).get("search") or {}
-            if search.get("do_sample"):
+            if search_defaults(json.loads((Path(model) / "genai_config.json").read_text()).get("search")).do_sample:
                 return
     flags = ", ".join("--" + name.replace("_", "-") for name in given)
     console.print(f"[yellow]note:[/yellow] {flags} {'applies' if len(given) == 1 else 'apply'} only with "

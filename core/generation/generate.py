@@ -199,7 +199,7 @@ def check_request(max_new_tokens: Any = 64, sampling: Any = None, stop: Any = No
     """
     from core.generation import sampling as sampling_mod
     from core.generation.stream import _max_new, _stop_strings
-    from core.runtime.residency import BudgetError, check_device_budget_form, parse_budget
+    from core.runtime.residency import BudgetError, parse_budget
 
     for m in max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens]:
         _max_new(m)
@@ -219,9 +219,7 @@ def check_request(max_new_tokens: Any = 64, sampling: Any = None, stop: Any = No
     for name, value in (("weight_budget", weight_budget), ("device_budget", device_budget)):
         if value is not None:
             try:
-                if name == "device_budget":
-                    check_device_budget_form(value)
-                parse_budget(value, 1 << 40)
+                parse_budget(value, 1 << 40, fractions=name == "weight_budget")  # a device budget: sizes only
             except BudgetError as exc:
                 raise RequestError(f"{name}: {exc}") from None
 

@@ -59,15 +59,7 @@ ALIGN = 256
 
 class BudgetError(ValueError):
     """A weight budget that cannot work (too small for the always-resident weights plus the
-    staging ring, or malformed); the message gives the bytes needed.
-
-    Attributes:
-        unreadable: the value is no budget at all (text that reads as no number or size).
-    """
-
-    def __init__(self, message: str, unreadable: bool = False) -> None:
-        super().__init__(message)
-        self.unreadable = unreadable
+    staging ring, or malformed); the message gives the bytes needed."""
 
 
 @attrs.frozen
@@ -205,34 +197,17 @@ def available_host_bytes() -> int | None:
         return None
 
 
-def check_device_budget_form(value) -> None:
-    """A device budget is bytes or a size, never a fraction (of what would it be one?).
-
-    Raises:
-        BudgetError: a float, a string that reads as a percentage or a fraction, or one that is
-            no size at all (then the message offers sizes only, not :func:`parse_budget`'s
-            fractions), or a non-positive size.
-    """
-    text = value.strip() if isinstance(value, str) else ""
-    if isinstance(value, float) or text.endswith("%") or ("." in text and text[-1:].isdigit()):
-        raise BudgetError(f"a device budget takes bytes (4294967296) or a size (4GiB), not a fraction: got {value!r}")
-    try:
-        parse_budget(value, 1)
-    except BudgetError as exc:
-        if exc.unreadable:
-            raise BudgetError(f"cannot read the budget {value!r}; use bytes or a size (4GiB, 512MB)") from None
-        raise
-
-
-def parse_budget(value, total: int) -> int | None:
+def parse_budget(value, total: int, fractions: bool = True) -> int | None:
     """A budget in bytes from ``value``: None (everything resident), an int of bytes, a float
-    fraction in (0, 1] of ``total``, or a string "2GiB", "512MB", "40%", "0.4".
+    fraction in (0, 1] of ``total``, or a string "2GiB", "512MB", "40%", "0.4"; without
+    ``fractions`` (a device budget) only bytes and sizes.
 
     Raises:
         BudgetError: anything else, or a non-positive budget.
     """
     if value is None:
         return None
+    given = value
     if isinstance(value, str):
         text = value.strip().replace(" ", "")
         units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9,
@@ -245,11 +220,15 @@ def parse_budget(value, total: int) -> int | None:
                 value = int(float(text[: -len(unit)]) * units[unit]) if unit else (
                     float(text) if "." in text else int(text))
         except ValueError:
-            raise BudgetError(f"cannot read the budget {value!r}; use bytes, a unit (2GiB, 512MB) or a "
-                              "fraction (40%, 0.4)", unreadable=True) from None
+            forms = ("bytes, a unit (2GiB, 512MB) or a fraction (40%, 0.4)" if fractions
+                     else "bytes or a size (4GiB, 512MB)")
+            raise BudgetError(f"cannot read the budget {given!r}; use {forms}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BudgetError(f"a budget is bytes (int) or a fraction (float), got {value!r}")
+        raise BudgetError(f"a budget is bytes (int) or a fraction (float), got {given!r}")
     if isinstance(value, float):
+        if not fractions:
+            raise BudgetError("a device budget takes bytes (4294967296) or a size (4GiB), not a fraction: "
+                              f"got {given!r}")
         if not 0 < value <= 1:
             raise BudgetError(f"a fractional budget must be in (0, 1], got {value}")
         return int(value * total)

@@ -86,8 +86,7 @@ class Runner:
         self._weights = residency.weights_of(self.plan)
         total = sum(w.nbytes for w in self._weights)
         self._other_bytes = self.plan.weight_bytes() - total  # constants no step reads (folded inputs)
-        residency.check_device_budget_form(device_budget)
-        self.device_budget = residency.parse_budget(device_budget, total)
+        self.device_budget = residency.parse_budget(device_budget, total, fractions=False)
         self.kv_device_bytes = 0  # KV bytes held by this runner's decode states
         budget = residency.parse_budget(weight_budget, total)
         if self.device_budget is not None:

@@ -380,11 +380,11 @@ __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, boo
 }
 
 
-// Activations of 64-wide k chunk c for the block's ROWS tokens (from m0) into xdst [ROWS][XS]
+// Activations of 64-wide k chunk c for the block's 64 tokens (from m0) into xdst [64][XS]
 // halves, zeros for tokens past M and k past K (K % 8 == 0: a 16-byte piece is all in or all out).
-template <int XS = WIDE_XS, int ROWS = 64>
+template <int XS>
 __device__ __forceinline__ void wide_stage_x(__half* xdst, const __half* __restrict__ x, int M, int K, int m0, int c) {
-    for (int p = threadIdx.x; p < ROWS * 8; p += blockDim.x) {
+    for (int p = threadIdx.x; p < 64 * 8; p += blockDim.x) {
         const int r = p >> 3, k = 64 * c + 8 * (p & 7), m = m0 + r;
         const bool ok = m < M && k < K;
         cp_async16_zfill(xdst + r * XS + 8 * (p & 7), x + (ok ? (long long)m * K + k : 0), ok);
