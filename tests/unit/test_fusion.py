@@ -185,3 +185,95 @@ def test_norm_fused_plan_is_bitwise_the_unfused_plan_in_prefill_and_decode(tmp_p
             assert any(n.op_type == "RMSNormMatMul" for n in plan.nodes) == (not isinstance(provider, NoNorm))
             outs.append(_prefill_and_step(plan, model, prompt))
         assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1]), (dtype, quant)
+
+
+class Handoff(CpuReferenceProvider):
+    """cpu_reference that also runs ``lockstep.MatMulNormMatMul`` (as its three parts,
+    core.fusion.run_handoff_parts) and refuses RMSNormMatMul, so the hand-off pass is what fuses."""
+
+    def supports(self, node):
+        if node.op_type == "MatMulNormMatMul":
+            return all(super(Handoff, self).supports(p) for p in fusion.handoff_parts(node))
+        return node.op_type != "RMSNormMatMul" and super().supports(node)
+
+    def kernel(self, node):
+        if node.op_type == "MatMulNormMatMul":
+            modules = self._ops.modules
+            return lambda ctx, *args: fusion.run_handoff_parts(ctx, modules, *args)
+        return super().kernel(node)
+
+
+def test_handoff_pass_fuses_projection_norm_projection_twice_a_layer_but_not_the_lm_head(tmp_path):
+    model = load_model(make_tiny_model(tmp_path / "m", dtype="float16"))
+    nodes = node_infos(model.graph)
+    outputs = {o.name for o in model.graph.output}
+    fused = fusion.apply(nodes, outputs, Handoff().supports, set(model.initializers))
+    layers = sum(n.op_type == "GroupQueryAttention" for n in nodes)
+    handoffs = [n for n in fused if n.op_type == "MatMulNormMatMul"]
+    # o_proj + post-attention norm + gate/up in every layer; down + the next input norm + qkv in
+    # all but the last (its down feeds the final norm and the lm_head, a graph output)
+    assert len(handoffs) == 2 * layers - 1 > 0
+    assert sorted({n.attrs["second"] for n in handoffs}) == ["MatMul", "SiluGatedMatMul"]
+    assert sum(n.op_type.endswith("SimplifiedLayerNormalization") for n in fused) == 2  # layer 0's input, final
+    # the residual sum keeps its name: later nodes read it from the fused node's output 1
+    sums = {n.outputs[1] for n in handoffs if n.outputs[1]}
+    assert len(sums) == len(handoffs) and all(any(s in m.inputs for m in fused) for s in sums)
+    first, norm, second = fusion.handoff_parts(handoffs[0])
+    assert (first.op_type, norm.op_type) == ("MatMul", "SkipSimplifiedLayerNormalization")
+    # the builder's norms add the projection as their input 1 (the residual is input 0): kept so
+    assert norm.inputs[1] == first.outputs[0] and handoffs[0].attrs["first_at"] == 1
+    assert norm.inputs[0] == handoffs[0].inputs[2] and second.inputs[0] == norm.outputs[0]
+
+
+def test_handoff_pass_keeps_the_nodes_when_order_or_readers_forbid():
+    from core.protocol import NodeInfo
+
+    f16 = np.dtype(np.float16)
+
+    def node(name, op, ins, outs, domain=""):
+        return NodeInfo(name=name, op_type=op, domain=domain, attrs={}, inputs=ins, outputs=outs,
+                        input_dtypes=(f16,) * len(ins))
+
+    first = node("a", "MatMul", ("x", "w"), ("y",))
+    norm = node("n", "SkipSimplifiedLayerNormalization", ("y", "s", "g"), ("z", "", "", "sum"), "com.microsoft")
+    second = node("b", "MatMul", ("z", "w2"), ("o",))
+    reader = node("r", "Add", ("sum", "sum"), ("q",))
+    ok = lambda n: True  # noqa: E731
+
+    def ops(nodes, outputs=frozenset()):
+        return [n.op_type for n in fusion.fuse_matmul_norm_matmul(nodes, set(outputs), ok)]
+
+    assert ops([first, norm, second, reader]) == ["MatMulNormMatMul", "Add"]
+    swapped = node("n", "SkipSimplifiedLayerNormalization", ("s", "y", "g"), ("z", "", "", "sum"), "com.microsoft")
+    assert ops([first, swapped, second, reader]) == ["MatMulNormMatMul", "Add"]
+    # a reader of the residual sum before the second projection
+    assert ops([first, norm, reader, second]) == ["MatMul", "SkipSimplifiedLayerNormalization", "Add", "MatMul"]
+    # the first projection's output read elsewhere, or a graph output
+    other = node("u", "Add", ("y", "y"), ("v",))
+    assert "MatMulNormMatMul" not in ops([first, other, norm, second])
+    assert "MatMulNormMatMul" not in ops([first, norm, second], {"y"})
+    # the second projection makes a graph output (the lm_head)
+    assert "MatMulNormMatMul" not in ops([first, norm, second], {"o"})
+    # a norm with a bias, or asked for its inv_std_var
+    biased = node("n", "SkipSimplifiedLayerNormalization", ("y", "s", "g", "bias"), ("z",), "com.microsoft")
+    assert "MatMulNormMatMul" not in ops([first, biased, second])
+    stats = node("n", "SkipSimplifiedLayerNormalization", ("y", "s", "g"), ("z", "", "inv"), "com.microsoft")
+    assert "MatMulNormMatMul" not in ops([first, stats, second])
+    # the provider refuses it
+    assert fusion.fuse_matmul_norm_matmul([first, norm, second], set(), lambda n: False)[0].op_type == "MatMul"
+
+
+def test_handoff_plan_is_bitwise_the_unfused_plan_in_prefill_and_decode(tmp_path):
+    class Apart(CpuReferenceProvider):
+        def supports(self, node):
+            return node.op_type != "RMSNormMatMul" and super().supports(node)
+
+    for dtype in ("float32", "float16"):
+        model = load_model(make_tiny_model(tmp_path / dtype, dtype=dtype))
+        prompt = np.random.default_rng(11).integers(0, model.config.vocab_size, (2, 5)).astype(np.int64)
+        outs = []
+        for provider in (Handoff(), Apart()):
+            plan = Plan(model.graph, model.initializers, provider)
+            assert any(n.op_type == "MatMulNormMatMul" for n in plan.nodes) == isinstance(provider, Handoff)
+            outs.append(_prefill_and_step(plan, model, prompt))
+        assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1]), dtype
