@@ -37,8 +37,8 @@ def _bits(a):
 
 
 # (rows, K of the first projection, normalised width D, N of the second)
-CASES = [(1, 576, 576, 1536), (1, 1536, 576, 960), (5, 64, 200, 40), (8, 2048, 2048, 96), (9, 576, 576, 72),
-         (16, 896, 896, 152), (3, 576, 40, 24)]
+CASES = [(1, 576, 576, 1536), (1, 1536, 576, 960), (5, 64, 200, 40), (8, 2048, 1024, 96), (9, 576, 576, 72),
+         (16, 896, 896, 152), (3, 576, 40, 24), (2, 300, 1000, 48)]
 
 
 @pytest.mark.parametrize("pipeline", ["auto", "off"])
@@ -83,13 +83,14 @@ def test_the_two_launches_are_bitwise_the_three_kernels(monkeypatch, ran, pipeli
     assert np.allclose(sq.get()[:, :groups], want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_launch_of_more_rows_than_the_hand_off_takes_is_refused():
-    x = cupy.zeros((17, 64), np.float16)
-    wp = cupy.asarray(_mma.pack(np, np.zeros((64, 64), np.float16)))
-    res = _mma.Residual(_mma.RES_OUT, cupy.zeros((17, 64), np.float16), None, cupy.zeros((17, 64), np.float16),
-                        cupy.zeros((17, 16), np.float32), EPS)
-    with pytest.raises(ValueError, match="at most 16"):
-        _mma.dense(x, wp, None, cupy.zeros((17, 64), np.float16), 17, 64, 64, NULL, res=res)
+@pytest.mark.parametrize("m,d", [(17, 64), (1, 1032)])
+def test_a_launch_the_hand_off_cannot_take_is_refused(m, d):
+    x = cupy.zeros((m, 64), np.float16)
+    wp = cupy.asarray(_mma.pack(np, np.zeros((64, d), np.float16)))
+    res = _mma.Residual(_mma.RES_OUT, cupy.zeros((m, d), np.float16), None, cupy.zeros((m, d), np.float16),
+                        cupy.zeros((m, _mma.res_stride(d)), np.float32), EPS)
+    with pytest.raises(ValueError, match="residual hand-off"):
+        _mma.dense(x, wp, None, cupy.zeros((m, d), np.float16), m, d, 64, NULL, res=res)
 
 
 class Apart(CudaProvider):

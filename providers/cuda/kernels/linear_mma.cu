@@ -191,15 +191,7 @@ __device__ void norm_rows(const __half* __restrict__ x, const NormArgs& na, int 
         grp[r * GS + p] = s;
     }
     __syncthreads();
-    if (threadIdx.x < 4 * R) {
-        const int r = threadIdx.x >> 2;
-        grp[r * GS + P + (threadIdx.x & 3)] = rms_lane_sum(grp + r * GS, P, threadIdx.x & 3);
-    }
-    __syncthreads();
-    if (threadIdx.x < R) {
-        const float* l = grp + threadIdx.x * GS + P;
-        inv[threadIdx.x] = rms_inv(rms_total(l[0], l[1], l[2], l[3]), K, na.eps);
-    }
+    if (threadIdx.x < R) inv[threadIdx.x] = rms_inv(rms_total_of(grp + threadIdx.x * GS, P), K, na.eps);
     __syncthreads();
     const bool store_sum = na.sum_out && na.skip && first_tile;
     for (int r = 0; r < R; ++r) {
@@ -248,44 +240,46 @@ __device__ __forceinline__ void ld_xs16(const __half* xs, int g, int K, int kl, 
 #define RES_IN 2
 // Row stride (floats) of the group sums: rms_groups(D) rounded up to 4 (whole float4 loads).
 __host__ __device__ constexpr int res_stride(int D) { return (rms_groups(D) + 3) & ~3; }
-// Most groups RES_IN reads (8 float4 a lane): D <= 2,048.
-#define RES_MAX_GROUPS 128
+// Most groups RES_IN reads (4 float4 a lane): D <= 1,024 (more would cost the one-tile kernel
+// its registers: it already holds a segment of weights, x, skip and gamma in one round trip).
+#define RES_MAX_GROUPS 64
 
-// RES_IN: 1 / sqrt(mean(v^2) + eps) of row m from its group sums (every lane of the quad of row
-// g gets the same value; rows m >= M get a value that only ever multiplies zeros).
-__device__ __forceinline__ float res_inv(const float* __restrict__ sq, long long m, int M, int K, float eps) {
+// RES_IN: the group sums of row m this lane adds (the rms_order.cuh lane order: lane t of the
+// quad takes float4 i = t, t + 4, ...; nothing for rows m >= M), issued as one round of loads.
+__device__ __forceinline__ void res_sq_load(const float* __restrict__ sq, long long m, int M, int K,
+                                            float4 (&b)[RES_MAX_GROUPS / 16]) {
+    const int t = threadIdx.x & 3, P = rms_groups(K);
+    const float4* q = reinterpret_cast<const float4*>(sq + m * res_stride(K));
+#pragma unroll
+    for (int u = 0; u < RES_MAX_GROUPS / 16; ++u)
+        b[u] = m < M && 4 * (t + 4 * u) < P ? q[t + 4 * u] : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// RES_IN: 1 / sqrt(mean(v^2) + eps) from the loaded group sums (every lane of the quad gets the
+// same value: its lane sum, then the pair tree as two xor shuffles).
+__device__ __forceinline__ float res_sq_inv(const float4 (&b)[RES_MAX_GROUPS / 16], int K, float eps) {
     const int t = threadIdx.x & 3, P = rms_groups(K);
     float s = 0.f;
-    if (m < M) {
-        const float4* q = reinterpret_cast<const float4*>(sq + m * res_stride(K));
-        float4 b[RES_MAX_GROUPS / 16];
 #pragma unroll
-        for (int u = 0; u < RES_MAX_GROUPS / 16; ++u) if (4 * (t + 4 * u) < P) b[u] = q[t + 4 * u];
-#pragma unroll
-        for (int u = 0; u < RES_MAX_GROUPS / 16; ++u) {
-            const int p = 4 * (t + 4 * u);
-            if (p < P) s = __fadd_rn(s, b[u].x);
-            if (p + 1 < P) s = __fadd_rn(s, b[u].y);
-            if (p + 2 < P) s = __fadd_rn(s, b[u].z);
-            if (p + 3 < P) s = __fadd_rn(s, b[u].w);
-        }
+    for (int u = 0; u < RES_MAX_GROUPS / 16; ++u) {
+        const int p = 4 * (t + 4 * u);
+        if (p < P) s = __fadd_rn(s, b[u].x);
+        if (p + 1 < P) s = __fadd_rn(s, b[u].y);
+        if (p + 2 < P) s = __fadd_rn(s, b[u].z);
+        if (p + 3 < P) s = __fadd_rn(s, b[u].w);
     }
     s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));  // (s0 + s1), (s2 + s3)
-    s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));  // rms_total
+    s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));  // rms_total_of's pair tree
     return rms_inv(s, K, eps);
 }
 
-// RES_IN: a lane's 16 activations of row m, k = kl .. kl + 15: fp16((v * inv) * gamma) with
-// v = x + skip (fp32), zeros past K and for rows m >= M (as ld_x16 gives them).
-__device__ __forceinline__ void res_ld_x16(const __half* x, const __half* skip, const __half* gamma, long long m,
-                                           int K, int kl, bool ok, float inv, uint4* out) {
-    uint4 xr[2], sr[2], gr[2];
-    ld_x16(x, m, K, kl, ok, xr);
-    ld_x16(skip, m, K, kl, ok, sr);
-    ld_x16(gamma, 0, K, kl, true, gr);
+// RES_IN: 16 activations in place: x = fp16((v * inv) * gamma) with v = x + skip (fp32); zeros
+// (past K, rows >= M) stay zeros.
+__device__ __forceinline__ void res_norm16(uint4* xr, const uint4* sr, const uint4* gr, float inv) {
     const __half* xh = reinterpret_cast<const __half*>(xr);
     const __half* sh = reinterpret_cast<const __half*>(sr);
     const __half* gh = reinterpret_cast<const __half*>(gr);
+    uint4 out[2];
     __half2* o = reinterpret_cast<__half2*>(out);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -294,6 +288,18 @@ __device__ __forceinline__ void res_ld_x16(const __half* x, const __half* skip, 
         o[e] = __floats2half2_rn(__fmul_rn(__fmul_rn(v0, inv), __half2float(gh[2 * e])),
                                  __fmul_rn(__fmul_rn(v1, inv), __half2float(gh[2 * e + 1])));
     }
+    xr[0] = out[0]; xr[1] = out[1];
+}
+
+// RES_IN: a lane's 16 normalised activations of row m, k = kl .. kl + 15 (the multi-tile path:
+// its own round trip after inv; the one-tile PIPE path loads x, skip and the sums together).
+__device__ __forceinline__ void res_ld_x16(const __half* x, const __half* skip, const __half* gamma, long long m,
+                                           int K, int kl, bool ok, float inv, uint4* out) {
+    uint4 sr[2], gr[2];
+    ld_x16(x, m, K, kl, ok, out);
+    ld_x16(skip, m, K, kl, ok, sr);
+    ld_x16(gamma, 0, K, kl, true, gr);
+    res_norm16(out, sr, gr, inv);
 }
 
 // RES_OUT: finish's plain store, then the residual sum and the group sums (see above).  skr: the
@@ -373,6 +379,13 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 #pragma unroll
         for (int i = 0; i < NA; ++i) if (i < first) a[i] = ld_tile(base, warp, i);
     }
+    // RES_IN, one token tile, PIPE: gamma of the warp's first segment (a constant of the step)
+    constexpr bool RES1 = RES == RES_IN && PIPE && NJ == 1;
+    uint4 gpre[RES1 ? 4 : 1][2];
+    if constexpr (RES1) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) ld_x16(n_gamma, 0, K, warp * SEG_K + 64 * c + 16 * t, true, gpre[c]);
+    }
     PDL_ENTER_GEMM();
     // RES_OUT: the skip values of this thread's outputs, loaded now so that their round trip
     // overlaps the main loop (after the wait: the skip may come from the previous kernel)
@@ -386,9 +399,13 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
         }
     }
     float inv[RES == RES_IN ? NJ : 1];  // RES_IN: 1 / rms of each token tile's row g
-    if constexpr (RES == RES_IN) {
+    if constexpr (RES == RES_IN && !RES1) {
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) inv[j] = res_inv(n_sq, m0 + j * 8 + g, M, K, n_eps);
+        for (int j = 0; j < NJ; ++j) {
+            float4 b[RES_MAX_GROUPS / 16];
+            res_sq_load(n_sq, m0 + j * 8 + g, M, K, b);
+            inv[j] = res_sq_inv(b, K, n_eps);
+        }
     }
     float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
     __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
@@ -422,7 +439,27 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
             // per lane per chunk), so no chunk waits for its own activation round trip
             constexpr int XC = NJ == 1 ? 4 : 1;
             uint4 xall[XC][NJ][2];
-            if constexpr (NJ == 1) {
+            if constexpr (RES1) {
+                // one round trip: the row's group sums, the segment's x and skip (gamma came
+                // before the wait for the first segment), then inv, then the lane normalises
+                const long long m = m0 + g;
+                float4 b[RES_MAX_GROUPS / 16];
+                if (seg == warp) res_sq_load(n_sq, m, M, K, b);
+                uint4 sk[4][2];
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    ld_x16(x, m, K, kbeg + 64 * c + 16 * t, m < M, xall[c][0]);
+                    ld_x16(n_skip, m, K, kbeg + 64 * c + 16 * t, m < M, sk[c]);
+                }
+                if (seg == warp) inv[0] = res_sq_inv(b, K, n_eps);
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    uint4 gm[2];
+                    if (seg == warp) { gm[0] = gpre[c][0]; gm[1] = gpre[c][1]; }
+                    else ld_x16(n_gamma, 0, K, kbeg + 64 * c + 16 * t, true, gm);
+                    res_norm16(xall[c][0], sk[c], gm, inv[0]);
+                }
+            } else if constexpr (NJ == 1) {
 #pragma unroll
                 for (int c = 0; c < 4; ++c) if (4 * c < tiles) load_x(xall[c], kbeg + 64 * c);
             }

@@ -14,16 +14,14 @@ __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
 
 // sum(v^2) of the block's row in the order of kernels/rms_order.cuh, v [D] in shared memory
-// (written before the call; the call starts with a barrier).  grp: rms_groups(D) + 4 floats of
+// (written before the call; the call starts with a barrier).  grp: rms_groups(D) floats of
 // shared memory.  Every thread returns the total.
 __device__ __forceinline__ float row_sum_squares(const float* v, int D, float* grp) {
     const int P = rms_groups(D);
     __syncthreads();
     for (int p = threadIdx.x; p < P; p += NT) grp[p] = rms_group_sum(v, D, p);
     __syncthreads();
-    if (threadIdx.x < 4) grp[P + threadIdx.x] = rms_lane_sum(grp, P, threadIdx.x);
-    __syncthreads();
-    return rms_total(grp[P], grp[P + 1], grp[P + 2], grp[P + 3]);
+    return rms_total_of(grp, P);
 }
 
 // x, skip, bias: T; gamma: TG; y: TG.  skip/bias/sum_out/mean_out/inv_out may be null.
@@ -78,7 +76,8 @@ __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ skip, lo
 // Thread t owns the 8-value pieces q = t, t + 256, ..., at most V of them (V = 1 serves
 // D <= 2,048, V = 4 D <= 8,192).  x, skip, bias and gamma arrive as 16-byte loads, all issued
 // before any is used: one memory round trip, where rms_norm reads gamma in a second one after the
-// sum.  v goes to shared memory for the group sums; y and the residual sum leave as 16-byte stores.  Needs 16-byte aligned
+// sum.  The group sums are made in registers (a group is the pieces of two neighbouring lanes) and
+// meet in shared memory behind one barrier; y and the residual sum leave as 16-byte stores.  Needs 16-byte aligned
 // pointers and skip_size a multiple of D.
 __device__ __forceinline__ uint4 ld16(const __half* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
@@ -88,8 +87,7 @@ __global__ void rms_norm_h8(const __half* __restrict__ x, const __half* __restri
                             __half* __restrict__ sum_out, float* mean_out, float* inv_out, int D, float eps) {
     PDL_ENTER();
     extern __shared__ float sm[];
-    float* v = sm + 32;
-    float* grp = v + D;
+    float* grp = sm + 32;
     const long long row = blockIdx.x, base = row * D;
     const long long sbase = skip ? base % skip_size : 0;
     const int nv = D >> 3;
@@ -111,6 +109,8 @@ __global__ void rms_norm_h8(const __half* __restrict__ x, const __half* __restri
 #pragma unroll
     for (int i = 0; i < V; ++i) {
         const int q = threadIdx.x + i * NT;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) t[i][e] = 0.f;  // pieces past the row add exact zeros below
         if (q < nv) {
             const __half* xh = reinterpret_cast<const __half*>(&xr[i]);
             const __half* sh = reinterpret_cast<const __half*>(&sr[i]);
@@ -121,9 +121,6 @@ __global__ void rms_norm_h8(const __half* __restrict__ x, const __half* __restri
                 if (skip) t[i][e] = __fadd_rn(t[i][e], __half2float(sh[e]));
                 if (bias) t[i][e] = __fadd_rn(t[i][e], __half2float(bh[e]));
             }
-            float4* vp = reinterpret_cast<float4*>(v + 8 * q);
-            vp[0] = make_float4(t[i][0], t[i][1], t[i][2], t[i][3]);
-            vp[1] = make_float4(t[i][4], t[i][5], t[i][6], t[i][7]);
             if (sum_out) {
                 uint4 o;
                 __half2* oh = reinterpret_cast<__half2*>(&o);
@@ -133,7 +130,23 @@ __global__ void rms_norm_h8(const __half* __restrict__ x, const __half* __restri
             }
         }
     }
-    const float inv = rms_inv(row_sum_squares(v, D, grp), D, eps);
+    // group p = pieces 2p and 2p + 1, held by neighbouring lanes: the odd lane's values go to the
+    // even one, which walks the group's fmaf chain over all 16 (fmaf(0, 0, s) == s for the zeros)
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s = fmaf(t[i][e], t[i][e], s);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const float o = __shfl_down_sync(0xffffffffu, t[i][e], 1);
+            s = fmaf(o, o, s);
+        }
+        const int q = threadIdx.x + i * NT;
+        if ((q & 1) == 0 && q < nv) grp[q >> 1] = s;
+    }
+    __syncthreads();
+    const float inv = rms_inv(rms_total_of(grp, rms_groups(D)), D, eps);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
         const int q = threadIdx.x + i * NT;

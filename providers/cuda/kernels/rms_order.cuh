@@ -20,16 +20,17 @@ __device__ __forceinline__ float rms_group_sum(const float* v, int D, int p) {
     return s;
 }
 
-// s_q of the P group sums g[0 .. P - 1].
-__device__ __forceinline__ float rms_lane_sum(const float* g, int P, int q) {
-    float s = 0.f;
-    for (int p0 = 4 * q; p0 < P; p0 += 16)
-        for (int p = p0; p < min(P, p0 + 4); ++p) s = __fadd_rn(s, g[p]);
-    return s;
-}
-
-__device__ __forceinline__ float rms_total(float s0, float s1, float s2, float s3) {
-    return __fadd_rn(__fadd_rn(s0, s1), __fadd_rn(s2, s3));
+// The total of the P group sums g[0 .. P - 1] (readable by every thread, e.g. shared memory):
+// the four lane sums as independent chains (four contiguous groups at a time), then the pair tree.
+__device__ __forceinline__ float rms_total_of(const float* g, int P) {
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int p0 = 0; p0 < P; p0 += 16)
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (p0 + 4 * q + e < P) s[q] = __fadd_rn(s[q], g[p0 + 4 * q + e]);
+    return __fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3]));
 }
 
 __device__ __forceinline__ float rms_inv(float total, int D, float eps) {

@@ -160,8 +160,22 @@ class Residual(NamedTuple):
 
 
 #: Most rows and largest D (the normalised width) of the residual hand-off: the row kernels of at
-#: most two token tiles, and at most kernels/linear_mma.cu RES_MAX_GROUPS group sums a row.
-RESIDUAL_ROWS, RESIDUAL_MAX_D = 16, 2048
+#: most two token tiles, and at most kernels/linear_mma.cu RES_MAX_GROUPS (64) group sums a row.
+RESIDUAL_ROWS, RESIDUAL_MAX_D = 16, 1024
+
+
+def residual_fits(m: int, n: int, k: int, glu: bool, mode: int) -> bool:
+    """Whether the hand-off launch ``mode`` (:data:`RES_OUT` / :data:`RES_IN`) of ``m`` rows over
+    ``n`` features (y's width) and ``k`` runs in one wave at its kernel's registers (the one-tile
+    RES_IN kernel holds a segment of weights, x, skip and gamma at once: up to 255 registers on
+    sm_90, so a wide grid would take more waves than the plain kernel). True where no device
+    answers (host-side tests)."""
+    rows = glu_width(n) if glu else n
+    pipe, nj = pipelined(rows, False, m), row_nj(m, rows)
+    warps = (pipe2_warps(rows, m) or 8) if pipe and nj == 2 else 8
+    grid, block, _, _ = config(m, rows, k, nj, pipe, warps=warps)
+    per_sm = _per_multiprocessor(f"mma_dense<{nj}, {_BOOL[glu]}, false, {_BOOL[pipe]}, {mode}>", block[0])
+    return nj <= 2 and (per_sm == 0 or grid[0] * grid[1] * grid[2] <= per_sm * multiprocessors())
 
 
 def res_stride(d: int) -> int:
@@ -571,8 +585,11 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
     (:func:`norm_applies` must hold) the activations are RMSNorm(a + skip) * gamma, computed in
     the same launch. With ``res`` (at most :data:`RESIDUAL_ROWS` rows; RES_OUT not with ``glu``)
     the launch is one half of the residual hand-off (:class:`Residual`)."""
-    if res is not None and (m > RESIDUAL_ROWS or norm is not None or (glu and res.mode == RES_OUT)):
-        raise ValueError(f"residual hand-off: {m} rows (at most {RESIDUAL_ROWS}), glu={glu}, norm={norm is not None}")
+    width = 0 if res is None else k if res.mode == RES_IN else n
+    if res is not None and (m > RESIDUAL_ROWS or width > RESIDUAL_MAX_D or norm is not None
+                            or (glu and res.mode == RES_OUT)):
+        raise ValueError(f"residual hand-off: {m} rows (at most {RESIDUAL_ROWS}), normalised width {width} "
+                         f"(at most {RESIDUAL_MAX_D}), glu={glu}, norm={norm is not None}")
     rows = glu_width(n) if glu else n
     for r0, r1 in row_slices(m, 32):
         args = (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),

@@ -3,7 +3,8 @@ output, and the projection (MatMul or SiluGatedMatMul) of the normalised rows, w
 residual sum as output 1.
 
 The residual hand-off, for 1 to 16 rows (decode steps up to batch 16) of fp16 activations on
-prepared dense weights with a normalised width of at most 2,048: two launches instead of three
+prepared dense weights with a normalised width of at most 1,024, where both launches run in one
+wave (``_mma.residual_fits``): two launches instead of three
 (kernels/linear_mma.cu RES_OUT, RES_IN). The first projection's epilogue stores its output, the
 residual sum and each row's 16-feature group sums of squares; the second projection's lanes
 normalise their own activations from those sums as they load them. The norm's reduction order
@@ -80,12 +81,15 @@ def _handoff(ctx, x, w, skip, gamma, w2):
     if (k2 != d or d % 8 or d > _mma.RESIDUAL_MAX_D or not 0 < m <= _mma.RESIDUAL_ROWS or x.shape[-1] != k1
             or skip.shape != (*x.shape[:-1], d) or gamma.size != d or not _aligned(x, skip, gamma)):
         return None
+    glu = ctx.node.attrs["second"] == "SiluGatedMatMul"
+    if not (_mma.residual_fits(m, d, k1, False, _mma.RES_OUT) and _mma.residual_fits(m, n2, k2, glu, _mma.RES_IN)):
+        return None
     eps = float(ctx.node.attrs[fusion.NORM_EPSILON])
     y1 = ctx.output("first", (*x.shape[:-1], d), x.dtype)
     total = ctx.output(1 if len(ctx.node.outputs) > 1 and ctx.node.outputs[1] else "sum", skip.shape, x.dtype)
     sq = ctx.output("squares", (m, _mma.res_stride(d)), np.float32)
     _mma.dense(x, w, None, y1, m, d, k1, NULL, res=_mma.Residual(_mma.RES_OUT, skip, None, total, sq, eps))
     y2 = ctx.output(0, (*x.shape[:-1], n2), x.dtype)
-    _mma.dense(y1, w2[0], None, y2, m, n2, k2, NULL, glu=ctx.node.attrs["second"] == "SiluGatedMatMul",
+    _mma.dense(y1, w2[0], None, y2, m, n2, k2, NULL, glu=glu,
                res=_mma.Residual(_mma.RES_IN, skip, gamma, None, sq, eps))
     return (y2, total if len(ctx.node.outputs) > 1 and ctx.node.outputs[1] else None)[:len(ctx.node.outputs)]
