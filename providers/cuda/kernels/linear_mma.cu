@@ -121,13 +121,15 @@ __device__ __forceinline__ bool split_last(int* tickets, int tile_block) {
 
 // Activations x[m, kl .. kl + 15] (16 halves) of one lane for a 64-wide chunk, zeros past K.
 __device__ __forceinline__ void ld_x16(const __half* x, long long m, int K, int kl, bool ok, uint4* out) {
-    if (ok && kl + 16 <= K && (K & 7) == 0) {
+    if (!ok) {  // a row past M (most lanes of a one-row launch): no element loop
+        out[0] = make_uint4(0, 0, 0, 0); out[1] = out[0];
+    } else if (kl + 16 <= K && (K & 7) == 0) {
         const uint4* p = reinterpret_cast<const uint4*>(x + m * K + kl);
         out[0] = p[0]; out[1] = p[1];
     } else {
         __half h[16];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) h[i] = (ok && kl + i < K) ? x[m * K + kl + i] : __float2half(0.f);
+        for (int i = 0; i < 16; ++i) h[i] = kl + i < K ? x[m * K + kl + i] : __float2half(0.f);
         out[0] = *reinterpret_cast<uint4*>(&h[0]); out[1] = *reinterpret_cast<uint4*>(&h[8]);
     }
 }
@@ -448,12 +450,14 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
                 uint4 sk[4][2];
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
+                    if (4 * c >= tiles) break;
                     ld_x16(x, m, K, kbeg + 64 * c + 16 * t, m < M, xall[c][0]);
                     ld_x16(n_skip, m, K, kbeg + 64 * c + 16 * t, m < M, sk[c]);
                 }
                 if (seg == warp) inv[0] = res_sq_inv(b, K, n_eps);
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
+                    if (4 * c >= tiles) break;
                     uint4 gm[2];
                     if (seg == warp) { gm[0] = gpre[c][0]; gm[1] = gpre[c][1]; }
                     else ld_x16(n_gamma, 0, K, kbeg + 64 * c + 16 * t, true, gm);
