@@ -27,16 +27,6 @@ values have no other consumer and are not graph outputs.
   x + skip; "" where unused). So a provider can normalise inside the projection's launch: 2
   nodes -> 1, twice per layer. The projection that makes a graph output (the lm_head) is left
   alone, so the last-position program still finds it.
-- ``lockstep.MatMulNormMatMul(x, w, skip, gamma, *w2)`` with attributes ``second`` (the second
-  projection's op type: MatMul or SiluGatedMatMul), ``first_at`` (0 or 1: the norm input the
-  first projection's output was; ``skip`` is the other, the residual), ``norm_epsilon`` and the
-  second projection's own attributes:
-  ``Second(SkipSimplifiedLayerNormalization(MatMul(x, w), skip, gamma)[0], *w2)``.
-  Outputs: the second projection's output, then the norm's residual sum (output 3; "" where
-  unused). A layer's o_proj, post-attention norm and gate/up, and its down projection, the next
-  layer's input norm and qkv: 3 nodes -> 1, twice per layer, so a provider can hand the residual
-  from the first projection's epilogue to the second's prologue with no norm launch between
-  (:func:`fuse_matmul_norm_matmul`; the cuda provider's residual hand-off).
 
 Beside these passes, :func:`last_position_nodes` builds the nodes of a plan's last-position
 program (:class:`core.executor.Plan`, "Last-position program"): prefill gathers each row's last
@@ -245,122 +235,13 @@ def fuse_norm_matmul(nodes: list[NodeInfo], graph_outputs: set[str], supports) -
     return _rewrite(nodes, replaced)
 
 
-#: The projections of a MatMulNormMatMul: the first's (op_type, domain), then the second's.
-HANDOFF_FIRST = (("MatMul", ""),)
-HANDOFF_SECOND = (("MatMul", ""), ("SiluGatedMatMul", FUSED_DOMAIN))
-
-
-def fuse_matmul_norm_matmul(nodes: list[NodeInfo], graph_outputs: set[str], supports) -> list[NodeInfo]:
-    """Replace a MatMul whose only reader is a SkipSimplifiedLayerNormalization (its input 0, no
-    bias, no mean or inv_std_var output) whose normalised output feeds exactly one projection
-    (:data:`HANDOFF_SECOND`, as its activation) by one ``lockstep.MatMulNormMatMul`` node (module
-    docstring) where the second projection ran. Neither projection may make a graph output (the
-    lm_head stays alone), and every reader of the residual sum must come after the second."""
-    users = _consumers(nodes)
-    producer = {o: i for i, n in enumerate(nodes) for o in n.outputs if o}
-    replaced: dict[int, NodeInfo | None] = {}
-    for i, norm in enumerate(nodes):
-        if (norm.op_type, norm.domain) != ("SkipSimplifiedLayerNormalization", "com.microsoft"):
-            continue
-        a, b, gamma, bias = (list(norm.inputs) + [""] * 4)[:4]
-        normed, mean, inv, total = (list(norm.outputs) + [""] * 4)[:4]
-        # the projection's output is either addend of the norm (the builder writes the residual
-        # as input 0 and the projection as the skip, input 1); the other is the residual
-        at = next((k for k, v in enumerate((a, b)) if (nodes[producer[v]].op_type if v in producer else "")
-                   == "MatMul" and len(users[v]) == 1), None)
-        if at is None:
-            continue
-        x, skip = (a, b) if at == 0 else (b, a)
-        h = producer[x]
-        if (bias or mean or inv or not normed or not skip or h in replaced or x in graph_outputs
-                or normed in graph_outputs or len(users[normed]) != 1):
-            continue
-        first, j = nodes[h], users[normed][0]
-        second = nodes[j]
-        if ((first.op_type, first.domain) not in HANDOFF_FIRST or len(first.outputs) != 1
-                or (second.op_type, second.domain) not in HANDOFF_SECOND or second.inputs[0] != normed
-                or normed in second.inputs[1:] or len(second.outputs) != 1 or second.outputs[0] in graph_outputs
-                or j < i or j in replaced or (total and any(u <= j for u in users[total]))):
-            continue
-        known = dict(zip(norm.inputs, norm.input_dtypes)) if norm.input_dtypes else {}
-        dtypes = (*(first.input_dtypes or (None, None))[:2], known.get(skip), known.get(gamma),
-                  *(second.input_dtypes or (None,) * len(second.inputs))[1:])
-        attrs = {**second.attrs, "second": second.op_type, "first_at": at,
-                 NORM_EPSILON: float(norm.attrs.get("epsilon", 1e-12))}
-        fused = NodeInfo(name=f"{second.name}/Handoff", op_type="MatMulNormMatMul", domain=FUSED_DOMAIN,
-                         attrs=attrs, inputs=(*first.inputs[:2], skip, gamma, *second.inputs[1:]),
-                         outputs=(second.outputs[0], total), input_dtypes=dtypes)
-        if not supports(fused):
-            continue
-        replaced[h], replaced[i], replaced[j] = None, None, fused
-    return _rewrite(nodes, replaced)
-
-
-def handoff_parts(node: NodeInfo) -> tuple[NodeInfo, NodeInfo, NodeInfo]:
-    """The (first projection, norm, second projection) a ``MatMulNormMatMul`` node was made
-    from, reading each other's outputs by the names ``f"{node.name}:first"`` and
-    ``f"{node.name}:normed"`` (the first projection's output at the norm input it had, attribute
-    ``first_at``); the norm's residual sum is the fused node's output 1."""
-    x, w, skip, gamma, *w2 = node.inputs
-    dt = tuple(node.input_dtypes) if node.input_dtypes else (None,) * len(node.inputs)
-    y1, normed = f"{node.name}:first", f"{node.name}:normed"
-    op2 = node.attrs["second"]
-    attrs2 = {k: v for k, v in node.attrs.items() if k not in ("second", "first_at", NORM_EPSILON)}
-    addends, addend_dtypes = ((y1, skip), (dt[0], dt[2])) if node.attrs.get("first_at", 0) == 0 else \
-        ((skip, y1), (dt[2], dt[0]))
-    return (NodeInfo(name=f"{node.name}:first", op_type="MatMul", domain="", attrs={}, inputs=(x, w),
-                     outputs=(y1,), input_dtypes=dt[:2]),
-            NodeInfo(name=f"{node.name}:norm", op_type="SkipSimplifiedLayerNormalization", domain="com.microsoft",
-                     attrs={"epsilon": node.attrs[NORM_EPSILON]}, inputs=(*addends, gamma),
-                     outputs=(normed, "", "", node.outputs[1] if len(node.outputs) > 1 else ""),
-                     input_dtypes=(*addend_dtypes, dt[3])),
-            NodeInfo(name=f"{node.name}:second", op_type=op2, domain=dict(HANDOFF_SECOND)[op2], attrs=attrs2,
-                     inputs=(normed, *w2), outputs=node.outputs[:1], input_dtypes=(dt[0], *dt[4:])))
-
-
-def handoff_contexts(ctx) -> tuple[PartContext, PartContext, PartContext]:
-    """A ``MatMulNormMatMul`` node's context as its three parts (:func:`handoff_parts`) see it;
-    each projection with its own ``cache`` dict inside the fused node's (both record plan-time
-    facts of their weights under the same keys), the norm's residual sum mapped onto output 1."""
-    first, norm, second = handoff_parts(ctx.node)
-    return (PartContext(ctx, first, {}, "first", cache=ctx.cache.setdefault("first", {})),
-            PartContext(ctx, norm, {3: 1}, "norm"),
-            PartContext(ctx, second, {0: 0}, "second", cache=ctx.cache.setdefault("second", {})))
-
-
-def run_handoff_parts(ctx, modules: dict, x, w, skip, gamma, *w2) -> tuple:
-    """A ``MatMulNormMatMul`` computed as its three parts with the op modules of ``modules``
-    ((domain, op_type) -> module with ``run``). Returns (second projection's output, residual
-    sum or None)."""
-    contexts = handoff_contexts(ctx)
-    first, norm, second = (modules[(c.node.domain, c.node.op_type)] for c in contexts)
-    (y1,) = first.run(contexts[0], x, w)[:1]
-    outs = norm.run(contexts[1], y1, skip, gamma)
-    (y2,) = second.run(contexts[2], outs[0], *w2)[:1]
-    return (y2, outs[3])[:len(ctx.node.outputs)]
-
-
-def prepare_handoff_parts(ctx, modules: dict, w, w2: tuple) -> dict | None:
-    """Both projections' plan-time ``prepare`` hooks (where their modules have one) run for a
-    ``MatMulNormMatMul`` node, the second's input indices moved to the fused node's (its input j
-    is fused input j + 3)."""
-    first, _, second = handoff_contexts(ctx)
-    changes: dict = {}
-    for part, weights, shift in ((first, (w,), 0), (second, w2, 3)):
-        hook = getattr(modules[(part.node.domain, part.node.op_type)], "prepare", None)
-        changes.update({j + shift: v for j, v in ((hook(part, None, *weights) if hook else None) or {}).items()})
-    return changes or None
-
-
 def apply(nodes: list[NodeInfo], graph_outputs: set[str], supports,
           constants: Set[str] = frozenset()) -> list[NodeInfo]:
     """Run the passes in order: :func:`fuse_silu_mul`, :func:`fuse_gated_matmul` (which
-    fuses only projections whose weights are in ``constants``), :func:`fuse_matmul_norm_matmul`,
-    :func:`fuse_norm_matmul`, then :func:`fuse_tied_gather` (only for a transposed weight in
-    ``constants``)."""
+    fuses only projections whose weights are in ``constants``), :func:`fuse_norm_matmul`, then
+    :func:`fuse_tied_gather` (only for a transposed weight in ``constants``)."""
     nodes = fuse_silu_mul(nodes, graph_outputs, supports)
     nodes = fuse_gated_matmul(nodes, graph_outputs, supports, constants)
-    nodes = fuse_matmul_norm_matmul(nodes, graph_outputs, supports)
     nodes = fuse_norm_matmul(nodes, graph_outputs, supports)
     return fuse_tied_gather(nodes, graph_outputs, supports, constants)
 
@@ -464,13 +345,11 @@ def consumer_part(node: NodeInfo) -> NodeInfo:
 class PartContext:
     """A fused node's :class:`~core.protocol.KernelContext` as one of its parts sees it: the
     part's own ``node``, output slots mapped onto the fused node's (``slots``: part slot ->
-    fused slot; other slots become private scratch names), its own ``cache`` dict where given,
-    everything else (cache, provider, frozen, ...) the fused context's own."""
+    fused slot; other slots become private scratch names), everything else (cache, provider,
+    frozen, ...) the fused context's own."""
 
-    def __init__(self, ctx, node: NodeInfo, slots: dict, tag: str, cache: dict | None = None):
+    def __init__(self, ctx, node: NodeInfo, slots: dict, tag: str):
         self._ctx, self.node, self._slots, self._tag = ctx, node, slots, tag
-        if cache is not None:  # the part's own plan-time facts (two projections in one node)
-            self.cache = cache
 
     def output(self, slot, shape, dtype):
         """The fused context's buffer for the mapped slot (scratch of this part otherwise)."""

@@ -154,15 +154,10 @@ class NodeObserver:
         st.bytes_written += out_bytes + sum(_nbytes(r) * self.kv_write_fraction for r in results
                                             if r is not None and id(r) in self.kv)
         # an RMSNormMatMul counts its projection's FLOPs (its activation is input 0, its output 0
-        # the projection's); a MatMulNormMatMul both of its projections
+        # the projection's)
         mult = PROJECTION_OPS.get(node.op_type) or PROJECTION_OPS.get(str(node.attrs.get("consumer", "")))
-        if results and results[0] is not None and len(shape) >= 2:
-            if node.op_type == "MatMulNormMatMul":  # two projections: K -> D (input 2's width) -> N
-                d = int(getattr(args[2], "shape", (0,))[-1])
-                second = PROJECTION_OPS.get(str(node.attrs.get("second", "")), 1)
-                st.flops += 2.0 * rows * (int(shape[-1]) * d + d * int(results[0].shape[-1]) * second)
-            elif mult:
-                st.flops += 2.0 * rows * int(shape[-1]) * int(results[0].shape[-1]) * mult
+        if mult and results and results[0] is not None and len(shape) >= 2:
+            st.flops += 2.0 * rows * int(shape[-1]) * int(results[0].shape[-1]) * mult
         if end is not None:
             self._pending.append((st, self._start, end))
 

@@ -54,7 +54,6 @@ SWITCHES: dict[str, tuple] = {
     "LOCKSTEP_CUDA_REPLAY": (True, None),
     "LOCKSTEP_CUDA_NORM_FUSION": (False, None),
     "LOCKSTEP_CUDA_NORM_FUSION_INT4": (False, None),
-    "LOCKSTEP_CUDA_RESIDUAL_HANDOFF": (True, None),
     "LOCKSTEP_CUDA_PDL": (True, None),
     "LOCKSTEP_CUDA_PDL_TRIGGER": ("entry", ("entry", "late")),
     "LOCKSTEP_CUDA_PDL_ROWS": ("16", ("1", "8", "16", "32", "all")),

@@ -32,12 +32,10 @@ def pdl_trigger() -> str:
 
 def source(name: str, trigger: str = "entry") -> str:
     """The CUDA C source compiled for ``kernels/<name>.cu``: kernels/pdl.cuh (the PDL_ENTER macros
-    every kernel uses), preceded by ``#define PDL_LATE`` for the "late" trigger, then
-    kernels/rms_order.cuh (the RMSNorm's order of sum(v^2), shared by every kernel that
-    normalises a row), then the file. Prepended rather than included, so the source text CuPy
-    keys its disk cache on covers it."""
+    every kernel uses), preceded by ``#define PDL_LATE`` for the "late" trigger, then the file.
+    Prepended rather than included, so the source text CuPy keys its disk cache on covers it."""
     late = "#define PDL_LATE\n" if trigger == "late" else ""
-    return late + "".join((KERNELS / f).read_text() for f in ("pdl.cuh", "rms_order.cuh", f"{name}.cu"))
+    return late + (KERNELS / "pdl.cuh").read_text() + (KERNELS / f"{name}.cu").read_text()
 
 
 @functools.cache

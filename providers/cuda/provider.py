@@ -206,17 +206,17 @@ class CudaProvider(ProviderBase):
     def settings(self) -> dict[str, str]:
         """The cuda provider's switches (docs/cuda.md): programmatic dependent launch and its
         GEMM trigger, the GEMM schedule (PIPE), tiled kernels, split-K and token tiles per block, the
-        residual hand-off, the RMSNorm-projection fusion (and its int4 opt-in), the attention's
-        hinted prologue, eager launch replay."""
+        RMSNorm-projection fusion (and its int4 opt-in), the attention's hinted prologue, eager
+        launch replay."""
         from providers.cuda import module, replay
-        from providers.cuda.ops import _mma, group_query_attention, matmul_norm_matmul, rms_norm_matmul
+        from providers.cuda.ops import _mma, group_query_attention, rms_norm_matmul
 
         on = ("off", "on")
         return {"pdl": on[replay.pdl_enabled()], "pdl_trigger": module.pdl_trigger(),
                 "pdl_rows": env.switch("LOCKSTEP_CUDA_PDL_ROWS"),
                 "gemm_pipeline": _mma.PIPELINE, "gemm_wide": _mma.WIDE, "gemm_split": _mma.SPLIT,
                 "gemm_token_tiles": _mma.TOKEN_TILES, "attn_hint": on[group_query_attention.HINT],
-                "residual_handoff": on[matmul_norm_matmul.enabled()], "norm_fusion": on[rms_norm_matmul.enabled()],
+                "norm_fusion": on[rms_norm_matmul.enabled()],
                 "norm_fusion_int4": on[rms_norm_matmul.int4_enabled()], "eager_replay": on[self.eager_replay]}
 
     def node_timer(self):

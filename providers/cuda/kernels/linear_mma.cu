@@ -138,10 +138,12 @@ __device__ __forceinline__ void ld_x16(const __half* x, long long m, int K, int 
 // (R = min(8, M - m0)) of v = x (+ skip) are normalised with exactly the arithmetic of
 // kernels/rms_norm.cu, so the fused launch is bitwise SkipSimplifiedLayerNormalization followed
 // by the projection:
-//   sum(v^2) in the order of kernels/rms_order.cuh (group sums, lane sums, pair tree);
+//   sum(v^2): 256 virtual threads t, each an fmaf chain over d = t, t + 256, ... ascending; per
+//     virtual warp the xor-shuffle tree (lane 0's value); the 8 warp sums added in ascending order.
 //   inv = 1 / sqrtf(sum / K + eps); y = fp16((v * inv) * gamma) (v in fp32: x + skip, __fadd_rn).
+// Virtual warp vw runs on real warp vw % nwarps (same lanes), so the xor trees are the same.
 // Shared memory after the GEMM's partials: x, skip [R][K] and gamma [K] as halves (cp.async, one
-// round trip), inv [8], each row's group and lane sums, then xs [R][K + 8] halves (y; the pad keeps the rows on
+// round trip), inv [8], red [8][8], then xs [R][K + 8] halves (y; the pad keeps the rows on
 // distinct banks; rows >= R are read as zeros, never stored).  The blocks of column 0 also store v rounded to fp16 (output 3, the residual sum)
 // into sum_out.  Needs K % 8 == 0.
 struct NormArgs {
@@ -152,12 +154,8 @@ struct NormArgs {
 };
 
 // Shared floats of the prologue before xs: raw x, skip (R rows each) and gamma as halves
-// (rounded up to floats), inv [8], then per row its group and lane sums (kernels/rms_order.cuh;
-// norm_stride floats a row, a multiple of 4 so that xs after them stays 16-byte aligned).
-__host__ __device__ constexpr int norm_stride(int K) { return (rms_groups(K) + 7) & ~3; }
-__host__ __device__ constexpr int norm_floats(int rows, int K) {
-    return (2 * rows * K + K + 1) / 2 + 8 + rows * norm_stride(K);
-}
+// (rounded up to floats), inv [8], red [64].
+__host__ __device__ constexpr int norm_floats(int rows, int K) { return (2 * rows * K + K + 1) / 2 + 72; }
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
@@ -166,12 +164,12 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 
 __device__ void norm_rows(const __half* __restrict__ x, const NormArgs& na, int M, int K, int m0,
                           bool first_tile, float* sm, __half* xs) {
-    const int nt = blockDim.x;
-    const int R = min(8, M - m0), xst = K + 8, u8 = K / 8, P = rms_groups(K), GS = norm_stride(K);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, nt = blockDim.x;
+    const int R = min(8, M - m0), xst = K + 8, u8 = K / 8;
     __half* xh = reinterpret_cast<__half*>(sm);  // [R][K]
     __half* sh = xh + R * K;                     // [R][K] (skip)
     __half* gh = sh + R * K;                     // [K]
-    float* inv = sm + (2 * R * K + K + 1) / 2; float* grp = inv + 8;  // grp [R][GS]
+    float* inv = sm + norm_floats(R, K) - 72; float* red = inv + 8;
     // one memory round trip: every 16-byte piece of x, skip and gamma copied asynchronously
     const int units = (na.skip ? 2 * R + 1 : R + 1) * u8;
     for (int u = threadIdx.x; u < units; u += nt) {
@@ -186,14 +184,29 @@ __device__ void norm_rows(const __half* __restrict__ x, const NormArgs& na, int 
         const float t = __half2float(xh[r * K + d]);
         return na.skip ? __fadd_rn(t, __half2float(sh[r * K + d])) : t;
     };
-    for (int u = threadIdx.x; u < R * P; u += nt) {  // group sums (kernels/rms_order.cuh)
-        const int r = u / P, p = u - r * P, d1 = min(K, (p + 1) * RMS_GROUP);
-        float s = 0.f;
-        for (int d = p * RMS_GROUP; d < d1; ++d) { const float t = v(r, d); s = fmaf(t, t, s); }
-        grp[r * GS + p] = s;
+    for (int vw = warp; vw < 8; vw += nw) {  // all rows' chains of this virtual warp, then the trees
+        float s[8];
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            s[r] = 0.f;
+            if (r < R)
+                for (int d = vw * 32 + lane; d < K; d += 256) { const float t = v(r, d); s[r] = fmaf(t, t, s[r]); }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int r = 0; r < 8; ++r) s[r] = __fadd_rn(s[r], __shfl_xor_sync(0xffffffffu, s[r], o));
+        if (lane == 0)
+#pragma unroll
+            for (int r = 0; r < 8; ++r) red[r * 8 + vw] = s[r];
     }
     __syncthreads();
-    if (threadIdx.x < R) inv[threadIdx.x] = rms_inv(rms_total_of(grp + threadIdx.x * GS, P), K, na.eps);
+    if (threadIdx.x < R) {
+        float tot = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) tot = __fadd_rn(tot, red[threadIdx.x * 8 + w]);
+        inv[threadIdx.x] = __fdiv_rn(1.f, sqrtf(__fadd_rn(__fdiv_rn(tot, (float)K), na.eps)));
+    }
     __syncthreads();
     const bool store_sum = na.sum_out && na.skip && first_tile;
     for (int r = 0; r < R; ++r) {
@@ -224,120 +237,6 @@ __device__ __forceinline__ void ld_xs16(const __half* xs, int g, int K, int kl, 
     }
 }
 
-// The residual hand-off of lockstep.MatMulNormMatMul (providers/cuda/ops/matmul_norm_matmul.py):
-// a projection, the SkipSimplifiedLayerNormalization of its output, and the projection of the
-// normalised rows, in two launches instead of three, bitwise the three.
-//   RES_OUT (the first projection, mma_dense's epilogue): besides y it stores the residual sum
-//     v = y + skip (fp32 __fadd_rn of the two fp16 values) rounded to fp16 (the norm's output 3)
-//     and, per row, its 16-feature tile's group sum of v^2 (kernels/rms_order.cuh: the block's
-//     16 features are group n0 / 16) into sq [M][RES_STRIDE(N)] fp32.
-//   RES_IN (the second projection, mma_dense's activation loads): x is the first projection's y;
-//     each lane adds the group sums of its row in the rms_order.cuh lane order (four groups a
-//     float4), the pair tree is two xor shuffles over the quad, and the lane normalises its own
-//     16 activations of a chunk, (v * inv) * gamma rounded to fp16, before its mmas.
-// No barrier, no shared memory and no launch for the norm: what it cost was a dependent launch
-// whose only work was one round trip and a block reduction (docs/benchmarks/kernels.md).
-#define RES_NONE 0
-#define RES_OUT 1
-#define RES_IN 2
-// Row stride (floats) of the group sums: rms_groups(D) rounded up to 4 (whole float4 loads).
-__host__ __device__ constexpr int res_stride(int D) { return (rms_groups(D) + 3) & ~3; }
-// Most groups RES_IN reads (4 float4 a lane): D <= 1,024 (more would cost the one-tile kernel
-// its registers: it already holds a segment of weights, x, skip and gamma in one round trip).
-#define RES_MAX_GROUPS 64
-
-// RES_IN: the group sums of row m this lane adds (the rms_order.cuh lane order: lane t of the
-// quad takes float4 i = t, t + 4, ...; nothing for rows m >= M), issued as one round of loads.
-__device__ __forceinline__ void res_sq_load(const float* __restrict__ sq, long long m, int M, int K,
-                                            float4 (&b)[RES_MAX_GROUPS / 16]) {
-    const int t = threadIdx.x & 3, P = rms_groups(K);
-    const float4* q = reinterpret_cast<const float4*>(sq + m * res_stride(K));
-#pragma unroll
-    for (int u = 0; u < RES_MAX_GROUPS / 16; ++u)
-        b[u] = m < M && 4 * (t + 4 * u) < P ? q[t + 4 * u] : make_float4(0.f, 0.f, 0.f, 0.f);
-}
-
-// RES_IN: 1 / sqrt(mean(v^2) + eps) from the loaded group sums (every lane of the quad gets the
-// same value: its lane sum, then the pair tree as two xor shuffles).
-__device__ __forceinline__ float res_sq_inv(const float4 (&b)[RES_MAX_GROUPS / 16], int K, float eps) {
-    const int t = threadIdx.x & 3, P = rms_groups(K);
-    float s = 0.f;
-#pragma unroll
-    for (int u = 0; u < RES_MAX_GROUPS / 16; ++u) {
-        const int p = 4 * (t + 4 * u);
-        if (p < P) s = __fadd_rn(s, b[u].x);
-        if (p + 1 < P) s = __fadd_rn(s, b[u].y);
-        if (p + 2 < P) s = __fadd_rn(s, b[u].z);
-        if (p + 3 < P) s = __fadd_rn(s, b[u].w);
-    }
-    s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));  // (s0 + s1), (s2 + s3)
-    s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));  // rms_total_of's pair tree
-    return rms_inv(s, K, eps);
-}
-
-// RES_IN: 16 activations in place: x = fp16((v * inv) * gamma) with v = x + skip (fp32); zeros
-// (past K, rows >= M) stay zeros.
-__device__ __forceinline__ void res_norm16(uint4* xr, const uint4* sr, const uint4* gr, float inv) {
-    const __half* xh = reinterpret_cast<const __half*>(xr);
-    const __half* sh = reinterpret_cast<const __half*>(sr);
-    const __half* gh = reinterpret_cast<const __half*>(gr);
-    uint4 out[2];
-    __half2* o = reinterpret_cast<__half2*>(out);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        const float v0 = __fadd_rn(__half2float(xh[2 * e]), __half2float(sh[2 * e]));
-        const float v1 = __fadd_rn(__half2float(xh[2 * e + 1]), __half2float(sh[2 * e + 1]));
-        o[e] = __floats2half2_rn(__fmul_rn(__fmul_rn(v0, inv), __half2float(gh[2 * e])),
-                                 __fmul_rn(__fmul_rn(v1, inv), __half2float(gh[2 * e + 1])));
-    }
-    xr[0] = out[0]; xr[1] = out[1];
-}
-
-// RES_IN: a lane's 16 normalised activations of row m, k = kl .. kl + 15 (the multi-tile path:
-// its own round trip after inv; the one-tile PIPE path loads x, skip and the sums together).
-__device__ __forceinline__ void res_ld_x16(const __half* x, const __half* skip, const __half* gamma, long long m,
-                                           int K, int kl, bool ok, float inv, uint4* out) {
-    uint4 sr[2], gr[2];
-    ld_x16(x, m, K, kl, ok, out);
-    ld_x16(skip, m, K, kl, ok, sr);
-    ld_x16(gamma, 0, K, kl, true, gr);
-    res_norm16(out, sr, gr, inv);
-}
-
-// RES_OUT: finish's plain store, then the residual sum and the group sums (see above).  skr: the
-// skip values of this thread's outputs o = threadIdx.x + i blockDim.x, loaded before the main loop.
-// Shared: 16 TM floats after the segment partials.
-template <int NJ>
-__device__ __forceinline__ void finish_res(float* part, int nseg, const __half* bias, __half* y, int M, int N,
-                                           int n0, int m0, const __half* skr, __half* sum_out, float* sq) {
-    constexpr int TM = 8 * NJ;
-    float* vt = part + nseg * 16 * TM;  // [16][TM]: v of the block's outputs
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < 4 * NJ; ++i) {
-        const int o = threadIdx.x + i * blockDim.x;
-        if (o >= 16 * TM) break;
-        const int r = o / TM, col = o % TM, n = n0 + r, m = m0 + col;
-        float v = 0.f;
-        if (n < N && m < M) {
-            float s = 0.f;
-            for (int w = 0; w < nseg; ++w) s = __fadd_rn(s, part[w * 16 * TM + o]);
-            if (bias) s = __fadd_rn(s, __half2float(bias[n]));
-            const __half yh = __float2half_rn(s);
-            y[(long long)m * N + n] = yh;
-            v = __fadd_rn(__half2float(yh), __half2float(skr[i]));
-            sum_out[(long long)m * N + n] = __float2half_rn(v);
-        }
-        vt[o] = v;
-    }
-    __syncthreads();
-    if (threadIdx.x < TM && m0 + (int)threadIdx.x < M) {  // the group sum: rms_group_sum's chain
-        float s = 0.f;
-        for (int r = 0; r < 16 && n0 + r < N; ++r) { const float v = vt[r * TM + threadIdx.x]; s = fmaf(v, v, s); }
-        sq[(long long)(m0 + threadIdx.x) * res_stride(N) + n0 / 16] = s;
-    }
-}
-
 // 64-wide k chunks of K segment s (SEG_K / 64 but the last one's).
 __device__ __forceinline__ int seg_chunks(int K, int s) { return (min(K, (s + 1) * SEG_K) - s * SEG_K + 63) >> 6; }
 
@@ -358,15 +257,13 @@ __device__ __forceinline__ uint4 ld_tile(const uint4* base, int s, int i) { retu
 // lane, 8 KB per warp in flight) and refills each tile's registers with the same tile of the
 // warp's next segment as soon as its mma has issued, so the loads of segment s + nwarps overlap
 // the mmas of segment s and a warp never waits for more than its first round trip.
-template <int NJ, bool GLU, bool NORM, bool PIPE, int RES = RES_NONE>
+template <int NJ, bool GLU, bool NORM, bool PIPE>
 __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, const uint4* __restrict__ wp,
                                                  const __half* __restrict__ bias, __half* __restrict__ y,
                                                  int M, int N, int K, int n_out, const __half* n_skip, const __half* n_gamma,
-                                                 __half* n_sum, float n_eps, float* n_sq) {
+                                                 __half* n_sum, float n_eps) {
     const NormArgs norm{n_skip, n_gamma, n_sum, n_eps};
     static_assert(!NORM || NJ == 1, "the RMSNorm prologue holds 8 rows");
-    static_assert(RES == RES_NONE || (!NORM && NJ <= 2), "the residual hand-off: row kernels of 1 or 2 token tiles");
-    static_assert(RES != RES_OUT || !GLU, "RES_OUT stores y itself");
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nseg = (K + SEG_K - 1) / SEG_K, nwarps = blockDim.x >> 5, ktiles = ((K + 63) >> 6) << 2;
@@ -381,34 +278,7 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 #pragma unroll
         for (int i = 0; i < NA; ++i) if (i < first) a[i] = ld_tile(base, warp, i);
     }
-    // RES_IN, one token tile, PIPE: gamma of the warp's first segment (a constant of the step)
-    constexpr bool RES1 = RES == RES_IN && PIPE && NJ == 1;
-    uint4 gpre[RES1 ? 4 : 1][2];
-    if constexpr (RES1) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) ld_x16(n_gamma, 0, K, warp * SEG_K + 64 * c + 16 * t, true, gpre[c]);
-    }
     PDL_ENTER_GEMM();
-    // RES_OUT: the skip values of this thread's outputs, loaded now so that their round trip
-    // overlaps the main loop (after the wait: the skip may come from the previous kernel)
-    __half skr[RES == RES_OUT ? 4 * NJ : 1];
-    if constexpr (RES == RES_OUT) {
-#pragma unroll
-        for (int i = 0; i < 4 * NJ; ++i) {
-            const int o = threadIdx.x + i * blockDim.x, r = o / (8 * NJ), m = m0 + o % (8 * NJ);
-            skr[i] = o < 16 * 8 * NJ && nt * 16 + r < N && m < M ? n_skip[(long long)m * N + nt * 16 + r]
-                                                                : __float2half(0.f);
-        }
-    }
-    float inv[RES == RES_IN ? NJ : 1];  // RES_IN: 1 / rms of each token tile's row g
-    if constexpr (RES == RES_IN && !RES1) {
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-            float4 b[RES_MAX_GROUPS / 16];
-            res_sq_load(n_sq, m0 + j * 8 + g, M, K, b);
-            inv[j] = res_sq_inv(b, K, n_eps);
-        }
-    }
     float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
     __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
     if constexpr (NORM) norm_rows(x, norm, M, K, m0, nt == 0, nsm, xs);
@@ -419,7 +289,6 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
         for (int j = 0; j < NJ; ++j) {
             const int m = m0 + j * 8 + g;
             if constexpr (NORM) ld_xs16(xs, j * 8 + g, K, kl, M - m0, xa[j]);
-            else if constexpr (RES == RES_IN) res_ld_x16(x, n_skip, n_gamma, m, K, kl, m < M, inv[j], xa[j]);
             else ld_x16(x, m, K, kl, m < M, xa[j]);
         }
     };
@@ -441,29 +310,7 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
             // per lane per chunk), so no chunk waits for its own activation round trip
             constexpr int XC = NJ == 1 ? 4 : 1;
             uint4 xall[XC][NJ][2];
-            if constexpr (RES1) {
-                // one round trip: the row's group sums, the segment's x and skip (gamma came
-                // before the wait for the first segment), then inv, then the lane normalises
-                const long long m = m0 + g;
-                float4 b[RES_MAX_GROUPS / 16];
-                if (seg == warp) res_sq_load(n_sq, m, M, K, b);
-                uint4 sk[4][2];
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    if (4 * c >= tiles) break;
-                    ld_x16(x, m, K, kbeg + 64 * c + 16 * t, m < M, xall[c][0]);
-                    ld_x16(n_skip, m, K, kbeg + 64 * c + 16 * t, m < M, sk[c]);
-                }
-                if (seg == warp) inv[0] = res_sq_inv(b, K, n_eps);
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    if (4 * c >= tiles) break;
-                    uint4 gm[2];
-                    if (seg == warp) { gm[0] = gpre[c][0]; gm[1] = gpre[c][1]; }
-                    else ld_x16(n_gamma, 0, K, kbeg + 64 * c + 16 * t, true, gm);
-                    res_norm16(xall[c][0], sk[c], gm, inv[0]);
-                }
-            } else if constexpr (NJ == 1) {
+            if constexpr (NJ == 1) {
 #pragma unroll
                 for (int c = 0; c < 4; ++c) if (4 * c < tiles) load_x(xall[c], kbeg + 64 * c);
             }
@@ -498,8 +345,7 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
         store_partial<NJ>(part, acc, seg);
     }
     PDL_LATE_TRIGGER();
-    if constexpr (RES == RES_OUT) finish_res<NJ>(part, nseg, bias, y, M, N, nt * 16, m0, skr, n_sum, n_sq);
-    else finish<NJ, GLU>(part, nseg, bias, y, M, N, nt * 16, m0, n_out);
+    finish<NJ, GLU>(part, nseg, bias, y, M, N, nt * 16, m0, n_out);
 }
 
 // Tiled dense GEMM for many rows (mma_wide): the per-element arithmetic of mma_dense (per K

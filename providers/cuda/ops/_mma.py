@@ -40,25 +40,14 @@ def _nbits4_exprs(pipe: str, zp: str) -> tuple[str, ...]:
             + tuple(f"mma_nbits4<1, __half, {glu}, true, {pipe}, {zp}>" for glu in _BOOL))
 
 
-#: kernels/linear_mma.cu RES_OUT and RES_IN: the residual hand-off's two launches (:class:`Residual`).
-RES_OUT, RES_IN = 1, 2
-
-
-def _residual_exprs() -> tuple[str, ...]:
-    return tuple(f"mma_dense<{nj}, {glu}, false, {pipe}, {mode}>" for pipe in _BOOL for nj in (1, 2)
-                 for mode, glus in ((RES_OUT, ("false",)), (RES_IN, _BOOL)) for glu in glus)
-
-
-#: The kernels' instantiations in five modules of kernels/linear_mma.cu, each compiled on its
-#: first launch: the plain schedule, the PIPE schedule, the tiled kernels, the int4 kernels
-#: with zero points, and the residual hand-off's row kernels (so a schedule no launch uses costs
-#: no compile time).
+#: The kernels' instantiations in four modules of kernels/linear_mma.cu, each compiled on its
+#: first launch: the plain schedule, the PIPE schedule, the tiled kernels, and the int4 kernels
+#: with zero points (so a schedule no launch uses costs no compile time).
 MODULES = (_schedule_exprs("false"), _schedule_exprs("true"),
            tuple(f"mma_wide<{f}, {glu}, {tw}>" for f in (1, 2) for glu in _BOOL for tw in (1, 2))
            + tuple(f"mma_wide4<{f}, {s}, {glu}, false>" for f in (1, 2) for s in ("__half", "float") for glu in _BOOL),
            _nbits4_exprs("false", "true") + _nbits4_exprs("true", "true")
-           + tuple(f"mma_wide4<{f}, {s}, {glu}, true>" for f in (1, 2) for s in ("__half", "float") for glu in _BOOL),
-           _residual_exprs())
+           + tuple(f"mma_wide4<{f}, {s}, {glu}, true>" for f in (1, 2) for s in ("__half", "float") for glu in _BOOL))
 EXPRS = tuple(e for module in MODULES for e in module)
 _MODULE_OF = {e: module for module in MODULES for e in module}
 #: Which launches take the PIPE weight-load schedule (kernels/linear_mma.cu ``PIPE``: a whole K
@@ -136,54 +125,6 @@ class Norm(NamedTuple):
     eps: float
 
 
-class Residual(NamedTuple):
-    """One launch of the residual hand-off (kernels/linear_mma.cu RES_OUT / RES_IN): a projection,
-    the SkipSimplifiedLayerNormalization of its output and the projection of the normalised rows
-    in two row-kernel launches, bitwise the three kernels (lockstep.MatMulNormMatMul).
-
-    Attributes:
-        mode: :data:`RES_OUT` (the first projection: y, the residual sum and the group sums of
-            squares) or :data:`RES_IN` (the second: its activations normalised from them).
-        skip: fp16 [M, D], the norm's skip (D: the first projection's N, the second's K).
-        gamma: fp16 [D] (RES_IN) or None.
-        sum_out: fp16 [M, D], y + skip rounded (RES_OUT) or None.
-        sq: fp32 [M, :func:`res_stride` (D)], the group sums (written by RES_OUT, read by RES_IN).
-        eps: the norm's epsilon.
-    """
-
-    mode: int
-    skip: Any
-    gamma: Any
-    sum_out: Any
-    sq: Any
-    eps: float
-
-
-#: Most rows and largest D (the normalised width) of the residual hand-off: the row kernels of at
-#: most two token tiles, and at most kernels/linear_mma.cu RES_MAX_GROUPS (64) group sums a row.
-RESIDUAL_ROWS, RESIDUAL_MAX_D = 16, 1024
-
-
-def residual_fits(m: int, n: int, k: int, glu: bool, mode: int) -> bool:
-    """Whether the hand-off launch ``mode`` (:data:`RES_OUT` / :data:`RES_IN`) of ``m`` rows over
-    ``n`` features (y's width) and ``k`` runs in one wave at its kernel's registers (the one-tile
-    RES_IN kernel holds a segment of weights, x, skip and gamma at once: up to 255 registers on
-    sm_90, so a wide grid would take more waves than the plain kernel). True where no device
-    answers (host-side tests)."""
-    rows = glu_width(n) if glu else n
-    pipe, nj = pipelined(rows, False, m), row_nj(m, rows)
-    warps = (pipe2_warps(rows, m) or 8) if pipe and nj == 2 else 8
-    grid, block, _, _ = config(m, rows, k, nj, pipe, warps=warps)
-    per_sm = _per_multiprocessor(f"mma_dense<{nj}, {_BOOL[glu]}, false, {_BOOL[pipe]}, {mode}>", block[0])
-    return nj <= 2 and (per_sm == 0 or grid[0] * grid[1] * grid[2] <= per_sm * multiprocessors())
-
-
-def res_stride(d: int) -> int:
-    """Floats per row of the hand-off's group sums: ceil(d / 16) rounded up to 4
-    (kernels/linear_mma.cu res_stride)."""
-    return (-(-d // 16) + 3) & ~3
-
-
 def norm_applies(a, k: int, m: int) -> bool:
     """Whether a projection of ``m`` rows of fp16 ``a`` [.., K] can take the fused RMSNorm
     prologue: at most :data:`NORM_ROWS` rows, K a multiple of 8, contiguous."""
@@ -211,13 +152,12 @@ def _launch(expr: str, grid, block, args, shared: int) -> None:
 
 
 def _norm_shared(norm: Norm | None, shared: int, k: int, m: int) -> int:
-    """The GEMM's shared bytes plus the RMSNorm prologue's (kernels/linear_mma.cu norm_rows and
-    norm_floats: x, skip and gamma as fp16, the row statistics, and the padded fp16 rows)."""
+    """The GEMM's shared bytes plus the RMSNorm prologue's (kernels/linear_mma.cu norm_rows:
+    x, skip and gamma as fp16, the row statistics, and the padded fp16 rows)."""
     if norm is None:
         return shared
     rows = min(8, m)
-    stride = (-(-k // 16) + 7) & ~3  # norm_stride: a row's group and lane sums (kernels/rms_order.cuh)
-    return shared + ((2 * rows * k + k + 1) // 2 + 8 + rows * stride) * 4 + rows * (k + 8) * 2
+    return shared + ((2 * rows * k + k + 1) // 2 + 72) * 4 + rows * (k + 8) * 2
 
 
 def stats() -> dict:
@@ -578,24 +518,17 @@ def contiguous(ctx, a):
     return buf
 
 
-def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = None,
-          res: Residual | None = None):
+def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = None):
     """y = a @ w (+ bias) for the packed weight ``wp`` (:func:`pack`); with ``glu``: wp packs a
     gate/up pair and y = silu_mul(a @ w_gate, a @ w_up) (GLU, n = y's width). With ``norm``
     (:func:`norm_applies` must hold) the activations are RMSNorm(a + skip) * gamma, computed in
-    the same launch. With ``res`` (at most :data:`RESIDUAL_ROWS` rows; RES_OUT not with ``glu``)
-    the launch is one half of the residual hand-off (:class:`Residual`)."""
-    width = 0 if res is None else k if res.mode == RES_IN else n
-    if res is not None and (m > RESIDUAL_ROWS or width > RESIDUAL_MAX_D or norm is not None
-                            or (glu and res.mode == RES_OUT)):
-        raise ValueError(f"residual hand-off: {m} rows (at most {RESIDUAL_ROWS}), normalised width {width} "
-                         f"(at most {RESIDUAL_MAX_D}), glu={glu}, norm={norm is not None}")
+    the same launch."""
     rows = glu_width(n) if glu else n
     for r0, r1 in row_slices(m, 32):
         args = (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
                 np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n))
         wide, tw = None, 2
-        if norm is None and res is None:
+        if norm is None:
             wide = wide32_config(r1 - r0, rows, k)
             if wide is not None:
                 tw = 1
@@ -608,18 +541,8 @@ def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = 
         pipe, nj = pipelined(rows, False, r1 - r0, norm is not None), row_nj(r1 - r0, rows)
         warps = (pipe2_warps(rows, r1 - r0) or 8) if pipe and nj == 2 else 8  # PIPE forced ("all"): 8
         grid, block, shared, _ = config(r1 - r0, rows, k, nj, pipe, warps=warps)
-        if res is not None:
-            _launch(f"mma_dense<{nj}, {_BOOL[glu]}, false, {_BOOL[pipe]}, {res.mode}>", grid, block,
-                    (*args, *_residual_args(res, null)), shared + (16 * 8 * nj * 4 if res.mode == RES_OUT else 0))
-            continue
         _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>", grid, block,
-                (*args, *_norm_args(norm, null), null), _norm_shared(norm, shared, k, r1 - r0))
-
-
-def _residual_args(res: Residual, null) -> tuple:
-    """mma_dense's (n_skip, n_gamma, n_sum, n_eps, n_sq) for a hand-off launch."""
-    return (res.skip, null if res.gamma is None else res.gamma, null if res.sum_out is None else res.sum_out,
-            np.float32(res.eps), res.sq)
+                (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0))
 
 
 def int4_layout_applies(bs: int, zp_mode: int) -> bool:

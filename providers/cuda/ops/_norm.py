@@ -34,12 +34,6 @@ def _pieces(d: int, x, skip, gamma, *others) -> int:
     return next(v for v in _H8 if d <= 256 * 8 * v)
 
 
-def shared_floats(d: int) -> int:
-    """Shared floats of a norm block over rows of ``d`` values (kernels/rms_norm.cu): 32, the row
-    v [d], then its group and lane sums (kernels/rms_order.cuh, ceil(d / 16) + 4)."""
-    return 32 + d + -(-d // 16) + 4
-
-
 def launch(x, skip, bias, gamma, y, sum_out, mean_out, inv_out, d: int, eps: float) -> None:
     """RMSNorm of ``x`` [rows, d] (+ ``skip`` (+ ``bias``)) times ``gamma`` [d] into ``y``
     (docs/ops.md 3.1, 3.2). skip: [.., d] broadcast by flat modulo or None; bias [d] or None;
@@ -61,4 +55,4 @@ def launch(x, skip, bias, gamma, y, sum_out, mean_out, inv_out, d: int, eps: flo
     else:
         kern = function("rms_norm", f"rms_norm<{ctype(x.dtype)}, {ctype(gamma.dtype)}>", EXPRS)
         counts["rms_norm"] += 1
-    kern((rows,), (256,), args, shared_mem=shared_floats(d) * 4)
+    kern((rows,), (256,), args, shared_mem=(32 + d) * 4)
