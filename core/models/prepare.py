@@ -20,10 +20,12 @@ fields the 0.18 builder reads and transformers 5 folds into ``rope_parameters`` 
 Cache. Everything lives under :func:`cache_dir`. A path source is keyed by a content hash of
 its files (:func:`source_digest`; SHA-256 of each file, remembered by path, size and mtime so
 an unchanged multi-GB folder is hashed once), so an edited checkpoint is rebuilt and a copy of
-the same checkpoint elsewhere is not. Each result is built in a temporary folder beside its
-destination and renamed into place while holding a per-destination lock (``filelock``); a
-second process asking for the same folder waits for the lock and then reuses the result, so
-two runs started together on an empty cache build once.
+the same checkpoint elsewhere is not. Each folder records the recipe that built it
+(:data:`STAMP`, :data:`RECIPE`): a cached folder of an earlier recipe is rebuilt, not reused.
+Each result is built in a temporary folder beside its destination and renamed into place while
+holding a per-destination lock (``filelock``); a second process asking for the same folder
+waits for the lock and then reuses the result, so two runs started together on an empty cache
+build once.
 """
 
 from __future__ import annotations
@@ -77,6 +79,14 @@ BUILDER_OPTIONS = ("windowed_kv_cache=false",)
 #: config compatibility shim (core/models/builder_compat.py, run by path: a script that imports
 #: no ``core``, so a user's folder named ``core`` cannot shadow it).
 BUILDER_COMMAND = (sys.executable, str(Path(__file__).resolve().with_name("builder_compat.py")))
+#: Version of the recipe that turns a source into a cached builder folder: the builder's pin and
+#: :data:`BUILDER_OPTIONS`, core/models/builder_compat.py, the GGUF conversion. Raise it with any
+#: change to them: a cached folder whose stamp (:data:`STAMP`) holds another recipe, or none (a
+#: folder from before the stamp), is rebuilt on its next use instead of being reused silently.
+RECIPE = 1
+#: The file in each folder :func:`prepare` builds that records how it was made (JSON: recipe,
+#: model, precision, target, Lockstep version).
+STAMP = "lockstep-prepare.json"
 #: Files of a Hugging Face folder left out of its content hash (they do not change the build).
 _UNHASHED_SUFFIXES = (".md", ".lock")
 
@@ -435,13 +445,34 @@ def _destination(variant: Variant, output: str | Path | None, root: Path,
     return root / "models" / f"{stem}-{digest[:16]}-{variant.precision}-{variant.target}", digest
 
 
+def _has_model(folder: Path) -> bool:
+    return (folder / "genai_config.json").exists() and (folder / "model.onnx").exists()
+
+
+def stamped(folder: Path) -> bool:
+    """Whether ``folder`` holds the :data:`STAMP` of the current :data:`RECIPE`."""
+    try:
+        return json.loads((folder / STAMP).read_text()).get("recipe") == RECIPE
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def write_stamp(folder: Path, variant: Variant) -> None:
+    """Record in ``folder`` (:data:`STAMP`) the recipe and variant it was built with."""
+    from core import __version__
+
+    (folder / STAMP).write_text(json.dumps({"recipe": RECIPE, "model": variant.model, "precision": variant.precision,
+                                            "target": variant.target, "lockstep": __version__}, indent=1) + "\n")
+
+
 def cached_folder(variant: Variant) -> Path | None:
-    """The complete cached builder folder of a named model's variant, or None (not built yet,
-    or a path source, whose cache name needs its content hash)."""
+    """The complete cached builder folder of a named model's variant, built by the current
+    :data:`RECIPE`, or None (not built yet, built by an earlier recipe, or a path source, whose
+    cache name needs its content hash)."""
     if not variant.named:
         return None
     out = cache_dir() / "models" / variant.folder_name
-    return out if (out / "genai_config.json").exists() and (out / "model.onnx").exists() else None
+    return out if _has_model(out) and stamped(out) else None
 
 
 def prepare(variant: Variant | None = None, output: str | Path | None = None,
@@ -457,6 +488,10 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
             starts, the lines go to stderr (``lockstep prepare: ...``).
         force: rebuild even if the folder is complete.
 
+    A cached folder (``output`` None) built by an earlier :data:`RECIPE`, or with no stamp, is
+    rebuilt, with a status line saying why; a folder given as ``output`` that holds a model is
+    reused whatever made it.
+
     Raises:
         PrepareError: missing build tools, an incomplete source, a download failure or a
             builder error (its output tail).
@@ -471,13 +506,14 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
     out, digest = _destination(variant, output, root, progress)
 
     def complete() -> bool:
-        return (out / "genai_config.json").exists() and (out / "model.onnx").exists()
+        return _has_model(out) and (output is not None or stamped(out))
 
     if complete() and not force:
         return out
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--output {out} is a file; give a folder")
-    if out.is_dir() and any(out.iterdir()) and not complete():
+    stale = output is None and _has_model(out)  # a cached folder of another recipe: rebuilt
+    if out.is_dir() and any(out.iterdir()) and not complete() and not stale:
         raise PrepareError(f"--output {out} is not empty and holds no model; give a new or empty "
                            "folder (nothing was written)")
     _check_tools(gguf=kind != "hf")
@@ -488,6 +524,8 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
     with _lock(root / "locks" / f"model-{out.name}-{lock_name}.lock", out.name, progress):
         if complete() and not force:
             return out  # another process built it while this one waited
+        if stale and not force:
+            _status(progress, f"{out.name} was built by an earlier Lockstep recipe (no current {STAMP}); rebuilding")
         if kind == "name":
             hf = _gguf_to_hf(_named_gguf(variant.model, root, progress), root / "hf" / variant.model, progress)
         elif kind == "gguf":
@@ -500,6 +538,7 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
         tmp = _new_tmp(out)
         try:
             _run_builder(hf, tmp, variant, root, progress)
+            write_stamp(tmp, variant)
             if out.exists():
                 shutil.rmtree(out)  # an empty folder, or a model we were told to rebuild
             os.rename(tmp, out)  # atomic on one file system: readers see no folder or a whole one

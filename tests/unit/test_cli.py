@@ -350,13 +350,15 @@ def test_a_cached_default_model_is_used_without_a_preparing_line(tmp_path, monke
     """A complete cached variant is returned as is: no "preparing" status line (nothing is
     built), and no build is started."""
     import core.cli
-    from core.models.prepare import DEFAULT_MODEL, Variant
+    from core.models.prepare import DEFAULT_MODEL, Variant, write_stamp
 
     monkeypatch.setenv("LOCKSTEP_CACHE", str(tmp_path))
-    folder = tmp_path / "models" / Variant(DEFAULT_MODEL, "fp32", "cpu").folder_name
+    variant = Variant(DEFAULT_MODEL, "fp32", "cpu")
+    folder = tmp_path / "models" / variant.folder_name
     folder.mkdir(parents=True)
     (folder / "genai_config.json").write_text("{}")
     (folder / "model.onnx").write_bytes(b"")
+    write_stamp(folder, variant)
 
     def never(*_args, **_kw):
         raise AssertionError("a build was started for a cached model")
@@ -364,6 +366,23 @@ def test_a_cached_default_model_is_used_without_a_preparing_line(tmp_path, monke
     monkeypatch.setattr(core.cli, "resolve_model", never)
     assert core.cli._resolve_model(None, "cpu_reference") == folder
     assert "preparing" not in capsys.readouterr().err
+
+
+def test_a_cached_model_of_an_earlier_recipe_is_prepared_again(tmp_path, monkeypatch, capsys):
+    """A cached folder without the current recipe's stamp is not taken as is: the CLI prepares
+    (prepare() then rebuilds it) and says so."""
+    import core.cli
+    from core.models.prepare import DEFAULT_MODEL, Variant
+
+    monkeypatch.setenv("LOCKSTEP_CACHE", str(tmp_path))
+    folder = tmp_path / "models" / Variant(DEFAULT_MODEL, "fp32", "cpu").folder_name
+    folder.mkdir(parents=True)
+    (folder / "genai_config.json").write_text("{}")
+    (folder / "model.onnx").write_bytes(b"")
+    calls = []
+    monkeypatch.setattr(core.cli, "resolve_model", lambda *a, **k: calls.append(a) or folder)
+    assert core.cli._resolve_model(None, "cpu_reference") == folder
+    assert len(calls) == 1 and "preparing the default model" in capsys.readouterr().err
 
 
 def test_chat_refuses_a_bad_sampling_value_before_preparing_the_model(monkeypatch, capsys):

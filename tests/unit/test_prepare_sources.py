@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from core.cli import main
 from core.executor import Plan, UnsupportedOpError
-from core.models.prepare import PrepareError, Variant, source_digest, source_kind
+from core.models.prepare import RECIPE, STAMP, PrepareError, Variant, source_digest, source_kind
 from providers.cpu_reference.provider import CpuReferenceProvider
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,6 +107,54 @@ def test_two_processes_on_an_empty_cache_build_once_and_share_the_folder(tmp_pat
     assert len(log.read_text().split()) == 1, "the second process must reuse the first one's build"
     leftovers = [p.name for p in folder.parent.iterdir() if p != folder]
     assert leftovers == [], "no temporary folder is left behind"
+
+
+def _fake_builds(monkeypatch, tmp_path):
+    """prepare() in this process with a builder that records its calls and writes a folder."""
+    import core.models.prepare as p
+
+    monkeypatch.setenv("LOCKSTEP_CACHE", str(tmp_path / "cache"))
+    builds = []
+
+    def fake(hf, tmp, variant, root, progress):
+        builds.append(variant)
+        (tmp / "model.onnx").write_bytes(b"onnx")
+        (tmp / "genai_config.json").write_text("{}")
+
+    monkeypatch.setattr(p, "_run_builder", fake)
+    monkeypatch.setattr(p, "_check_tools", lambda gguf: None)
+    return p, builds
+
+
+def test_a_cached_folder_of_an_earlier_recipe_is_rebuilt_and_a_current_one_reused(tmp_path, monkeypatch):
+    p, builds = _fake_builds(monkeypatch, tmp_path)
+    variant = Variant(str(hf_folder(tmp_path / "hf")), "fp32", "cpu")
+    lines: list[str] = []
+    out = p.prepare(variant, progress=lines.append)
+    stamp = json.loads((out / STAMP).read_text())
+    assert len(builds) == 1 and stamp["recipe"] == RECIPE and (stamp["precision"], stamp["target"]) == ("fp32", "cpu")
+    assert p.prepare(variant, progress=lines.append) == out and len(builds) == 1  # current: reused
+    for old in ({"recipe": RECIPE - 1}, None):  # an earlier recipe, or a folder from before the stamp
+        if old is None:
+            (out / STAMP).unlink()
+        else:
+            (out / STAMP).write_text(json.dumps(old))
+        lines.clear()
+        assert p.prepare(variant, progress=lines.append) == out
+        assert any("earlier Lockstep recipe" in line for line in lines), lines
+        assert json.loads((out / STAMP).read_text())["recipe"] == RECIPE
+    assert len(builds) == 3
+
+
+def test_an_output_folder_holding_a_model_is_reused_whatever_made_it(tmp_path, monkeypatch):
+    p, builds = _fake_builds(monkeypatch, tmp_path)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "model.onnx").write_bytes(b"user's")
+    (out / "genai_config.json").write_text("{}")
+    variant = Variant(str(hf_folder(tmp_path / "hf")), "fp32", "cpu")
+    assert p.prepare(variant, output=out) == out and builds == []
+    assert (out / "model.onnx").read_bytes() == b"user's" and not (out / STAMP).exists()
 
 
 def _graph(nodes, inputs, outputs, inits=()):
