@@ -317,7 +317,12 @@ def _loop_stats(p, timer, state, steps: int) -> list[NodeStats]:
     """The two launches around the plan in a decode step, timed once each after the measured
     steps and counted as ``steps`` calls: ``device_argmax`` (it rewrites ``result`` from the
     same logits) and then ``decode_advance`` (it moves the state on; the session is closed
-    after it, and the next prefill rewrites lengths and mask)."""
+    after it, and the next prefill rewrites lengths and mask). Where the timer can hold the GPU
+    (``hold()``), the GPU waits while the host enqueues both, so the events time GPU work and not
+    the host's launch gaps (as for the plan's nodes)."""
+    hold = getattr(timer, "hold", None)
+    if hold is not None:
+        hold()
     marks = [timer.mark()]
     p.device_argmax(state.logits, state.positions, state.result)
     marks.append(timer.mark())

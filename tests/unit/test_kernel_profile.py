@@ -107,3 +107,30 @@ def test_profiles_say_which_provider_settings_they_measured(model_dir, tmp_path,
                  "--context", "32", "--prompt-len", "4", "--json", str(out)])
     assert code == 0 and "gemm_pipeline=on, pdl=off" in capsys.readouterr().out
     assert json.loads(out.read_text())["results"][0]["settings"] == {"gemm_pipeline": "on", "pdl": "off"}
+
+
+def test_the_launches_around_the_plan_are_timed_behind_a_gpu_hold(model_dir):
+    """device_argmax and decode_advance are timed once each after the steps; a timer that can
+    hold the GPU is asked to before the first mark, so those two rows count GPU work, not the
+    host's launch gaps between the events."""
+    from core.kernel_profile import _loop_stats
+    from core.session import Session
+
+    calls: list[str] = []
+
+    class Timer:
+        def hold(self):
+            calls.append("hold")
+
+        def mark(self):
+            calls.append("mark")
+            return len(calls)
+
+        def seconds(self, a, b):
+            return 1e-6 * (b - a)
+
+    session = Session(Runner(model_dir, CpuReferenceProvider()), batch=2, capacity=16)
+    session.prefill([[5, 6, 7], [8]])
+    stats = _loop_stats(session.runner.provider, Timer(), session.state, 4)
+    assert calls == ["hold", "mark", "mark", "mark"]
+    assert [st.name for st in stats] == ["(device_argmax)", "(decode_advance)"] and all(st.calls == 4 for st in stats)
