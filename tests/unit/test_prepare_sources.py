@@ -134,16 +134,17 @@ def test_a_cached_folder_of_an_earlier_recipe_is_rebuilt_and_a_current_one_reuse
     stamp = json.loads((out / STAMP).read_text())
     assert len(builds) == 1 and stamp["recipe"] == RECIPE and (stamp["precision"], stamp["target"]) == ("fp32", "cpu")
     assert p.prepare(variant, progress=lines.append) == out and len(builds) == 1  # current: reused
-    for old in ({"recipe": RECIPE - 1}, None):  # an earlier recipe, or a folder from before the stamp
+    # an earlier recipe, a stamp that is not JSON, or a folder from before the stamp
+    for old in (json.dumps({"recipe": RECIPE - 1}), "{not json", None):
         if old is None:
             (out / STAMP).unlink()
         else:
-            (out / STAMP).write_text(json.dumps(old))
+            (out / STAMP).write_text(old)
         lines.clear()
         assert p.prepare(variant, progress=lines.append) == out
         assert any("earlier Lockstep recipe" in line for line in lines), lines
         assert json.loads((out / STAMP).read_text())["recipe"] == RECIPE
-    assert len(builds) == 3
+    assert len(builds) == 4
 
 
 def test_an_output_folder_holding_a_model_is_reused_whatever_made_it(tmp_path, monkeypatch):
