@@ -600,6 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--layout", default="head_major", choices=["head_major", "seq_major"],
                    help="KV cache layout (default: %(default)s)")
     f.add_argument("--no-capture", action="store_true", help="run every step eagerly")
+    f.add_argument("--no-run-ahead", action="store_true", help="read each step's tokens before queueing the "
+                   "next (the synchronous loop, for comparison; default: the next steps are queued first)")
     f.add_argument("--kernels", action="store_true", help="time every node of eager decode steps and print "
                    "where a step's time goes (op, kernel, calls, GPU us, bytes, floor); needs a provider "
                    "that can time its nodes")

@@ -16,7 +16,15 @@ class Counters:
         prefill_runs: plan runs of the prefills (one, or one per length group).
         decode_steps: decode steps run (each advances every row by one token).
         prefill_s, decode_s: wall seconds in prefill and in decode steps (host clock, including
-            the per-step read-back of the [B, 2] argmax result).
+            the per-step read-back of the [B, 2] argmax result; a step queued ahead is charged
+            from the later of its queueing and the previous step's read to its own read).
+        decode_device_s: device seconds of the decode steps read (the provider's node timer
+            around each step's work, from the queue reaching it to its last kernel; 0 without
+            a timer). ``decode_s - decode_device_s`` is what the host added.
+        run_ahead_steps: decode steps queued while an earlier step's tokens were still unread
+            (Session ``run_ahead``: the host's work overlaps the device's).
+        discarded_steps: queued steps dropped unread (a generation ended before them); their
+            device work ran, and the session's state was put back as if they never had.
         captures, replays: graph captures made and replays run.
         fallbacks: reasons a decode step ran eagerly although capture was asked for.
         invalidations: captured graphs dropped (each with a reason in ``invalidation_reasons``).
@@ -47,6 +55,9 @@ class Counters:
     decode_steps: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    decode_device_s: float = 0.0
+    run_ahead_steps: int = 0
+    discarded_steps: int = 0
     captures: int = 0
     replays: int = 0
     fallbacks: list = attrs.Factory(list)

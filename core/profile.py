@@ -5,7 +5,11 @@ size B: a session whose KV capacity is ``--context`` or, when L + warm-up + meas
 not fit it, that many positions rounded up to 64 (at most the model context); B prompts of L
 random tokens (row 0 the same prompt at every B), ``--warmup`` decode steps (these include the
 capture warm-up and the capture), then ``--tokens`` measured steps. Each step ends when its
-``[B, 2]`` argmax result is on the host, so step times are wall times of complete steps.
+``[B, 2]`` argmax result is on the host, so step times are wall times of complete steps: the
+time between two reads, which with the session's run-ahead (the default; ``--no-run-ahead``
+turns it off) includes queueing the steps after it while the device runs. The "device ms" column
+is the median device time of a measured step (the provider's node timer around the step's work,
+:attr:`core.session.PendingStep.device_s`): ms/step minus it is what the host added.
 The check column compares row 0's token stream with the batch-1 stream of the same L, bitwise.
 The prefill column is the prefill's wall time; the peak column the provider's peak device
 bytes (``provider.peak_bytes()`` after ``reset_peak()``, when it can tell) over the row's
@@ -73,6 +77,8 @@ class ProfileRow:
     workspace_bytes: int = 0
     prefill_activation_bytes: int = 0  # the prefill's node buffers held at once (Plan.transient_peak_bytes)
     settings: dict = attrs.field(factory=dict)  # the provider's switches (ExecutionProvider settings())
+    device_ms_p50: float | None = None  # median device time of a measured step (PendingStep.device_s)
+    run_ahead: bool = True  # the loop queued steps before reading the last (Session.run_ahead)
 
     @property
     def other_bytes(self) -> int | None:
@@ -99,12 +105,14 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capac
     rows = [prompt] + [list(rng.integers(3, vocab, len(prompt))) for _ in range(batch - 1)]
     capacity = capacity or args.context
     session = Session(runner, batch=batch, capacity=capacity, kv_layout=args.layout,
-                      kv_policy="fixed", capture=False if args.no_capture else None)
+                      kv_policy="fixed", capture=False if args.no_capture else None,
+                      run_ahead=not getattr(args, "no_run_ahead", False))
     p = runner.provider
     runner.plan.release_buffers()  # the last point's activations: not this point's peak
     p.reset_peak()
     trace = decode(session, rows, args.warmup + args.tokens)
     times_ms = np.array(trace.seconds[1 + args.warmup:]) * 1e3
+    device = [d for d in trace.device_seconds[args.warmup:] if d is not None]
     c = session.counters
     memory = runner.memory(session.state)
     floor = None if bandwidth is None else runner.plan.step_weight_bytes() / bandwidth * 1e3
@@ -116,7 +124,9 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capac
                      c.hit_rate, c.byte_hit_rate, None if not (h2d and streamed) else streamed / h2d * 1e3,
                      len(prompt), capacity, trace.seconds[0] * 1e3, weight_device_bytes=memory.weights + memory.staging,
                      kv_device_bytes=memory.kv, workspace_bytes=memory.workspace,
-                     prefill_activation_bytes=runner.plan.transient_peak_bytes, settings=provider_settings(p))
+                     prefill_activation_bytes=runner.plan.transient_peak_bytes, settings=provider_settings(p),
+                     device_ms_p50=float(np.percentile(device, 50)) * 1e3 if device else None,
+                     run_ahead=session.run_ahead)
     session.close()
     return row, trace.tokens[:, 0].tolist()
 
@@ -255,7 +265,9 @@ def render(rows: list[ProfileRow], title: str):
 
     streams = any(r.weight_bytes_streamed_per_step for r in rows)
     anchored = any(r.anchor_note or r.anchor_tokens_per_s is not None for r in rows)
-    speed_cols = ["prompt", "batch", "tok/s", "ms/step p50", "p95", "floor ms", "prefill ms", "row0==b1"]
+    timed = any(r.device_ms_p50 is not None for r in rows)
+    speed_cols = ["prompt", "batch", "tok/s", "ms/step p50", "p95", *(["device ms"] if timed else []), "floor ms",
+                  "prefill ms", "row0==b1"]
     if streams:
         speed_cols += ["copy floor ms", "htod MiB/tok", "page-ins/tok", "byte hit"]
     if anchored:
@@ -275,6 +287,7 @@ def render(rows: list[ProfileRow], title: str):
             memory.add_row(*head, note, *["-"] * (len(memory_cols) - 3))
             continue
         speed.add_row(*head, _rate(r.tokens_per_s), f"{r.step_ms_p50:.3f}", f"{r.step_ms_p95:.3f}",
+                      *(["-" if r.device_ms_p50 is None else f"{r.device_ms_p50:.3f}"] if timed else []),
                       "-" if r.floor_ms is None else f"{r.floor_ms:.3f}", f"{r.prefill_ms:,.1f}",
                       "yes" if r.row0_matches_batch1 else "[red]NO[/red]",
                       *(["-" if r.copy_floor_ms is None else f"{r.copy_floor_ms:.3f}",

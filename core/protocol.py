@@ -13,11 +13,14 @@ few private primitives: inheriting it is the short way to write a provider.
 
 Optional members (``reserve`` for VMM providers, ``peak_bytes``, ``reset_peak``,
 ``device_bandwidth``, the capture trio) are declared through :class:`Capabilities` and have
-defaults in the base class, so the core never probes for them with ``hasattr``. Two more
+defaults in the base class, so the core never probes for them with ``hasattr``. Three more
 optional members are looked up by name where a provider need not inherit the base class:
-``prepare(node)`` (plan-time weight hooks, :mod:`core.executor`) and
+``prepare(node)`` (plan-time weight hooks, :mod:`core.executor`),
 ``support_reason(node) -> str | None`` (why ``supports`` rejects a node; the parity kit puts it
-in a skipped case's message). ``device_sample`` (sampling on the device, :class:`SamplingTensors`)
+in a skipped case's message), and ``download_async(tensor)`` (a handle whose ``wait()`` returns
+the tensor as it was when the work queued before the call had run; without it the core downloads
+synchronously, and a session cannot queue a decode step before it reads the last one's tokens).
+``device_sample`` (sampling on the device, :class:`SamplingTensors`)
 is optional too: :class:`core.provider.ProviderBase` gives a host implementation, and a request
 that samples on a provider without the member is refused (docs/providers.md).
 

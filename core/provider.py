@@ -24,6 +24,18 @@ import numpy as np
 from core.protocol import ARGMAX_ERROR, ARGMAX_TOKEN, Capabilities, KVRequest, NodeInfo, SamplingTensors
 
 
+class ReadyDownload:
+    """A download that finished when it was made: ``wait()`` returns ``array`` (the default
+    :meth:`ProviderBase.download_async`)."""
+
+    def __init__(self, array: np.ndarray):
+        self._array = array
+
+    def wait(self) -> np.ndarray:
+        """The downloaded host array."""
+        return self._array
+
+
 class ProviderBase:
     """Validated protocol methods; subclasses implement the underscored primitives.
 
@@ -97,6 +109,18 @@ class ProviderBase:
         out = self._download(tensor)
         self.downloaded_bytes += int(out.nbytes)
         return out
+
+    def download_async(self, tensor: Any) -> Any:
+        """Start copying ``tensor`` to the host as it will be once the work queued so far has
+        run; returns a handle whose ``wait() -> numpy.ndarray`` gives that copy. Work queued
+        after this call (a later step overwriting the tensor) does not change what ``wait()``
+        returns.
+
+        This default copies now (:meth:`download`, synchronising) and returns a finished
+        handle; a provider with an asynchronous device queue overrides it so the host can
+        queue the next decode step before it reads this one (``Session.step_async``).
+        """
+        return ReadyDownload(self.download(tensor))
 
     def write(self, tensor: Any, array: np.ndarray) -> None:
         """Copy a host array into an existing device tensor of the same shape, in place.

@@ -34,7 +34,7 @@ from core.runtime.residency import BudgetError
 from core.runtime.runner import Runner
 from core.runtime.step import StepOutput
 
-__all__ = ["RequestError", "Session", "StepOutput", "token_row"]
+__all__ = ["MAX_UNREAD", "PendingStep", "RequestError", "Session", "StepOutput", "token_row"]
 
 
 class RequestError(ValueError):
@@ -78,6 +78,58 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+#: Decode steps a session may have queued and unread at once (:meth:`Session.step_async`):
+#: two keep the device busy while the host reads one step and queues the next.
+MAX_UNREAD = 2
+
+
+class PendingStep:
+    """A decode step queued on the device whose tokens the host has not read yet
+    (:meth:`Session.step_async`).
+
+    Attributes:
+        queued_at: host clock (``time.perf_counter``, seconds) when it was queued.
+        discarded: True once :meth:`Session.discard` dropped it.
+        device_s: once read, the device seconds of its work (the provider's node timer: from
+            the queue reaching the step to its last kernel), or None without a timer.
+    """
+
+    def __init__(self, session: Session, download: Any, queued_at: float, marks: tuple):
+        self._session, self._download, self._marks = session, download, marks
+        self.queued_at = queued_at
+        self.discarded = False
+        self.device_s: float | None = None
+        self._out: StepOutput | None = None
+
+    @classmethod
+    def finished(cls, session: Session, out: StepOutput) -> PendingStep:
+        """A step already run and read (a session that steps synchronously)."""
+        step = cls(session, None, time.perf_counter(), (None, None))
+        step._out = out
+        return step
+
+    @property
+    def read(self) -> bool:
+        """True once :meth:`result` has returned (or a later step's read read this one)."""
+        return self._out is not None
+
+    def result(self) -> StepOutput:
+        """The step's tokens; waits for the step's result copy (and reads every step queued
+        before it first, in order).
+
+        Raises:
+            RequestError: the step was discarded, or its session is closed.
+        """
+        if self.discarded:
+            raise RequestError("this decode step was discarded (Session.discard, or a step(), prefill() or "
+                               "rewind() call after it was queued); it has no result")
+        if self._out is None:
+            self._session._check_open()
+            self._session._read(self)
+        assert self._out is not None
+        return self._out
+
+
 class Session:
     """A batch of ``batch`` sequences decoded in lockstep on one provider.
 
@@ -109,6 +161,11 @@ class Session:
         tensor_parallel: ranks R; R >= 2 makes a
             :class:`~core.parallel.session.TensorParallelSession` (R rank processes, each
             holding a shard; docs/parallel.md). Default 1: this process, unsharded.
+        run_ahead: let the decode loops (:func:`core.generation.loop.decode`,
+            :class:`~core.generation.stream.Generation`) queue the next decode step before they
+            read this one's tokens (:meth:`step_async`), so the host's work between steps
+            overlaps the device's. Default True. A step queued for a generation that then ends
+            is discarded (:meth:`discard`): the session's state is as if it never ran.
 
     Raises:
         RequestError: bad batch/capacity/layout/policy values (seq_major + growing at batch > 1
@@ -132,12 +189,19 @@ class Session:
                  kv_policy: str | None = None, capture: bool | None = None,
                  max_capacity: int | None = None, weight_budget: int | float | str | None = None,
                  device_budget: int | str | None = None, all_logits: bool = False,
-                 prefill_groups: str = "auto", tensor_parallel: int = 1):
+                 prefill_groups: str = "auto", tensor_parallel: int = 1, run_ahead: bool = True):
         if _positive_int("tensor_parallel", tensor_parallel) != 1:
             raise RequestError("Session(tensor_parallel=R > 1) is a TensorParallelSession; pass it by keyword")
         batch = _positive_int("batch", batch)
         if prefill_groups not in GROUPING:
             raise RequestError(f"prefill_groups must be one of {GROUPING}, got {prefill_groups!r}")
+        if not isinstance(run_ahead, bool):
+            raise RequestError(f"run_ahead must be True or False, got {run_ahead!r}")
+        self.run_ahead = run_ahead
+        self._unread: list[PendingStep] = []  # queued decode steps not read yet, oldest first
+        self._last_raw: np.ndarray | None = None  # the [B, 2] result of the last step read
+        self._read_at = 0.0  # host clock of the last read
+        self._logits_stale = False  # a discarded step overwrote the logits of the last one read
         self.all_logits, self.prefill_groups = bool(all_logits), prefill_groups
         self._prefilled_at = -1
         if kv_layout not in kvgeo.LAYOUTS:
@@ -181,6 +245,7 @@ class Session:
         self.state = self.runner.acquire_state(batch, int(capacity), self.max_capacity, kv_policy, capture,
                                                self.counters)
         self._release = weakref.finalize(self, self.runner.release_state, self.state)
+        self._timer = self.provider.node_timer() if hasattr(self.provider, "node_timer") else None
         #: per-row sampling options of the current request (seeds resolved)
         self.sampling: list[SamplingParams] = []
 
@@ -294,8 +359,9 @@ class Session:
         new = np.asarray(lengths, np.int64)
         if not self.state.started:
             raise RequestError("call prefill() before rewind()")
-        if new.shape != (self.batch,) or (new < 1).any() or (new > self.state.lengths).any():
+        if new.shape != (self.batch,) or (new < 1).any() or (new > self.state.lengths - len(self._unread)).any():
             raise RequestError(f"rewind needs {self.batch} lengths in [1, the row's length]")
+        self._settle()
         self.state.set_lengths(new)
         if history is not None:
             self.state.write_history(history)
@@ -314,6 +380,7 @@ class Session:
         """
         self.check_prompts(input_ids, max_new_tokens=1)
         rows = self.check_sampling(sampling)
+        self._settle()
         state = self.state
         self.set_sampling(rows, input_ids)
         t0 = time.perf_counter()
@@ -322,20 +389,92 @@ class Session:
         self.runner.outputs_owner = state
         self._prefilled_at = self.counters.decode_steps
         self._count_streamed(tuple(b - a for a, b in zip(before, self.runner.stream_meter())), 0)
-        out = steps.read_result(state)
-        self.counters.prefill_s += time.perf_counter() - t0
+        raw = state.runner.provider.download(state.result)
+        out = steps.step_output(raw)
+        self._last_raw, self._logits_stale = raw, False
+        self._read_at = time.perf_counter()
+        self.counters.prefill_s += self._read_at - t0
         self.counters.prefill_tokens += int(state.lengths.sum())
         state.capture.check(self.counters, "buffers changed between requests")
         return out
 
     def step(self, force_tokens: Sequence[int] | None = None) -> StepOutput:
         """One decode step: feed each row's last token (or ``force_tokens``, teacher forcing)
-        and choose the next one.
+        and choose the next one. Steps queued by :meth:`step_async` and not read are
+        discarded first (:meth:`discard`).
 
         Raises:
             RequestError: no prefill yet, wrong number of forced tokens, or the KV cache is
                 full (fixed policy) / the maximum capacity is reached.
         """
+        forced = self._check_step(force_tokens, ahead=0)
+        self._settle()
+        return self._queue(forced).result()
+
+    def step_async(self, force_tokens: Sequence[int] | None = None) -> PendingStep:
+        """Queue one decode step on the device and return at once; its tokens come from
+        :meth:`PendingStep.result`. The step feeds the tokens of the step queued before it
+        (the device's own result, never a host round trip), so the host can queue step t + 1
+        before it reads step t and the device runs the two back to back. At most
+        :data:`MAX_UNREAD` steps may be queued and unread. Host-side state that counts steps
+        (:attr:`lengths`) includes the queued ones. A provider without ``download_async``
+        runs the step synchronously (the handle is then already finished).
+
+        Raises:
+            RequestError: as :meth:`step`, or :data:`MAX_UNREAD` steps already unread.
+        """
+        forced = self._check_step(force_tokens, ahead=len(self._unread))
+        if len(self._unread) >= MAX_UNREAD:
+            raise RequestError(f"{MAX_UNREAD} decode steps are queued and unread; read the oldest "
+                               "(PendingStep.result()) before queueing another")
+        return self._queue(forced)
+
+    def can_run_ahead(self) -> bool:
+        """Whether one more step could be queued now without a host round trip: fewer than
+        :data:`MAX_UNREAD` unread, and the step fits the KV positions already allocated (a
+        growing cache's reallocation is left to a step queued alone)."""
+        state = self.state
+        return (self.run_ahead and state.started and len(self._unread) < MAX_UNREAD
+                and int(state.lengths.max()) + 1 <= min(state.kv.capacity, state.kv.limit))
+
+    def discard(self, pending: PendingStep) -> None:
+        """Drop a queued step that has not been read, and every step queued after it; the
+        session's state (lengths, mask, the next step's fed tokens) is put back as if they had
+        not run, and the next step computes the same bits it would have. Their device work
+        has run or still runs (counted in ``counters.discarded_steps``); the logits buffer
+        then holds theirs, so :meth:`last_logits` refuses until the next step. With sampling,
+        a discarded step's fed token stays marked in the repetition-penalty history (the same
+        token the next step feeds unless it is forced).
+
+        Raises:
+            RequestError: ``pending`` was already read, or belongs to another session.
+        """
+        if pending.discarded:
+            return
+        if pending not in self._unread:
+            raise RequestError("discard() takes a step of this session that has not been read")
+        i = self._unread.index(pending)
+        if i > 0:
+            self._read(self._unread[i - 1])  # its result is what the next step must feed
+        dropped = self._unread[:]
+        self._unread.clear()
+        for q in dropped:
+            q.discarded = True
+        state = self.state
+        state.set_lengths(state.lengths - len(dropped))
+        if self._last_raw is not None:
+            self.provider.write(state.result, self._last_raw)
+        self.counters.discarded_steps += len(dropped)
+        self._logits_stale = True
+
+    def _settle(self) -> None:
+        """Discard the queued steps nobody read (before a call that must see a settled state)."""
+        if self._unread:
+            self.discard(self._unread[0])
+
+    def _check_step(self, force_tokens: Sequence[int] | None, ahead: int) -> np.ndarray | None:
+        """Validate one more step, ``ahead`` already queued and unread; returns the forced
+        tokens as an array (or None)."""
         self._check_open()
         state = self.state
         if not state.started:
@@ -348,22 +487,56 @@ class Session:
             vocab = self.model.config.vocab_size
             if forced.min() < 0 or forced.max() >= vocab:
                 raise RequestError(f"force_tokens has ids outside [0, {vocab})")
-        needed = int(state.lengths.max()) + 1
+        # a plain step() first discards the unread steps, so it needs the positions of the read ones
+        needed = int(state.lengths.max()) + 1 - (len(self._unread) - ahead)
         if needed > state.kv.limit:
             raise RequestError(f"KV cache full: a step needs {needed} positions, the "
                                f"{'capacity' if self.kv_policy == 'fixed' else 'maximum capacity'} "
                                f"is {state.kv.limit}")
+        return forced
+
+    def _queue(self, forced: np.ndarray | None) -> PendingStep:
+        """Queue one validated decode step and the download of its result."""
+        state = self.state
+        t0 = time.perf_counter()
+        needed = int(state.lengths.max()) + 1
+        if self._unread and needed > state.kv.capacity:
+            self.provider.synchronize()  # growth reallocates buffers the queued steps still use
         if forced is not None:
             steps.force_tokens(state, forced)
-        t0 = time.perf_counter()
         state.reserve(needed)
+        timer = self._timer
+        start = timer.mark() if timer is not None else None
         self._count_streamed(state.capture.run(self.counters), self.batch)
+        end = timer.mark() if timer is not None else None
         self.runner.outputs_owner = state
         state.advanced()
-        out = steps.read_result(state)
-        self.counters.decode_s += time.perf_counter() - t0
-        self.counters.decode_steps += 1
-        return out
+        if self._unread:
+            self.counters.run_ahead_steps += 1
+        pending = PendingStep(self, steps.start_read(state), t0, (start, end))
+        self._unread.append(pending)
+        return pending
+
+    def _read(self, pending: PendingStep) -> None:
+        """Read ``pending`` and every unread step queued before it, in order."""
+        while self._unread:
+            q = self._unread.pop(0)
+            raw = q._download.wait()
+            now = time.perf_counter()
+            q._out = steps.step_output(raw)
+            self._last_raw = raw
+            self._logits_stale = False
+            c = self.counters
+            c.decode_s += now - max(q.queued_at, self._read_at)
+            self._read_at = now
+            c.decode_steps += 1
+            start, end = q._marks
+            if self._timer is not None and start is not None and end is not None:
+                q.device_s = self._timer.seconds(start, end)
+                c.decode_device_s += q.device_s
+            if q is pending:
+                return
+        raise RequestError("this step was not queued by this session, or was already read")
 
     def stream(self, input_ids: Sequence[Sequence[int]], max_new_tokens: Any = 64, **kwargs):
         """A :class:`~core.generation.stream.Generation` of ``input_ids`` on this session:
@@ -408,6 +581,10 @@ class Session:
         return self.provider.download(self.state.logits).astype(np.float32)
 
     def _check_logits_owner(self, what: str) -> None:
+        if self._unread or self._logits_stale:
+            raise RequestError(f"{what}: a decode step queued ahead (run_ahead) has run or is running, and the "
+                               "logits buffer holds its values, not those of the last step read; make the "
+                               "Session with run_ahead=False to read logits while decoding")
         if self.state.logits is None:
             raise RequestError(f"{what} reads the last prefill or step; call prefill() first")
         if self.runner.outputs_owner is not self.state and not self.state.logits_are_own():

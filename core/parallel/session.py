@@ -40,7 +40,7 @@ from core.models.model import Model, load_model
 from core.parallel.shard import ShardPlan, plan_shards
 from core.runtime.runner import Runner
 from core.runtime.step import StepOutput
-from core.session import RequestError, Session
+from core.session import PendingStep, RequestError, Session
 
 #: Seconds a call to the ranks (and a receive between ranks) may take before it is a failure.
 RANK_TIMEOUT_S = 300.0
@@ -139,7 +139,8 @@ class TensorParallelSession(Session):
 
     Differences: greedy decoding only (sampling over vocab-sharded logits is not built);
     ``all_logits`` and a :class:`~core.runtime.runner.Runner` are refused; graph capture is
-    off (the host all-reduce runs eagerly). :meth:`last_logits` gathers every rank's vocab
+    off (the host all-reduce runs eagerly), and so is ``run_ahead`` (each step is a round trip to
+    the ranks). :meth:`last_logits` gathers every rank's vocab
     shard. ``counters`` is a :class:`TensorParallelCounters`.
 
     Raises:
@@ -155,7 +156,7 @@ class TensorParallelSession(Session):
                  kv_policy: str | None = None, capture: bool | None = None,
                  max_capacity: int | None = None, weight_budget: int | float | str | None = None,
                  device_budget: int | str | None = None, all_logits: bool = False,
-                 prefill_groups: str = "auto", tensor_parallel: int = 2):
+                 prefill_groups: str = "auto", tensor_parallel: int = 2, run_ahead: bool = True):
         if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, (int, np.integer)) \
                 or tensor_parallel < 2:
             raise RequestError(f"tensor_parallel must be an integer >= 2 here, got {tensor_parallel!r}")
@@ -165,6 +166,8 @@ class TensorParallelSession(Session):
         if all_logits:
             raise RequestError("tensor_parallel does not keep the prompt logits (all_logits=True)")
         self.ranks = int(tensor_parallel)
+        self.run_ahead = False  # every step is a round trip to the ranks (their host all-reduce)
+        self._unread, self._logits_stale = [], False
         self.timeout = rank_timeout()
         self._model = model if isinstance(model, Model) else load_model(model)
         self.shard_plan: ShardPlan = plan_shards(self._model, self.ranks)  # ModelError before any process
@@ -372,6 +375,11 @@ class TensorParallelSession(Session):
     def step(self, force_tokens: Sequence[int] | None = None) -> StepOutput:
         """As :meth:`core.session.Session.step`, every rank on its shard."""
         return self._stepped(self._call("step", force_tokens))
+
+    def step_async(self, force_tokens: Sequence[int] | None = None) -> PendingStep:
+        """As :meth:`step` (the ranks step synchronously), returned as a finished
+        :class:`~core.session.PendingStep`."""
+        return PendingStep.finished(self, self.step(force_tokens))
 
     def last_logits(self) -> np.ndarray:
         """fp32 ``[B, V]``: every rank's vocab shard of the logits the last step chose from,

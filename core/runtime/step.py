@@ -9,10 +9,13 @@ request: :class:`core.session.Session` does that before calling them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import numpy as np
 
 from core.protocol import ARGMAX_ERROR, ARGMAX_TOKEN
+from core.provider import ReadyDownload
 from core.runtime import prompts
 
 
@@ -83,7 +86,20 @@ def select(state, positions, counter, fed) -> None:
 
 def read_result(state) -> StepOutput:
     """Download the ``[B, 2]`` argmax result as a :class:`StepOutput` (synchronises)."""
-    res = state.runner.provider.download(state.result)
+    return step_output(state.runner.provider.download(state.result))
+
+
+def start_read(state) -> Any:
+    """Start downloading the ``[B, 2]`` result as the queued work leaves it: the provider's
+    ``download_async`` handle (``wait() -> int32 [B, 2]``), or a finished one from a
+    synchronous download when the provider has no such member."""
+    p = state.runner.provider
+    start = getattr(p, "download_async", None)
+    return start(state.result) if start is not None else ReadyDownload(p.download(state.result))
+
+
+def step_output(res: np.ndarray) -> StepOutput:
+    """A :class:`StepOutput` from a downloaded int32 ``[B, 2]`` result (token, error flag)."""
     return StepOutput(res[:, ARGMAX_TOKEN].astype(np.int64), res[:, ARGMAX_ERROR] != 0)
 
 

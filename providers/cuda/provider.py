@@ -45,6 +45,42 @@ def _shared_stream(cupy):
     return _STREAM
 
 
+class _PinnedSlot:
+    """Pinned host memory of ``nbytes`` and the event recorded after the last copy into it."""
+
+    def __init__(self, cupy, nbytes: int):
+        self.mem = cupy.cuda.alloc_pinned_memory(nbytes)
+        self.host = np.frombuffer(self.mem, np.uint8, nbytes)
+        self.event = cupy.cuda.Event(disable_timing=True)
+
+
+class _PinnedDownload:
+    """The handle of :meth:`CudaProvider.download_async`: its slot goes back to the free list
+    once read (or when the handle is dropped; a later copy into the slot is queued behind this
+    one on the same stream, so it cannot overtake it)."""
+
+    def __init__(self, free: list, slot: _PinnedSlot, shape: tuple, dtype: np.dtype, nbytes: int):
+        self._free, self._shape, self._dtype, self._n = free, shape, dtype, nbytes
+        self._slot: _PinnedSlot | None = slot
+        self._out: np.ndarray | None = None
+
+    def wait(self) -> np.ndarray:
+        """Wait for the copy (its event only) and return it as a new host array."""
+        if self._out is None:
+            slot = self._slot
+            assert slot is not None
+            slot.event.synchronize()
+            self._out = slot.host[:self._n].view(self._dtype).reshape(self._shape).copy()
+            self._free.append(slot)
+            self._slot = None
+        return self._out
+
+    def __del__(self):
+        if self._slot is not None:
+            self._free.append(self._slot)
+            self._slot = None
+
+
 class CudaProvider(ProviderBase):
     """CuPy arrays on the current device; every kernel launches on the provider's stream.
 
@@ -78,6 +114,7 @@ class CudaProvider(ProviderBase):
         # base pointer -> VmmArena; weak, so an arena is released with the last array over it
         self._arenas: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._bandwidth: float | None = None
+        self._pinned_free: list[_PinnedSlot] = []  # download_async's staging slots not in use
         self._h2d: float | None = None
         self._vmm, page = None, 4096
         try:
@@ -137,6 +174,30 @@ class CudaProvider(ProviderBase):
         out = tensor.get(stream=self.stream)
         self.stream.synchronize()
         return out
+
+    def download_async(self, tensor: Any) -> Any:
+        """Queue a copy of ``tensor`` into a pinned host slot on the provider stream, behind
+        the work queued so far; ``wait()`` on the returned handle waits for that copy alone (an
+        event) and returns a host array of the tensor's shape and dtype. A contiguous tensor
+        only; anything else is downloaded now (a finished handle)."""
+        if isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous:
+            return super().download_async(tensor)
+        n = int(tensor.nbytes)
+        slot = self._pinned_slot(n)
+        cp = self.cupy
+        cp.cuda.runtime.memcpyAsync(slot.host.ctypes.data, tensor.data.ptr, n, cp.cuda.runtime.memcpyDeviceToHost,
+                                    self.stream.ptr)
+        slot.event.record(self.stream)
+        self.downloaded_bytes += n
+        return _PinnedDownload(self._pinned_free, slot, tuple(tensor.shape), np.dtype(tensor.dtype), n)
+
+    def _pinned_slot(self, nbytes: int) -> _PinnedSlot:
+        """A free pinned staging slot of at least ``nbytes`` (a new one when none is free)."""
+        free = self._pinned_free
+        for i, slot in enumerate(free):
+            if slot.host.nbytes >= nbytes:
+                return free.pop(i)
+        return _PinnedSlot(self.cupy, max(nbytes, 4096))
 
     def _write(self, tensor, host: np.ndarray) -> None:
         tensor.set(host, stream=self.stream)
