@@ -534,6 +534,9 @@ class Session:
             if self._timer is not None and start is not None and end is not None:
                 q.device_s = self._timer.seconds(start, end)
                 c.decode_device_s += q.device_s
+                release = getattr(self._timer, "release", None)
+                if release is not None:
+                    release(start, end)
             if q is pending:
                 return
         raise RequestError("this step was not queued by this session, or was already read")

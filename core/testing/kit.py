@@ -381,3 +381,32 @@ def run_decode_advance(provider: ExecutionProvider, reference: ExecutionProvider
         if not np.array_equal(got, exp):
             result.fail(f"{name}: got {got.tolist()}, expected {exp.tolist()}")
     return result
+
+
+def run_download_async(provider: ExecutionProvider) -> CaseResult:
+    """``download_async`` (optional): the handle returns the tensor as the queued work left it,
+    although a write and a decode_advance queued after the call change the tensor before
+    ``wait()``; two handles in flight at once; a provider without the member passes (the core
+    then downloads synchronously)."""
+    result = CaseResult("advance/download_async", poisoned=True)
+    start = getattr(provider, "download_async", None)
+    if start is None:
+        return result
+    first = np.array([[7, 0], [-1, 1], [3, 0]], np.int32)
+    t = provider.upload(first.copy())
+    a = start(t)
+    provider.write(t, first + 10)
+    b = start(t)
+    ids, mask, lens = provider.upload(np.zeros((3, 1), np.int64)), provider.upload(np.zeros((3, 8), np.int64)), \
+        provider.upload(np.zeros(3, np.int32))
+    provider.decode_advance(t, ids, mask, lens)  # a kernel reading t, queued behind both copies
+    provider.write(t, first + 20)
+    for name, handle, want in (("first", a, first), ("second", b, first + 10)):
+        got = np.asarray(handle.wait())
+        if got.shape != want.shape or not np.array_equal(got, want):
+            result.fail(f"download_async ({name} handle): got {got.tolist()}, expected {want.tolist()}")
+    provider.synchronize()
+    if not np.array_equal(provider.download(t), first + 20):
+        result.fail("download_async: the tensor did not take the later write")
+    return result
+

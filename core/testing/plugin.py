@@ -11,7 +11,8 @@ against provider NAME (alone when no test paths are given, beside them otherwise
     --lockstep-exclude PATTERN=WHY  skip matching kit ids, with the reason (repeatable)
     --lockstep-xfail PATTERN=WHY    expect matching kit ids to fail (strict), with the reason
 
-Kit ids: "op/<case>/<dtype>", "argmax/<case>/<dtype>", "advance/decode_advance", "gate/<name>";
+Kit ids: "op/<case>/<dtype>", "argmax/<case>/<dtype>", "advance/decode_advance",
+"advance/download_async", "gate/<name>";
 patterns are fnmatch patterns. A provider may declare its own exclusions as the optional
 attributes ``parity_exclusions`` / ``parity_xfail`` (dicts pattern -> reason). A table of every
 kit test (outcome and errors or reason) is printed at the end (in runs without
@@ -97,7 +98,8 @@ def _kit_id(item: pytest.Item) -> str | None:
     callspec = getattr(item, "callspec", None)
     if callspec is not None and "kit_id" in callspec.params:
         return callspec.params["kit_id"]
-    return "advance/decode_advance" if item.name == "test_decode_advance" else None
+    return {"test_decode_advance": "advance/decode_advance",
+            "test_download_async": "advance/download_async"}.get(item.name)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

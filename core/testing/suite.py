@@ -1,10 +1,10 @@
-"""The parity kit's tests: every op case, device_argmax, decode_advance and every decode gate.
+"""The parity kit's tests: every op case, device_argmax, decode_advance, download_async and every decode gate.
 
 Collected by ``pytest --lockstep-provider NAME`` (the plugin adds this file to the run), or
 imported by a project's own conformance tests (``from core.testing.suite import *``) next to a
 ``lockstep_target`` fixture returning a :class:`core.testing.target.KitTarget`.
 Each test has a kit id ("op/<case>/<dtype>", "argmax/<case>/<dtype>", "advance/decode_advance",
-"gate/<name>") that exclusion patterns match.
+"advance/download_async", "gate/<name>") that exclusion patterns match.
 
 A case is skipped only for a stated reason: an exclusion rule (its reason and source), a dtype
 or KV layout the provider does not declare, or the provider's support check rejecting the
@@ -17,7 +17,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.testing.kit import CaseResult, UnsupportedCase, run_argmax_case, run_decode_advance, run_op_case
+from core.testing.kit import (
+    CaseResult,
+    UnsupportedCase,
+    run_argmax_case,
+    run_decode_advance,
+    run_download_async,
+    run_op_case,
+)
 from core.testing.op_cases import argmax_params, case_params
 
 GATES = ("logits", "greedy", "batch_invariance", "row_identity", "reuse", "poison", "layout",
@@ -86,6 +93,15 @@ def test_decode_advance(lockstep_target, request):
     """decode_advance feeds tokens back (pad 0 for a flagged row) and advances mask and lengths."""
     _enter(lockstep_target, request, "advance/decode_advance")
     result = run_decode_advance(lockstep_target.provider(), lockstep_target.reference())
+    _record(request, result)
+    assert result.passed, result.detail
+
+
+def test_download_async(lockstep_target, request):
+    """download_async (optional) returns the tensor as the queued work left it, whatever is
+    queued after the call (what lets a session queue step t + 1 before reading step t)."""
+    _enter(lockstep_target, request, "advance/download_async")
+    result = run_download_async(lockstep_target.provider())
     _record(request, result)
     assert result.passed, result.detail
 

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from core.executor import PlanBinding
 from core.ops import OpTable
 from core.protocol import Capabilities, KVRequest, NodeInfo
 from core.provider import ProviderBase
@@ -79,6 +80,18 @@ class _PinnedDownload:
         if self._slot is not None:
             self._free.append(self._slot)
             self._slot = None
+
+
+class _StreamBinding(PlanBinding):
+    """:class:`core.executor.PlanBinding` whose ``run`` makes the provider stream current first."""
+
+    def __init__(self, provider, plan):
+        super().__init__(plan)
+        self._provider = provider
+
+    def run(self):
+        self._provider.own_stream()
+        return super().run()
 
 
 class CudaProvider(ProviderBase):
@@ -222,7 +235,22 @@ class CudaProvider(ProviderBase):
 
     def decode_advance(self, result, input_ids, attention_mask, lengths) -> None:
         from providers.cuda.ops import _argmax
+        self.own_stream()  # the first launch of every decode step
         _argmax.decode_advance(result, input_ids, attention_mask, lengths)
+
+    def io_binding(self, plan):
+        """The core's plan binding, whose ``run`` first makes the provider stream current
+        (:meth:`own_stream`)."""
+        return _StreamBinding(self, plan)
+
+    def own_stream(self) -> None:
+        """Make the provider stream CuPy's current stream again if the caller changed it.
+        Kernels and CuPy expressions launch on the current stream, while copies, events and
+        replays use the provider stream; a ``with other_stream:`` block around a call (which
+        leaves the null stream current on exit) would otherwise split one step over two
+        unordered streams and let a queued result copy overtake its kernels."""
+        if self.cupy.cuda.get_current_stream().ptr != self.stream.ptr:
+            self.stream.use()
 
     def reserve(self, shape: Sequence[int], dtype: Any):
         """A tensor over a VMM arena: address range reserved, no page backed until
@@ -289,18 +317,26 @@ class CudaProvider(ProviderBase):
         from providers.cuda.module import function
 
         class EventTimer:
+            def __init__(self):
+                self._free: list = []  # events given back by release(), recorded again by mark()
+
             def hold(self, seconds: float = 0.03) -> None:
                 """Make the stream wait ``seconds`` on the GPU (kernels/timing.cu): the host then
                 enqueues a whole eager step behind it, so the events time GPU work only."""
                 function("timing", "gpu_hold", ("gpu_hold",))((1,), (1,), (np.int64(seconds * 1e9),))
 
             def mark(self):
-                event = cp.cuda.Event()
+                event = self._free.pop() if self._free else cp.cuda.Event()
                 event.record(stream)
                 return event
 
             def seconds(self, start, end) -> float:
                 return cp.cuda.get_elapsed_time(start, end) / 1e3
+
+            def release(self, *marks) -> None:
+                """Marks read for the last time: later mark() calls record them again (a
+                session times every step with two; creating events is most of a mark's cost)."""
+                self._free.extend(marks)
 
         return EventTimer()
 

@@ -10,7 +10,7 @@ from importlib import metadata
 import numpy as np
 import pytest
 
-from core.testing.kit import UnsupportedCase, run_argmax_case, run_op_case
+from core.testing.kit import UnsupportedCase, run_argmax_case, run_download_async, run_op_case
 from core.testing.op_cases import ARGMAX_CASES, OP_CASES, case_params
 from core.testing.parity import run_parity
 from core.testing.tiny_model import make_tiny_model
@@ -281,3 +281,22 @@ def test_pytest_plugin_rejects_bad_options(tmp_path, bad):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "PATTERN=REASON" in proc.stderr or "unknown provider" in proc.stderr
+
+
+def test_a_download_async_that_reads_at_wait_time_fails():
+    """A handle that copies when waited on (not when made) returns what later work wrote."""
+
+    class Lazy(CpuReferenceProvider):
+        def download_async(self, tensor):
+            provider = self
+
+            class Handle:
+                def wait(self):
+                    return provider.download(tensor)
+
+            return Handle()
+
+    assert run_download_async(CpuReferenceProvider()).passed
+    result = run_download_async(Lazy())
+    assert not result.passed and "first handle" in result.detail
+

@@ -14,12 +14,12 @@ from core.session import Session  # noqa: E402
 
 
 def test_download_async_is_the_tensor_as_the_queued_work_left_it(gpu):
+    gpu.own_stream()  # the CuPy expression below launches on the current stream
     t = gpu.upload(np.arange(4096, dtype=np.int32))
-    with gpu.stream:
-        handles = []
-        for _ in range(6):  # more handles than free slots at first: slots are made, then reused
-            handles.append(gpu.download_async(t))
-            t += 1  # a kernel queued behind the copy
+    handles = []
+    for _ in range(6):  # more handles than free slots at first: slots are made, then reused
+        handles.append(gpu.download_async(t))
+        t += 1  # a kernel queued behind the copy (the provider stream is the current one)
     for i, h in reversed(list(enumerate(handles))):  # read out of order
         assert np.array_equal(h.wait(), np.arange(4096) + i)
         assert h.wait() is h.wait()  # read once, kept
@@ -66,3 +66,17 @@ def test_a_stopped_generation_undoes_its_queued_steps_on_the_gpu(runner):
         s.close()
     assert got[True][:3] == got[False][:3]
     assert got[True][3] > 0 and got[False][3] == 0
+
+
+def test_a_stream_block_around_the_caller_does_not_split_a_step(runner):
+    """CuPy's ``with stream:`` leaves the null stream current on exit; the provider makes its
+    own stream current again before a step, so run-ahead still reads each step's own tokens
+    (before the guard, every read returned the prefill's token)."""
+    rows = [[5, 6, 7, 8], [9, 10]]
+    want = decode(Session(runner, batch=2, capacity=64, kv_policy="fixed", run_ahead=False), rows, 12).tokens
+    with cupy.cuda.Stream(non_blocking=True):
+        pass
+    assert cupy.cuda.get_current_stream().ptr != runner.provider.stream.ptr  # what the caller left
+    got = decode(Session(runner, batch=2, capacity=64, kv_policy="fixed", run_ahead=True), rows, 12).tokens
+    assert np.array_equal(got, want)
+    assert cupy.cuda.get_current_stream().ptr == runner.provider.stream.ptr
