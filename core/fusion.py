@@ -28,6 +28,11 @@ values have no other consumer and are not graph outputs.
   nodes -> 1, twice per layer. The projection that makes a graph output (the lm_head) is left
   alone, so the last-position program still finds it.
 
+- ``lockstep.ReduceSumSubCast(data, axes, b)`` with attributes ``keepdims`` and ``to``:
+  ``Cast(Sub(ReduceSum(data, axes, keepdims), b), to)`` for integer ``data`` and constant
+  ``axes`` and ``b``: the builder's seqlens_k from the attention mask (docs/ops.md 0), at the
+  start of every decode step; 3 nodes -> 1 (on cuda, one launch instead of four CuPy ones).
+
 Beside these passes, :func:`last_position_nodes` builds the nodes of a plan's last-position
 program (:class:`core.executor.Plan`, "Last-position program"): prefill gathers each row's last
 prompt position before the lm_head projection, so logits are ``[B, 1, V]``, not ``[B, S, V]``.
@@ -235,11 +240,51 @@ def fuse_norm_matmul(nodes: list[NodeInfo], graph_outputs: set[str], supports) -
     return _rewrite(nodes, replaced)
 
 
+def fuse_mask_lengths(nodes: list[NodeInfo], graph_outputs: set[str], supports,
+                      constants: Set[str] = frozenset()) -> list[NodeInfo]:
+    """Replace ReduceSum(data, axes) -> Sub(sum, b) -> Cast(to) chains over integer ``data``,
+    with ``axes`` and ``b`` constants (in ``constants``, or made by Constant nodes, as the
+    builder writes them), by ``lockstep.ReduceSumSubCast(data, axes, b)``."""
+    users = _consumers(nodes)
+    constants = set(constants) | {o for n in nodes if (n.op_type, n.domain) == ("Constant", "") for o in n.outputs}
+    replaced: dict[int, NodeInfo | None] = {}
+    for i, red in enumerate(nodes):
+        if (red.op_type, red.domain) != ("ReduceSum", "") or len(red.inputs) != 2 or red.inputs[1] not in constants:
+            continue
+        data_dtype = _dtype(red, 0)
+        if data_dtype is None or np.dtype(data_dtype).kind not in "iu" or red.attrs.get("noop_with_empty_axes", 0):
+            continue
+        total = red.outputs[0]
+        if len(users[total]) != 1 or total in graph_outputs:
+            continue
+        j = users[total][0]
+        sub = nodes[j]
+        if (sub.op_type, sub.domain) != ("Sub", "") or sub.inputs[0] != total or sub.inputs[1] not in constants:
+            continue
+        diff = sub.outputs[0]
+        if len(users[diff]) != 1 or diff in graph_outputs:
+            continue
+        k = users[diff][0]
+        cast = nodes[k]
+        if (cast.op_type, cast.domain) != ("Cast", ""):
+            continue
+        fused = NodeInfo(name=f"{cast.name}/ReduceSumSubCast", op_type="ReduceSumSubCast", domain=FUSED_DOMAIN,
+                         attrs={"keepdims": int(red.attrs.get("keepdims", 1)), "to": int(cast.attrs["to"])},
+                         inputs=(red.inputs[0], red.inputs[1], sub.inputs[1]), outputs=(cast.outputs[0],),
+                         input_dtypes=(data_dtype, _dtype(red, 1), _dtype(sub, 1)))
+        if not supports(fused):
+            continue
+        replaced[i], replaced[j], replaced[k] = None, None, fused
+    return _rewrite(nodes, replaced)
+
+
 def apply(nodes: list[NodeInfo], graph_outputs: set[str], supports,
           constants: Set[str] = frozenset()) -> list[NodeInfo]:
-    """Run the passes in order: :func:`fuse_silu_mul`, :func:`fuse_gated_matmul` (which
-    fuses only projections whose weights are in ``constants``), :func:`fuse_norm_matmul`, then
-    :func:`fuse_tied_gather` (only for a transposed weight in ``constants``)."""
+    """Run the passes in order: :func:`fuse_mask_lengths` (constant ``axes`` and ``b`` only),
+    :func:`fuse_silu_mul`, :func:`fuse_gated_matmul` (which fuses only projections whose
+    weights are in ``constants``), :func:`fuse_norm_matmul`, then :func:`fuse_tied_gather`
+    (only for a transposed weight in ``constants``)."""
+    nodes = fuse_mask_lengths(nodes, graph_outputs, supports, constants)
     nodes = fuse_silu_mul(nodes, graph_outputs, supports)
     nodes = fuse_gated_matmul(nodes, graph_outputs, supports, constants)
     nodes = fuse_norm_matmul(nodes, graph_outputs, supports)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import attrs
 import numpy as np
-from onnx import NodeProto, helper
+from onnx import NodeProto, TensorProto, helper
 
 #: (atol, rtol) per dtype for elementwise ops (one rounding of the output).
 ELEMENTWISE = {"float32": (1e-6, 1e-5), "float16": (1e-3, 2e-3)}
@@ -522,6 +522,28 @@ def _reduce_sum(rng, dtype):
     return {"x": rng.integers(0, 2, (3, 12)).astype(np.int64), "axes": np.array([1], np.int64)}
 
 
+def _mask_rows(width):
+    """An attention mask [5, width]: each row ones over a prefix of its own length (1 to width),
+    as a decode step's persistent mask; a case of the fused ReduceSumSubCast."""
+    def make(rng, dtype):
+        lengths = rng.integers(1, width + 1, 5)
+        mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
+        return {"x": mask, "axes": np.array([1], np.int64), "b": np.array([1], np.int64)}
+    return make
+
+
+def _mask_seqlens_case(width: int, keepdims: int) -> OpCase:
+    """lockstep.ReduceSumSubCast: the builder's seqlens_k = int32(ReduceSum(mask, [1]) - 1)."""
+    def unfused():
+        return [helper.make_node("ReduceSum", ["x", "axes"], ["sum"], keepdims=keepdims),
+                helper.make_node("Sub", ["sum", "b"], ["diff"]),
+                helper.make_node("Cast", ["diff"], ["y"], to=TensorProto.INT32)]
+
+    return OpCase(f"ReduceSumSubCast/mask-w{width}-keep{keepdims}", "ReduceSumSubCast", _mask_rows(width),
+                  domain="lockstep", attributes={"keepdims": keepdims, "to": TensorProto.INT32},
+                  constants=("axes", "b"), dtypes=("int32",), tolerance=dict(EXACT), rows=("x",), unfused=unfused)
+
+
 SKIP_NORM: dict[str, Any] = {"op": "SkipSimplifiedLayerNormalization", "domain": "com.microsoft",
              "attributes": {"epsilon": 1e-5}, "constants": ("gamma",), "rows": ("x", "skip")}
 
@@ -575,6 +597,9 @@ OP_CASES: list[OpCase] = [
            dtypes=("int32",), tolerance=dict(EXACT)),
     OpCase("ReduceSum/mask-lengths", "ReduceSum", _reduce_sum, attributes={"keepdims": 0},
            constants=("axes",), dtypes=("int64",), tolerance=dict(EXACT)),
+    _mask_seqlens_case(12, 0),
+    _mask_seqlens_case(4100, 0),
+    _mask_seqlens_case(64, 1),
 ]
 
 

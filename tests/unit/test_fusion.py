@@ -11,8 +11,9 @@ from providers.cpu_reference.provider import CpuReferenceProvider
 
 
 def no_norm_fusion(node):
-    """cpu_reference's supports, refusing only the RMSNormMatMul pass (for counts of the others)."""
-    return node.op_type != "RMSNormMatMul" and CpuReferenceProvider().supports(node)
+    """cpu_reference's supports, refusing the RMSNormMatMul and ReduceSumSubCast passes (for
+    counts of the others)."""
+    return node.op_type not in ("RMSNormMatMul", "ReduceSumSubCast") and CpuReferenceProvider().supports(node)
 
 
 class NoFusion(CpuReferenceProvider):
@@ -185,3 +186,48 @@ def test_norm_fused_plan_is_bitwise_the_unfused_plan_in_prefill_and_decode(tmp_p
             assert any(n.op_type == "RMSNormMatMul" for n in plan.nodes) == (not isinstance(provider, NoNorm))
             outs.append(_prefill_and_step(plan, model, prompt))
         assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1]), (dtype, quant)
+
+
+def _mask_graph(extra_reader: bool = False, constant_nodes: bool = True):
+    """attention_mask -> ReduceSum -> Sub -> Cast int32, as the builder writes it: the axes and
+    the 1 come from Constant nodes (or from initializers)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    one = numpy_helper.from_array(np.array([1], np.int64), "one")
+    nodes = [helper.make_node("Constant", [], ["one"], value=one)] if constant_nodes else []
+    nodes += [helper.make_node("ReduceSum", ["attention_mask", "one"], ["sum"], keepdims=0),
+              helper.make_node("Sub", ["sum", "one"], ["diff"]),
+              helper.make_node("Cast", ["diff"], ["seqlens_k"], to=TensorProto.INT32)]
+    outputs = [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, None)]
+    if extra_reader:  # the sum read elsewhere too: the pass must leave the chain alone
+        nodes.append(helper.make_node("Cast", ["sum"], ["sum_copy"], to=TensorProto.INT32))
+        outputs.append(helper.make_tensor_value_info("sum_copy", TensorProto.INT32, None))
+    graph = helper.make_graph(nodes, "mask", [helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
+                                                                            ["B", "T"])], outputs,
+                              initializer=[] if constant_nodes else [one])
+    return graph, ({} if constant_nodes else {"one": np.array([1], np.int64)})
+
+
+def test_mask_pass_fuses_the_seqlens_chain_and_keeps_its_bits():
+    mask = (np.arange(40)[None, :] < np.array([[3], [40], [1]])).astype(np.int64)
+    for constant_nodes in (True, False):
+        graph, inits = _mask_graph(constant_nodes=constant_nodes)
+        fused = Plan(graph, inits, CpuReferenceProvider())
+        assert [n.op_type for n in fused.nodes if n.op_type != "Constant"] == ["ReduceSumSubCast"]
+        plain = Plan(graph, inits, NoFusion())
+        assert [n.op_type for n in plain.nodes if n.op_type != "Constant"] == ["ReduceSum", "Sub", "Cast"]
+        got, want = fused.run({"attention_mask": mask})["seqlens_k"], plain.run({"attention_mask": mask})["seqlens_k"]
+        assert got.dtype == want.dtype == np.int32 and np.array_equal(got, want) and got.tolist() == [2, 39, 0]
+
+
+def test_mask_pass_leaves_a_sum_with_another_reader():
+    graph, inits = _mask_graph(extra_reader=True)
+    plan = Plan(graph, inits, CpuReferenceProvider())
+    assert not any(n.op_type == "ReduceSumSubCast" for n in plan.nodes)
+
+
+def test_the_tiny_model_runs_its_seqlens_in_one_node(tmp_path):
+    model = load_model(make_tiny_model(tmp_path / "m"))
+    plan = Plan(model.graph, model.initializers, CpuReferenceProvider())
+    assert sum(n.op_type == "ReduceSumSubCast" for n in plan.nodes) == 1
+    assert not any(n.op_type == "ReduceSum" for n in plan.nodes)

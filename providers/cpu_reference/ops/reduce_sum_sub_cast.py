@@ -1,0 +1,28 @@
+"""lockstep.ReduceSumSubCast (core.fusion): Y = Cast(Sub(ReduceSum(DATA, axes, keepdims), B), to),
+the builder's seqlens_k from the attention mask. Integer data only: the sum, the difference and
+the cast are exact (the cast keeps the low bits, as ONNX Cast does), so it equals the unfused
+chain bit for bit.
+"""
+
+import numpy as np
+from onnx import helper
+
+from providers.cpu_reference.ops._out import write
+
+OP_TYPE = "ReduceSumSubCast"
+DOMAIN = "lockstep"
+
+
+def supports(node) -> bool:
+    data = node.input_dtypes[0] if node.input_dtypes else None
+    return data is not None and np.dtype(data).kind in "iu" and len(node.inputs) == 3
+
+
+def run(ctx, data, axes, b):
+    data = np.asarray(data)
+    keepdims = bool(ctx.node.attrs.get("keepdims", 1))
+    red = tuple(sorted(int(a) % data.ndim for a in np.asarray(axes).reshape(-1)))
+    bh = np.asarray(b)
+    summed = np.sum(data, axis=red, keepdims=keepdims, dtype=data.dtype)
+    diff = summed - bh.astype(np.result_type(data.dtype, bh.dtype))
+    return (write(ctx, 0, diff, helper.tensor_dtype_to_np_dtype(int(ctx.node.attrs["to"]))),)
