@@ -147,7 +147,8 @@ def capacity_for(prompt_len: int, args, context_length: int) -> int:
     if need > context_length:
         raise RequestError(f"--prompt-len {prompt_len} with {args.warmup} warm-up and {args.tokens} measured "
                            f"steps needs {need} positions; the model context is {context_length}")
-    return args.context if need <= args.context else round_capacity(need, context_length)
+    context = min(args.context, context_length)  # --context past the model's context: the model's
+    return context if need <= context else round_capacity(need, context_length)
 
 
 def profile(model_dir, provider, batches: list[int], args, progress=None) -> list[ProfileRow]:
@@ -392,7 +393,8 @@ def profile_main(args, console, table_console) -> int:
     anchor = check_outputs(args)
     batches = list(args.batch_sweep)
     title = (f"{args.model} on {args.provider}, {args.layout}, "
-             f"{'eager' if args.no_capture else 'capture when supported'}, capacity >= {args.context}")
+             f"{'eager' if args.no_capture else 'capture when supported'}, "
+             f"{'no run-ahead' if getattr(args, 'no_run_ahead', False) else 'run-ahead'}, capacity >= {args.context}")
     with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("profiling", total=len(batches))
 

@@ -282,7 +282,11 @@ class Session:
 
     def close(self) -> None:
         """Give the decode state back to the runner's pool (also done when the session is
-        garbage-collected); the session cannot be used afterwards."""
+        garbage-collected); the session cannot be used afterwards. Steps queued and unread are
+        dropped (their results are never read; the state's next user starts a new request)."""
+        for q in self._unread:
+            q.discarded = True
+        self._unread.clear()
         self._release()
 
     # -- requests --------------------------------------------------------------------------
@@ -416,41 +420,55 @@ class Session:
         :meth:`PendingStep.result`. The step feeds the tokens of the step queued before it
         (the device's own result, never a host round trip), so the host can queue step t + 1
         before it reads step t and the device runs the two back to back. At most
-        :data:`MAX_UNREAD` steps may be queued and unread. Host-side state that counts steps
+        :meth:`max_unread` steps may be queued and unread. Host-side state that counts steps
         (:attr:`lengths`) includes the queued ones. A provider without ``download_async``
-        runs the step synchronously (the handle is then already finished).
+        runs the step synchronously (``result()`` then returns without waiting).
 
         Raises:
-            RequestError: as :meth:`step`, or :data:`MAX_UNREAD` steps already unread.
+            RequestError: as :meth:`step`, or :meth:`max_unread` steps already unread.
         """
         forced = self._check_step(force_tokens, ahead=len(self._unread))
-        if len(self._unread) >= MAX_UNREAD:
-            raise RequestError(f"{MAX_UNREAD} decode steps are queued and unread; read the oldest "
-                               "(PendingStep.result()) before queueing another")
+        limit = self.max_unread()
+        if len(self._unread) >= limit:
+            raise RequestError(f"{len(self._unread)} decode step(s) are queued and unread (by step_async(), or "
+                               f"by a generation still iterating on this session), and {limit} may be; read "
+                               "the oldest (PendingStep.result()) before queueing another")
         return self._queue(forced)
+
+    def max_unread(self) -> int:
+        """How many steps may be queued and unread now: :data:`MAX_UNREAD`, or 1 while a row
+        samples with a repetition penalty (a second queued step would mark, in the row's
+        history, a token the first one chose, which a discard cannot take back)."""
+        if self.state.sampling is not None and any(r.repetition_penalty != 1.0 for r in self.sampling):
+            return 1
+        return MAX_UNREAD
 
     def can_run_ahead(self) -> bool:
         """Whether one more step could be queued now without a host round trip: fewer than
-        :data:`MAX_UNREAD` unread, and the step fits the KV positions already allocated (a
-        growing cache's reallocation is left to a step queued alone)."""
+        :meth:`max_unread` unread, and the step fits the KV positions already allocated and
+        backed (a growing cache's reallocation or a new page is left to a step queued alone)."""
         state = self.state
-        return (self.run_ahead and state.started and len(self._unread) < MAX_UNREAD
-                and int(state.lengths.max()) + 1 <= min(state.kv.capacity, state.kv.limit))
+        needed = int(state.lengths.max()) + 1
+        return (self.run_ahead and state.started and len(self._unread) < self.max_unread()
+                and needed <= min(state.kv.capacity, state.kv.limit) and not state.kv.commit_needed(needed))
 
     def discard(self, pending: PendingStep) -> None:
         """Drop a queued step that has not been read, and every step queued after it; the
         session's state (lengths, mask, the next step's fed tokens) is put back as if they had
         not run, and the next step computes the same bits it would have. Their device work
         has run or still runs (counted in ``counters.discarded_steps``); the logits buffer
-        then holds theirs, so :meth:`last_logits` refuses until the next step. With sampling,
-        a discarded step's fed token stays marked in the repetition-penalty history (the same
-        token the next step feeds unless it is forced).
+        then holds theirs, so :meth:`last_logits` refuses until the next step. With a
+        repetition penalty, a discarded step's fed token stays marked in the row's history:
+        the token the next step feeds anyway, unless the discarded step was forced (so a
+        penalised session queues at most one step ahead, :meth:`max_unread`). Nothing
+        happens for a step already discarded (or dropped by :meth:`close`).
 
         Raises:
             RequestError: ``pending`` was already read, or belongs to another session.
         """
         if pending.discarded:
             return
+        self._check_open()
         if pending not in self._unread:
             raise RequestError("discard() takes a step of this session that has not been read")
         i = self._unread.index(pending)
@@ -500,8 +518,8 @@ class Session:
         state = self.state
         t0 = time.perf_counter()
         needed = int(state.lengths.max()) + 1
-        if self._unread and needed > state.kv.capacity:
-            self.provider.synchronize()  # growth reallocates buffers the queued steps still use
+        if self._unread and (needed > state.kv.capacity or state.kv.commit_needed(needed)):
+            self.provider.synchronize()  # growth or a new page (and the re-plan it may bring) moves buffers in use
         if forced is not None:
             steps.force_tokens(state, forced)
         state.reserve(needed)

@@ -85,6 +85,8 @@ def decode(session, input_ids: Sequence[Sequence[int]], steps: int,
     # the host queues step t + 1 (and t + 2) before it reads step t, so the device never waits
     # for it; not with an observer or kept logits, which may read device state between steps
     ahead = session.run_ahead and observer is None and not keep_logits
+    if force is not None and ahead and session.max_unread() < 2:
+        ahead = False  # a forced step queued ahead would mark its token in a penalised history
     queued: list = []  # steps queued and unread, oldest first
     t = 0
     while t < steps and not stop:

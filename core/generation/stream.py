@@ -293,8 +293,9 @@ class Generation:
                     queued.clear()
                 out = queued.pop(0).result() if queued else s.step(force_tokens=self._forced())
         finally:  # ended (or abandoned) with steps queued for rows that are done: undo them
-            if queued and not queued[0].discarded:
-                s.discard(queued[0])
+            unread = [q for q in queued if not q.discarded and not q.read]  # the caller may have read one
+            if unread:
+                s.discard(unread[0])
 
     def _may_queue(self, ahead: int) -> bool:
         """Whether to queue the step after the ``ahead`` steps already queued past the one just

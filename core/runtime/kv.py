@@ -298,6 +298,10 @@ class KVCache:
         self.counters.kv_bytes_moved += moved
         return True
 
+    def commit_needed(self, upto: int) -> bool:
+        """Whether backing positions ``[0, upto)`` would commit a new page (:meth:`reserve_positions`)."""
+        return upto > self._committed_len
+
     def _commit(self, upto: int) -> None:
         """Back positions ``[0, upto)`` of every row, in whole pages past a high-water mark
         (a decode step costs one comparison unless a row enters a new page)."""

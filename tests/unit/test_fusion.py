@@ -188,14 +188,16 @@ def test_norm_fused_plan_is_bitwise_the_unfused_plan_in_prefill_and_decode(tmp_p
         assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1]), (dtype, quant)
 
 
-def _mask_graph(extra_reader: bool = False, constant_nodes: bool = True):
+def _mask_graph(extra_reader: bool = False, constant_nodes: bool = True, axes=(1,), b=(1,), keepdims=0):
     """attention_mask -> ReduceSum -> Sub -> Cast int32, as the builder writes it: the axes and
     the 1 come from Constant nodes (or from initializers)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    one = numpy_helper.from_array(np.array([1], np.int64), "one")
-    nodes = [helper.make_node("Constant", [], ["one"], value=one)] if constant_nodes else []
-    nodes += [helper.make_node("ReduceSum", ["attention_mask", "one"], ["sum"], keepdims=0),
+    one = numpy_helper.from_array(np.array(b, np.int64), "one")
+    ax = numpy_helper.from_array(np.array(axes, np.int64).reshape(-1), "axes")
+    nodes = [helper.make_node("Constant", [], ["one"], value=one),
+             helper.make_node("Constant", [], ["axes"], value=ax)] if constant_nodes else []
+    nodes += [helper.make_node("ReduceSum", ["attention_mask", "axes"], ["sum"], keepdims=keepdims),
               helper.make_node("Sub", ["sum", "one"], ["diff"]),
               helper.make_node("Cast", ["diff"], ["seqlens_k"], to=TensorProto.INT32)]
     outputs = [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, None)]
@@ -204,8 +206,8 @@ def _mask_graph(extra_reader: bool = False, constant_nodes: bool = True):
         outputs.append(helper.make_tensor_value_info("sum_copy", TensorProto.INT32, None))
     graph = helper.make_graph(nodes, "mask", [helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
                                                                             ["B", "T"])], outputs,
-                              initializer=[] if constant_nodes else [one])
-    return graph, ({} if constant_nodes else {"one": np.array([1], np.int64)})
+                              initializer=[] if constant_nodes else [one, ax])
+    return graph, ({} if constant_nodes else {"one": np.array(b, np.int64), "axes": np.array(axes, np.int64)})
 
 
 def test_mask_pass_fuses_the_seqlens_chain_and_keeps_its_bits():
@@ -231,3 +233,17 @@ def test_the_tiny_model_runs_its_seqlens_in_one_node(tmp_path):
     plan = Plan(model.graph, model.initializers, CpuReferenceProvider())
     assert sum(n.op_type == "ReduceSumSubCast" for n in plan.nodes) == 1
     assert not any(n.op_type == "ReduceSum" for n in plan.nodes)
+
+
+def test_mask_pass_keeps_reducesum_semantics_at_the_edges():
+    """Empty axes sum every axis (ONNX ReduceSum), a two-dimensional b widens the output, keepdims
+    keeps the summed axis, a negative axis counts from the end: fused == unfused, values and shape."""
+    mask = (np.arange(9)[None, :] < np.array([[2], [9]])).astype(np.int64)
+    for axes, b, keepdims in (((), (1,), 0), ((1,), [[1]], 0), ((-1,), (3,), 1), ((0,), (1,), 0)):
+        graph, inits = _mask_graph(axes=axes, b=b, keepdims=keepdims)
+        fused = Plan(graph, inits, CpuReferenceProvider())
+        assert any(n.op_type == "ReduceSumSubCast" for n in fused.nodes)
+        got = fused.run({"attention_mask": mask})["seqlens_k"]
+        want = Plan(graph, inits, NoFusion()).run({"attention_mask": mask})["seqlens_k"]
+        assert got.shape == want.shape and got.dtype == want.dtype and np.array_equal(got, want), (axes, b, keepdims)
+

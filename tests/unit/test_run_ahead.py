@@ -174,3 +174,78 @@ def test_no_run_ahead_into_kv_growth(runner):
     assert not s.can_run_ahead()  # position 9 needs growth: queued alone, after the device is idle
     s.step_async().result()
     assert s.capacity > 8 and s.counters.growth_events >= 1
+
+
+def test_a_closed_sessions_queued_steps_cannot_touch_the_next_owner_of_its_state(runner):
+    """close() drops the unread steps, so a discard afterwards (an abandoned stream's cleanup,
+    say) does nothing to the session that took the pooled decode state next."""
+    want = decode(_session(runner, False, batch=1), [[5, 6, 7]], 4).tokens
+    s1 = _session(runner, True, batch=1)
+    s1.prefill([[9, 9]])
+    p = s1.step_async()
+    s1.step_async()
+    s1.close()
+    assert p.discarded
+    s2 = _session(runner, True, batch=1)  # the same pooled state
+    s2.prefill([[5, 6, 7]])
+    got = [s2.step().tokens]
+    s1.discard(p)  # a no-op now
+    got += [s2.step().tokens for _ in range(3)]
+    assert np.array_equal(np.concatenate(got), want[1:, 0])
+
+
+def test_an_abandoned_stream_closed_after_its_session_leaves_the_next_one_alone(runner):
+    sync = _session(runner, False, batch=1)
+    want = [r.output_ids for r in sync.stream([[5, 6, 7]], max_new_tokens=6).run()]
+    s1 = _session(runner, True, batch=1)
+    it = iter(s1.stream([[9, 9]], max_new_tokens=20))
+    next(it)
+    s1.close()
+    s2 = _session(runner, True, batch=1)
+    g = s2.stream([[5, 6, 7]], max_new_tokens=6)
+    gi = iter(g)
+    next(gi)
+    it.close()  # the first stream's cleanup runs now
+    for _ in gi:
+        pass
+    assert [r.output_ids for r in g.rows] == want
+
+
+def test_a_repetition_penalty_keeps_one_step_ahead_and_its_draws(runner):
+    """A second queued step would mark, in the penalty history, a token the first one chose; a
+    penalised session queues one step ahead at most, so discards leave the draws alone."""
+    samp = [dict(repetition_penalty=100.0)]
+    sync = _session(runner, False, batch=1)
+    sync.prefill([[5, 6, 7]], samp)
+    want = [sync.step().tokens[0] for _ in range(6)]
+    s = _session(runner, True, batch=1)
+    s.prefill([[5, 6, 7]], samp)
+    assert s.max_unread() == 1
+    got = [s.step().tokens[0]]
+    q = s.step_async()
+    with pytest.raises(RequestError, match="may be"):
+        s.step_async()
+    s.discard(q)
+    got += [s.step().tokens[0] for _ in range(5)]
+    assert got == want
+    # through the stream: break out, then step on
+    outs = []
+    for ahead in (False, True):
+        s = _session(runner, ahead, batch=1)
+        it = iter(s.stream([[5, 6, 7]], max_new_tokens=20,
+                           sampling=[dict(do_sample=True, seed=4, repetition_penalty=1.5)]))
+        for _ in range(6):
+            next(it)
+        it.close()
+        outs.append([s.step().tokens[0] for _ in range(3)])
+    assert outs[0] == outs[1]
+
+
+def test_a_step_the_caller_read_during_a_stream_is_not_discarded_by_its_cleanup(runner):
+    s = _session(runner, True, batch=1)
+    it = iter(s.stream([[5, 6, 7]], max_new_tokens=20))
+    next(it)  # the stream has queued its next steps
+    assert s._unread
+    s._unread[0].result()  # the caller reads one of them (a misuse, but not an error)
+    it.close()  # the cleanup discards only what nobody read
+    assert not s._unread

@@ -7,6 +7,7 @@ chain bit for bit.
 import numpy as np
 from onnx import helper
 
+from core.opdefs import reduce_axes
 from providers.cpu_reference.ops._out import write
 
 OP_TYPE = "ReduceSumSubCast"
@@ -21,7 +22,7 @@ def supports(node) -> bool:
 def run(ctx, data, axes, b):
     data = np.asarray(data)
     keepdims = bool(ctx.node.attrs.get("keepdims", 1))
-    red = tuple(sorted(int(a) % data.ndim for a in np.asarray(axes).reshape(-1)))
+    red = reduce_axes(ctx.node, axes, data.ndim)  # empty axes: every axis, as ReduceSum
     bh = np.asarray(b)
     summed = np.sum(data, axis=red, keepdims=keepdims, dtype=data.dtype)
     diff = summed - bh.astype(np.result_type(data.dtype, bh.dtype))

@@ -2,13 +2,15 @@
 to), the builder's seqlens_k from the attention mask, in one launch instead of four CuPy ones.
 
 The kernel (kernels/mask.cu ``rowsum_sub_i32``) covers what the builder writes: int64 data of
-two dimensions summed over the last axis, a one-element ``b``, ``to`` int32. Anything else runs
-the three ops as CuPy expressions (exact integer arithmetic either way).
+two dimensions summed over the last axis, a one-element host ``b`` that does not widen the
+output, ``to`` int32. Anything else (empty axes sum every axis, as ReduceSum) runs the three ops
+as CuPy expressions (exact integer arithmetic either way).
 """
 
 import numpy as np
 from onnx import helper
 
+from core.opdefs import reduce_axes
 from providers.cuda import replay
 from providers.cuda.module import function
 from providers.cuda.ops import is_host
@@ -22,29 +24,25 @@ def supports(node) -> bool:
     return data is not None and np.dtype(data).kind in "iu" and len(node.inputs) == 3
 
 
-def _axes(axes, ndim: int) -> tuple[int, ...]:
-    return tuple(sorted(int(a) % ndim for a in np.asarray(axes).reshape(-1)))
-
-
 def run(ctx, data, axes, b):
     import cupy
 
-    if is_host(data) or not is_host(axes) or not is_host(b):
-        raise ValueError("ReduceSumSubCast (cuda): needs device data and host axes and b")
+    if is_host(data) or not is_host(axes):
+        raise ValueError("ReduceSumSubCast (cuda): needs device data and host axes")
     keepdims = bool(ctx.node.attrs.get("keepdims", 1))
     to = helper.tensor_dtype_to_np_dtype(int(ctx.node.attrs["to"]))
-    red = _axes(axes, data.ndim)
-    bh = np.asarray(b)
+    red = reduce_axes(ctx.node, axes, data.ndim)  # empty axes: every axis, as ReduceSum
     shape = tuple(1 if i in red else d for i, d in enumerate(data.shape) if keepdims or i not in red)
-    if (data.dtype == np.int64 and data.ndim == 2 and red == (1,) and bh.size == 1 and to == np.int32
-            and data.flags.c_contiguous):
+    if (is_host(b) and data.dtype == np.int64 and data.ndim == 2 and red == (1,) and np.size(b) == 1
+            and np.broadcast_shapes(shape, np.shape(b)) == shape and to == np.int32 and data.flags.c_contiguous):
         out = ctx.output(0, shape, np.int32)
         if data.shape[0]:
             kern = function("mask", "rowsum_sub_i32", ("rowsum_sub_i32",))
-            kern((data.shape[0],), (128,), (data, np.int64(data.shape[1]), np.int64(bh.reshape(-1)[0]), out))
+            kern((data.shape[0],), (128,), (data, np.int64(data.shape[1]), np.int64(np.asarray(b).reshape(-1)[0]), out))
         return (out,)
     summed = cupy.sum(data, axis=red, keepdims=keepdims)
-    diff = summed - cupy.asarray(bh.astype(np.result_type(data.dtype, bh.dtype)))
+    bd = cupy.asarray(b)
+    diff = summed - bd.astype(np.result_type(data.dtype, bd.dtype))
     out = ctx.output(0, diff.shape, to)
     replay.not_replayable()  # CuPy expressions, not recorded Kernel launches
     cupy.copyto(out, diff, casting="unsafe")
