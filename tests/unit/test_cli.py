@@ -92,6 +92,26 @@ def test_profile_sweep_on_cpu_reference_writes_json(tmp_path, capsys):
     assert 0 < data["rows"][0]["prefill_activation_bytes"] < data["rows"][1]["prefill_activation_bytes"]
 
 
+def test_profile_runs_ahead_by_default_and_says_so(tmp_path, capsys):
+    """The default --context (512) is clamped to a smaller model context (the tiny model's 128);
+    the title and JSON say whether steps ran ahead; --no-run-ahead runs the synchronous loop to
+    the same tokens (row 0 against batch 1 holds either way) and shows device times as well."""
+    import json
+
+    folder = make_tiny_model(tmp_path / "m")
+    rows = {}
+    for flag in ((), ("--no-run-ahead",)):
+        out_json = tmp_path / f"p{len(flag)}.json"
+        code, out = run(capsys, "profile", str(folder), "--batch-sweep", "1,2", "--tokens", "4", "--warmup", "1",
+                        "--json", str(out_json), *flag)
+        assert code == 0, out.err
+        assert ("no run-ahead" in out.out) == bool(flag)
+        rows[bool(flag)] = json.loads(out_json.read_text())["rows"]
+    for off, rs in rows.items():
+        assert all(r["run_ahead"] is (not off) and r["row0_matches_batch1"] for r in rs)
+        assert all(r["capacity"] <= 128 and r["device_ms_p50"] is not None for r in rs)
+
+
 def test_profile_sweeps_prompt_lengths_with_a_capacity_per_length(tmp_path, capsys):
     import json
 
