@@ -66,6 +66,13 @@ def reduce_axes(node, axes, rank: int) -> tuple[int, ...] | None:
     return tuple(sorted({normalize_axis(a, rank) for a in axis_list}))
 
 
+def reduce_sum_sub_cast_supports(node) -> bool:
+    """The shared rule of ``lockstep.ReduceSumSubCast`` (core.fusion): integer data and the
+    three inputs (data, axes, b); the arithmetic is then exact on every provider."""
+    data = node.input_dtypes[0] if node.input_dtypes else None
+    return data is not None and np.dtype(data).kind in "iu" and len(node.inputs) == 3
+
+
 # -- Constant (ONNX Constant-21) ------------------------------------------------------------
 #: Attribute of a Constant node -> numpy dtype of its value (None: the tensor's own dtype).
 CONSTANT_KINDS = {"value": None, "value_float": np.float32, "value_floats": np.float32,

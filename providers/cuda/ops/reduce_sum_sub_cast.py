@@ -11,17 +11,13 @@ import numpy as np
 from onnx import helper
 
 from core.opdefs import reduce_axes
+from core.opdefs import reduce_sum_sub_cast_supports as supports  # noqa: F401 - the shared rule
 from providers.cuda import replay
 from providers.cuda.module import function
 from providers.cuda.ops import is_host
 
 OP_TYPE = "ReduceSumSubCast"
 DOMAIN = "lockstep"
-
-
-def supports(node) -> bool:
-    data = node.input_dtypes[0] if node.input_dtypes else None
-    return data is not None and np.dtype(data).kind in "iu" and len(node.inputs) == 3
 
 
 def run(ctx, data, axes, b):
