@@ -249,3 +249,17 @@ def test_a_step_the_caller_read_during_a_stream_is_not_discarded_by_its_cleanup(
     s._unread[0].result()  # the caller reads one of them (a misuse, but not an error)
     it.close()  # the cleanup discards only what nobody read
     assert not s._unread
+
+
+def test_no_run_ahead_into_a_new_kv_page(runner):
+    """A step that backs a new page of the KV cache (kv_commit; on cuda a VMM map, and under a
+    device budget perhaps a re-plan of the weights) is not queued behind an unread one."""
+    s = Session(runner, batch=1, capacity=96, kv_policy="fixed", run_ahead=True)
+    s.prefill([[1, 2]])
+    seen = {True: 0, False: 0}
+    for _ in range(90):
+        needed = int(s.lengths.max()) + 1
+        seen[s.state.kv.commit_needed(needed)] += 1
+        assert s.can_run_ahead() == (not s.state.kv.commit_needed(needed))
+        s.step()
+    assert seen[True] >= 1 and seen[False] >= 1  # both cases met on the way
