@@ -59,6 +59,16 @@ def _consumers(nodes: list[NodeInfo]) -> dict[str, list[int]]:
     return out
 
 
+def _sole_reader(nodes: list[NodeInfo], users: dict[str, list[int]], value: str, graph_outputs: set[str],
+                 op: str) -> int | None:
+    """The index of the one node that reads ``value``, when that node is ``op`` (default domain)
+    and ``value`` is not a graph output: the next link of a chain a pass may fuse; else None."""
+    readers = users[value]
+    if len(readers) != 1 or value in graph_outputs or (nodes[readers[0]].op_type, nodes[readers[0]].domain) != (op, ""):
+        return None
+    return readers[0]
+
+
 def _rewrite(nodes: list[NodeInfo], replaced: dict[int, NodeInfo | None]) -> list[NodeInfo]:
     """``nodes`` with ``replaced[i]`` in place of node i (None: dropped), order kept."""
     return [m for i, n in enumerate(nodes) if (m := replaced.get(i, n)) is not None]
@@ -72,19 +82,14 @@ def fuse_silu_mul(nodes: list[NodeInfo], graph_outputs: set[str], supports) -> l
         if (sig.op_type, sig.domain) != ("Sigmoid", ""):
             continue
         x, s = sig.inputs[0], sig.outputs[0]
-        if len(users[s]) != 1 or s in graph_outputs:
+        j = _sole_reader(nodes, users, s, graph_outputs, "Mul")
+        if j is None or sorted(nodes[j].inputs) != sorted([x, s]):
             continue
-        j = users[s][0]
-        gate = nodes[j]
-        if (gate.op_type, gate.domain) != ("Mul", "") or sorted(gate.inputs) != sorted([x, s]):
+        g = nodes[j].outputs[0]
+        k = _sole_reader(nodes, users, g, graph_outputs, "Mul")
+        if k is None:
             continue
-        g = gate.outputs[0]
-        if len(users[g]) != 1 or g in graph_outputs:
-            continue
-        k = users[g][0]
         mul = nodes[k]
-        if (mul.op_type, mul.domain) != ("Mul", ""):
-            continue
         up = mul.inputs[1] if mul.inputs[0] == g else mul.inputs[0]
         dtypes = (sig.input_dtypes[0] if sig.input_dtypes else None,
                   dict(zip(mul.inputs, mul.input_dtypes)).get(up) if mul.input_dtypes else None)
@@ -255,19 +260,14 @@ def fuse_mask_lengths(nodes: list[NodeInfo], graph_outputs: set[str], supports,
         if data_dtype is None or np.dtype(data_dtype).kind not in "iu" or red.attrs.get("noop_with_empty_axes", 0):
             continue
         total = red.outputs[0]
-        if len(users[total]) != 1 or total in graph_outputs:
+        j = _sole_reader(nodes, users, total, graph_outputs, "Sub")
+        if j is None or nodes[j].inputs[0] != total or nodes[j].inputs[1] not in constants:
             continue
-        j = users[total][0]
         sub = nodes[j]
-        if (sub.op_type, sub.domain) != ("Sub", "") or sub.inputs[0] != total or sub.inputs[1] not in constants:
+        k = _sole_reader(nodes, users, sub.outputs[0], graph_outputs, "Cast")
+        if k is None:
             continue
-        diff = sub.outputs[0]
-        if len(users[diff]) != 1 or diff in graph_outputs:
-            continue
-        k = users[diff][0]
         cast = nodes[k]
-        if (cast.op_type, cast.domain) != ("Cast", ""):
-            continue
         fused = NodeInfo(name=f"{cast.name}/ReduceSumSubCast", op_type="ReduceSumSubCast", domain=FUSED_DOMAIN,
                          attrs={"keepdims": int(red.attrs.get("keepdims", 1)), "to": int(cast.attrs["to"])},
                          inputs=(red.inputs[0], red.inputs[1], sub.inputs[1]), outputs=(cast.outputs[0],),

@@ -246,6 +246,7 @@ class Session:
                                                self.counters)
         self._release = weakref.finalize(self, self.runner.release_state, self.state)
         self._timer = self.provider.node_timer() if hasattr(self.provider, "node_timer") else None
+        self._release_marks = getattr(self._timer, "release", None)  # optional: reuse read marks
         #: per-row sampling options of the current request (seeds resolved)
         self.sampling: list[SamplingParams] = []
 
@@ -552,9 +553,8 @@ class Session:
             if self._timer is not None and start is not None and end is not None:
                 q.device_s = self._timer.seconds(start, end)
                 c.decode_device_s += q.device_s
-                release = getattr(self._timer, "release", None)
-                if release is not None:
-                    release(start, end)
+                if self._release_marks is not None:
+                    self._release_marks(start, end)
             if q is pending:
                 return
         raise RequestError("this step was not queued by this session, or was already read")

@@ -65,7 +65,7 @@ def decode(session, input_ids: Sequence[Sequence[int]], steps: int,
         core.session.RequestError: the request is refused (before any kernel runs), or
             ``force`` rows are shorter than ``steps``.
     """
-    from core.session import RequestError
+    from core.session import MAX_UNREAD, RequestError
 
     if force is not None and any(len(row) < steps for row in force):
         raise RequestError(f"force needs {steps} tokens per row")
@@ -85,14 +85,12 @@ def decode(session, input_ids: Sequence[Sequence[int]], steps: int,
     # the host queues step t + 1 (and t + 2) before it reads step t, so the device never waits
     # for it; not with an observer or kept logits, which may read device state between steps
     ahead = session.run_ahead and observer is None and not keep_logits
-    if force is not None and ahead and session.max_unread() < 2:
-        ahead = False  # a forced step queued ahead would mark its token in a penalised history
     queued: list = []  # steps queued and unread, oldest first
     t = 0
     while t < steps and not stop:
         t0 = time.perf_counter()  # a step's time: its queueing (or the next ones') and the wait for it
-        while len(queued) < (2 if ahead else 1) and t + len(queued) < steps \
-                and (not queued or session.can_run_ahead()):
+        while len(queued) < (MAX_UNREAD if ahead else 1) and t + len(queued) < steps \
+                and (not queued or session.can_run_ahead()):  # can_run_ahead: max_unread, KV growth
             i = t + len(queued)
             queued.append(session.step_async(force_tokens=None if force is None else [row[i] for row in force]))
         pending = queued.pop(0)

@@ -279,8 +279,6 @@ class Generation:
         try:
             while True:
                 deltas = list(self._observe(out))
-                if queued and queued[0].discarded:  # the caller used the session meanwhile
-                    queued.clear()
                 while self._may_queue(len(queued)):  # the device runs them while the caller reads
                     queued.append(s.step_async())
                 yield from deltas
@@ -289,7 +287,7 @@ class Generation:
                     self.progress(step, max(r.max_new_tokens for r in self.rows))
                 if all(r.finish_reason is not None for r in self.rows):
                     return
-                if queued and queued[0].discarded:
+                if queued and queued[0].discarded:  # the caller used the session during the yield
                     queued.clear()
                 out = queued.pop(0).result() if queued else s.step(force_tokens=self._forced())
         finally:  # ended (or abandoned) with steps queued for rows that are done: undo them
@@ -299,13 +297,13 @@ class Generation:
 
     def _may_queue(self, ahead: int) -> bool:
         """Whether to queue the step after the ``ahead`` steps already queued past the one just
-        observed: the session runs ahead, no row is being fed (a fed step needs the last
-        step's tokens on the host), and some row still needs that step unless it ends early
-        (EOS or a stop: then the step is discarded)."""
-        return (bool(getattr(self.session, "run_ahead", False)) and not any(r.forced for r in self.rows)
+        observed: the session can run ahead (:meth:`Session.can_run_ahead`), no row is being
+        fed (a fed step needs the last step's tokens on the host), and some row still needs
+        that step unless it ends early (EOS or a stop: then the step is discarded)."""
+        return (not any(r.forced for r in self.rows)
                 and any(r.finish_reason is None and len(r.output_ids) + ahead < r.max_new_tokens
                         for r in self.rows)
-                and self.session.can_run_ahead())
+                and self.session.can_run_ahead())  # False unless the session runs ahead
 
     def _forced(self) -> list[int] | None:
         """This step's tokens per row when some row still has tokens to be fed, else None."""

@@ -84,11 +84,6 @@ def select(state, positions, counter, fed) -> None:
         p.device_sample(state.logits, positions, counter, fed, state.sampling, state.result)
 
 
-def read_result(state) -> StepOutput:
-    """Download the ``[B, 2]`` argmax result as a :class:`StepOutput` (synchronises)."""
-    return step_output(state.runner.provider.download(state.result))
-
-
 def start_read(state) -> Any:
     """Start downloading the ``[B, 2]`` result as the queued work leaves it: the provider's
     ``download_async`` handle (``wait() -> int32 [B, 2]``), or a finished one from a
