@@ -449,9 +449,10 @@ class Session:
         :meth:`max_unread` unread, and the step fits the KV positions already allocated and
         backed (a growing cache's reallocation or a new page is left to a step queued alone)."""
         state = self.state
+        if not (self.run_ahead and state.started and len(self._unread) < self.max_unread()):
+            return False  # a tensor-parallel session (no run-ahead) has no local lengths to look at
         needed = int(state.lengths.max()) + 1
-        return (self.run_ahead and state.started and len(self._unread) < self.max_unread()
-                and needed <= min(state.kv.capacity, state.kv.limit) and not state.kv.commit_needed(needed))
+        return needed <= min(state.kv.capacity, state.kv.limit) and not state.kv.commit_needed(needed)
 
     def discard(self, pending: PendingStep) -> None:
         """Drop a queued step that has not been read, and every step queued after it; the
