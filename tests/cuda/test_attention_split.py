@@ -96,28 +96,6 @@ def test_decode_block_sizes_give_the_same_bits(long_model, gpu, monkeypatch):
     assert np.array_equal(runs[128].logits, runs[256].logits)
 
 
-@pytest.mark.parametrize("capture", [False, True])
-def test_short_rows_in_one_block_give_the_split_paths_bits(long_model, gpu, monkeypatch, capture):
-    """A hinted decode row of 2 to SHORT_CHUNKS live chunks is computed by one block that folds
-    its chunks as it goes (kernels/group_query_attention.cu decode_short) instead of one block a
-    chunk, the partials, a ticket and a second pass. The fold is the same arithmetic, so short
-    rows on and off give the same tokens and logits, bitwise, for rows crossing 64, 128, 192 and
-    256 (5 chunks: the split path again), at batch 5 and 1, eager and captured."""
-    from providers.cuda.ops import group_query_attention as gqa
-
-    monkeypatch.setattr(gqa, "HINT", True)  # short rows ride on the hinted prologue
-    for rows in (_prompts([5, 60, 120, 186, 250]), _prompts([250])):
-        runs = {}
-        for short in (True, False):
-            monkeypatch.setattr(gqa, "SHORT", short)
-            before = gqa.stats()["decode_short"]
-            runs[short] = decode(Session(long_model, gpu, batch=len(rows), capture=capture), rows, 24,
-                                 keep_logits=True)
-            assert (gqa.stats()["decode_short"] > before) == short  # the launches allowed short rows
-        assert np.array_equal(runs[True].tokens, runs[False].tokens)
-        assert np.array_equal(runs[True].logits, runs[False].logits)
-
-
 def test_a_wrong_position_guess_gives_the_same_bits(long_model, gpu, monkeypatch):
     """gqa_decode loads the cos/sin rows and a chunk's first K/V tiles before the PDL wait at a
     guess of each row's position (kernels/group_query_attention.cu QkvRound) and reloads them

@@ -524,88 +524,8 @@ __device__ __forceinline__ bool chunk_rows(const Geo& g, int c, int p, int& j0, 
     return true;
 }
 
-// A short row (gqa_decode, the hinted prologue, at most short_chunks live chunks): the block of the
-// first live chunk c0 computes every chunk c0 .. c1 in order, with the arithmetic of the split
-// blocks (scores, chunk_stats, the value chains) and, instead of the partials, workspace, ticket
-// and last block's fold, the same fold kept running in shared memory: m, l per head and o per
-// (head, dim), from (-inf, 0, 0), chunk by chunk ascending (fold_weights, folded), then finish.
-// The same operations in the same order as the split path's finisher, so the same bits; what goes
-// is the partials' round trip through global memory, the fence, the ticket and the reread.  q is
-// rotated once (qs); the new key and value go to the cache row P_b and to kscr (two rows of T),
-// and from there into the last chunk's tile row, as the split path's last block puts them.
-// round0: chunk c0's first round of tile loads, issued by the caller (j0, nc: its rows).
-template <typename T, int NTT>
-__device__ __forceinline__ void decode_short(const QkvRound& qv, const TileRound<TU>& round0, float* qs, float* sc,
-                                          float* stats, float* acc, float* run, T* kscr, T* kt, T* vt, T* kb, T* vb,
-                                          T* ob, const T* sinks, const Geo& g, int p, int c0, int c1, int j0,
-                                          int nc, int G, int ts, int kvh, int do_rotary) {
-    const int tid = threadIdx.x, H = g.H;
-    float* rm = run; float* rl = run + G; float* wa = run + 2 * G; float* wb = run + 3 * G;
-    T* vscr = kscr + H;
-    qkv_store<T, NTT>(qv, qs, kscr, vscr, kb + (long long)p * g.cj, vb + (long long)p * g.cj, do_rotary, G, H,
-                      g.half_rot, true);
-    tiles_store<T, TU, NTT>(round0, kt, vt, nc, H, ts, tid);
-    load_tiles<T, TU, NTT>(kt, kb + (long long)j0 * g.cj, vt, vb + (long long)j0 * g.cj, g.cj, nc, H, ts,
-                           tid + TU * NTT);
-    if (tid < G) { rm[tid] = NEG_INF; rl[tid] = 0.f; }
-    for (int i = tid; i < G * H; i += NTT) acc[i] = 0.f;
-    for (int c = c0; c <= c1; ++c) {
-        int cj0, cnc;
-        chunk_rows(g, c, p, cj0, cnc);  // cnc: rows from the cache (the last chunk's row P_b is not among them)
-        const int n = c == c1 ? cnc + 1 : cnc;
-        if (c > c0) {
-            __syncthreads();  // every thread is done with the previous chunk's tiles and weights
-            load_tiles<T, TU, NTT>(kt, kb + (long long)cj0 * g.cj, vt, vb + (long long)cj0 * g.cj, g.cj, cnc, H, ts,
-                                   tid);
-        }
-        if (c == c1)
-            for (int d = tid; d < H; d += NTT) { kt[(n - 1) * ts + d] = kscr[d]; vt[(n - 1) * ts + d] = vscr[d]; }
-        __syncthreads();
-        for (int i = tid; i < G * n; i += NTT) {  // scores: gqa_decode's
-            const int hh = i / n, jj = i - hh * n;
-            sc[hh * CH + jj] = scaled(dot_row(qs + hh * H, kt + jj * ts, H), g);
-        }
-        __syncthreads();
-        for (int hh = tid >> 5; hh < G; hh += NTT / 32) {
-            float mc, lc;
-            chunk_stats(sc + hh * CH, n, mc, lc);
-            if ((tid & 31) == 0) { stats[2 * hh] = mc; stats[2 * hh + 1] = lc; }
-        }
-        __syncthreads();
-        if (tid < G) {  // the finisher's fold of this chunk's (m_c, l_c)
-            float m = rm[tid], a, bw;
-            fold_weights(m, stats[2 * tid], a, bw);
-            rm[tid] = m;
-            rl[tid] = folded(rl[tid], a, stats[2 * tid + 1], bw);
-            wa[tid] = a; wb[tid] = bw;
-        }
-        __syncthreads();
-        for (int i = tid; i < G * H / 2; i += NTT) {  // values: gqa_decode's chains, folded into o
-            const int e = 2 * i, hh = e / H, d = e - hh * H;
-            const float* w = sc + hh * CH;
-            const T* v = vt + d;
-            float a0 = 0.f, a1 = 0.f;
-#pragma unroll 8
-            for (int jj = 0; jj < n; ++jj) {
-                const float2 x = pair_f(v + jj * ts);
-                a0 = fmaf(w[jj], x.x, a0);
-                a1 = fmaf(w[jj], x.y, a1);
-            }
-            acc[e] = folded(acc[e], wa[hh], a0, wb[hh]);
-            acc[e + 1] = folded(acc[e + 1], wa[hh], a1, wb[hh]);
-        }
-    }
-    __syncthreads();
-    const bool use_sink = sinks != nullptr || g.smooth;
-    for (int i = tid; i < G * H; i += NTT) {
-        const int hh = i / H;
-        const float sink = sinks ? to_f(sinks[kvh * G + hh]) : 0.f;
-        ob[i] = from_f<T>(finish(rm[hh], rl[hh], acc[i], use_sink, sink));
-    }
-}
-
 // Decode (S == 1, not the first prompt): grid (ceil(cap / CH), Nkv, B), block NTT (128 or 256), dynamic smem
-// 2 CH DTS T + (2 G H + G CH + 6 G + 1 + H) floats + 2 H T (G = Nq / Nkv, DTS = dtile_stride).  Block
+// 2 CH DTS T + (G H + G CH + 2 G + 1 + H) floats (G = Nq / Nkv, DTS = dtile_stride).  Block
 // (c, kv head, b) computes chunk c of row b for the G query heads of its group (blocks whose chunk
 // the row does not have exit).  After the seqlens read, the block's loads (its chunk's K/V rows, q,
 // the new k and v) are issued in rounds, each round before any of its values is used.  The block of the last chunk c1 = P_b / CH rotates the new key
@@ -620,7 +540,7 @@ __global__ void __launch_bounds__(NTT, 1) gqa_decode(const T* __restrict__ qin, 
                            const T* __restrict__ vin,
                            T* kc, T* vc, const int* __restrict__ seqlens, const int* hint, const T* cosc,
                            const T* sinc, int do_rotary, const T* sinks, T* out, float* part, int* tickets,
-                           const T* qnw, const T* knw, float qeps, float keps, int short_chunks,
+                           const T* qnw, const T* knw, float qeps, float keps,
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
     const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
     extern __shared__ uint4 sm4[];  // 16-byte aligned: the tiles first
@@ -631,9 +551,6 @@ __global__ void __launch_bounds__(NTT, 1) gqa_decode(const T* __restrict__ qin, 
     float* qs = reinterpret_cast<float*>(vt + CH * ts); float* sc = qs + G * g.H; float* stats = sc + G * CH;
     int* flag = (int*)(stats + 2 * G);
     float* kn = (float*)(flag + 1);
-    float* acc = kn + g.H;               // short rows: the running fold's o, [G, H]
-    float* run = acc + G * g.H;          // short rows: m, l, and the fold weights a, b of each head
-    T* kscr = reinterpret_cast<T*>(run + 4 * G);  // short rows: the new key and value, [2, H] of T
     T* kb = kc + b * g.cb + kvh * g.cg;
     T* vb = vc + b * g.cb + kvh * g.cg;
     const T* ksrc = kin + (long long)b * g.k_row + g.k_off + kvh * g.H;
@@ -668,18 +585,11 @@ __global__ void __launch_bounds__(NTT, 1) gqa_decode(const T* __restrict__ qin, 
     const int n = min(p, c * CH + CH - 1) - max(lo, c * CH) + 1;
     const bool last = c == c1;
     const int jn = n - 1;  // tile row of key P_b (last)
-    const bool short_row = hinted && c1 > c0 && c1 - c0 < short_chunks;  // block c0 alone (decode_short)
-    if (short_row && c != c0) return;
     if (!hinted || p != ph) {  // no guess, or a wrong one: this block's rows and cos/sin at p now
         chunk_rows(g, c, p, j0, nc);
         tiles_issue<T, TU, NTT>(round0, kb + (long long)j0 * g.cj, vb + (long long)j0 * g.cj, g.cj, nc, g.H, tid);
         if (hinted) qkv_trig<T, NTT>(qv, cosc, sinc, do_rotary, p, G, g.H, g.half_rot);
         if (hinted && !live_h) qkv_values<T, NTT>(qv, qsrc, ksrc, vsrc, do_rotary, G, g.H, g.half_rot);
-    }
-    if (short_row) {  // every live chunk in this block, folded as it goes: no partials, no ticket
-        decode_short<T, NTT>(qv, round0, qs, sc, stats, acc, run, kscr, kt, vt, kb, vb, ob, sinks, g, p, c0, c1,
-                             j0, nc, G, ts, kvh, do_rotary);
-        return;
     }
     if (hinted) {
         qkv_store<T, NTT>(qv, qs, kt + jn * ts, vt + jn * ts, kb + (long long)p * g.cj, vb + (long long)p * g.cj,

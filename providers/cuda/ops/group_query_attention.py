@@ -43,7 +43,7 @@ CH = 64  # positions per KV chunk (the kernel's CH)
 #: Launcher runs per path since import (replayed launches are not counted): "qk_norm" took the
 #: fused q/k RMSNorm, "plain" did not; "decode_128" and "decode_256" count decode launches by
 #: block size (:func:`decode_threads`).
-_counts = {"qk_norm": 0, "plain": 0, "decode_128": 0, "decode_256": 0, "decode_hinted": 0, "decode_short": 0}
+_counts = {"qk_norm": 0, "plain": 0, "decode_128": 0, "decode_256": 0, "decode_hinted": 0}
 #: Whether ``gqa_decode`` may take its hinted prologue (:func:`hinted`; ``LOCKSTEP_CUDA_ATTN_HINT``,
 #: default on). Either way every output bit is the same.
 HINT = env.switch("LOCKSTEP_CUDA_ATTN_HINT")
@@ -51,12 +51,6 @@ HINT = env.switch("LOCKSTEP_CUDA_ATTN_HINT")
 #: section 18): 0 to +8% a step at 1 and 8 rows, 0 to -4% at 16 and 32, where a step's attention
 #: grid is large and the guess's extra read lengthens every block, the many that exit at once too.
 HINT_ROWS = 8
-#: Short rows (``LOCKSTEP_CUDA_ATTN_SHORT``, default on): in a hinted decode launch, a row with
-#: 2 to SHORT_CHUNKS live chunks is computed by one block that folds its chunks as it goes, the
-#: split path's arithmetic without its partials, ticket and second pass (kernels/group_query_attention.cu
-#: ``decode_short``; docs/benchmarks/kernels.md section 24). The same bits either way.
-SHORT = env.switch("LOCKSTEP_CUDA_ATTN_SHORT")
-SHORT_CHUNKS = 4
 #: Added to the decode kernel's guess of each row's position (its ``hint`` argument,
 #: kernels/group_query_attention.cu QkvRound): 0, the seqlens array itself. Tests set it to make
 #: every guess wrong, so the kernel's reload path runs (the bits must not change); eager only.
@@ -188,21 +182,15 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         threads = decode_threads(bsz, nkv)
         _counts[f"decode_{threads}"] += 1
         use_hint = HINT and bsz <= HINT_ROWS
-        short = 0
         if use_hint and not norm and hinted(group, h, threads):
             _counts["decode_hinted"] += 1
-            if SHORT:
-                short = SHORT_CHUNKS
-                _counts["decode_short"] += 1
         hint = NULL if not use_hint else seqlens if HINT_SHIFT == 0 else _shifted(ctx, seqlens, HINT_SHIFT)
         kern = function("group_query_attention", f"gqa_decode<{t}, {threads}>", _exprs(t))
         tiles = 2 * CH * _decode_tile_stride(h, dtype) * dtype.itemsize
-        # tiles, then floats: q, scores, stats, flag, k norm, the short rows' o and m, l, a, b; then 2 H of T
-        shared = tiles + (2 * group * h + group * CH + 6 * group + 1 + h) * 4 + 2 * h * dtype.itemsize
+        shared = tiles + (group * h + group * CH + 2 * group + 1 + h) * 4
         _shared_limit(kern, shared)
         kern((chunks, nkv, bsz), (threads,), (query, kin, vin, past_key, past_value, seqlens, hint, cos, sin,
-                                          i32(rotary), sinks, out, part, tickets, qnw, knw, qeps, keps,
-                                          i32(short)) + geo,
+                                          i32(rotary), sinks, out, part, tickets, qnw, knw, qeps, keps) + geo,
              shared_mem=shared)
     else:
         write = function("group_query_attention", f"gqa_kv_write<{t}>", _exprs(t))
