@@ -127,26 +127,23 @@ def function(name: str, expression: str, expressions: tuple[str, ...]) -> Kernel
     fn = _FUNCTIONS.get(key)
     if fn is None:
         fn = _FUNCTIONS[key] = Kernel(_module(name, expressions).get_function(expression))
-        split = carveout()
-        if split != "auto":
-            _prefer_shared(fn.ptr, 100 if split == "max" else int(split) * 100 // 228)
+        if carveout() == "max":
+            _prefer_shared(fn.ptr)
     return fn
 
 
 def carveout() -> str:
     """The shared-memory carveout every kernel asks for, from ``LOCKSTEP_CUDA_CARVEOUT``: "auto"
-    (default: the driver picks each kernel's L1/shared split), "32", "64" or "100" (KB of shared
-    memory per multiprocessor, of Hopper's 228) or "max": every kernel prefers that one split,
-    so consecutive kernels do not differ in it unless one needs more (docs/cuda.md)."""
+    (default: the driver picks each kernel's L1/shared split) or "max" (every kernel prefers the
+    largest shared split, so consecutive kernels never differ in it; docs/cuda.md)."""
     from providers.cuda import env
 
     return env.switch("LOCKSTEP_CUDA_CARVEOUT")
 
 
-def _prefer_shared(fn: int, percent: int) -> None:
-    """Ask for a shared-memory carveout of ``percent`` of the largest on CUfunction ``fn``
-    (``cuFuncSetAttribute``, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: a hint; the driver
-    rounds to a split the hardware has and takes a larger one where the kernel needs it).
+def _prefer_shared(fn: int) -> None:
+    """Ask for the largest shared-memory carveout (100 percent) on CUfunction ``fn``
+    (``cuFuncSetAttribute``, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT).
 
     Raises:
         RuntimeError: the driver refused the attribute.
@@ -154,7 +151,7 @@ def _prefer_shared(fn: int, percent: int) -> None:
     from cuda.bindings import driver
 
     attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-    (err,) = driver.cuFuncSetAttribute(driver.CUfunction(fn), attr, percent)
+    (err,) = driver.cuFuncSetAttribute(driver.CUfunction(fn), attr, 100)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuFuncSetAttribute(preferred shared memory carveout) failed: {err}")
 
