@@ -62,7 +62,6 @@ SWITCHES: dict[str, tuple] = {
     "LOCKSTEP_CUDA_GEMM_SPLIT": ("auto", ("auto", "off")),
     "LOCKSTEP_CUDA_GEMM_TOKEN_TILES": ("auto", ("auto", "1", "2", "4")),
     "LOCKSTEP_CUDA_ATTN_HINT": (True, None),
-    "LOCKSTEP_CUDA_CARVEOUT": ("auto", ("auto", "max")),
 }
 
 

@@ -127,33 +127,7 @@ def function(name: str, expression: str, expressions: tuple[str, ...]) -> Kernel
     fn = _FUNCTIONS.get(key)
     if fn is None:
         fn = _FUNCTIONS[key] = Kernel(_module(name, expressions).get_function(expression))
-        if carveout() == "max":
-            _prefer_shared(fn.ptr)
     return fn
-
-
-def carveout() -> str:
-    """The shared-memory carveout every kernel asks for, from ``LOCKSTEP_CUDA_CARVEOUT``: "auto"
-    (default: the driver picks each kernel's L1/shared split) or "max" (every kernel prefers the
-    largest shared split, so consecutive kernels never differ in it; docs/cuda.md)."""
-    from providers.cuda import env
-
-    return env.switch("LOCKSTEP_CUDA_CARVEOUT")
-
-
-def _prefer_shared(fn: int) -> None:
-    """Ask for the largest shared-memory carveout (100 percent) on CUfunction ``fn``
-    (``cuFuncSetAttribute``, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT).
-
-    Raises:
-        RuntimeError: the driver refused the attribute.
-    """
-    from cuda.bindings import driver
-
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-    (err,) = driver.cuFuncSetAttribute(driver.CUfunction(fn), attr, 100)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuFuncSetAttribute(preferred shared memory carveout) failed: {err}")
 
 
 _CTYPES: dict = {}
