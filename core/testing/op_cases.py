@@ -522,24 +522,27 @@ def _reduce_sum(rng, dtype):
     return {"x": rng.integers(0, 2, (3, 12)).astype(np.int64), "axes": np.array([1], np.int64)}
 
 
-def _mask_rows(width):
-    """An attention mask [5, width]: each row ones over a prefix of its own length (1 to width),
-    as a decode step's persistent mask; a case of the fused ReduceSumSubCast."""
+def _mask_rows(width, data=np.int64):
+    """An attention mask [5, width] of ``data``: each row ones over a prefix of its own length
+    (1 to width), as a decode step's persistent mask; a case of the fused ReduceSumSubCast."""
     def make(rng, dtype):
         lengths = rng.integers(1, width + 1, 5)
-        mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
+        mask = (np.arange(width)[None, :] < lengths[:, None]).astype(data)
         return {"x": mask, "axes": np.array([1], np.int64), "b": np.array([1], np.int64)}
     return make
 
 
-def _mask_seqlens_case(width: int, keepdims: int) -> OpCase:
-    """lockstep.ReduceSumSubCast: the builder's seqlens_k = int32(ReduceSum(mask, [1]) - 1)."""
+def _mask_seqlens_case(width: int, keepdims: int, data=np.int64) -> OpCase:
+    """lockstep.ReduceSumSubCast: the builder's seqlens_k = int32(ReduceSum(mask, [1]) - 1), of an
+    int64 mask as the builder writes it, or of another integer ``data`` (an int32 mask: the
+    providers' general path, on cuda the CuPy expressions rather than the kernel)."""
     def unfused():
         return [helper.make_node("ReduceSum", ["x", "axes"], ["sum"], keepdims=keepdims),
                 helper.make_node("Sub", ["sum", "b"], ["diff"]),
                 helper.make_node("Cast", ["diff"], ["y"], to=TensorProto.INT32)]
 
-    return OpCase(f"ReduceSumSubCast/mask-w{width}-keep{keepdims}", "ReduceSumSubCast", _mask_rows(width),
+    tag = "" if data is np.int64 else f"-{np.dtype(data).name}"
+    return OpCase(f"ReduceSumSubCast/mask-w{width}-keep{keepdims}{tag}", "ReduceSumSubCast", _mask_rows(width, data),
                   domain="lockstep", attributes={"keepdims": keepdims, "to": TensorProto.INT32},
                   constants=("axes", "b"), dtypes=("int32",), tolerance=dict(EXACT), rows=("x",), unfused=unfused)
 
@@ -600,6 +603,7 @@ OP_CASES: list[OpCase] = [
     _mask_seqlens_case(12, 0),
     _mask_seqlens_case(4100, 0),
     _mask_seqlens_case(64, 1),
+    _mask_seqlens_case(64, 1, np.int32),
 ]
 
 

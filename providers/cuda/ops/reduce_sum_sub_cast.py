@@ -16,8 +16,17 @@ from providers.cuda import replay
 from providers.cuda.module import function
 from providers.cuda.ops import is_host
 
+#: Launcher runs per path since import: "kernel" (rowsum_sub_i32) or "cupy" (the general path).
+_counts = {"kernel": 0, "cupy": 0}
+
 OP_TYPE = "ReduceSumSubCast"
 DOMAIN = "lockstep"
+
+
+def stats() -> dict:
+    """Launcher runs per path since import ({"kernel": n, "cupy": n}); tests read it to know
+    which path a case took."""
+    return dict(_counts)
 
 
 def run(ctx, data, axes, b):
@@ -32,10 +41,12 @@ def run(ctx, data, axes, b):
     if (is_host(b) and data.dtype == np.int64 and data.ndim == 2 and red == (1,) and np.size(b) == 1
             and np.broadcast_shapes(shape, np.shape(b)) == shape and to == np.int32 and data.flags.c_contiguous):
         out = ctx.output(0, shape, np.int32)
+        _counts["kernel"] += 1
         if data.shape[0]:
             kern = function("mask", "rowsum_sub_i32", ("rowsum_sub_i32",))
             kern((data.shape[0],), (128,), (data, np.int64(data.shape[1]), np.int64(np.asarray(b).reshape(-1)[0]), out))
         return (out,)
+    _counts["cupy"] += 1
     summed = cupy.sum(data, axis=red, keepdims=keepdims)
     bd = cupy.asarray(b)
     diff = summed - bd.astype(np.result_type(data.dtype, bd.dtype))
