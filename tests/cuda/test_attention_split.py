@@ -96,6 +96,27 @@ def test_decode_block_sizes_give_the_same_bits(long_model, gpu, monkeypatch):
     assert np.array_equal(runs[128].logits, runs[256].logits)
 
 
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_a_compile_time_head_size_gives_the_same_bits(head_size, gpu, monkeypatch, tmp_path):
+    """gqa_decode is compiled for head sizes 64 and 128 (HC, group_query_attention.static_head):
+    the index arithmetic becomes shifts, the floating-point operations stay the same. So the
+    static and run-time kernels give the same tokens and logits, bitwise, for rows of 1 to 4
+    chunks at batch 3 and 1, captured; and the static kernel did run."""
+    from providers.cuda.ops import group_query_attention as gqa
+
+    model = make_tiny_model(tmp_path, dtype="float16", config=TinyConfig(
+        context=512, hidden=4 * head_size, heads=4, kv_heads=2, head_size=head_size))
+    for rows in (_prompts([5, 70, 200]), _prompts([130])):
+        runs = {}
+        for static in (True, False):
+            monkeypatch.setattr(gqa, "STATIC_HEAD", static)
+            before = gqa.stats()["decode_static_head"]
+            runs[static] = decode(Session(model, gpu, batch=len(rows)), rows, 24, keep_logits=True)
+            assert (gqa.stats()["decode_static_head"] > before) == static  # which kernel ran
+        assert np.array_equal(runs[True].tokens, runs[False].tokens)
+        assert np.array_equal(runs[True].logits, runs[False].logits)
+
+
 def test_a_wrong_position_guess_gives_the_same_bits(long_model, gpu, monkeypatch):
     """gqa_decode loads the cos/sin rows and a chunk's first K/V tiles before the PDL wait at a
     guess of each row's position (kernels/group_query_attention.cu QkvRound) and reloads them

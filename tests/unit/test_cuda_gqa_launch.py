@@ -16,7 +16,16 @@ def test_decode_block_size_is_256_while_row_head_pairs_fit_the_multiprocessors(m
             expected = 256 if bsz * nkv <= sms else 128
             assert gqa.decode_threads(bsz, nkv) == expected, (bsz, nkv)
     assert {e for e in gqa._exprs("__half") if e.startswith("gqa_decode")} == {
-        "gqa_decode<__half, 128>", "gqa_decode<__half, 256>"}
+        f"gqa_decode<__half, {n}, {hc}>" for n in (128, 256) for hc in (0, *gqa.STATIC_HEADS)}
+
+
+def test_static_head_size_only_for_the_compiled_sizes(monkeypatch):
+    """gqa_decode's HC argument is the head size where it is compiled for it (64, 128) and the
+    switch is on; every other size, or the switch off, runs H at run time (HC = 0)."""
+    monkeypatch.setattr(gqa, "STATIC_HEAD", True)
+    assert [gqa.static_head(h) for h in (16, 32, 64, 80, 96, 128, 256)] == [0, 0, 64, 0, 0, 128, 0]
+    monkeypatch.setattr(gqa, "STATIC_HEAD", False)
+    assert [gqa.static_head(h) for h in (64, 128)] == [0, 0]
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])

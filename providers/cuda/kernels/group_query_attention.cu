@@ -535,14 +535,18 @@ __device__ __forceinline__ bool chunk_rows(const Geo& g, int c, int p, int& j0, 
 // part[b, h, c, H + 2] (m_c, l_c, o_c) and the block that takes the last ticket of
 // tickets[b, kv head] folds them in chunk order and resets the ticket to 0.  Scores are one thread
 // per (head, key) and values one thread per (head, two adjacent dims): the chains of the header.
-template <typename T, int NTT>
+// HC: the head size when the launcher knows it at compile time (64 or 128), else 0 (H at run time).
+// A compile-time H turns the index arithmetic of every loop over head values (e / H, e % H) into
+// shifts and fixes the loops' trip counts; the floating-point operations and their order are the
+// same, so the bits are too.
+template <typename T, int NTT, int HC>
 __global__ void __launch_bounds__(NTT, 1) gqa_decode(const T* __restrict__ qin, const T* __restrict__ kin,
                            const T* __restrict__ vin,
                            T* kc, T* vc, const int* __restrict__ seqlens, const int* hint, const T* cosc,
                            const T* sinc, int do_rotary, const T* sinks, T* out, float* part, int* tickets,
                            const T* qnw, const T* knw, float qeps, float keps,
     int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
-    const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
+    const Geo g{B, S, nq, nkv, HC > 0 ? HC : H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
     extern __shared__ uint4 sm4[];  // 16-byte aligned: the tiles first
     const int c = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, G = g.nq / g.nkv, tid = threadIdx.x;
     const int nch = gridDim.x, stride = g.H + 2, ts = dtile_stride<T>(g.H);

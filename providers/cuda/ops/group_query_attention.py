@@ -43,7 +43,8 @@ CH = 64  # positions per KV chunk (the kernel's CH)
 #: Launcher runs per path since import (replayed launches are not counted): "qk_norm" took the
 #: fused q/k RMSNorm, "plain" did not; "decode_128" and "decode_256" count decode launches by
 #: block size (:func:`decode_threads`).
-_counts = {"qk_norm": 0, "plain": 0, "decode_128": 0, "decode_256": 0, "decode_hinted": 0}
+_counts = {"qk_norm": 0, "plain": 0, "decode_128": 0, "decode_256": 0, "decode_hinted": 0,
+           "decode_static_head": 0}
 #: Whether ``gqa_decode`` may take its hinted prologue (:func:`hinted`; ``LOCKSTEP_CUDA_ATTN_HINT``,
 #: default on). Either way every output bit is the same.
 HINT = env.switch("LOCKSTEP_CUDA_ATTN_HINT")
@@ -83,8 +84,24 @@ def replay_key(ctx, *inputs) -> tuple:
     return (total == inputs[0].shape[1], total <= cap), replay.host_values(inputs, skip=6)
 
 
+#: Head sizes ``gqa_decode`` is compiled for at compile time (its HC template argument); any other
+#: runs the kernel with H at run time (HC = 0).
+STATIC_HEADS = (64, 128)
+#: Whether decode launches use the compile-time head size where it is one of STATIC_HEADS
+#: (``LOCKSTEP_CUDA_ATTN_STATIC_HEAD``, default on; docs/benchmarks/kernels.md section 25). The
+#: same floating-point operations in the same order either way, so the same bits.
+STATIC_HEAD = env.switch("LOCKSTEP_CUDA_ATTN_STATIC_HEAD")
+
+
 def _exprs(t):
-    return (f"gqa_decode<{t}, 128>", f"gqa_decode<{t}, 256>", f"gqa_attn<{t}>", f"gqa_kv_write<{t}>")
+    decode = tuple(f"gqa_decode<{t}, {n}, {hc}>" for n in (128, 256) for hc in (0, *STATIC_HEADS))
+    return (*decode, f"gqa_attn<{t}>", f"gqa_kv_write<{t}>")
+
+
+def static_head(h: int) -> int:
+    """The HC template argument of ``gqa_decode`` for head size ``h``: ``h`` itself where it is
+    one of STATIC_HEADS and STATIC_HEAD is on, else 0 (H at run time)."""
+    return h if STATIC_HEAD and h in STATIC_HEADS else 0
 
 
 def decode_threads(bsz: int, nkv: int) -> int:
@@ -185,7 +202,10 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         if use_hint and not norm and hinted(group, h, threads):
             _counts["decode_hinted"] += 1
         hint = NULL if not use_hint else seqlens if HINT_SHIFT == 0 else _shifted(ctx, seqlens, HINT_SHIFT)
-        kern = function("group_query_attention", f"gqa_decode<{t}, {threads}>", _exprs(t))
+        hc = static_head(h)
+        if hc:
+            _counts["decode_static_head"] += 1
+        kern = function("group_query_attention", f"gqa_decode<{t}, {threads}, {hc}>", _exprs(t))
         tiles = 2 * CH * _decode_tile_stride(h, dtype) * dtype.itemsize
         shared = tiles + (group * h + group * CH + 2 * group + 1 + h) * 4
         _shared_limit(kern, shared)
