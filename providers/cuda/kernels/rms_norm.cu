@@ -89,12 +89,14 @@ template <int V>
 __global__ void rms_norm_h8(const __half* __restrict__ x, const __half* __restrict__ skip, long long skip_size,
                             const __half* __restrict__ bias, const __half* __restrict__ gamma, __half* __restrict__ y,
                             __half* __restrict__ sum_out, float* mean_out, float* inv_out, int D, float eps) {
+    // the skip row's offset before the wait (it reads no memory); the 64-bit remainder, a long
+    // software division, only for a broadcast skip shorter than x
+    const long long row = blockIdx.x, base = row * D;
+    const long long sbase = !skip ? 0 : base < skip_size ? base : base % skip_size;
     PDL_ENTER();
     extern __shared__ float sm[];
     float* red = sm;
     float* v = sm + 32;
-    const long long row = blockIdx.x, base = row * D;
-    const long long sbase = skip ? base % skip_size : 0;
     const int nv = D >> 3;
     // every load is unconditional (a piece past the row re-reads the last one; a missing skip or
     // bias reads x) so that the compiler issues them back to back
