@@ -42,7 +42,8 @@ CH = 64  # positions per KV chunk (the kernel's CH)
 
 #: Launcher runs per path since import (replayed launches are not counted): "qk_norm" took the
 #: fused q/k RMSNorm, "plain" did not; "decode_128" and "decode_256" count decode launches by
-#: block size (:func:`decode_threads`).
+#: block size (:func:`decode_threads`), "decode_hinted" those that took the hinted prologue and
+#: "decode_static_head" those that ran the compile-time head size (:func:`static_head`).
 _counts = {"qk_norm": 0, "plain": 0, "decode_128": 0, "decode_256": 0, "decode_hinted": 0,
            "decode_static_head": 0}
 #: Whether ``gqa_decode`` may take its hinted prologue (:func:`hinted`; ``LOCKSTEP_CUDA_ATTN_HINT``,
