@@ -635,7 +635,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {given[0]} (options follow the command: lockstep run --help)")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        hint = ""
+        if args.command == "run" and any(not u.startswith("-") for u in unknown):
+            hint = '; a prompt goes after --prompt, e.g. lockstep run --prompt "What is 2 + 2?"'
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     try:
         return args.func(args)
     except USER_ERRORS as exc:

@@ -137,13 +137,13 @@ class Registry:
         """Create provider ``name`` and check it against the protocol.
 
         Raises:
-            ProviderError: unknown name (the message lists the available providers), the
+            ProviderError: unknown name (the message lists the installed providers), the
                 factory raised (e.g. no GPU), missing protocol members, or a protocol version
                 this core does not speak.
         """
         entry = self.entries.get(name)
         if entry is None:
-            raise ProviderError(f"unknown provider {name!r}; available: {self.describe()}")
+            raise ProviderError(f"unknown provider {name!r}; installed: {self.describe()}")
         where = f"provider {name!r} (plugin {entry.plugin!r}, package {entry.package})"
         try:
             provider = entry.spec.factory()

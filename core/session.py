@@ -170,7 +170,7 @@ class Session:
     Raises:
         RequestError: bad batch/capacity/layout/policy values (seq_major + growing at batch > 1
             is refused: growth would relocate every row b > 0), checked before any upload.
-        core.plugins.ProviderError: unknown provider (lists the available ones).
+        core.plugins.ProviderError: unknown provider (lists the installed ones).
         core.models.model.ModelError: the model folder is missing or incomplete.
         core.executor.UnsupportedOpError: the provider cannot run some graph node.
     """

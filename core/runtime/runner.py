@@ -53,7 +53,7 @@ class Runner:
 
     Raises:
         kv.KVLayoutError: an unknown layout, or one the provider's kernels do not read.
-        core.plugins.ProviderError: unknown provider (lists the available ones).
+        core.plugins.ProviderError: unknown provider (lists the installed ones).
         core.models.model.ModelError: the model folder is missing or incomplete.
         core.executor.UnsupportedOpError: the provider cannot run some graph node.
         core.runtime.residency.BudgetError: a budget too small for the always-resident weights

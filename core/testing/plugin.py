@@ -68,7 +68,7 @@ def pytest_configure(config: pytest.Config) -> None:
     from core.plugins import ProviderError, registry
 
     if name not in registry().names():
-        raise pytest.UsageError(f"--lockstep-provider: unknown provider {name!r}; available: "
+        raise pytest.UsageError(f"--lockstep-provider: unknown provider {name!r}; installed: "
                                 f"{registry().describe()}")
     try:  # one usage error for a provider that cannot be made here (no GPU), not a failure per test
         registry().create(name)

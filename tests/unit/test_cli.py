@@ -41,6 +41,21 @@ def test_error_text_is_printed_verbatim_not_as_markup(tmp_path, capsys):
     assert code == 2 and "x[/y]" in out.err and out.err.count("\n") == 1
 
 
+def test_a_bare_prompt_gets_a_hint_to_use_the_prompt_flag(capsys, monkeypatch):
+    """`lockstep run "text"` (a prompt without --prompt) is refused before any model work, and
+    the message shows where a prompt goes; an unknown option alone gets no such hint."""
+    monkeypatch.setattr("core.cli.resolve_model", lambda *a, **k: pytest.fail("model built"))
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "What is the capital of France?"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "unrecognized arguments: What is the capital of France?" in err
+    assert "--prompt" in err.split("unrecognized arguments")[1]
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--prompt", "hi", "--no-such-flag"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--no-such-flag" in err and "a prompt goes after" not in err
+
+
 def test_unknown_provider_is_reported_before_any_model_work(capsys, monkeypatch):
     monkeypatch.setattr("core.cli.resolve_model", lambda *a, **k: pytest.fail("model built"))
     code, out = run(capsys, "run", "--provider", "nope", "--prompt", "hi")

@@ -197,7 +197,7 @@ def test_hookimpl_with_arguments_the_hookspec_lacks_is_named(installed):
 
 def test_unknown_provider_lists_the_available_ones(installed):
     reg = installed(entry("good", plugin(ProviderSpec("good", Good))))
-    with pytest.raises(ProviderError, match="unknown provider 'nope'; available: cpu_reference, cuda, good"):
+    with pytest.raises(ProviderError, match="unknown provider 'nope'; installed: cpu_reference, cuda, good"):
         reg.create("nope")
 
 
