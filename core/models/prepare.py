@@ -389,11 +389,19 @@ INFO_EVERY_S = 1.0
 _BAR = re.compile(r"\d+%\|.*\|")
 
 
+#: Builder lines that describe the builder, not this build (its list of every precision and
+#: execution provider pair, most of which Lockstep does not offer): kept for an error, never shown.
+_QUIET = ("Valid precision + execution provider combinations",)
+
+
 def _routine(line: str) -> str | None:
     """The kind of a routine builder output line, thinned separately: "info" for an INFO log line
     (the quantizer writes one per node: hundreds for an int4 build), "bar" for a progress bar's
-    update (one per tensor read or written); None for any other line."""
+    update (one per tensor read or written), "quiet" for a line never shown (:data:`_QUIET`);
+    None for any other line."""
     head = line[:120]  # e.g. "2026-12-02 04:20:46,591 onnxruntime.quantization.matmul_nbits_quantizer [INFO] - ..."
+    if line.startswith(_QUIET):
+        return "quiet"
     if line.startswith(("INFO:", "[INFO]")) or " [INFO] " in head or " - INFO - " in head:
         return "info"
     return "bar" if _BAR.search(head) else None
@@ -421,6 +429,8 @@ def _run_builder(hf: Path, tmp: Path, variant: Variant, root: Path, progress: Pr
                 kind = _routine(line)
                 if kind != "bar":  # a failure's tail is the log, not the redraws of a bar
                     lines.append(line)
+                if kind == "quiet":
+                    continue
                 if kind is not None:  # one line a second at most of each kind
                     now = time.monotonic()
                     if now - last.get(kind, float("-inf")) < INFO_EVERY_S:

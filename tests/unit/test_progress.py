@@ -133,3 +133,15 @@ def test_a_sweep_point_too_large_for_memory_is_refused_before_it_runs(model_dir,
     assert rows[0]["refused"].startswith("out of memory (needs ~") and "the host has" in rows[0]["refused"]
     assert rows[0]["row0_matches_batch1"] is None
     assert "out of memory" in capsys.readouterr().out
+
+
+def test_builder_lines_are_sorted_into_routine_kinds():
+    """The builder's output lines: INFO logs and progress bars are thinned, its list of every
+    precision/provider pair is never shown (it names pairs Lockstep does not offer), anything
+    else is shown as it comes."""
+    from core.models import prepare as prep
+
+    assert prep._routine("2026-12-02 04:20:46,591 onnxruntime.quantization [INFO] - quantizing") == "info"
+    assert prep._routine("Loading weights:  42%|████▏     | 115/272 [00:01<00:01, 99.1it/s]") == "bar"
+    assert prep._routine("Valid precision + execution provider combinations are: FP32 CPU, INT8 CPU") == "quiet"
+    assert prep._routine("Reading decoder layer 0") is None
