@@ -70,8 +70,8 @@ def test_empty_prompt_text_is_refused(fp32_model):
         core.run(fp32_model, prompts=["hello", "  "], max_new_tokens=2)
 
 
-def test_unknown_provider_lists_available(fp32_model):
-    with pytest.raises(core.ProviderError, match="available: .*cpu_reference"):
+def test_unknown_provider_lists_the_installed_ones(fp32_model):
+    with pytest.raises(core.ProviderError, match="installed: .*cpu_reference"):
         core.run(fp32_model, provider="nope", input_ids=[[1]], max_new_tokens=1)
 
 
