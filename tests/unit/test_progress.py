@@ -139,9 +139,28 @@ def test_builder_lines_are_sorted_into_routine_kinds():
     """The builder's output lines: INFO logs and progress bars are thinned, its list of every
     precision/provider pair is never shown (it names pairs Lockstep does not offer), anything
     else is shown as it comes."""
-    from core.models import prepare as prep
-
     assert prep._routine("2026-12-02 04:20:46,591 onnxruntime.quantization [INFO] - quantizing") == "info"
     assert prep._routine("Loading weights:  42%|████▏     | 115/272 [00:01<00:01, 99.1it/s]") == "bar"
     assert prep._routine("Valid precision + execution provider combinations are: FP32 CPU, INT8 CPU") == "quiet"
     assert prep._routine("Reading decoder layer 0") is None
+
+
+def test_the_builders_quiet_lines_reach_the_error_tail_but_not_the_progress(tmp_path, monkeypatch):
+    """_run_builder passes the builder's ordinary lines on to the progress callback and never
+    its list of every precision/provider pair; a failing build still shows that line in the
+    error's tail (the whole log but the bars' redraws)."""
+    import sys
+
+    script = ("import sys, pathlib\n"
+              "print('Valid precision + execution provider combinations are: FP32 CPU, INT8 CPU')\n"
+              "print('Reading decoder layer 0')\n"
+              "out = pathlib.Path(sys.argv[sys.argv.index('-o') + 1]); out.mkdir(parents=True, exist_ok=True)\n"
+              "if '--fail' not in sys.argv: (out / 'model.onnx').write_bytes(b'')\n")
+    variant = prep.Variant("smollm2-135m", "fp32", "cpu")
+    shown: list[str] = []
+    monkeypatch.setattr(prep, "BUILDER_COMMAND", (sys.executable, "-c", script))
+    prep._run_builder(tmp_path / "hf", tmp_path / "out", variant, tmp_path, shown.append)
+    assert shown == ["builder: Reading decoder layer 0"]
+    monkeypatch.setattr(prep, "BUILDER_COMMAND", (sys.executable, "-c", script, "--fail"))
+    with pytest.raises(prep.PrepareError, match="Valid precision"):
+        prep._run_builder(tmp_path / "hf", tmp_path / "out2", variant, tmp_path, shown.append)
