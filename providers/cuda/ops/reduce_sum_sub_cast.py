@@ -19,6 +19,9 @@ from providers.cuda.ops import is_host
 #: Launcher runs per path since import: "kernel" (rowsum_sub_i32) or "cupy" (the general path).
 _counts = {"kernel": 0, "cupy": 0}
 
+#: Threads per row block of ``rowsum_sub_i32`` (kernels/mask.cu MASK_NT).
+THREADS = 128
+
 OP_TYPE = "ReduceSumSubCast"
 DOMAIN = "lockstep"
 
@@ -44,7 +47,8 @@ def run(ctx, data, axes, b):
         _counts["kernel"] += 1
         if data.shape[0]:
             kern = function("mask", "rowsum_sub_i32", ("rowsum_sub_i32",))
-            kern((data.shape[0],), (128,), (data, np.int64(data.shape[1]), np.int64(np.asarray(b).reshape(-1)[0]), out))
+            shift = np.int64(np.asarray(b).reshape(-1)[0])
+            kern((data.shape[0],), (THREADS,), (data, np.int64(data.shape[1]), shift, out))
         return (out,)
     _counts["cupy"] += 1
     summed = cupy.sum(data, axis=red, keepdims=keepdims)
