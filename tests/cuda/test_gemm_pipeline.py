@@ -2,7 +2,7 @@
 and each seen to run:
 
 - PIPE (``_mma.PIPELINE``, set to "all": whole segments of weights in flight, token-major grid) for dense,
-  gate/up (GLU), RMSNorm prologue and int4 kernels, at row counts of every token tiling (NJ = 1,
+  gate/up (GLU) and int4 kernels, at row counts of every token tiling (NJ = 1,
   2, 4) and K that end inside a segment, fill it, and take several segments per warp; the
   two-tile dense kernel also in blocks of 8, 4 and 2 warps (``_mma.PIPE2_WARPS``);
 - mma_wide / mma_wide4 (``_mma.WIDE``, set to "all": 64-token tiles staged in shared memory) for dense, GLU
@@ -10,8 +10,6 @@ and each seen to run:
   quantisation blocks of 32 to 128), both feature widths (F = 1, 2), rows and features that do
   not fill a tile;
 
-- the int4 RMSNorm prologue (``mma_nbits4`` NORM), bitwise the norm kernel followed by the
-  projection kernel, under every schedule;
 - split-K (``_mma.SPLIT``: a tile's K segments over several blocks, the last one folding the
   partials from the workspace) for int4 and int4 gate/up launches of 1-8 rows, under both
   schedules, back to back (the tickets are left at zero), and captured in a CUDA graph and
@@ -25,7 +23,7 @@ from _gpu import require_gpu
 
 cupy = require_gpu()
 
-from providers.cuda.ops import NULL, _mma, _norm  # noqa: E402
+from providers.cuda.ops import NULL, _mma  # noqa: E402
 
 SHAPES = [(1, 64, 40), (3, 576, 72), (8, 2048, 48), (9, 2304, 32), (17, 4864, 16), (40, 8192, 24), (256, 1024, 80)]
 #: K that end inside a 64-wide chunk (the dense kernels' zero tails; int4 needs K % 16 == 0 and
@@ -63,9 +61,9 @@ def _both(monkeypatch, ran, call):
 
 
 def _pipe_of(expr: str) -> str:
-    """The PIPE template argument of a row-kernel expression (mma_dense's 4th, mma_nbits4's 5th)."""
+    """The PIPE template argument of a row-kernel expression (mma_dense's 3rd, mma_nbits4's 4th)."""
     args = expr[expr.index("<") + 1:-1].split(", ")
-    return args[3] if expr.startswith("mma_dense<") else args[4]
+    return args[2] if expr.startswith("mma_dense<") else args[3]
 
 
 @pytest.mark.parametrize("glu", [False, True])
@@ -108,7 +106,7 @@ def test_token_tiles_and_schedules_of_the_row_kernel_are_bitwise_one_tile(monkey
         y = cupy.full((m, n), np.nan, np.float16)
         _mma.dense(a, wp, None, y, m, n, k, NULL, glu=glu)
         tiles = min(int(nj), 1 if m <= 8 else 2 if m <= 16 else 4)
-        assert ran == [f"mma_dense<{tiles}, {_mma._BOOL[glu]}, false, {_mma._BOOL[pipeline == 'all']}>"]
+        assert ran == [f"mma_dense<{tiles}, {_mma._BOOL[glu]}, {_mma._BOOL[pipeline == 'all']}>"]
         out.append(y.get().view(np.uint16))
     assert all(np.array_equal(out[0], o) for o in out[1:])
     assert not np.isnan(out[0].view(np.float16)).any()
@@ -140,34 +138,11 @@ def test_two_tile_pipe_blocks_of_fewer_warps_than_segments_are_bitwise_the_plain
         del ran[:], blocks[:]
         y = cupy.full((m, n), np.nan, np.float16)
         _mma.dense(a, wp, None, y, m, n, k, NULL, glu=glu)
-        assert ran == [f"mma_dense<2, {_mma._BOOL[glu]}, false, {_mma._BOOL[pipeline == 'auto']}>"]
+        assert ran == [f"mma_dense<2, {_mma._BOOL[glu]}, {_mma._BOOL[pipeline == 'auto']}>"]
         assert blocks == [32 * min(nseg, warps)]
         out.append(y.get().view(np.uint16))
     assert all(np.array_equal(out[0], o) for o in out[1:])
     assert not np.isnan(out[0].view(np.float16)).any()
-
-
-@pytest.mark.parametrize("k", [64, 200, 576, 2048])
-def test_pipelined_norm_prologue_is_bitwise_the_plain_schedule(monkeypatch, ran, k):
-    rng = np.random.default_rng(k)
-    n = 48
-    x, skip = (cupy.asarray(rng.standard_normal((1, k)).astype(np.float16)) for _ in range(2))
-    gamma = cupy.asarray(rng.standard_normal(k).astype(np.float16))
-    wp = cupy.asarray(_mma.pack(np, rng.standard_normal((k, n)).astype(np.float16)))
-    sums = []
-
-    def call():
-        y, s = cupy.full((1, n), np.nan, np.float16), cupy.full((1, k), np.nan, np.float16)
-        _mma.dense(x, wp, None, y, 1, n, k, NULL, norm=_mma.Norm(skip, gamma, s, 1e-5))
-        sums.append(s.get())
-        return y
-
-    plain, piped = _both(monkeypatch, ran, call)
-    assert np.array_equal(plain.view(np.uint16), piped.view(np.uint16))
-    assert np.array_equal(sums[0].view(np.uint16), sums[1].view(np.uint16))
-    # the residual sum (output 3) was written: x + skip rounded to fp16
-    assert np.array_equal(sums[1], (x.get().astype(np.float32) + skip.get().astype(np.float32)).astype(np.float16))
-    assert all(e.startswith("mma_dense<1, false, true, ") for e in ran)  # the RMSNorm prologue ran
 
 
 class Int4Case:
@@ -302,70 +277,6 @@ def test_wide_int4_gate_up_and_bias_are_bitwise_the_row_kernel(monkeypatch, ran,
 
 def _bitwise(outs) -> bool:
     return all(np.array_equal(outs[0].view(np.uint16), o.view(np.uint16)) for o in outs[1:])
-
-
-class NormCase:
-    """One row x, skip and gamma (fp16, on the device) of an RMSNorm prologue, and the two-part
-    reference: kernels/rms_norm.cu's normalised row and residual sum."""
-
-    def __init__(self, rng, k):
-        self.k = k
-        self.x, self.skip = (cupy.asarray(rng.standard_normal((1, k)).astype(np.float16)) for _ in range(2))
-        self.gamma = cupy.asarray(rng.standard_normal(k).astype(np.float16))
-        self.normed = cupy.full((1, k), np.nan, np.float16)
-        self.total = cupy.full((1, k), np.nan, np.float16)
-        _norm.launch(self.x, self.skip, None, self.gamma, self.normed, self.total, None, None, k, 1e-5)
-
-    def norm(self, sums: list):
-        """A fresh :class:`_mma.Norm` whose residual-sum output is appended to ``sums``."""
-        sums.append(cupy.full((1, self.k), np.nan, np.float16))
-        return _mma.Norm(self.skip, self.gamma, sums[-1], 1e-5)
-
-
-@pytest.mark.parametrize("glu", [False, True])
-@pytest.mark.parametrize("k", [352, 2144, 4400])
-def test_int4_norm_prologue_is_bitwise_the_norm_then_the_projection(monkeypatch, ran, k, glu):
-    n = 104
-    rows = _mma.glu_width(n) if glu else n  # GLU: gate and up rows interleaved, as prepared
-    rng = np.random.default_rng(k + glu)
-    case = Int4Case(rng, 1, k, rows, 32, np.float16, 1)
-    nc, sums = NormCase(rng, k), []
-    width = n if glu else rows
-
-    def project(x, norm=None):
-        y = cupy.full((1, width), np.nan, np.float16)
-        _mma.nbits4(x, case.w, None, y, 1, NULL, glu_out=n if glu else 0, norm=norm)
-        return y
-
-    outs = _both(monkeypatch, ran, lambda: project(nc.x, nc.norm(sums)))
-    assert all(e.startswith(f"mma_nbits4<1, __half, {_mma._BOOL[glu]}, true, ") for e in ran)  # the prologue ran
-    monkeypatch.setattr(_mma, "PIPELINE", "off")
-    two_part = project(nc.normed).get()
-    assert _bitwise([two_part, *outs])
-    for total in sums:  # the residual sum (output 3) is the norm kernel's
-        assert np.array_equal(total.get().view(np.uint16), nc.total.get().view(np.uint16))
-
-
-@pytest.mark.parametrize("glu", [False, True])
-@pytest.mark.parametrize("k", [200, 2144, 4400])
-def test_dense_norm_prologue_is_bitwise_the_norm_then_the_projection(monkeypatch, ran, k, glu):
-    n = 104
-    rng = np.random.default_rng(k * 7 + glu)
-    w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))
-    wp = cupy.asarray(_mma.pack(np, w, up if glu else None))
-    nc, sums = NormCase(rng, k), []
-
-    def project(x, norm=None):
-        y = cupy.full((1, n), np.nan, np.float16)
-        _mma.dense(x, wp, None, y, 1, n, k, NULL, glu=glu, norm=norm)
-        return y
-
-    outs = _both(monkeypatch, ran, lambda: project(nc.x, nc.norm(sums)))
-    assert all(e.startswith(f"mma_dense<1, {_mma._BOOL[glu]}, true, ") for e in ran)
-    monkeypatch.setattr(_mma, "PIPELINE", "off")
-    assert _bitwise([project(nc.normed).get(), *outs])
-    for total in sums:
-        assert np.array_equal(total.get().view(np.uint16), nc.total.get().view(np.uint16))
 
 
 def _split_and_unsplit(monkeypatch, ran, call):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from core.protocol import KernelContext, NodeInfo
-from providers.cuda.ops import _mma, matmul, matmul_nbits, rms_norm_matmul, silu_gated_matmul, silu_gated_matmul_nbits
+from providers.cuda.ops import _mma, matmul, matmul_nbits, silu_gated_matmul, silu_gated_matmul_nbits
 
 
 class HostMemory:
@@ -77,7 +77,7 @@ def test_prepared_gated_matmul_launches_what_the_unprepared_one_does(launches):
     assert set(changes) == {1, 2} and changes[2] is None
     assert np.array_equal(changes[1], _mma.pack(np, wg, wu))
     silu_gated_matmul.run(ctx, x, changes[1], None)
-    assert launches[0][0] == f"mma_dense<1, true, false, {_mma._BOOL[_mma.pipelined(_mma.glu_width(52), False, 3)]}>"
+    assert launches[0][0] == f"mma_dense<1, true, {_mma._BOOL[_mma.pipelined(_mma.glu_width(52), False, 3)]}>"
     _same_launch(launches[0], launches[1])
 
 
@@ -113,7 +113,7 @@ def test_prepared_gated_nbits_interleaves_once_and_launches_what_the_unprepared_
     prepared = [changes.get(j) for j in (1, 2, 3)]
     silu_gated_matmul_nbits.run(ctx, x, *prepared, None, None, None)
     pipe = _mma._BOOL[_mma.pipelined(2 * n, True)]
-    assert launches[0][0] == f"mma_nbits4<1, __half, true, false, {pipe}, {_mma._BOOL[zp]}>"
+    assert launches[0][0] == f"mma_nbits4<1, __half, true, {pipe}, {_mma._BOOL[zp]}>"
     _same_launch(launches[0], launches[1])
 
 
@@ -134,7 +134,7 @@ def test_prepared_nbits_packs_once_and_launches_what_the_unprepared_one_does(lau
     # the packed bytes are the raw bytes (K a multiple of 64 and bs, N of 16: nothing padded)
     assert changes[1].nbytes == b.nbytes and changes[2].nbytes == sc.nbytes
     matmul_nbits.run(ctx, a, changes[1], changes[2], changes.get(3))
-    assert launches[0][0].startswith("mma_nbits4<1, __half, false, false, ")
+    assert launches[0][0].startswith("mma_nbits4<1, __half, false, ")
     _same_launch(launches[0], launches[1])
     # fed weights, fp32 activations and g_idx are left alone
     assert matmul_nbits.prepare(_ctx("MatMulNBits", names, attrs, (np.float16,)), None, None, sc, z) is None
@@ -170,8 +170,8 @@ def test_the_load_schedule_flag_picks_the_kernel_and_every_launch_is_compiled(la
                                          (np.float16,)), x, *gate, *up)
     exprs = [launch[0] for launch in launches]
     assert len(exprs) == 6 and all(e in _mma.EXPRS for e in exprs)
-    # PIPE: mma_dense's last template argument, mma_nbits4's fifth (the zero-point flag is last)
-    pipes = [e[e.index("<") + 1:-1].split(", ")[3 if e.startswith("mma_dense") else 4] for e in exprs]
+    # PIPE: mma_dense's last template argument, mma_nbits4's fourth (the zero-point flag is last)
+    pipes = [e[e.index("<") + 1:-1].split(", ")[2 if e.startswith("mma_dense") else 3] for e in exprs]
     assert pipes == [_mma._BOOL[pipeline]] * 6
     assert all(e.endswith(", true>") for e in exprs if e.startswith("mma_nbits4"))  # packed zero points
     # the PIPE grid is (token blocks, feature tiles, splits): 40 rows are 2 blocks of 32, N = 48 is
@@ -237,9 +237,8 @@ def test_int4_tensor_core_kernels_take_integer_zero_points_and_blocks_of_32_or_m
 
 
 def test_the_default_switches_pick_the_measured_schedules(launches, monkeypatch):
-    """The measured defaults (docs/benchmarks/kernels.md section 7): PIPE for int4 launches and
-    one-tile dense ones without the prologue, the tiled kernels for dense launches; "off" and
-    "all" cover both."""
+    """The measured defaults: PIPE for int4 launches and one-tile dense ones, the tiled kernels
+    for dense launches; "off" and "all" cover both."""
     monkeypatch.setattr(_mma, "PIPELINE", "auto")
     monkeypatch.setattr(_mma, "WIDE", "dense")
     monkeypatch.setattr(_mma, "TOKEN_TILES", "4")  # NJ by rows alone: the token-tile rule has its own test
@@ -253,13 +252,13 @@ def test_the_default_switches_pick_the_measured_schedules(launches, monkeypatch)
         _mma.nbits4(np.zeros((m, 128), np.float16), _mma.pack_int4(np, b, sc, None, 40, 128, 32), None,
                     np.zeros((m, 40), np.float16), m, None)
     assert [launch[0] for launch in launches] == [
-        "mma_dense<1, false, false, true>", "mma_nbits4<1, __half, false, false, true, false>",
-        "mma_wide<1, false, 2>", "mma_nbits4<4, __half, false, false, true, false>"]
-    for value, one_row, prologue, tiles4, int4 in (("off", False, False, False, False), ("all", True, True, True, True),
-                                                   ("auto", True, False, False, True)):
+        "mma_dense<1, false, true>", "mma_nbits4<1, __half, false, true, false>",
+        "mma_wide<1, false, 2>", "mma_nbits4<4, __half, false, true, false>"]
+    for value, one_row, tiles4, int4 in (("off", False, False, False), ("all", True, True, True),
+                                         ("auto", True, False, True)):
         monkeypatch.setattr(_mma, "PIPELINE", value)
-        assert (_mma.pipelined(40, False, 8), _mma.pipelined(40, False, 1, norm=True), _mma.pipelined(40, False, 32),
-                _mma.pipelined(40, True, 32)) == (one_row, prologue, tiles4, int4)
+        assert (_mma.pipelined(40, False, 8), _mma.pipelined(40, False, 32),
+                _mma.pipelined(40, True, 32)) == (one_row, tiles4, int4)
     for value, dense, int4, int4_32 in (("off", False, False, False), ("all", True, True, True),
                                         ("dense", True, False, False), ("auto", True, True, False)):
         monkeypatch.setattr(_mma, "WIDE", value)
@@ -269,7 +268,7 @@ def test_the_default_switches_pick_the_measured_schedules(launches, monkeypatch)
 
 
 @pytest.mark.parametrize("name,m,n,wide", [
-    # measured per launch on the H200 (docs/benchmarks/kernels.md section 7): row kernel vs tiles
+    # measured per launch on the H200: row kernel vs tiles
     ("Llama qkv", 64, 3072, False), ("Llama qkv", 128, 3072, True), ("Llama o", 128, 2048, False),
     ("Llama o", 256, 2048, True), ("Llama gate/up", 32, 16384, False), ("Llama gate/up", 64, 16384, True),
     ("Llama down", 128, 2048, False), ("Llama lm_head", 32, 128256, True), ("SmolLM2 o", 256, 576, False),
@@ -296,56 +295,9 @@ def test_the_launcher_sizes_shared_memory_with_the_kernel_constants():
 
 
 
-def _norm_node(consumer, attrs):
-    """An RMSNormMatMul node (x, skip, gamma fp16) over a MatMulNBits (codes, scales) or a MatMul (W)."""
-    weights = (("b", "s", ""), (np.uint8, np.float16, None)) if consumer == "MatMulNBits" else (("w",), (np.float16,))
-    return NodeInfo(name="n", op_type="RMSNormMatMul", domain="lockstep",
-                    attrs={**attrs, "consumer": consumer, "norm_epsilon": 1e-5},
-                    inputs=("x", "skip", "gamma", "", *weights[0]), outputs=("y", "", "", "total"),
-                    input_dtypes=(np.float16, np.float16, np.float16, None, *weights[1]))
-
-
-@pytest.mark.parametrize("flag", ["", "1"])
-def test_int4_projections_join_the_norm_pass_only_when_opted_in(monkeypatch, flag):
-    monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION_INT4", flag)
-    attrs = {"K": 64, "N": 16, "bits": 4, "block_size": 32}
-    assert not rms_norm_matmul.supports(_norm_node("MatMul", {}))  # the pass is opt-in on cuda
-    monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION", "1")
-    assert rms_norm_matmul.supports(_norm_node("MatMulNBits", attrs)) == (flag == "1")
-    assert rms_norm_matmul.supports(_norm_node("MatMul", {}))  # dense always, once the pass is on
-    monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION", "0")
-    assert not rms_norm_matmul.supports(_norm_node("MatMulNBits", attrs))
-
-
-def test_one_int4_row_with_the_prologue_is_one_launch_and_other_scales_are_not(launches, monkeypatch):
-    monkeypatch.setattr(_mma, "PIPELINE", "auto")
-    rng = np.random.default_rng(9)
-    k, n, bs = 64, 40, 32
-    b, s, _ = _nbits(rng, n, k, bs, False)
-    attrs = {"K": k, "N": n, "bits": 4, "block_size": bs}
-    ctx = KernelContext(_norm_node("MatMulNBits", attrs), HostMemory(), "head_major")
-    x, skip = (rng.standard_normal((1, k)).astype(np.float16) for _ in range(2))
-    gamma = rng.standard_normal(k).astype(np.float16)
-    assert rms_norm_matmul._fused(ctx, x, skip, gamma, None, (b, s)) is None  # raw weights: the two parts run
-    changes = rms_norm_matmul.prepare(ctx, None, None, None, None, b, s)  # the MatMulNBits hook, moved by 3
-    assert set(changes) == {4, 5}
-    packed = (changes[4], changes[5])
-    y, _, _, total = rms_norm_matmul._fused(ctx, x, skip, gamma, None, packed)
-    assert y.shape == (1, n) and total.shape == (1, k)
-    (expr, grid, block, args, shared), = launches
-    assert expr == "mma_nbits4<1, __half, false, true, true, false>"  # the prologue, PIPE (auto: every int4 launch)
-    assert args[1] is packed[0] and args[2] is packed[1]
-    assert args[-7] is skip and args[-6] is gamma and args[-5] is total  # then the split-K arguments
-    assert shared > _mma.config(1, n, k, 1, True)[2]  # the prologue's shared memory on top of the GEMM's
-    assert rms_norm_matmul._fused(ctx, x, skip, gamma, None, (packed[0], packed[1].astype(np.float32))) is None
-    assert rms_norm_matmul._fused(ctx, np.concatenate([x, x]), np.concatenate([skip, skip]), gamma, None,
-                                  packed) is None  # two rows: the two parts run
-    assert len(launches) == 1
-
-
 @pytest.mark.parametrize("name,m,n,int4,nj", [
-    # the fastest measured per launch on the H200 (benchmarks/token_tiles.py, docs/benchmarks/kernels.md
-    # section 12); n counts the packed weight rows (gate and up together)
+    # the fastest measured per launch on the H200 (benchmarks/token_tiles.py); n counts the packed
+    # weight rows (gate and up together)
     ("SmolLM2 qkv", 32, 960, False, 1), ("SmolLM2 o", 32, 576, False, 1), ("SmolLM2 gate/up", 32, 3072, False, 2),
     ("SmolLM2 down", 32, 576, False, 1), ("Qwen0.5B qkv", 32, 1152, False, 1), ("Qwen0.5B down", 32, 896, False, 1),
     ("Llama qkv", 32, 3072, False, 2), ("Llama o", 32, 2048, False, 2), ("Llama gate/up", 32, 16384, False, 4),
@@ -380,11 +332,10 @@ def test_split_k_cuts_long_k_of_few_rows_into_at_most_one_wave(monkeypatch):
 
 
 def test_two_token_tiles_take_the_pipe_schedule_where_the_grid_fits_one_wave(monkeypatch):
-    """_mma.pipelined and _mma.pipe2_warps (docs/benchmarks/kernels.md sections 19, 20) at the
+    """_mma.pipelined and _mma.pipe2_warps at the
     H200's 132 multiprocessors and 16 PIPE warps each: Llama-3.2-1B's down and o at 32 rows (256
     blocks) take PIPE in blocks of 8 warps, its qkv (384 blocks) in blocks of 4, and a grid that
-    fits neither takes the plain schedule; one tile always takes PIPE, four tiles and the RMSNorm prologue
-    never."""
+    fits neither takes the plain schedule; one tile always takes PIPE, four tiles never."""
     monkeypatch.setattr(_mma, "PIPELINE", "auto")
     monkeypatch.setattr(_mma, "TOKEN_TILES", "auto")
     monkeypatch.setattr(_mma, "multiprocessors", lambda: 132)
@@ -395,7 +346,6 @@ def test_two_token_tiles_take_the_pipe_schedule_where_the_grid_fits_one_wave(mon
     assert _mma.pipe2_warps(9600, 16) == 0
     assert _mma.pipelined(3072, False, 8)                       # one tile
     assert _mma.row_nj(32, 16384) == 4 and not _mma.pipelined(16384, False, 32)
-    assert not _mma.pipelined(576, False, 1, norm=True)
     monkeypatch.setattr(_mma, "PIPE2_WARPS", (8,))
     assert not _mma.pipelined(3072, False, 32) and _mma.pipelined(2048, False, 32)
     monkeypatch.setattr(_mma, "PIPELINE", "off")
@@ -415,7 +365,7 @@ def test_a_two_tile_pipe_launch_takes_the_block_of_pipe2_warps(launches, monkeyp
         wp = _mma.pack(np, np.zeros((k, n), np.float16))
         _mma.dense(np.zeros((32, k), np.float16), wp, None, np.zeros((32, n), np.float16), 32, n, k, None)
         (expr, grid, block, args, shared), = launches
-        assert expr == "mma_dense<2, false, false, true>" and block == (threads,), (k, n, block)
+        assert expr == "mma_dense<2, false, true>" and block == (threads,), (k, n, block)
         assert grid == (2, n // 16, 1)
     # PIPE forced where no block size fits one wave (600 blocks at 16 rows): blocks of 8 warps
     monkeypatch.setattr(_mma, "PIPELINE", "all")
@@ -423,11 +373,11 @@ def test_a_two_tile_pipe_launch_takes_the_block_of_pipe2_warps(launches, monkeyp
     wp = _mma.pack(np, np.zeros((2048, 9600), np.float16))
     _mma.dense(np.zeros((16, 2048), np.float16), wp, None, np.zeros((16, 9600), np.float16), 16, 9600, 2048, None)
     (expr, grid, block, args, shared), = launches
-    assert expr == "mma_dense<2, false, false, true>" and block == (256,)
+    assert expr == "mma_dense<2, false, true>" and block == (256,)
 
 
 def test_launches_of_17_to_32_rows_over_wide_projections_take_the_one_token_warp_tiles(monkeypatch):
-    """The rule of _mma.wide32_config (docs/benchmarks/kernels.md section 13), at the H200's 132
+    """The rule of _mma.wide32_config, at the H200's 132
     multiprocessors: only projections wide enough for 1.5 x 4 feature warps (16 features each) per
     multiprocessor (Llama-3.2-1B's gate/up, the lm_heads) with K >= 768 (not SmolLM2's 576), and
     only for 17 to 32 rows."""

@@ -5,22 +5,18 @@ kernels' layout, the tied embedding shared with the lm_head, and a load whose pe
 weights plus one node's transient (tracemalloc counts NumPy's allocations)."""
 
 import tracemalloc
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from core import fusion
 from core.executor import Plan
 from core.models.model import load_model
 from core.testing.tiny_model import TinyConfig, make_tiny_model
 from providers.cpu_reference.ops import gather_columns, matmul, silu_gated_matmul
-from providers.cpu_reference.ops import rms_norm_matmul as ref_rms_norm_matmul
 from providers.cpu_reference.provider import CpuReferenceProvider
 from providers.cuda.ops import _mma
 from providers.cuda.ops import gather_columns as cuda_gather_columns
 from providers.cuda.ops import matmul as cuda_matmul
-from providers.cuda.ops import rms_norm_matmul as cuda_rms_norm_matmul
 from providers.cuda.ops import silu_gated_matmul as cuda_silu_gated_matmul
 
 
@@ -99,28 +95,17 @@ def _packed_gather(ctx, w, indices):
     return gather_columns.run(ctx, w, indices)
 
 
-#: the reference parts of RMSNormMatMul, its projections reading packed weights
-PACKED_PARTS = {**ref_rms_norm_matmul.MODULES, ("", "MatMul"): SimpleNamespace(run=_packed_matmul),
-                ("lockstep", "SiluGatedMatMul"): SimpleNamespace(run=_packed_gated)}
-
-
-def _packed_norm_matmul(ctx, x, skip, gamma, bias, *weights):
-    return fusion.run_parts(ctx, PACKED_PARTS, x, skip, gamma, bias, *weights)
-
-
 class HostPacked(CpuReferenceProvider):
     """cpu_reference planned with the cuda provider's prepare hooks, packing on the host, whose
-    MatMul, SiluGatedMatMul, RMSNormMatMul and GatherColumns kernels read the packed forms back
+    MatMul, SiluGatedMatMul and GatherColumns kernels read the packed forms back
     through ``_mma.packed_offset`` (the index formula of the cuda gather kernel). ``upload``
     copies, as a device upload allocates."""
 
     HOOKS = {"MatMul": cuda_matmul.prepare, "SiluGatedMatMul": cuda_silu_gated_matmul.prepare,
-             "RMSNormMatMul": cuda_rms_norm_matmul.prepare, "GatherColumns": cuda_gather_columns.prepare}
-    KERNELS = {"MatMul": _packed_matmul, "SiluGatedMatMul": _packed_gated, "RMSNormMatMul": _packed_norm_matmul,
-               "GatherColumns": _packed_gather}
-    #: the inputs the hooks replace (RMSNormMatMul: its projection's weights, after x, skip, gamma, bias)
-    WEIGHTS = {"MatMul": slice(1, 2), "SiluGatedMatMul": slice(1, 3), "RMSNormMatMul": slice(4, None),
-               "GatherColumns": slice(0, 1)}
+             "GatherColumns": cuda_gather_columns.prepare}
+    KERNELS = {"MatMul": _packed_matmul, "SiluGatedMatMul": _packed_gated, "GatherColumns": _packed_gather}
+    #: the inputs the hooks replace
+    WEIGHTS = {"MatMul": slice(1, 2), "SiluGatedMatMul": slice(1, 3), "GatherColumns": slice(0, 1)}
 
     def prepare(self, node):
         return self.HOOKS.get(node.op_type)
@@ -163,9 +148,8 @@ def test_host_packed_plan_holds_one_copy_per_weight_and_computes_the_plain_bits(
     prepared = [plan.nodes[i] for i in plan.steps if plan.nodes[i].op_type in HostPacked.HOOKS]
     raw = {x for i in plain.steps if plain.nodes[i].op_type in HostPacked.HOOKS
            for x in plain.nodes[i].inputs[HostPacked.WEIGHTS[plain.nodes[i].op_type]] if x in model.initializers}
-    # lookup, lm_head; per layer qkv and gate/up (each with its RMSNorm), o and down
+    # lookup, lm_head; per layer qkv, o, gate/up and down
     assert len(prepared) == 2 + 4 * model.config.num_layers
-    assert sum(n.op_type == "RMSNormMatMul" for n in prepared) == 2 * model.config.num_layers
     assert raw and not raw & set(plan.constants)  # every raw weight a hook packed is gone
     # aligned shapes pack without padding: the packed plan holds exactly the plain plan's bytes
     assert plan.weight_bytes() == plain.weight_bytes() == sum(v.nbytes for v in plan.constants.values())

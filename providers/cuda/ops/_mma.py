@@ -29,15 +29,13 @@ _BOOL = ("false", "true")
 
 
 def _schedule_exprs(pipe: str) -> tuple[str, ...]:
-    return (tuple(f"mma_dense<{nj}, {glu}, false, {pipe}>" for nj in (1, 2, 4) for glu in _BOOL)
-            + tuple(f"mma_dense<1, {glu}, true, {pipe}>" for glu in _BOOL)
+    return (tuple(f"mma_dense<{nj}, {glu}, {pipe}>" for nj in (1, 2, 4) for glu in _BOOL)
             + _nbits4_exprs(pipe, "false"))
 
 
 def _nbits4_exprs(pipe: str, zp: str) -> tuple[str, ...]:
-    return (tuple(f"mma_nbits4<{nj}, {s}, {glu}, false, {pipe}, {zp}>" for nj in (1, 2, 4)
-                  for s in ("__half", "float") for glu in _BOOL)
-            + tuple(f"mma_nbits4<1, __half, {glu}, true, {pipe}, {zp}>" for glu in _BOOL))
+    return tuple(f"mma_nbits4<{nj}, {s}, {glu}, {pipe}, {zp}>" for nj in (1, 2, 4)
+                 for s in ("__half", "float") for glu in _BOOL)
 
 
 #: The kernels' instantiations in four modules of kernels/linear_mma.cu, each compiled on its
@@ -53,8 +51,8 @@ _MODULE_OF = {e: module for module in MODULES for e in module}
 #: Which launches take the PIPE weight-load schedule (kernels/linear_mma.cu ``PIPE``: a whole K
 #: segment of weights in flight per lane, the warp's next segment loaded while the current one's
 #: mmas issue, token-major grid; one-tile kernels also load the segment's activations up front):
-#: "auto" (default: every int4 launch, and dense launches without the RMSNorm prologue of one
-#: token tile per block (:func:`row_nj`) or of two in one wave, :func:`pipelined`), "all" or
+#: "auto" (default: every int4 launch, and dense launches of one token tile per block
+#: (:func:`row_nj`) or of two in one wave, :func:`pipelined`), "all" or
 #: "off" (``LOCKSTEP_CUDA_GEMM_PIPELINE``). The schedule never changes an output bit. Measured on
 #: the H200 (docs/benchmarks/kernels.md sections 7 and 19) it made int4 2-12% faster up to batch
 #: 32 and the one-row dense GEMMs 6% faster, the dense prologue and multi-tile kernels slower
@@ -104,40 +102,6 @@ FILL = {False: 1.9, True: 5.0}
 SPLIT_BYTES, SPLIT_TICKETS = 4 << 20, 4096
 _split_workspace: dict[int, tuple] = {}
 _counts = {"split_launches": 0}
-#: Most rows a fused RMSNorm prologue launch takes. The kernel holds up to 8, but measured on the
-#: H200 (docs/benchmarks/kernels.md) the prologue's per-row work cost more than the separate norm
-#: launch it saves from 2 rows on, so only single-row (batch-1 decode) calls take it.
-NORM_ROWS = 1
-
-
-class Norm(NamedTuple):
-    """The RMSNorm prologue of a fused launch (kernels/linear_mma.cu ``norm_rows``): the
-    projection's activations are RMSNorm(x + skip) * gamma, computed in the kernel.
-
-    Attributes:
-        skip: fp16 [M, K] device array or None; gamma: fp16 [K]; sum_out: fp16 [M, K] (x + skip
-        rounded, the norm's output 3) or None; eps: the norm's epsilon.
-    """
-
-    skip: Any
-    gamma: Any
-    sum_out: Any
-    eps: float
-
-
-def norm_applies(a, k: int, m: int) -> bool:
-    """Whether a projection of ``m`` rows of fp16 ``a`` [.., K] can take the fused RMSNorm
-    prologue: at most :data:`NORM_ROWS` rows, K a multiple of 8, contiguous."""
-    return 0 < m <= NORM_ROWS and k % 8 == 0 and a.dtype == np.float16 and a.flags.c_contiguous
-
-
-def _norm_args(norm: Norm | None, null) -> tuple:
-    if norm is None:
-        return (null, null, null, np.float32(0))
-    return (null if norm.skip is None else norm.skip, norm.gamma,
-            null if norm.sum_out is None else norm.sum_out, np.float32(norm.eps))
-
-
 #: Dynamic shared memory above this needs the kernel's opt-in attribute.
 _DEFAULT_SHARED = 48 * 1024
 _opted: dict = {}
@@ -149,15 +113,6 @@ def _launch(expr: str, grid, block, args, shared: int) -> None:
         kern.max_dynamic_shared_size_bytes = shared
         _opted[expr] = shared
     kern(grid, block, args, shared_mem=shared)
-
-
-def _norm_shared(norm: Norm | None, shared: int, k: int, m: int) -> int:
-    """The GEMM's shared bytes plus the RMSNorm prologue's (kernels/linear_mma.cu norm_rows:
-    x, skip and gamma as fp16, the row statistics, and the padded fp16 rows)."""
-    if norm is None:
-        return shared
-    rows = min(8, m)
-    return shared + ((2 * rows * k + k + 1) // 2 + 72) * 4 + rows * (k + 8) * 2
 
 
 def stats() -> dict:
@@ -326,10 +281,10 @@ def wide_int4_applies(m: int, k: int) -> bool:
     return least is not None and m >= least and k % 16 == 0
 
 
-def pipelined(n: int, int4: bool, m: int = 1, norm: bool = False) -> bool:
+def pipelined(n: int, int4: bool, m: int = 1) -> bool:
     """Whether a launch of ``m`` rows over ``n`` weight rows takes the PIPE schedule:
-    :data:`PIPELINE` covers it ("auto": int4; dense without the RMSNorm prologue of one token
-    tile per block (:func:`row_nj`), or of two whose grid fits one wave of the PIPE kernel) and
+    :data:`PIPELINE` covers it ("auto": int4; dense of one token tile per block
+    (:func:`row_nj`), or of two whose grid fits one wave of the PIPE kernel) and
     the feature tiles fit the grid's y (MAX_GRID_Y).
 
     Two tiles, measured per launch on the H200 at 32 rows (docs/benchmarks/kernels.md section 19):
@@ -342,7 +297,7 @@ def pipelined(n: int, int4: bool, m: int = 1, norm: bool = False) -> bool:
     if PIPELINE == "all" or int4:
         return True
     nj = row_nj(m, n)
-    if norm or nj > 2:
+    if nj > 2:
         return False
     return nj == 1 or pipe2_warps(n, m) > 0
 
@@ -518,31 +473,24 @@ def contiguous(ctx, a):
     return buf
 
 
-def dense(a, wp, bias, y, m, n, k, null, glu: bool = False, norm: Norm | None = None):
+def dense(a, wp, bias, y, m, n, k, null, glu: bool = False):
     """y = a @ w (+ bias) for the packed weight ``wp`` (:func:`pack`); with ``glu``: wp packs a
-    gate/up pair and y = silu_mul(a @ w_gate, a @ w_up) (GLU, n = y's width). With ``norm``
-    (:func:`norm_applies` must hold) the activations are RMSNorm(a + skip) * gamma, computed in
-    the same launch."""
+    gate/up pair and y = silu_mul(a @ w_gate, a @ w_up) (GLU, n = y's width)."""
     rows = glu_width(n) if glu else n
     for r0, r1 in row_slices(m, 32):
         args = (rows_of(a, r0, r1, k), wp, null if bias is None else bias, rows_of(y, r0, r1, n),
                 np.int32(r1 - r0), np.int32(rows), np.int32(k), np.int32(n))
-        wide, tw = None, 2
-        if norm is None:
-            wide = wide32_config(r1 - r0, rows, k)
-            if wide is not None:
-                tw = 1
-            elif wide_dense_applies(r1 - r0, k):
-                wide = wide_config(r1 - r0, rows)
+        wide, tw = wide32_config(r1 - r0, rows, k), 1
+        if wide is None and wide_dense_applies(r1 - r0, k):
+            wide, tw = wide_config(r1 - r0, rows), 2
         if wide is not None:
             f, grid, block, shared = wide
             _launch(f"mma_wide<{f}, {_BOOL[glu]}, {tw}>", grid, block, args, shared)
             continue
-        pipe, nj = pipelined(rows, False, r1 - r0, norm is not None), row_nj(r1 - r0, rows)
+        pipe, nj = pipelined(rows, False, r1 - r0), row_nj(r1 - r0, rows)
         warps = (pipe2_warps(rows, r1 - r0) or 8) if pipe and nj == 2 else 8  # PIPE forced ("all"): 8
         grid, block, shared, _ = config(r1 - r0, rows, k, nj, pipe, warps=warps)
-        _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}>", grid, block,
-                (*args, *_norm_args(norm, null)), _norm_shared(norm, shared, k, r1 - r0))
+        _launch(f"mma_dense<{nj}, {_BOOL[glu]}, {_BOOL[pipe]}>", grid, block, args, shared)
 
 
 def int4_layout_applies(bs: int, zp_mode: int) -> bool:
@@ -679,11 +627,10 @@ def unprepared_int4(ctx, q, scales, zp, n: int, k: int, bs: int) -> Int4Weights:
                     lambda: pack_int4(array_module(q), q, scales, zp, n, k, bs))
 
 
-def nbits4(a, w: Int4Weights, bias, y, m, null, glu_out: int = 0, norm: Norm | None = None):
+def nbits4(a, w: Int4Weights, bias, y, m, null, glu_out: int = 0):
     """y = a @ dequant(w)^T (+ bias) for packed int4 weights ``w`` (:func:`pack_int4`).
     ``glu_out`` > 0: w holds gate/up rows in :func:`glu_rows` order and y [m, glu_out] =
-    silu_mul(gate, up). With ``norm`` (:func:`norm_applies` must hold, fp16 scales) the
-    activations are RMSNorm(a + skip) * gamma, computed in the same launch. a: fp16 [m, K]
+    silu_mul(gate, up). a: fp16 [m, K]
     contiguous; y: fp16 [m, N or glu_out]."""
     n, k = w.n, w.k
     s_type, zp = ctype(w.scales.dtype), _BOOL[w.zq is not None]
@@ -694,15 +641,12 @@ def nbits4(a, w: Int4Weights, bias, y, m, null, glu_out: int = 0, norm: Norm | N
         args = (rows_of(a, r0, r1, k), w.codes, w.scales, null if w.zq is None else w.zq, *blocks,
                 null if bias is None else bias, rows_of(y, r0, r1, width), np.int32(r1 - r0),
                 np.int32(n), np.int32(k), np.int32(glu_out))
-        wide = (wide_config(r1 - r0, n, True) if norm is None and wide_int4_applies(r1 - r0, k)
-                else None)
+        wide = wide_config(r1 - r0, n, True) if wide_int4_applies(r1 - r0, k) else None
         if wide is not None:
             f, grid, block, shared = wide
             _launch(f"mma_wide4<{f}, {s_type}, {_BOOL[glu_out > 0]}, {zp}>", grid, block, args, shared)
         else:
             nj = row_nj(r1 - r0, n, True)
-            expr = (f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[norm is not None]}, {_BOOL[pipe]}, "
-                    f"{zp}>")
-            grid, block, shared, spb = config(r1 - r0, n, k, nj, pipe, 0 if norm else _per_multiprocessor(expr))
-            _launch(expr, grid, block, (*args, *_norm_args(norm, null), *_split_args(grid, spb, null)),
-                    _norm_shared(norm, shared, k, r1 - r0))
+            expr = f"mma_nbits4<{nj}, {s_type}, {_BOOL[glu_out > 0]}, {_BOOL[pipe]}, {zp}>"
+            grid, block, shared, spb = config(r1 - r0, n, k, nj, pipe, _per_multiprocessor(expr))
+            _launch(expr, grid, block, (*args, *_split_args(grid, spb, null)), shared)
