@@ -2,8 +2,8 @@
 the tiled one (``mma_wide``, forced wherever it applies) and, for 17 to 32 rows, its one-token-warp
 form (``mma_wide<F, GLU, 1>``, forced too), at the projections of Llama-3.2-1B, Qwen2.5-0.5B and
 SmolLM2-135M, for 8 to 256 rows. Each time is a replay of a captured graph of 20 launches, so it
-holds no host cost. The table behind ``_mma.wide_worth`` and ``_mma.wide32_config``
-(docs/benchmarks/kernels.md sections 7 and 13); outputs are also checked bitwise equal.
+holds no host cost. The table behind ``_mma.wide_worth`` and ``_mma.wide32_config``;
+outputs are also checked bitwise equal.
 
     python benchmarks/gemm_launch.py [--rows 8,16,32,64,128,256]
 """

@@ -85,7 +85,7 @@ if has kernels; then
       --tokens 16 --tensor-tflops ${TFLOPS:-989} --json $LOG/kernels_$v.json 2>&1 | tee $LOG/kernels_$v.txt | tail -40
   done
 fi
-if has schedules; then  # the GEMM schedules (docs/benchmarks/kernels.md sections 5-7): tests, then A/B
+if has schedules; then  # the GEMM schedules: tests, then A/B
   SCHED_MODELS=${SCHED_MODELS:-llama-fp16 llama-int4}
   for v in $SCHED_MODELS; do  # the 1B architecture, built on first use
     [ -f $M/$v/model.onnx ] || python3 benchmarks/build_test_model.py $M/$v --arch llama-3.2-1b \

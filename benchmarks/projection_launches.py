@@ -1,9 +1,8 @@
 """Microseconds per launch of the kernel the launcher itself picks (``_mma.dense``: row kernel,
 token tiles, PIPE schedule and block size, or the tiles) at the dense fp16 projections of
 Llama-3.2-1B, Qwen2.5-0.5B and SmolLM2-135M (``token_tiles.SHAPES``), with the kernel, grid and block it launched. Each
-time is a replay of a captured graph of 20 launches of one weight, so it holds no host cost. The
-per-launch tables of docs/benchmarks/kernels.md section 20, where trees with different kernel
-constants ran it side by side.
+time is a replay of a captured graph of 20 launches of one weight, so it holds no host cost. Run it on two
+trees with different kernel constants to compare them launch by launch.
 
     python benchmarks/projection_launches.py [--rows 16,32]
 """

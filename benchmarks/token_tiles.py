@@ -3,8 +3,7 @@ block (NJ = 1, 2 or 4: 8, 16 or 32 rows per block) at the projections of SmolLM2
 Qwen2.5-0.5B and Llama-3.2-1B, dense fp16 and int4 (block 32, fp16 scales). Each time is a replay
 of a captured graph of 20 launches, so it holds no host cost; the outputs of the three NJ are
 checked bitwise equal (token columns are independent inside an mma). The table behind
-``_mma.row_nj`` (docs/benchmarks/kernels.md section 12) and the PIPE rule for two tiles,
-``_mma.pipelined`` (section 19).
+``_mma.row_nj`` and the PIPE rule for two tiles, ``_mma.pipelined``.
 
     python benchmarks/token_tiles.py [--rows 16,32]
 """

@@ -249,15 +249,14 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 // Needs K % 8 == 0.
 #define WIDE_STAGES 3
 // Stages of the one-token-warp tiles of one 16-feature tile a warp (TW = 1, F = 1: Llama-3.2-1B's
-// gate/up at 17 to 32 rows): 3 chunks in flight a block, measured 26.5 -> 25.5 us a launch at 32
-// rows (docs/benchmarks/kernels.md section 19; 6 stages measured no faster end to end, section
-// 20).  The 128-feature-per-warp-pair form (F = 2) keeps WIDE_STAGES: a fourth stage would cost
-// it a block a multiprocessor.
+// gate/up at 17 to 32 rows): 3 chunks in flight a block, enough to cover the copy latency (more
+// stages measured no faster).  The 128-feature-per-warp-pair form (F = 2) keeps WIDE_STAGES: a
+// fourth stage would cost it a block a multiprocessor.
 #define WIDE32_STAGES 4
 #define WIDE_XS 72  // halves per staged token row: 64 + 8, so the rows fall on distinct banks
 // Feature warps of those tiles (TW = 1, F = 1): 8, a block of 128 features, so each staged
 // activation chunk serves 8 warps and the grid copies the activations half as often as with 4
-// (Llama-3.2-1B's gate/up at 32 rows: 26.2 -> 24.0 us a launch, section 20).  Other forms: 4.
+// (measured faster on Llama-3.2-1B's gate/up at 32 rows).  Other forms: 4.
 #define WIDE32_FW 8
 
 __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool ok) {
@@ -372,8 +371,8 @@ __global__ void __launch_bounds__(32 * TW * wide_fw(F, TW), 16 / (TW * wide_fw(F
     // p = i + j NT (j < WPT; tile tile0 + p / 128, lane piece i % 128, as NT is a multiple of 128)
     // and activation pieces p = i + j NT (j < XPT; row p / 8, 8 halves at 8 (p % 8)); chunk c adds
     // 128 c pieces (its 4 k tiles) and 64 c halves.  Unrolled and without per-copy index
-    // arithmetic, a chunk's copies are about 50 instructions instead of 110 (Llama-3.2-1B's gate/up
-    // at 32 rows: 23.7 -> 21.5 us a launch, docs/benchmarks/kernels.md section 20).
+    // arithmetic, a chunk's copies are about 50 instructions instead of 110, on the tiles'
+    // critical path.
     constexpr int NT = 32 * TW * FW, WPT = WS / NT, XPT = ROWS * 8 / NT;
     static_assert(WS % NT == 0 && (ROWS * 8) % NT == 0 && NT % 128 == 0, "whole pieces per thread");
     const long long wstep = (long long)(NT >> 7) * ktiles * 32;  // one thread's tiles are NT / 128 apart

@@ -53,19 +53,17 @@ _MODULE_OF = {e: module for module in MODULES for e in module}
 #: mmas issue, token-major grid; one-tile kernels also load the segment's activations up front):
 #: "auto" (default: every int4 launch, and dense launches of one token tile per block
 #: (:func:`row_nj`) or of two in one wave, :func:`pipelined`), "all" or
-#: "off" (``LOCKSTEP_CUDA_GEMM_PIPELINE``). The schedule never changes an output bit. Measured on
-#: the H200 (docs/benchmarks/kernels.md sections 7 and 19) it made int4 2-12% faster up to batch
-#: 32 and the one-row dense GEMMs 6% faster, the dense prologue and multi-tile kernels slower
-#: (registers) except two-tile grids that still fit one wave, hence "auto".
+#: "off" (``LOCKSTEP_CUDA_GEMM_PIPELINE``). The schedule never changes an output bit. "auto"
+#: because the whole segment in flight costs registers: it pays where latency bounds the launch
+#: (int4, one token tile, one wave) and loses on multi-tile dense kernels.
 PIPELINE = env.switch("LOCKSTEP_CUDA_GEMM_PIPELINE")
 #: Which projections take the tiled kernels for launches of at least :data:`WIDE_ROWS` rows
 #: (kernels/linear_mma.cu ``mma_wide`` for dense fp16, ``mma_wide4`` for int4: 64-token x
 #: 64/128-feature block tiles staged in shared memory), bitwise the row kernels' results:
 #: "auto" (default: dense launches, and int4 launches of at least :data:`WIDE4_ROWS` rows),
-#: "dense", "all" or "off" (``LOCKSTEP_CUDA_GEMM_WIDE``). Measured, the dense tiles made batch
-#: 256 1.2-1.6x faster; the int4 tiles were slower than ``mma_nbits4`` on the raw MatMulNBits
-#: bytes, and on the packed layout made Llama-3.2-1B int4 19-20% faster at 64 and 256 rows and
-#: SmolLM2-135M int4 13% at 256 (-2% at 64; docs/benchmarks/kernels.md section 17).
+#: "dense", "all" or "off" (``LOCKSTEP_CUDA_GEMM_WIDE``). A tile reads its weights once per 64
+#: rows instead of once per 8-32, which pays once the batch is large; int4 tiles start at 64
+#: rows, where they measured faster than ``mma_nbits4`` on the packed layout.
 WIDE = env.switch("LOCKSTEP_CUDA_GEMM_WIDE")
 WIDE_ROWS = 32
 #: Fewest rows of an int4 launch that takes ``mma_wide4`` under "auto" (measured from 64).
@@ -94,7 +92,8 @@ SPLIT = env.switch("LOCKSTEP_CUDA_GEMM_SPLIT")
 #: columns are independent, so this never changes a bit.
 TOKEN_TILES = env.switch("LOCKSTEP_CUDA_GEMM_TOKEN_TILES")
 #: Blocks per multiprocessor a row launch must still fill before :func:`row_nj` puts more token
-#: tiles in a block, dense and int4 (measured, docs/benchmarks/kernels.md section 12).
+#: tiles in a block, dense and int4 (an int4 block dequantises its weights again, so int4 needs
+#: more blocks before splitting pays; the values are the measured crossovers).
 FILL = {False: 1.9, True: 5.0}
 #: The split-K workspace, one per device and process (allocated on the first split launch, kept
 #: for the process's life: captured graphs hold its pointers): partials of at most
@@ -130,10 +129,8 @@ def split_count(blocks: int, nseg: int, nj: int, per_sm: int) -> int:
     warp), when that is at least 2 and the partials (nseg x 16 x 8 floats per pair) and tickets
     fit the workspace (:data:`SPLIT_BYTES`, :data:`SPLIT_TICKETS`); else 1.
 
-    Measured on the H200 (docs/benchmarks/kernels.md section 10): Llama-3.2-1B int4 ran 8.5-9%
-    faster at batch 1 and 8 (NJ = 1, 4 blocks per multiprocessor, 4 splits), Qwen2.5 int4
-    11-15%; batch 32 split in two (NJ = 4, 2 per multiprocessor) ran 2.6% slower, and the same
-    split of the dense kernel (2 per multiprocessor) 3-6% slower, so neither is split."""
+    Only one token tile and int4: a long-K GEMV otherwise leaves most multiprocessors idle,
+    while multi-tile and dense launches already fill the device and measured slower split."""
     if SPLIT == "off" or nj != 1 or nseg <= 8 or per_sm < 1:
         return 1
     splits = min(-(-nseg // 8), per_sm * multiprocessors() // blocks)
@@ -149,11 +146,9 @@ def row_nj(m: int, n: int, int4: bool = False) -> int:
     Under "auto" (:data:`TOKEN_TILES`): the most tiles the rows fill (1 up to 8 rows, 2 up to 16,
     else 4) whose grid, ceil(n / 16) feature tiles x ceil(m / 8 NJ) token blocks, still has
     :data:`FILL` blocks per multiprocessor; where none has, 1 tile dense and 2 int4 (each int4
-    block dequantises its weights again, a dense one only reads them again from L2). Measured
-    per launch on the H200 (``benchmarks/token_tiles.py``, docs/benchmarks/kernels.md section 12):
-    at 32 rows the 36- to 72-tile projections of SmolLM2 and Qwen2.5-0.5B (qkv, o, down) ran
-    1.4-1.7x faster on 1 dense tile than on 4, and Llama-3.2-1B's gate/up (1,024 tiles) fastest
-    on 4."""
+    block dequantises its weights again, a dense one only reads them again from L2). Why: narrow
+    projections need more blocks to fill the device, wide ones read their weights fewer times
+    with more tiles a block (``benchmarks/token_tiles.py`` measures the crossover)."""
     most = 1 if m <= 8 else 2 if m <= 16 else 4
     if TOKEN_TILES != "auto":
         return min(int(TOKEN_TILES), most)
@@ -217,11 +212,11 @@ def split_workspace_bytes() -> int:
 
 
 def wide_worth(m: int, blocks: int) -> bool:
-    """Whether a tiled launch of m rows over ``blocks`` blocks beats the row kernels. Measured on
-    the H200 per launch (docs/benchmarks/kernels.md section 7): a tiled block walks all of K
-    with about 0.6 us per 64-wide chunk, so the tiles need most of the multiprocessors busy (at
-    least 0.7 blocks each), and under 64 rows only a very wide projection (2.25 blocks each,
-    the lm_head) gains from reading its weights once per 64 rows instead of once per 32."""
+    """Whether a tiled launch of m rows over ``blocks`` blocks beats the row kernels: a tiled
+    block walks all of K (about 0.6 us per 64-wide chunk on the H200), so the tiles need most
+    of the multiprocessors busy (at least 0.7 blocks each), and under 64 rows only a very wide
+    projection (2.25 blocks each, the lm_head) gains from reading its weights once per 64 rows
+    instead of once per 32."""
     sms = multiprocessors()
     return blocks >= 0.7 * sms and (m >= 64 or blocks >= 2.25 * sms)
 
@@ -251,10 +246,8 @@ def wide32_config(m: int, n: int, k: int) -> tuple[int, tuple, tuple, int] | Non
     not a multiple of 8, or fewer than :data:`WIDE32_FILL` x 4 feature warps per multiprocessor.
     F = 2 where that still gives 4 blocks per multiprocessor. Each block stages its 32 rows of
     activations once for all its features, where the row kernel's blocks read them once per 16.
-    Measured per launch on the H200 (docs/benchmarks/kernels.md section 13): at 32 rows
-    Llama-3.2-1B's lm_head 164 -> 143 us and gate/up 28.7 -> 26.5 us, Qwen2.5-0.5B's lm_head
-    87 -> 77 us; SmolLM2-135M's lm_head (K = 576) 26.9 -> 27.5 us, hence the K floor. Eight
-    feature warps took Llama's gate/up on to 24.0 us (section 20)."""
+    The K floor: under K = 768 the staging costs more than it saves (SmolLM2-135M's lm_head,
+    K = 576, measured slower)."""
     if WIDE == "off" or not WIDE32_MIN_ROWS < m <= 32 or k < WIDE32_MIN_K or k % 8:
         return None
     sms = multiprocessors()
@@ -287,11 +280,9 @@ def pipelined(n: int, int4: bool, m: int = 1) -> bool:
     (:func:`row_nj`), or of two whose grid fits one wave of the PIPE kernel) and
     the feature tiles fit the grid's y (MAX_GRID_Y).
 
-    Two tiles, measured per launch on the H200 at 32 rows (docs/benchmarks/kernels.md section 19):
-    PIPE took Llama-3.2-1B's down projection from 13.9 to 11.5 us and o from 5.4 to 4.8 (256
-    blocks, one wave at 2 a multiprocessor), and its qkv from 7.2 to 8.2 (384 blocks, two waves);
-    in blocks of 4 warps (:func:`pipe2_warps`, one wave at 4 a multiprocessor) qkv took 7.0 -> 6.3
-    us (section 20)."""
+    Two tiles only in one wave: PIPE's registers halve the blocks a multiprocessor holds, so a
+    grid that spills into a second wave loses more than the overlap gains (blocks of 4 warps,
+    :func:`pipe2_warps`, keep more grids in one wave)."""
     if PIPELINE == "off" or -(-n // 16) > MAX_GRID_Y:
         return False
     if PIPELINE == "all" or int4:
