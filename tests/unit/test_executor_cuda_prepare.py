@@ -445,3 +445,8 @@ def test_int4_zero_points_of_another_size_are_refused_with_their_expected_shape(
     assert matmul_nbits.prepare(ctx, None, b, sc, short) is None  # left raw: run() raises the error
     assert _mma.INT4_PREPARED not in ctx.cache
     assert matmul_nbits.prepare(ctx, None, b, sc, z) is not None  # the same node with its right zero points
+
+
+def test_the_occupancy_probe_names_a_kernel_the_module_compiles():
+    # an expression outside EXPRS would make the probe fail quietly and fall back to the H200 count
+    assert _mma.PIPE2_EXPR in _mma.EXPRS

@@ -297,6 +297,8 @@ def pipelined(n: int, int4: bool, m: int = 1) -> bool:
 #: whose grid fits one wave (:func:`pipe2_warps`). With fewer warps than K segments a warp walks
 #: several, the PIPE refill loading the next while the last computes.
 PIPE2_WARPS = (8, 4)
+#: The two-tile PIPE row kernel (one of :data:`EXPRS`).
+PIPE2_EXPR = "mma_dense<2, false, true>"
 
 
 def pipe2_warps(n: int, m: int) -> int:
@@ -311,10 +313,10 @@ def pipe2_warps(n: int, m: int) -> int:
 
 
 def pipe2_per_multiprocessor(threads: int = 256) -> int:
-    """Blocks of ``threads`` threads of the two-tile PIPE row kernel (``mma_dense<2, false, false,
-    true>``, 124 registers on sm_90) that fit a multiprocessor: the compiled kernel's count, or
+    """Blocks of ``threads`` threads of the two-tile PIPE row kernel (``mma_dense<2, false, true>``,
+    124 registers on sm_90) that fit a multiprocessor: the compiled kernel's count, or
     512 / threads where no device answers (the H200's count)."""
-    return _per_multiprocessor("mma_dense<2, false, false, true>", threads) or max(1, 512 // threads)
+    return _per_multiprocessor(PIPE2_EXPR, threads) or max(1, 512 // threads)
 
 
 def glu_width(n: int) -> int:
