@@ -23,7 +23,7 @@ def main() -> None:
     from gemm_launch import graph_us
     from token_tiles import SHAPES  # (K, N, GLU) of the row kernels' projections
 
-    from providers.cuda.ops import NULL, _mma
+    from providers.cuda.ops import NULL, _mma, _mma_layout
     from providers.cuda.provider import CudaProvider
 
     stream = CudaProvider().stream
@@ -40,7 +40,7 @@ def main() -> None:
     for name, (k, n, glu) in SHAPES.items():
         w = cp.asarray((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float16))
         up = cp.asarray((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float16)) if glu else None
-        wp = _mma.pack(cp, w, up)
+        wp = _mma_layout.pack(cp, w, up)
         for m in args.rows:
             a = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
             y = cp.empty((m, n), np.float16)

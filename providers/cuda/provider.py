@@ -297,13 +297,14 @@ class CudaProvider(ProviderBase):
         and its rows, the GEMM schedule (PIPE), tiled kernels, split-K and token tiles per block, the
         attention's hinted prologue and compile-time head size, eager launch replay."""
         from providers.cuda import replay
-        from providers.cuda.ops import _mma, group_query_attention
+        from providers.cuda.ops import _mma_schedule, group_query_attention
 
         on = ("off", "on")
         return {"pdl": on[replay.pdl_enabled()],
                 "pdl_rows": env.switch("LOCKSTEP_CUDA_PDL_ROWS"),
-                "gemm_pipeline": _mma.PIPELINE, "gemm_wide": _mma.WIDE, "gemm_split": _mma.SPLIT,
-                "gemm_token_tiles": _mma.TOKEN_TILES, "attn_hint": on[group_query_attention.HINT],
+                "gemm_pipeline": _mma_schedule.PIPELINE, "gemm_wide": _mma_schedule.WIDE,
+                "gemm_split": _mma_schedule.SPLIT, "gemm_token_tiles": _mma_schedule.TOKEN_TILES,
+                "attn_hint": on[group_query_attention.HINT],
                 "attn_static_head": on[group_query_attention.STATIC_HEAD], "eager_replay": on[self.eager_replay]}
 
     def node_timer(self):
