@@ -2,8 +2,8 @@
 the tiled one (``mma_wide``, forced wherever it applies) and, for 17 to 32 rows, its one-token-warp
 form (``mma_wide<F, GLU, 1>``, forced too), at the projections of Llama-3.2-1B, Qwen2.5-0.5B and
 SmolLM2-135M, for 8 to 256 rows. Each time is a replay of a captured graph of 20 launches, so it
-holds no host cost. The table behind ``_mma.wide_worth`` and ``_mma.wide32_config``
-(docs/benchmarks/kernels.md sections 7 and 13); outputs are also checked bitwise equal.
+holds no host cost. The table behind ``_mma_schedule.wide_worth`` and ``_mma_schedule.wide32_config``;
+outputs are also checked bitwise equal.
 
     python benchmarks/gemm_launch.py [--rows 8,16,32,64,128,256]
 """
@@ -50,19 +50,19 @@ def main() -> None:
     args = ap.parse_args()
     import cupy as cp
 
-    from providers.cuda.ops import NULL, _mma
+    from providers.cuda.ops import NULL, _mma, _mma_layout, _mma_schedule
     from providers.cuda.provider import CudaProvider
 
     stream = CudaProvider().stream
-    _mma.WIDE_ROWS = 1
-    _mma.wide_worth = lambda m, blocks: True  # time the tiles wherever they apply
-    _mma.WIDE32_MIN_K = 0
+    _mma_schedule.WIDE_ROWS = 1
+    _mma_schedule.wide_worth = lambda m, blocks: True  # time the tiles wherever they apply
+    _mma_schedule.WIDE32_MIN_K = 0
     rng = np.random.default_rng(0)
     print(f"{'projection':16s} " + "  ".join(f"{m:>4d} rows: row/tiled[/tw1] us" for m in args.rows))
     for name, (k, n, glu) in SHAPES.items():
         w = cp.asarray((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float16))
         up = cp.asarray((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float16)) if glu else None
-        wp = _mma.pack(cp, w, up)
+        wp = _mma_layout.pack(cp, w, up)
         cells = []
         for m in args.rows:
             a = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
@@ -71,13 +71,13 @@ def main() -> None:
             # row kernel; tiled (64-token blocks); one token warp (17 to 32 rows only)
             modes = (("off", 1e9), ("dense", 1e9)) + ((("dense", 0.0),) if 16 < m <= 32 else ())
             for mode, fill in modes:
-                _mma.WIDE, _mma.WIDE32_FILL = mode, fill
+                _mma_schedule.WIDE, _mma_schedule.WIDE32_FILL = mode, fill
                 times.append(graph_us(stream, functools.partial(_mma.dense, a, wp, None, y, m, n, k, NULL, glu=glu)))
                 outs.append(y.get().view(np.uint16).copy())
             same = "" if all(np.array_equal(outs[0], o) for o in outs) else " (bits differ!)"
             cells.append(" / ".join(f"{t:6.1f}" for t in times) + same)
         print(f"{name:16s} " + "  ".join(f"{c:>26s}" for c in cells), flush=True)
-    _mma.WIDE, _mma.WIDE32_FILL = "dense", 1.5
+    _mma_schedule.WIDE, _mma_schedule.WIDE32_FILL = "dense", 1.5
 
 
 if __name__ == "__main__":

@@ -7,10 +7,8 @@
 #   context: the batch x prompt-length sweep (CSWEEP, LENS); kernels: --kernels at KSWEEP;
 #   ort: ONNX Runtime GenAI CUDA on the same grid (needs it importable from /tmp/ort, or the
 #   onnxruntime-gpu and onnxruntime-genai-cuda wheels in $ORT_WHEELS, or benchmarks/ort_pack.sh's parts), then the sweep with --anchor
-#   schedules: the GEMM schedules (LOCKSTEP_CUDA_GEMM_PIPELINE / _WIDE) tested, profiled off / all / default,
-#     the int4 RMSNorm prologue off / on, ncu
-#   pdl: programmatic dependent launch by rows (docs/benchmarks/kernels.md sections 13-14; on by default
-#     since): tests/cuda with LOCKSTEP_CUDA_PDL=1, then off (=0) / on / off / on on six folders (SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B;
+#   schedules: the GEMM schedules (LOCKSTEP_CUDA_GEMM_PIPELINE / _WIDE) tested, profiled off / all / default, ncu
+#   pdl: programmatic dependent launch by rows (on by default): tests/cuda with LOCKSTEP_CUDA_PDL=1, then off (=0) / on / off / on on six folders (SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B;
 #     fp16 and int4) at PDL_SWEEP, each rows cap in PDL_ROWS (the evidence for turning PDL on by default)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -87,7 +85,7 @@ if has kernels; then
       --tokens 16 --tensor-tflops ${TFLOPS:-989} --json $LOG/kernels_$v.json 2>&1 | tee $LOG/kernels_$v.txt | tail -40
   done
 fi
-if has schedules; then  # the GEMM schedules (docs/benchmarks/kernels.md sections 5-7): tests, then A/B
+if has schedules; then  # the GEMM schedules: tests, then A/B
   SCHED_MODELS=${SCHED_MODELS:-llama-fp16 llama-int4}
   for v in $SCHED_MODELS; do  # the 1B architecture, built on first use
     [ -f $M/$v/model.onnx ] || python3 benchmarks/build_test_model.py $M/$v --arch llama-3.2-1b \
@@ -107,26 +105,9 @@ if has schedules; then  # the GEMM schedules (docs/benchmarks/kernels.md section
     LOCKSTEP_CUDA_GEMM_WIDE=$w python3 -m core profile $M/${SCHED_MODELS%% *} --provider cuda --batch-sweep 8 \
       --prompt-len 1024 --tokens 16 --json $LOG/prefill_w$w.json 2>&1 | tail -4 | tee -a $LOG/schedules.txt
   done
-  for trig in entry late; do  # PDL with the GEMMs' trigger at entry and after their main loop
-    for v in fp16 ${SCHED_MODELS%% *}; do
-      LOCKSTEP_CUDA_PDL=1 LOCKSTEP_CUDA_PDL_TRIGGER=$trig python3 -m core profile $M/$v --provider cuda \
-        --batch-sweep 1,8,32 --prompt-len 32 --tokens 64 --json $LOG/pdl_${v}_$trig.json 2>&1 | tail -5 \
-        | tee -a $LOG/schedules.txt
-    done
-  done
-  for n in 0 1; do  # the int4 RMSNorm prologue (opt-in; section 8): batch 1 takes it, batch 8 does not
-    for v in int4 llama-int4; do
-      LOCKSTEP_CUDA_NORM_FUSION_INT4=$n python3 -m core profile $M/$v --provider cuda --batch-sweep 1,8 \
-        --prompt-len 32 --tokens 64 --json $LOG/norm_int4_${v}_$n.json 2>&1 | tail -4 | tee -a $LOG/schedules.txt
-    done
-  done
   command -v ncu >/dev/null && for b in 1 256; do
     timeout 300 python3 benchmarks/ncu_step.py \
       $M/llama-fp16 --batch $b 2>&1 | tee $LOG/ncu_llama_b$b.txt | head -30
-  done
-  command -v ncu >/dev/null && for n in 0 1; do
-    LOCKSTEP_CUDA_NORM_FUSION_INT4=$n timeout 300 python3 benchmarks/ncu_step.py \
-      $M/llama-int4 --batch 1 2>&1 | tee $LOG/ncu_llama_int4_b1_n$n.txt | head -14
   done
 fi
 if has pdl; then

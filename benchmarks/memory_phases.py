@@ -1,6 +1,6 @@
 """Where a decode run's device bytes go, phase by phase: the CuPy pool's total (what the process
 holds on the device) and used bytes after the load, the bandwidth probe, ``reset_peak()``, the
-session, the prefill and the decode steps, then ``Runner.memory()`` (docs/benchmarks/memory.md).
+session, the prefill and the decode steps, then ``Runner.memory()``.
 
     python benchmarks/memory_phases.py FOLDER [BATCH] [PROMPT_LEN]
 """

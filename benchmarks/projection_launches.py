@@ -1,9 +1,8 @@
 """Microseconds per launch of the kernel the launcher itself picks (``_mma.dense``: row kernel,
 token tiles, PIPE schedule and block size, or the tiles) at the dense fp16 projections of
 Llama-3.2-1B, Qwen2.5-0.5B and SmolLM2-135M (``token_tiles.SHAPES``), with the kernel, grid and block it launched. Each
-time is a replay of a captured graph of 20 launches of one weight, so it holds no host cost. The
-per-launch tables of docs/benchmarks/kernels.md section 20, where trees with different kernel
-constants ran it side by side.
+time is a replay of a captured graph of 20 launches of one weight, so it holds no host cost. Run it on two
+trees with different kernel constants to compare them launch by launch.
 
     python benchmarks/projection_launches.py [--rows 16,32]
 """
@@ -24,7 +23,7 @@ def main() -> None:
     from gemm_launch import graph_us
     from token_tiles import SHAPES  # (K, N, GLU) of the row kernels' projections
 
-    from providers.cuda.ops import NULL, _mma
+    from providers.cuda.ops import NULL, _mma, _mma_layout
     from providers.cuda.provider import CudaProvider
 
     stream = CudaProvider().stream
@@ -41,7 +40,7 @@ def main() -> None:
     for name, (k, n, glu) in SHAPES.items():
         w = cp.asarray((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float16))
         up = cp.asarray((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float16)) if glu else None
-        wp = _mma.pack(cp, w, up)
+        wp = _mma_layout.pack(cp, w, up)
         for m in args.rows:
             a = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
             y = cp.empty((m, n), np.float16)

@@ -3,8 +3,7 @@ block (NJ = 1, 2 or 4: 8, 16 or 32 rows per block) at the projections of SmolLM2
 Qwen2.5-0.5B and Llama-3.2-1B, dense fp16 and int4 (block 32, fp16 scales). Each time is a replay
 of a captured graph of 20 launches, so it holds no host cost; the outputs of the three NJ are
 checked bitwise equal (token columns are independent inside an mma). The table behind
-``_mma.row_nj`` (docs/benchmarks/kernels.md section 12) and the PIPE rule for two tiles,
-``_mma.pipelined`` (section 19).
+``_mma_schedule.row_nj`` and the PIPE rule for two tiles, ``_mma_schedule.pipelined``.
 
     python benchmarks/token_tiles.py [--rows 16,32]
 """
@@ -37,11 +36,11 @@ def main() -> None:
     import cupy as cp
     from gemm_launch import graph_us
 
-    from providers.cuda.ops import NULL, _mma
+    from providers.cuda.ops import NULL, _mma, _mma_layout, _mma_schedule
     from providers.cuda.provider import CudaProvider
 
     stream = CudaProvider().stream
-    _mma.WIDE = "off"
+    _mma_schedule.WIDE = "off"
     rng = np.random.default_rng(0)
     print("us per launch; fp16 columns NJ 1 / 2 / 2 PIPE / 4 / auto, int4 NJ 1 / 2 / 4 / auto (PIPE always);"
           " auto's NJ in brackets, P: on the PIPE schedule")
@@ -49,12 +48,12 @@ def main() -> None:
     for name, (k, n, glu) in SHAPES.items():
         w = cp.asarray((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float16))
         up = cp.asarray((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float16)) if glu else None
-        wp = _mma.pack(cp, w, up)
+        wp = _mma_layout.pack(cp, w, up)
         rows = 2 * n if glu else n
         nb = -(-k // 32)
         codes = cp.asarray(rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8))
         scales = cp.asarray((rng.random((rows, nb)) * 0.02).astype(np.float16))
-        w4 = _mma.pack_int4(cp, codes, scales, None, rows, k, 32)
+        w4 = _mma_layout.pack_int4(cp, codes, scales, None, rows, k, 32)
         for kind in CONFIGS:
             cells = []
             for m in args.rows:
@@ -66,12 +65,12 @@ def main() -> None:
                     fn = functools.partial(_mma.nbits4, a, w4, None, y, m, NULL, glu_out=n if glu else 0)
                 times, outs = [], []
                 for nj, pipeline in CONFIGS[kind]:
-                    _mma.TOKEN_TILES, _mma.PIPELINE = nj, pipeline
+                    _mma_schedule.TOKEN_TILES, _mma_schedule.PIPELINE = nj, pipeline
                     times.append(graph_us(stream, fn))
                     outs.append(y.get().view(np.uint16).copy())
                 same = "" if all(np.array_equal(outs[0], o) for o in outs) else " (bits differ!)"
-                chosen = _mma.row_nj(m, rows, kind == "int4")
-                pipe = "P" if kind == "fp16" and chosen > 1 and _mma.pipelined(rows, False, m) else ""
+                chosen = _mma_schedule.row_nj(m, rows, kind == "int4")
+                pipe = "P" if kind == "fp16" and chosen > 1 and _mma_schedule.pipelined(rows, False, m) else ""
                 cells.append("/".join(f"{t:.1f}" for t in times) + f" [{chosen}{pipe}]" + same)
             print(f"{name:18s} {kind:5s} " + "  ".join(f"{c:>30s}" for c in cells), flush=True)
 

@@ -18,16 +18,6 @@ values have no other consumer and are not graph outputs.
   ``w [K, V]``. Fused, the lookup reads ``w`` itself, so the embedding and the lm_head share
   one weight and no transposed copy of it is folded (a provider may keep that one weight in
   its lm_head kernel's layout and gather from it there). ``w`` must be a graph constant.
-- ``lockstep.RMSNormMatMul(x, skip, gamma, bias, *w)`` with attributes ``consumer`` (the
-  projection's op type: MatMul, MatMulNBits, SiluGatedMatMul or SiluGatedMatMulNBits),
-  ``norm_epsilon`` and the projection's own attributes: ``Consumer(Norm(x, skip, gamma, bias)[0],
-  *w)``, where Norm is SkipSimplifiedLayerNormalization (``skip`` present) or
-  SimplifiedLayerNormalization over the last axis (``skip`` and ``bias`` ""). Outputs: the
-  projection's output, then the norm's outputs 1..3 (mean, inv_std_var, the residual sum
-  x + skip; "" where unused). So a provider can normalise inside the projection's launch: 2
-  nodes -> 1, twice per layer. The projection that makes a graph output (the lm_head) is left
-  alone, so the last-position program still finds it.
-
 - ``lockstep.ReduceSumSubCast(data, axes, b)`` with attributes ``keepdims`` and ``to``:
   ``Cast(Sub(ReduceSum(data, axes, keepdims), b), to)`` for integer ``data`` and constant
   ``axes`` and ``b``: the builder's seqlens_k from the attention mask (docs/ops.md 0), at the
@@ -187,64 +177,6 @@ def fuse_tied_gather(nodes: list[NodeInfo], graph_outputs: set[str], supports,
     return _rewrite(nodes, replaced)
 
 
-#: The fused attribute holding the norm's epsilon (the projection keeps its own attributes).
-NORM_EPSILON = "norm_epsilon"
-#: Projections an RMSNormMatMul may absorb: (op_type, domain).
-NORM_CONSUMERS = (("MatMul", ""), ("MatMulNBits", "com.microsoft"), ("SiluGatedMatMul", FUSED_DOMAIN),
-                  ("SiluGatedMatMulNBits", FUSED_DOMAIN))
-
-
-def _norm_inputs(norm: NodeInfo) -> tuple[str, str, str, str] | None:
-    """(x, skip, gamma, bias) of an RMSNorm node over the last axis, or None."""
-    if (norm.op_type, norm.domain) == ("SkipSimplifiedLayerNormalization", "com.microsoft"):
-        ins = list(norm.inputs) + [""] * 4
-        return ins[0], ins[1], ins[2], ins[3]
-    if (norm.op_type, norm.domain) == ("SimplifiedLayerNormalization", "") and len(norm.inputs) == 2:
-        if int(norm.attrs.get("axis", -1)) != -1:
-            return None
-        return norm.inputs[0], "", norm.inputs[1], ""
-    return None
-
-
-def fuse_norm_matmul(nodes: list[NodeInfo], graph_outputs: set[str], supports) -> list[NodeInfo]:
-    """Replace an RMSNorm whose normalised output feeds exactly one projection (as its
-    activation) by one ``lockstep.RMSNormMatMul`` node (module docstring)."""
-    users = _consumers(nodes)
-    replaced: dict[int, NodeInfo | None] = {}
-    for i, norm in enumerate(nodes):
-        found = _norm_inputs(norm)
-        y = norm.outputs[0] if norm.outputs else ""
-        if found is None or not y or y in graph_outputs or len(users[y]) != 1:
-            continue
-        j = users[y][0]
-        proj = nodes[j]
-        if ((proj.op_type, proj.domain) not in NORM_CONSUMERS or proj.inputs[0] != y or y in proj.inputs[1:]
-                or any(o in graph_outputs for o in proj.outputs) or len(proj.outputs) != 1 or j < i):
-            continue
-        x, skip, gamma, bias = found
-        extra: tuple[str, ...]
-        if norm.op_type == "SimplifiedLayerNormalization":
-            extra = ("", norm.outputs[1] if len(norm.outputs) > 1 else "", "")
-            default_eps = 1e-5
-        else:
-            extra = tuple((list(norm.outputs[1:]) + [""] * 3)[:3])
-            default_eps = 1e-12
-        names = (x, skip, gamma, bias)
-        known = dict(zip(norm.inputs, norm.input_dtypes)) if norm.input_dtypes else {}
-        dtypes = tuple(known.get(n) if n else None for n in names) + tuple(proj.input_dtypes[1:])
-        attrs = dict(proj.attrs)
-        attrs.update({"consumer": proj.op_type, NORM_EPSILON: float(norm.attrs.get("epsilon", default_eps))})
-        fused = NodeInfo(name=f"{proj.name}/RMSNorm", op_type="RMSNormMatMul", domain=FUSED_DOMAIN, attrs=attrs,
-                         inputs=(*names, *proj.inputs[1:]), outputs=(proj.outputs[0], *extra),
-                         input_dtypes=dtypes)
-        # the fused node runs where the projection ran, so every reader of the norm's other
-        # outputs (the residual sum) must come after the projection
-        if any(u <= j for o in extra if o for u in users[o]) or not supports(fused):
-            continue
-        replaced[i], replaced[j] = None, fused
-    return _rewrite(nodes, replaced)
-
-
 def fuse_mask_lengths(nodes: list[NodeInfo], graph_outputs: set[str], supports,
                       constants: Set[str] = frozenset()) -> list[NodeInfo]:
     """Replace ReduceSum(data, axes) -> Sub(sum, b) -> Cast(to) chains over integer ``data``,
@@ -282,12 +214,11 @@ def apply(nodes: list[NodeInfo], graph_outputs: set[str], supports,
           constants: Set[str] = frozenset()) -> list[NodeInfo]:
     """Run the passes in order: :func:`fuse_mask_lengths` (constant ``axes`` and ``b`` only),
     :func:`fuse_silu_mul`, :func:`fuse_gated_matmul` (which fuses only projections whose
-    weights are in ``constants``), :func:`fuse_norm_matmul`, then :func:`fuse_tied_gather`
+    weights are in ``constants``), then :func:`fuse_tied_gather`
     (only for a transposed weight in ``constants``)."""
     nodes = fuse_mask_lengths(nodes, graph_outputs, supports, constants)
     nodes = fuse_silu_mul(nodes, graph_outputs, supports)
     nodes = fuse_gated_matmul(nodes, graph_outputs, supports, constants)
-    nodes = fuse_norm_matmul(nodes, graph_outputs, supports)
     return fuse_tied_gather(nodes, graph_outputs, supports, constants)
 
 
@@ -356,107 +287,3 @@ def last_position_nodes(projection: NodeInfo, hidden: int, io_dtype
                        attrs=projection.attrs, inputs=(shaped, *projection.inputs[1:]),
                        outputs=projection.outputs, input_dtypes=projection.input_dtypes)
     return nodes, rewired, consts
-
-
-
-def norm_part(node: NodeInfo) -> NodeInfo:
-    """The RMSNorm node an ``RMSNormMatMul`` node was made from (its normalised output named
-    ``f"{node.name}:normed"``)."""
-    x, skip, gamma, bias = node.inputs[:4]
-    dtypes = tuple(node.input_dtypes[:4]) if node.input_dtypes else ()
-    eps = {"epsilon": node.attrs[NORM_EPSILON]}
-    normed = f"{node.name}:normed"
-    outs = tuple(node.outputs) + ("",) * 4
-    if skip:
-        return NodeInfo(name=f"{node.name}:norm", op_type="SkipSimplifiedLayerNormalization", domain="com.microsoft",
-                        attrs=eps, inputs=(x, skip, gamma, bias) if bias else (x, skip, gamma),
-                        outputs=(normed, *outs[1:4]), input_dtypes=dtypes[:4 if bias else 3])
-    return NodeInfo(name=f"{node.name}:norm", op_type="SimplifiedLayerNormalization", domain="",
-                    attrs={**eps, "axis": -1}, inputs=(x, gamma), outputs=(normed, outs[2]),
-                    input_dtypes=(dtypes[0], dtypes[2]) if dtypes else ())
-
-
-def consumer_part(node: NodeInfo) -> NodeInfo:
-    """The projection node an ``RMSNormMatMul`` node was made from (reading the normalised
-    output of :func:`norm_part`; its weights are the fused node's current inputs 4..)."""
-    op_type = node.attrs["consumer"]
-    domain = dict(NORM_CONSUMERS)[op_type]
-    attrs = {k: v for k, v in node.attrs.items() if k not in ("consumer", NORM_EPSILON)}
-    dtypes = (node.input_dtypes[0], *node.input_dtypes[4:]) if node.input_dtypes else ()
-    return NodeInfo(name=f"{node.name}:projection", op_type=op_type, domain=domain, attrs=attrs,
-                    inputs=(f"{node.name}:normed", *node.inputs[4:]), outputs=node.outputs[:1], input_dtypes=dtypes)
-
-
-class PartContext:
-    """A fused node's :class:`~core.protocol.KernelContext` as one of its parts sees it: the
-    part's own ``node``, output slots mapped onto the fused node's (``slots``: part slot ->
-    fused slot; other slots become private scratch names), everything else (cache, provider,
-    frozen, ...) the fused context's own."""
-
-    def __init__(self, ctx, node: NodeInfo, slots: dict, tag: str):
-        self._ctx, self.node, self._slots, self._tag = ctx, node, slots, tag
-
-    def output(self, slot, shape, dtype):
-        """The fused context's buffer for the mapped slot (scratch of this part otherwise)."""
-        return self._ctx.output(self._slots.get(slot, (self._tag, slot)), shape, dtype)
-
-    def __getattr__(self, name):
-        return getattr(self._ctx, name)
-
-
-def norm_context(ctx) -> PartContext:
-    """The fused context as :func:`norm_part` sees it (its output 0 is fused scratch)."""
-    node = norm_part(ctx.node)
-    slots = {1: 1, 2: 2, 3: 3} if node.op_type == "SkipSimplifiedLayerNormalization" else {1: 2}
-    return PartContext(ctx, node, slots, "norm")
-
-
-def consumer_context(ctx) -> PartContext:
-    """The fused context as :func:`consumer_part` sees it (its output 0 is the fused output 0)."""
-    return PartContext(ctx, consumer_part(ctx.node), {0: 0}, "projection")
-
-
-def part_modules(*modules) -> dict:
-    """(domain, op_type) -> module for the op modules an ``RMSNormMatMul`` kernel composes."""
-    return {(getattr(m, "DOMAIN", ""), m.OP_TYPE): m for m in modules}
-
-
-def parts_supported(node: NodeInfo, modules: dict) -> bool:
-    """Whether both parts of an ``RMSNormMatMul`` node (:func:`norm_part`,
-    :func:`consumer_part`) have a module in ``modules`` whose ``supports`` (if any) accepts them."""
-    for part in (norm_part(node), consumer_part(node)):
-        module = modules.get((part.domain, part.op_type))
-        check = getattr(module, "supports", None)
-        if module is None or (check is not None and not check(part)):
-            return False
-    return True
-
-
-def run_parts(ctx, modules: dict, x, skip, gamma, bias, *weights) -> tuple:
-    """An ``RMSNormMatMul`` computed as its two parts, with the op modules of ``modules``
-    ((domain, op_type) -> module with ``run``): the norm, then the projection on its output.
-    Returns the fused node's outputs (projection output, mean, inv_std_var, sum)."""
-    nctx = norm_context(ctx)
-    node = nctx.node
-    if node.op_type == "SkipSimplifiedLayerNormalization":
-        outs = modules[(node.domain, node.op_type)].run(nctx, x, skip, gamma, *([bias] if bias is not None else []))
-        outs = tuple(outs) + (None,) * (4 - len(outs))
-        extra = outs[1:4]
-    else:
-        outs = modules[(node.domain, node.op_type)].run(nctx, x, gamma)
-        extra = (None, outs[1] if len(outs) > 1 else None, None)
-    cctx = consumer_context(ctx)
-    (y,) = modules[(cctx.node.domain, cctx.node.op_type)].run(cctx, outs[0], *weights)[:1]
-    return (y, *extra)[:len(ctx.node.outputs)]
-
-
-def prepare_parts(ctx, modules: dict, weights: tuple) -> dict | None:
-    """The projection's plan-time ``prepare`` hook (if its module has one) run for an
-    ``RMSNormMatMul`` node, its input indices moved to the fused node's (projection input j is
-    fused input j + 3)."""
-    cctx = consumer_context(ctx)
-    hook = getattr(modules[(cctx.node.domain, cctx.node.op_type)], "prepare", None)
-    if hook is None:
-        return None
-    changes = hook(cctx, None, *weights)
-    return None if not changes else {j + 3: v for j, v in changes.items()}

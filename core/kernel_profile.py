@@ -153,9 +153,7 @@ class NodeObserver:
                 st.bytes_read += _nbytes(value)
         st.bytes_written += out_bytes + sum(_nbytes(r) * self.kv_write_fraction for r in results
                                             if r is not None and id(r) in self.kv)
-        # an RMSNormMatMul counts its projection's FLOPs (its activation is input 0, its output 0
-        # the projection's)
-        mult = PROJECTION_OPS.get(node.op_type) or PROJECTION_OPS.get(str(node.attrs.get("consumer", "")))
+        mult = PROJECTION_OPS.get(node.op_type)
         if mult and results and results[0] is not None and len(shape) >= 2:
             st.flops += 2.0 * rows * int(shape[-1]) * int(results[0].shape[-1]) * mult
         if end is not None:

@@ -388,8 +388,10 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
         RequestError: bad request (no/several prompt kinds, empty prompt, negative
             max_new_tokens, prompt beyond the capacity, an unknown option or a value out of
             range); checked before any kernel runs.
-        core.plugins.ProviderError, core.models.model.ModelError, core.executor.UnsupportedOpError,
-        core.models.prepare.PrepareError (an unknown model name or path, a failed build).
+        core.plugins.ProviderError: the provider is unknown or cannot start.
+        core.models.model.ModelError: the model folder cannot be decoded.
+        core.executor.UnsupportedOpError: the provider cannot run some nodes (all are listed).
+        core.models.prepare.PrepareError: an unknown model name or path, or a failed build.
     """
     st = start(model, provider, prompts, input_ids, max_new_tokens, chat, kv_layout, capacity, capture,
                progress, weight_budget, device_budget, messages, system, sampling, stop, stop_token_ids,

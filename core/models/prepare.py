@@ -110,11 +110,6 @@ def known_models() -> str:
     return "; ".join(f"{name} ({info['description']})" for name, info in MODELS.items())
 
 
-def offered_variants() -> str:
-    """The offered ``precision/target`` pairs, comma-separated."""
-    return ", ".join(f"{p}/{t}" for p, t in VARIANTS)
-
-
 def source_kind(model: str | Path) -> str:
     """``"name"``, ``"hf"`` (a Hugging Face folder), ``"gguf"`` (a .gguf file) or ``"builder"``
     (a folder already written by the builder: genai_config.json).

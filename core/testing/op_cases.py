@@ -395,70 +395,12 @@ def _gated_case(m, k, n, nbits=False, zp=None) -> OpCase:
                   rows=("x",), unfused=unfused)
 
 
-#: Rows of the RMSNormMatMul cases: the one-launch path (<= 8 rows) and the two-part path.
-NORM_COUNTS = (1, 8, 17)
-
-
-def _norm_matmul_case(m, consumer, skip=True) -> OpCase:
-    """lockstep.RMSNormMatMul: Skip/SimplifiedLayerNormalization (K = 576) feeding ``consumer``
-    (N = 52), against the norm node followed by the projection's own chain."""
-    k, n = 576, 52
-    nbits = consumer.endswith("NBits")
-    gated = consumer.startswith("SiluGated")
-    names: tuple[str, ...]
-    if gated:
-        names = ("b_gate", "scales_gate", "zp_gate", "b_up", "scales_up", "zp_up") if nbits else ("w_gate", "w_up")
-    else:
-        names = ("b", "scales") if nbits else ("w",)
-
-    def make(rng, dtype):
-        inputs = {"x": _normal(rng, (m, k), dtype, 2.0), "skip": _normal(rng, (m, k), dtype) if skip else None,
-                  "gamma": (1 + 0.1 * rng.standard_normal(k)).astype(dtype), "bias": None}
-        if not nbits:
-            return inputs | {name: _normal(rng, (k, n), dtype, k ** -0.5) for name in names}
-        weights = [_nbits_weights(rng, dtype, k, n, 32) for _ in range(2 if gated else 1)]
-        flat = [w for pair in weights for w in (pair[0], pair[1], None)] if gated else list(weights[0][:2])
-        return inputs | dict(zip(names, flat))
-
-    attrs = (_nbits_attrs(k, n, 32) if nbits else {}) | {"consumer": consumer, "norm_epsilon": 1e-6}
-    proj_attrs = _nbits_attrs(k, n, 32) if nbits else {}
-
-    def unfused():
-        if skip:
-            norm = [helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"],
-                                     ["normed", "", "", "sum"], domain="com.microsoft", epsilon=1e-6)]
-        else:
-            norm = [helper.make_node("SimplifiedLayerNormalization", ["x", "gamma"], ["normed"], epsilon=1e-6, axis=-1)]
-        if not gated:
-            if nbits:
-                return norm + [helper.make_node("MatMulNBits", ["normed", "b", "scales"], ["y"], domain="com.microsoft",
-                                                **proj_attrs)]
-            return norm + [helper.make_node("MatMul", ["normed", "w"], ["y"])]
-        if nbits:
-            proj = [helper.make_node("MatMulNBits", ["normed", "b_gate", "scales_gate"], ["gate"],
-                                     domain="com.microsoft", **proj_attrs),
-                    helper.make_node("MatMulNBits", ["normed", "b_up", "scales_up"], ["up"], domain="com.microsoft",
-                                     **proj_attrs)]
-        else:
-            proj = [helper.make_node("MatMul", ["normed", "w_gate"], ["gate"]),
-                    helper.make_node("MatMul", ["normed", "w_up"], ["up"])]
-        return norm + proj + _silu_chain("gate", "up", "y")
-
-    tag = f"{consumer}/{'skip' if skip else 'noskip'}-M{m}"
-    return OpCase(f"RMSNormMatMul/{tag}", "RMSNormMatMul", make, domain="lockstep", attributes=attrs,
-                  outputs=("y", "", "", "sum") if skip else ("y",), constants=names,
-                  rows=("x", "skip") if skip else ("x",), unfused=unfused)
-
-
 def _fused_cases() -> list[OpCase]:
     cases = [OpCase("SiluMul/d1536", "SiluMul", _silu_mul, domain="lockstep", rows=("x", "up"),
                     unfused=lambda: _silu_chain("x", "up", "y"))]
     for m in FUSED_COUNTS:
         cases += [_gated_case(m, 576, 52), _gated_case(m, 576, 52, nbits=True),
                   _gated_case(m, 576, 52, nbits=True, zp="packed")]
-    for m in NORM_COUNTS:
-        cases += [_norm_matmul_case(m, c) for c in ("MatMul", "MatMulNBits", "SiluGatedMatMul", "SiluGatedMatMulNBits")]
-        cases.append(_norm_matmul_case(m, "MatMul", skip=False))
     return cases
 
 

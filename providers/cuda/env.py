@@ -52,10 +52,7 @@ def choice(name: str, default: str, choices: tuple[str, ...]) -> str:
 #: an on/off switch.
 SWITCHES: dict[str, tuple] = {
     "LOCKSTEP_CUDA_REPLAY": (True, None),
-    "LOCKSTEP_CUDA_NORM_FUSION": (False, None),
-    "LOCKSTEP_CUDA_NORM_FUSION_INT4": (False, None),
     "LOCKSTEP_CUDA_PDL": (True, None),
-    "LOCKSTEP_CUDA_PDL_TRIGGER": ("entry", ("entry", "late")),
     "LOCKSTEP_CUDA_PDL_ROWS": ("16", ("1", "8", "16", "32", "all")),
     "LOCKSTEP_CUDA_GEMM_PIPELINE": ("auto", ("auto", "all", "off")),
     "LOCKSTEP_CUDA_GEMM_WIDE": ("auto", ("auto", "dense", "all", "off")),

@@ -16,33 +16,18 @@ from providers.cuda import replay
 KERNELS = Path(__file__).parent / "kernels"
 
 
-def pdl_trigger() -> str:
-    """Where the tensor-core GEMMs let the next kernel launch under programmatic dependent launch
-    (kernels/pdl.cuh): "entry" (default) or "late", after their main loop; from
-    ``LOCKSTEP_CUDA_PDL_TRIGGER``.
-
-    Raises:
-        ProviderError: another value (the provider compiles a module when it is created, so a
-            bad value stops it before any model work).
-    """
-    from providers.cuda import env
-
-    return env.switch("LOCKSTEP_CUDA_PDL_TRIGGER")
-
-
-def source(name: str, trigger: str = "entry") -> str:
+def source(name: str) -> str:
     """The CUDA C source compiled for ``kernels/<name>.cu``: kernels/pdl.cuh (the PDL_ENTER macros
-    every kernel uses), preceded by ``#define PDL_LATE`` for the "late" trigger, then the file.
-    Prepended rather than included, so the source text CuPy keys its disk cache on covers it."""
-    late = "#define PDL_LATE\n" if trigger == "late" else ""
-    return late + (KERNELS / "pdl.cuh").read_text() + (KERNELS / f"{name}.cu").read_text()
+    every kernel uses), then the file. Prepended rather than included, so the source text CuPy
+    keys its disk cache on covers it."""
+    return (KERNELS / "pdl.cuh").read_text() + (KERNELS / f"{name}.cu").read_text()
 
 
 @functools.cache
 def _module(name: str, expressions: tuple[str, ...]):
     import cupy
 
-    return cupy.RawModule(code=source(name, pdl_trigger()), options=("--std=c++17",),
+    return cupy.RawModule(code=source(name), options=("--std=c++17",),
                           name_expressions=list(expressions))
 
 

@@ -293,21 +293,19 @@ class CudaProvider(ProviderBase):
         self.cupy.get_default_memory_pool().free_all_blocks()
 
     def settings(self) -> dict[str, str]:
-        """The cuda provider's switches (docs/cuda.md): programmatic dependent launch and its
-        GEMM trigger, the GEMM schedule (PIPE), tiled kernels, split-K and token tiles per block, the
-        RMSNorm-projection fusion (and its int4 opt-in), the attention's hinted prologue, eager
-        launch replay."""
-        from providers.cuda import module, replay
-        from providers.cuda.ops import _mma, group_query_attention, rms_norm_matmul
+        """The cuda provider's switches (docs/cuda.md): programmatic dependent launch
+        and its rows, the GEMM schedule (PIPE), tiled kernels, split-K and token tiles per block, the
+        attention's hinted prologue and compile-time head size, eager launch replay."""
+        from providers.cuda import replay
+        from providers.cuda.ops import _mma_schedule, group_query_attention
 
         on = ("off", "on")
-        return {"pdl": on[replay.pdl_enabled()], "pdl_trigger": module.pdl_trigger(),
+        return {"pdl": on[replay.pdl_enabled()],
                 "pdl_rows": env.switch("LOCKSTEP_CUDA_PDL_ROWS"),
-                "gemm_pipeline": _mma.PIPELINE, "gemm_wide": _mma.WIDE, "gemm_split": _mma.SPLIT,
-                "gemm_token_tiles": _mma.TOKEN_TILES, "attn_hint": on[group_query_attention.HINT],
-                "attn_static_head": on[group_query_attention.STATIC_HEAD],
-                "norm_fusion": on[rms_norm_matmul.enabled()],
-                "norm_fusion_int4": on[rms_norm_matmul.int4_enabled()], "eager_replay": on[self.eager_replay]}
+                "gemm_pipeline": _mma_schedule.PIPELINE, "gemm_wide": _mma_schedule.WIDE,
+                "gemm_split": _mma_schedule.SPLIT, "gemm_token_tiles": _mma_schedule.TOKEN_TILES,
+                "attn_hint": on[group_query_attention.HINT],
+                "attn_static_head": on[group_query_attention.STATIC_HEAD], "eager_replay": on[self.eager_replay]}
 
     def node_timer(self):
         """CUDA events recorded on the provider stream around each node (``lockstep profile

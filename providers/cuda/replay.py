@@ -143,10 +143,10 @@ def _pdl_capable() -> bool:
 def pdl_enabled() -> bool:
     """Whether kernels launch with the programmatic stream-serialization attribute: the device
     can (:func:`_pdl_capable`) and ``LOCKSTEP_CUDA_PDL`` is on (the default; ``0`` turns it off;
-    only launches of nodes of at most :func:`pdl_max_rows` rows take the attribute). Measured on
-    the H200 (docs/benchmarks/kernels.md section 14, two passes on six builder folders) it made
-    decode steps of 1 and 8 rows 2-24% faster on SmolLM2-135M, Qwen2.5-0.5B and Llama-3.2-1B,
-    fp16 and int4. Decided once per process (:func:`set_pdl` changes it)."""
+    only launches of nodes of at most :func:`pdl_max_rows` rows take the attribute). On by default
+    because it hides each launch behind the previous kernel's tail: small decode steps measured
+    faster on every folder (docs/performance.md). Decided once per process (:func:`set_pdl`
+    changes it)."""
     global _pdl
     if _pdl is None:
         from providers.cuda import env
@@ -160,10 +160,10 @@ def pdl_max_rows() -> int:
     """The most rows a node may have for its launches to take the programmatic attribute while
     PDL is on: ``LOCKSTEP_CUDA_PDL_ROWS`` (default 16; "all": no limit). A node's rows are its
     first device input's elements over its last dimension (:class:`ReplayKernel`): the batch of a
-    decode step, batch x length for a prompt; launches before any node never take it. Measured on
-    the H200 (docs/benchmarks/kernels.md section 13), PDL made decode steps of up to 8 rows 4-8%
-    faster on SmolLM2-135M and Llama-3.2-1B and cost Llama-3.2-1B 3% at 32 rows and 10% at 256.
-    Read with :func:`pdl_enabled` and by :func:`set_pdl`; a recorded launch keeps its node's rows."""
+    decode step, batch x length for a prompt; launches before any node never take it. Capped
+    because large steps are long enough to hide their own launches, and waiting blocks then only
+    take room (measured slower on Llama-3.2-1B from 32 rows). Read with :func:`pdl_enabled` and
+    by :func:`set_pdl`; a recorded launch keeps its node's rows."""
     global _pdl_max_rows
     from providers.cuda import env
 

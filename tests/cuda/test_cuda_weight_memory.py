@@ -23,7 +23,7 @@ cupy = require_gpu()
 from core.executor import is_host_constant, storage  # noqa: E402
 from core.models.model import load_model  # noqa: E402
 from core.runtime.runner import Runner  # noqa: E402
-from providers.cuda.ops import _mma  # noqa: E402
+from providers.cuda.ops import _mma_layout  # noqa: E402
 from providers.cuda.provider import CudaProvider  # noqa: E402
 
 
@@ -39,20 +39,21 @@ def test_device_packing_is_the_host_packing(gpu, k, n):
     rng = np.random.default_rng(k + n)
     w, up = (rng.standard_normal((k, n)).astype(np.float16) for _ in range(2))
     dw, dup = cupy.asarray(w), cupy.asarray(up)
-    assert np.array_equal(_mma.pack(cupy, dw).get(), _mma.pack(np, w))
-    assert np.array_equal(_mma.pack(cupy, dw, dup).get(), _mma.pack(np, w, up))
+    assert np.array_equal(_mma_layout.pack(cupy, dw).get(), _mma_layout.pack(np, w))
+    assert np.array_equal(_mma_layout.pack(cupy, dw, dup).get(), _mma_layout.pack(np, w, up))
     codes = rng.integers(0, 256, (n, 3, 8)).astype(np.uint8), rng.integers(0, 256, (n, 3, 8)).astype(np.uint8)
-    host = _mma.glu_interleave(np, *(c.reshape(n, -1) for c in codes))
-    assert np.array_equal(_mma.glu_interleave(cupy, *(cupy.asarray(c).reshape(n, -1) for c in codes)).get(), host)
-    # the int4 layout (_mma.pack_int4), with and without zero points, K aligned or not
+    host = _mma_layout.glu_interleave(np, *(c.reshape(n, -1) for c in codes))
+    device = _mma_layout.glu_interleave(cupy, *(cupy.asarray(c).reshape(n, -1) for c in codes))
+    assert np.array_equal(device.get(), host)
+    # the int4 layout (_mma_layout.pack_int4), with and without zero points, K aligned or not
     if k % 16 == 0:
         scales = rng.random((n, -(-k // 32))).astype(np.float16)
         q = rng.integers(0, 256, (n, scales.shape[1], 16)).astype(np.uint8)
         zp = rng.integers(0, 256, (n, -(-scales.shape[1] // 2))).astype(np.uint8)
         for z in (None, zp):
-            want = _mma.pack_int4(np, q, scales, z, n, k, 32)
-            got = _mma.pack_int4(cupy, cupy.asarray(q), cupy.asarray(scales), None if z is None else cupy.asarray(z),
-                                 n, k, 32)
+            want = _mma_layout.pack_int4(np, q, scales, z, n, k, 32)
+            got = _mma_layout.pack_int4(cupy, cupy.asarray(q), cupy.asarray(scales),
+                                        None if z is None else cupy.asarray(z), n, k, 32)
             for a, b in zip(got[:3], want[:3]):
                 assert (a is None and b is None) or (np.array_equal(a.get(), b) and a.dtype == b.dtype)
 

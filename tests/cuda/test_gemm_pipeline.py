@@ -1,18 +1,16 @@
 """The opt-in GEMM schedules of kernels/linear_mma.cu on the GPU, each bitwise the default kernels
 and each seen to run:
 
-- PIPE (``_mma.PIPELINE``, set to "all": whole segments of weights in flight, token-major grid) for dense,
-  gate/up (GLU), RMSNorm prologue and int4 kernels, at row counts of every token tiling (NJ = 1,
+- PIPE (``sched.PIPELINE``, set to "all": whole segments of weights in flight, token-major grid) for dense,
+  gate/up (GLU) and int4 kernels, at row counts of every token tiling (NJ = 1,
   2, 4) and K that end inside a segment, fill it, and take several segments per warp; the
-  two-tile dense kernel also in blocks of 8, 4 and 2 warps (``_mma.PIPE2_WARPS``);
-- mma_wide / mma_wide4 (``_mma.WIDE``, set to "all": 64-token tiles staged in shared memory) for dense, GLU
+  two-tile dense kernel also in blocks of 8, 4 and 2 warps (``sched.PIPE2_WARPS``);
+- mma_wide / mma_wide4 (``sched.WIDE``, set to "all": 64-token tiles staged in shared memory) for dense, GLU
   and int4 launches of 64 rows and more (int4: zero points absent or packed, fp16 and fp32 scales,
   quantisation blocks of 32 to 128), both feature widths (F = 1, 2), rows and features that do
   not fill a tile;
 
-- the int4 RMSNorm prologue (``mma_nbits4`` NORM), bitwise the norm kernel followed by the
-  projection kernel, under every schedule;
-- split-K (``_mma.SPLIT``: a tile's K segments over several blocks, the last one folding the
+- split-K (``sched.SPLIT``: a tile's K segments over several blocks, the last one folding the
   partials from the workspace) for int4 and int4 gate/up launches of 1-8 rows, under both
   schedules, back to back (the tickets are left at zero), and captured in a CUDA graph and
   replayed, with programmatic dependent launch off and on;
@@ -25,7 +23,8 @@ from _gpu import require_gpu
 
 cupy = require_gpu()
 
-from providers.cuda.ops import NULL, _mma, _norm  # noqa: E402
+from providers.cuda.ops import NULL, _mma, _mma_layout  # noqa: E402
+from providers.cuda.ops import _mma_schedule as sched  # noqa: E402
 
 SHAPES = [(1, 64, 40), (3, 576, 72), (8, 2048, 48), (9, 2304, 32), (17, 4864, 16), (40, 8192, 24), (256, 1024, 80)]
 #: K that end inside a 64-wide chunk (the dense kernels' zero tails; int4 needs K % 16 == 0 and
@@ -38,8 +37,8 @@ INT4_TAILS = [(5, 352, 24), (70, 352, 40)]
 def ran(monkeypatch):
     """Expressions of the tensor-core kernels launched, in order; the opt-in schedules start off
     whatever the environment says (each test turns on the one it checks)."""
-    monkeypatch.setattr(_mma, "PIPELINE", "off")
-    monkeypatch.setattr(_mma, "WIDE", "off")
+    monkeypatch.setattr(sched, "PIPELINE", "off")
+    monkeypatch.setattr(sched, "WIDE", "off")
     seen = []
     launch = _mma._launch
 
@@ -55,17 +54,17 @@ def _both(monkeypatch, ran, call):
     """``call()``'s result under the plain and the pipelined schedule, checking which ran."""
     out = []
     for pipe in (False, True):
-        monkeypatch.setattr(_mma, "PIPELINE", "all" if pipe else "off")
+        monkeypatch.setattr(sched, "PIPELINE", "all" if pipe else "off")
         del ran[:]
         out.append(call().get())
-        assert ran and all(_pipe_of(e) == _mma._BOOL[pipe] for e in ran)
+        assert ran and all(_pipe_of(e) == sched.BOOL[pipe] for e in ran)
     return out
 
 
 def _pipe_of(expr: str) -> str:
-    """The PIPE template argument of a row-kernel expression (mma_dense's 4th, mma_nbits4's 5th)."""
+    """The PIPE template argument of a row-kernel expression (mma_dense's 3rd, mma_nbits4's 4th)."""
     args = expr[expr.index("<") + 1:-1].split(", ")
-    return args[3] if expr.startswith("mma_dense<") else args[4]
+    return args[2] if expr.startswith("mma_dense<") else args[3]
 
 
 @pytest.mark.parametrize("glu", [False, True])
@@ -74,7 +73,7 @@ def test_pipelined_dense_is_bitwise_the_plain_schedule(monkeypatch, ran, m, k, n
     rng = np.random.default_rng(k + n)
     a = rng.standard_normal((m, k)).astype(np.float16)
     w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))
-    wp = cupy.asarray(_mma.pack(np, w, up if glu else None))
+    wp = cupy.asarray(_mma_layout.pack(np, w, up if glu else None))
     da = cupy.asarray(a)
 
     def call():
@@ -94,21 +93,21 @@ def test_pipelined_dense_is_bitwise_the_plain_schedule(monkeypatch, ran, m, k, n
                                    (30, 1000, 40), (25, 36, 16)])
 def test_token_tiles_and_schedules_of_the_row_kernel_are_bitwise_one_tile(monkeypatch, ran, m, k, n, glu):
     """The dense row kernel with 1, 2 and 4 token tiles a block, plain and PIPE (the launcher takes
-    PIPE for two tiles where the grid fits one wave, _mma.pipelined): bitwise the one-tile plain
+    PIPE for two tiles where the grid fits one wave, sched.pipelined): bitwise the one-tile plain
     kernel, for rows that do not fill a tile, K that ends inside a chunk and K % 8 != 0."""
     rng = np.random.default_rng(k + n + m)
     a = cupy.asarray(rng.standard_normal((m, k)).astype(np.float16))
     w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))
-    wp = cupy.asarray(_mma.pack(np, w, up if glu else None))
+    wp = cupy.asarray(_mma_layout.pack(np, w, up if glu else None))
     out = []
     for nj, pipeline in (("1", "off"), ("2", "off"), ("4", "off"), ("2", "all"), ("4", "all")):
-        monkeypatch.setattr(_mma, "TOKEN_TILES", nj)
-        monkeypatch.setattr(_mma, "PIPELINE", pipeline)
+        monkeypatch.setattr(sched, "TOKEN_TILES", nj)
+        monkeypatch.setattr(sched, "PIPELINE", pipeline)
         del ran[:]
         y = cupy.full((m, n), np.nan, np.float16)
         _mma.dense(a, wp, None, y, m, n, k, NULL, glu=glu)
         tiles = min(int(nj), 1 if m <= 8 else 2 if m <= 16 else 4)
-        assert ran == [f"mma_dense<{tiles}, {_mma._BOOL[glu]}, false, {_mma._BOOL[pipeline == 'all']}>"]
+        assert ran == [f"mma_dense<{tiles}, {sched.BOOL[glu]}, {sched.BOOL[pipeline == 'all']}>"]
         out.append(y.get().view(np.uint16))
     assert all(np.array_equal(out[0], o) for o in out[1:])
     assert not np.isnan(out[0].view(np.float16)).any()
@@ -117,15 +116,15 @@ def test_token_tiles_and_schedules_of_the_row_kernel_are_bitwise_one_tile(monkey
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("m,k,n", [(32, 8192, 24), (20, 2304, 40), (17, 1000, 16), (30, 200, 24)])
 def test_two_tile_pipe_blocks_of_fewer_warps_than_segments_are_bitwise_the_plain_kernel(monkeypatch, ran, m, k, n, glu):
-    """The two-tile PIPE row kernel in blocks of 8, 4 and 2 warps (``_mma.PIPE2_WARPS``; the
+    """The two-tile PIPE row kernel in blocks of 8, 4 and 2 warps (``sched.PIPE2_WARPS``; the
     launcher gives Llama-3.2-1B's qkv at 32 rows 4): with fewer warps than K segments each warp
     walks several, its PIPE refill loading the next; bitwise the plain two-tile kernel, and each
     block size seen to run."""
     rng = np.random.default_rng(k + n + m + 1)
     a = cupy.asarray(rng.standard_normal((m, k)).astype(np.float16))
     w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))
-    wp = cupy.asarray(_mma.pack(np, w, up if glu else None))
-    monkeypatch.setattr(_mma, "TOKEN_TILES", "2")
+    wp = cupy.asarray(_mma_layout.pack(np, w, up if glu else None))
+    monkeypatch.setattr(sched, "TOKEN_TILES", "2")
     blocks, inner = [], _mma._launch
 
     def launch(expr, grid, block, args, shared):
@@ -133,41 +132,18 @@ def test_two_tile_pipe_blocks_of_fewer_warps_than_segments_are_bitwise_the_plain
         inner(expr, grid, block, args, shared)
 
     monkeypatch.setattr(_mma, "_launch", launch)
-    nseg, out = -(-k // _mma.SEG_K), []
+    nseg, out = -(-k // _mma_layout.SEG_K), []
     for pipeline, warps in (("off", 8), ("auto", 8), ("auto", 4), ("auto", 2)):
-        monkeypatch.setattr(_mma, "PIPELINE", pipeline)
-        monkeypatch.setattr(_mma, "PIPE2_WARPS", (warps,))
+        monkeypatch.setattr(sched, "PIPELINE", pipeline)
+        monkeypatch.setattr(sched, "PIPE2_WARPS", (warps,))
         del ran[:], blocks[:]
         y = cupy.full((m, n), np.nan, np.float16)
         _mma.dense(a, wp, None, y, m, n, k, NULL, glu=glu)
-        assert ran == [f"mma_dense<2, {_mma._BOOL[glu]}, false, {_mma._BOOL[pipeline == 'auto']}>"]
+        assert ran == [f"mma_dense<2, {sched.BOOL[glu]}, {sched.BOOL[pipeline == 'auto']}>"]
         assert blocks == [32 * min(nseg, warps)]
         out.append(y.get().view(np.uint16))
     assert all(np.array_equal(out[0], o) for o in out[1:])
     assert not np.isnan(out[0].view(np.float16)).any()
-
-
-@pytest.mark.parametrize("k", [64, 200, 576, 2048])
-def test_pipelined_norm_prologue_is_bitwise_the_plain_schedule(monkeypatch, ran, k):
-    rng = np.random.default_rng(k)
-    n = 48
-    x, skip = (cupy.asarray(rng.standard_normal((1, k)).astype(np.float16)) for _ in range(2))
-    gamma = cupy.asarray(rng.standard_normal(k).astype(np.float16))
-    wp = cupy.asarray(_mma.pack(np, rng.standard_normal((k, n)).astype(np.float16)))
-    sums = []
-
-    def call():
-        y, s = cupy.full((1, n), np.nan, np.float16), cupy.full((1, k), np.nan, np.float16)
-        _mma.dense(x, wp, None, y, 1, n, k, NULL, norm=_mma.Norm(skip, gamma, s, 1e-5))
-        sums.append(s.get())
-        return y
-
-    plain, piped = _both(monkeypatch, ran, call)
-    assert np.array_equal(plain.view(np.uint16), piped.view(np.uint16))
-    assert np.array_equal(sums[0].view(np.uint16), sums[1].view(np.uint16))
-    # the residual sum (output 3) was written: x + skip rounded to fp16
-    assert np.array_equal(sums[1], (x.get().astype(np.float32) + skip.get().astype(np.float32)).astype(np.float16))
-    assert all(e.startswith("mma_dense<1, false, true, ") for e in ran)  # the RMSNorm prologue ran
 
 
 class Int4Case:
@@ -192,9 +168,9 @@ class Int4Case:
         self.a, self.codes, self.scales = cupy.asarray(a), cupy.asarray(codes), cupy.asarray(scales)
         self.zp = NULL if zps is None else cupy.asarray(zps)
         self.s_type = "__half" if scale_dtype == np.float16 else "float"
-        #: the operands packed on the device, as the prepare hooks do (_mma.pack_int4)
-        self.w = _mma.pack_int4(cupy, self.codes, self.scales, None if zps is None else self.zp, n, k, bs)
-        self.zp_flag = _mma._BOOL[zps is not None]
+        #: the operands packed on the device, as the prepare hooks do (_mma_layout.pack_int4)
+        self.w = _mma_layout.pack_int4(cupy, self.codes, self.scales, None if zps is None else self.zp, n, k, bs)
+        self.zp_flag = sched.BOOL[zps is not None]
 
     def __call__(self):
         """y = a @ dequant(codes)^T through ``_mma.nbits4`` (fp16 [m, n], NaN-poisoned first)."""
@@ -220,13 +196,13 @@ def _rows_and_wide(monkeypatch, ran, f, call, wide_expr, row_prefix):
     """``call()``'s result by the row kernels and by the tiled one at feature width ``f``,
     checking which kernels ran: the multiprocessor count decides F (0 makes every launch F = 2,
     a huge count F = 1), and the tiles are taken even where they would be slower."""
-    monkeypatch.setattr(_mma, "multiprocessors", lambda: 0 if f == 2 else 1 << 30)
-    monkeypatch.setattr(_mma, "wide_worth", lambda m, blocks: True)  # tiles wherever they apply
-    _mma.wide_config.cache_clear()
+    monkeypatch.setattr(sched, "multiprocessors", lambda: 0 if f == 2 else 1 << 30)
+    monkeypatch.setattr(sched, "wide_worth", lambda m, blocks: True)  # tiles wherever they apply
+    sched.wide_config.cache_clear()
     out = []
     try:
         for wide in (False, True):
-            monkeypatch.setattr(_mma, "WIDE", "all" if wide else "off")
+            monkeypatch.setattr(sched, "WIDE", "all" if wide else "off")
             del ran[:]
             out.append(call().get())
             if wide:
@@ -234,7 +210,7 @@ def _rows_and_wide(monkeypatch, ran, f, call, wide_expr, row_prefix):
             else:
                 assert ran and all(e.startswith(row_prefix) for e in ran)
     finally:
-        _mma.wide_config.cache_clear()
+        sched.wide_config.cache_clear()
     return out
 
 
@@ -244,17 +220,17 @@ def _rows_and_wide(monkeypatch, ran, f, call, wide_expr, row_prefix):
                                    (17, 64, 16), (24, 576, 200), (32, 2048, 136), (32, 4864, 72), (29, 328, 40)])
 def test_wide_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, glu, bias, f):
     """mma_wide against the row kernels of the same rows: the 64-token blocks (TW = 2) from 64
-    rows, the one-token-warp blocks (TW = 1, _mma.wide32_config, taken here wherever they apply)
+    rows, the one-token-warp blocks (TW = 1, sched.wide32_config, taken here wherever they apply)
     for 17 to 32 rows."""
     tw = 1 if m <= 32 else 2
     if tw == 1:
-        monkeypatch.setattr(_mma, "WIDE32_FILL", 0)
-        monkeypatch.setattr(_mma, "WIDE32_MIN_K", 0)
+        monkeypatch.setattr(sched, "WIDE32_FILL", 0)
+        monkeypatch.setattr(sched, "WIDE32_MIN_K", 0)
     rng = np.random.default_rng(m + k + n + (tw == 1))
     a = rng.standard_normal((m, k)).astype(np.float16)
     w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))
     b = rng.standard_normal(n).astype(np.float16) if bias else None
-    wp = cupy.asarray(_mma.pack(np, w, up if glu else None))
+    wp = cupy.asarray(_mma_layout.pack(np, w, up if glu else None))
     da, db = cupy.asarray(a), None if b is None else cupy.asarray(b)
 
     def call():
@@ -262,7 +238,7 @@ def test_wide_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, glu, b
         _mma.dense(da, wp, db, y, m, n, k, NULL, glu=glu)
         return y
 
-    out = _rows_and_wide(monkeypatch, ran, f, call, f"mma_wide<{f}, {_mma._BOOL[glu]}, {tw}>", "mma_dense<")
+    out = _rows_and_wide(monkeypatch, ran, f, call, f"mma_wide<{f}, {sched.BOOL[glu]}, {tw}>", "mma_dense<")
     assert np.array_equal(out[0].view(np.uint16), out[1].view(np.uint16))
     if not glu:
         ref = a.astype(np.float64) @ w.astype(np.float64) + (0 if b is None else b.astype(np.float64))
@@ -285,7 +261,7 @@ def test_wide_int4_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, b
 @pytest.mark.parametrize("glu", [False, True])
 def test_wide_int4_gate_up_and_bias_are_bitwise_the_row_kernel(monkeypatch, ran, f, glu):
     m, k, n, bs = 100, 576, 40, 32
-    rows = _mma.glu_width(n) if glu else n  # GLU: gate and up rows interleaved, as prepared
+    rows = _mma_layout.glu_width(n) if glu else n  # GLU: gate and up rows interleaved, as prepared
     case = Int4Case(np.random.default_rng(11 + glu), m, k, rows, bs, np.float16, 1)
     bias = None if glu else cupy.asarray(np.random.default_rng(3).standard_normal(n).astype(np.float16))
 
@@ -294,7 +270,7 @@ def test_wide_int4_gate_up_and_bias_are_bitwise_the_row_kernel(monkeypatch, ran,
         _mma.nbits4(case.a, case.w, bias, y, m, NULL, glu_out=n if glu else 0)
         return y
 
-    out = _rows_and_wide(monkeypatch, ran, f, call, f"mma_wide4<{f}, __half, {_mma._BOOL[glu]}, true>", "mma_nbits4<")
+    out = _rows_and_wide(monkeypatch, ran, f, call, f"mma_wide4<{f}, __half, {sched.BOOL[glu]}, true>", "mma_nbits4<")
     assert np.array_equal(out[0].view(np.uint16), out[1].view(np.uint16))
     if not glu:
         assert case.close(out[1] - bias.get().astype(np.float64))
@@ -304,76 +280,12 @@ def _bitwise(outs) -> bool:
     return all(np.array_equal(outs[0].view(np.uint16), o.view(np.uint16)) for o in outs[1:])
 
 
-class NormCase:
-    """One row x, skip and gamma (fp16, on the device) of an RMSNorm prologue, and the two-part
-    reference: kernels/rms_norm.cu's normalised row and residual sum."""
-
-    def __init__(self, rng, k):
-        self.k = k
-        self.x, self.skip = (cupy.asarray(rng.standard_normal((1, k)).astype(np.float16)) for _ in range(2))
-        self.gamma = cupy.asarray(rng.standard_normal(k).astype(np.float16))
-        self.normed = cupy.full((1, k), np.nan, np.float16)
-        self.total = cupy.full((1, k), np.nan, np.float16)
-        _norm.launch(self.x, self.skip, None, self.gamma, self.normed, self.total, None, None, k, 1e-5)
-
-    def norm(self, sums: list):
-        """A fresh :class:`_mma.Norm` whose residual-sum output is appended to ``sums``."""
-        sums.append(cupy.full((1, self.k), np.nan, np.float16))
-        return _mma.Norm(self.skip, self.gamma, sums[-1], 1e-5)
-
-
-@pytest.mark.parametrize("glu", [False, True])
-@pytest.mark.parametrize("k", [352, 2144, 4400])
-def test_int4_norm_prologue_is_bitwise_the_norm_then_the_projection(monkeypatch, ran, k, glu):
-    n = 104
-    rows = _mma.glu_width(n) if glu else n  # GLU: gate and up rows interleaved, as prepared
-    rng = np.random.default_rng(k + glu)
-    case = Int4Case(rng, 1, k, rows, 32, np.float16, 1)
-    nc, sums = NormCase(rng, k), []
-    width = n if glu else rows
-
-    def project(x, norm=None):
-        y = cupy.full((1, width), np.nan, np.float16)
-        _mma.nbits4(x, case.w, None, y, 1, NULL, glu_out=n if glu else 0, norm=norm)
-        return y
-
-    outs = _both(monkeypatch, ran, lambda: project(nc.x, nc.norm(sums)))
-    assert all(e.startswith(f"mma_nbits4<1, __half, {_mma._BOOL[glu]}, true, ") for e in ran)  # the prologue ran
-    monkeypatch.setattr(_mma, "PIPELINE", "off")
-    two_part = project(nc.normed).get()
-    assert _bitwise([two_part, *outs])
-    for total in sums:  # the residual sum (output 3) is the norm kernel's
-        assert np.array_equal(total.get().view(np.uint16), nc.total.get().view(np.uint16))
-
-
-@pytest.mark.parametrize("glu", [False, True])
-@pytest.mark.parametrize("k", [200, 2144, 4400])
-def test_dense_norm_prologue_is_bitwise_the_norm_then_the_projection(monkeypatch, ran, k, glu):
-    n = 104
-    rng = np.random.default_rng(k * 7 + glu)
-    w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))
-    wp = cupy.asarray(_mma.pack(np, w, up if glu else None))
-    nc, sums = NormCase(rng, k), []
-
-    def project(x, norm=None):
-        y = cupy.full((1, n), np.nan, np.float16)
-        _mma.dense(x, wp, None, y, 1, n, k, NULL, glu=glu, norm=norm)
-        return y
-
-    outs = _both(monkeypatch, ran, lambda: project(nc.x, nc.norm(sums)))
-    assert all(e.startswith(f"mma_dense<1, {_mma._BOOL[glu]}, true, ") for e in ran)
-    monkeypatch.setattr(_mma, "PIPELINE", "off")
-    assert _bitwise([project(nc.normed).get(), *outs])
-    for total in sums:
-        assert np.array_equal(total.get().view(np.uint16), nc.total.get().view(np.uint16))
-
-
 def _split_and_unsplit(monkeypatch, ran, call):
     """``call()``'s results with split-K off, then on (twice: the second launch finds the
     tickets the first left), checking that every launch with it on was split."""
     out = []
     for split in ("off", "auto", "auto"):
-        monkeypatch.setattr(_mma, "SPLIT", split)
+        monkeypatch.setattr(sched, "SPLIT", split)
         before = _mma.stats()["split_launches"]
         del ran[:]
         out.append(call().get())
@@ -390,7 +302,7 @@ SPLIT_SHAPES = [(1, 2304, 40), (5, 4608, 24), (8, 8192, 16), (3, 4400, 24)]
 @pytest.mark.parametrize("zp", [0, 1])
 @pytest.mark.parametrize("m,k,n", SPLIT_SHAPES)
 def test_split_k_int4_is_bitwise_the_unsplit_kernel(monkeypatch, ran, m, k, n, zp, pipe):
-    monkeypatch.setattr(_mma, "PIPELINE", "all" if pipe else "off")
+    monkeypatch.setattr(sched, "PIPELINE", "all" if pipe else "off")
     case = Int4Case(np.random.default_rng(k * 5 + n), m, k, n, 32, np.float16, zp)
     outs = _split_and_unsplit(monkeypatch, ran, case)
     assert _bitwise(outs)
@@ -399,7 +311,7 @@ def test_split_k_int4_is_bitwise_the_unsplit_kernel(monkeypatch, ran, m, k, n, z
 
 def test_split_k_int4_gate_up_is_bitwise_the_unsplit_kernel(monkeypatch, ran):
     n, k = 40, 4608
-    rows = _mma.glu_width(n)
+    rows = _mma_layout.glu_width(n)
     case = Int4Case(np.random.default_rng(11), 1, k, rows, 32, np.float32, 0)
 
     def call():
@@ -421,7 +333,7 @@ def test_split_k_int4_captured_and_replayed_is_bitwise_the_unsplit_kernel(monkey
 
     n, k = 48, 8192
     case = Int4Case(np.random.default_rng(23), 1, k, n, 32, np.float16, 1)
-    monkeypatch.setattr(_mma, "PIPELINE", "all")
+    monkeypatch.setattr(sched, "PIPELINE", "all")
     stream = cupy.cuda.Stream(non_blocking=True)
     y = cupy.full((1, n), np.nan, np.float16)
 
@@ -434,10 +346,10 @@ def test_split_k_int4_captured_and_replayed_is_bitwise_the_unsplit_kernel(monkey
         if pdl and not replay.pdl_enabled():
             pytest.skip("programmatic dependent launch needs compute capability 9.0 and cuda-bindings")
         with stream:
-            monkeypatch.setattr(_mma, "SPLIT", "off")
+            monkeypatch.setattr(sched, "SPLIT", "off")
             launch()
             unsplit = y.get()
-            monkeypatch.setattr(_mma, "SPLIT", "auto")
+            monkeypatch.setattr(sched, "SPLIT", "auto")
             launch()  # the eager warm-up: allocates the workspace
             splits, pdl_launches = _mma.stats()["split_launches"], replay.stats()["pdl_launches"]
             stream.begin_capture()

@@ -21,7 +21,7 @@ from core.generation.loop import decode  # noqa: E402
 from core.models.model import load_model  # noqa: E402
 from core.session import Session  # noqa: E402
 from core.testing.families import prepared_family  # noqa: E402
-from providers.cuda.ops import _mma  # noqa: E402
+from providers.cuda.ops import _mma, _mma_schedule  # noqa: E402
 
 STEPS = 12
 PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 21)), [200, 7, 7, 31, 64, 128, 9, 250, 1, 33, 77, 12, 6]]
@@ -43,11 +43,11 @@ def _run(model, provider, rows, force=None):
 
 
 def test_split_steps_are_bitwise_the_unsplit_ones_and_rows_their_batch1_runs(model, monkeypatch):
-    monkeypatch.setattr(_mma, "SPLIT", "off")
+    monkeypatch.setattr(_mma_schedule, "SPLIT", "off")
     before = _mma.stats()["split_launches"]
     off_tokens, off_logits, _ = _run(model, "cuda", PROMPTS)
     assert _mma.stats()["split_launches"] == before
-    monkeypatch.setattr(_mma, "SPLIT", "auto")
+    monkeypatch.setattr(_mma_schedule, "SPLIT", "auto")
     tokens, logits, counters = _run(model, "cuda", PROMPTS)
     assert _mma.stats()["split_launches"] > before  # the split path ran (warm-up, capture)
     assert counters.replays > 0  # and the decode steps were captured graphs

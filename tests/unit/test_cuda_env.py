@@ -29,23 +29,21 @@ def test_anything_else_is_an_error_naming_the_variable(monkeypatch):
 
 
 def test_a_choice_is_one_of_its_values(monkeypatch):
-    monkeypatch.setenv("LOCKSTEP_CUDA_PDL_TRIGGER", "Late")
-    assert env.choice("LOCKSTEP_CUDA_PDL_TRIGGER", "entry", ("entry", "late")) == "late"
-    monkeypatch.setenv("LOCKSTEP_CUDA_PDL_TRIGGER", "")
-    assert env.choice("LOCKSTEP_CUDA_PDL_TRIGGER", "entry", ("entry", "late")) == "entry"
-    monkeypatch.setenv("LOCKSTEP_CUDA_PDL_TRIGGER", "early")
-    with pytest.raises(ProviderError, match="'entry' or 'late', not 'early'"):
-        env.choice("LOCKSTEP_CUDA_PDL_TRIGGER", "entry", ("entry", "late"))
+    monkeypatch.setenv("LOCKSTEP_CUDA_GEMM_SPLIT", "Off")
+    assert env.choice("LOCKSTEP_CUDA_GEMM_SPLIT", "auto", ("auto", "off")) == "off"
+    monkeypatch.setenv("LOCKSTEP_CUDA_GEMM_SPLIT", "")
+    assert env.choice("LOCKSTEP_CUDA_GEMM_SPLIT", "auto", ("auto", "off")) == "auto"
+    monkeypatch.setenv("LOCKSTEP_CUDA_GEMM_SPLIT", "never")
+    with pytest.raises(ProviderError, match="'auto' or 'off', not 'never'"):
+        env.choice("LOCKSTEP_CUDA_GEMM_SPLIT", "auto", ("auto", "off"))
 
 
 def test_the_switches_read_through_it(monkeypatch):
-    from providers.cuda.ops import rms_norm_matmul
-
-    monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION", "off")
-    assert rms_norm_matmul.enabled() is False
-    monkeypatch.setenv("LOCKSTEP_CUDA_NORM_FUSION", "maybe")
-    with pytest.raises(ProviderError, match="LOCKSTEP_CUDA_NORM_FUSION"):
-        rms_norm_matmul.enabled()
+    monkeypatch.setenv("LOCKSTEP_CUDA_ATTN_HINT", "off")
+    assert env.switch("LOCKSTEP_CUDA_ATTN_HINT") is False
+    monkeypatch.setenv("LOCKSTEP_CUDA_ATTN_HINT", "maybe")
+    with pytest.raises(ProviderError, match="LOCKSTEP_CUDA_ATTN_HINT"):
+        env.switch("LOCKSTEP_CUDA_ATTN_HINT")
 
 
 @pytest.mark.parametrize("name", sorted(set(env.SWITCHES) - {"LOCKSTEP_CUDA_REPLAY"}))
@@ -85,8 +83,8 @@ def test_every_switch_is_documented_and_named_in_the_profile_titles():
 
 
 def test_pdl_is_on_unless_turned_off(monkeypatch):
-    """Programmatic dependent launch is on by default (docs/benchmarks/kernels.md section 14);
-    LOCKSTEP_CUDA_PDL=0 turns it off."""
+    """Programmatic dependent launch is on by default (measured faster for steps of up to 16
+    rows); LOCKSTEP_CUDA_PDL=0 turns it off."""
     monkeypatch.delenv("LOCKSTEP_CUDA_PDL", raising=False)
     assert env.switch("LOCKSTEP_CUDA_PDL") is True
     monkeypatch.setenv("LOCKSTEP_CUDA_PDL", "0")

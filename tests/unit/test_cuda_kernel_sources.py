@@ -35,33 +35,20 @@ def test_the_kernels_are_found():
     assert len(BODIES) >= 20 and "linear_mma.cu:mma_dense" in BODIES
 
 
-ENTRIES = ("PDL_ENTER()", "PDL_ENTER_GEMM()")
-
-
 @pytest.mark.parametrize("name", sorted(BODIES))
 def test_every_kernel_enters_pdl_before_any_store_or_return(name):
     body = BODIES[name]
-    entries = [e for e in ENTRIES for _ in range(body.count(e))]
-    assert len(entries) == 1, f"{name} must call PDL_ENTER() or PDL_ENTER_GEMM() exactly once"
-    before = body[:body.index(entries[0])]
-    if entries[0] == "PDL_ENTER_GEMM()":  # its trigger comes after the main loop, once
-        assert body.count("PDL_LATE_TRIGGER()") == 1, f"{name} must mark its late trigger once"
-        assert body.index("PDL_LATE_TRIGGER()") > body.index(entries[0])
+    assert body.count("PDL_ENTER()") == 1, f"{name} must call PDL_ENTER() exactly once"
+    before = body[:body.index("PDL_ENTER()")]
     assert "return" not in before, f"{name} returns before PDL_ENTER()"
     # a store before the wait: an assignment through a pointer or into a non-local array
     assert not re.search(r"\b(atomic\w*|__stcg|__threadfence)\b", before), f"{name} writes before PDL_ENTER()"
     assert "__syncthreads" not in before, f"{name} synchronises before PDL_ENTER()"
 
 
-def test_the_late_trigger_is_a_define_before_the_macros(monkeypatch):
-    from core.plugins import ProviderError
+def test_the_pdl_macros_come_before_the_kernel_file():
     from providers.cuda import module
 
-    assert module.source("linear_mma").startswith("// Programmatic dependent launch")
-    late = module.source("linear_mma", "late")
-    assert late.startswith("#define PDL_LATE\n") and late.index("#ifdef PDL_LATE") > 0
-    monkeypatch.setenv("LOCKSTEP_CUDA_PDL_TRIGGER", "late")
-    assert module.pdl_trigger() == "late"
-    monkeypatch.setenv("LOCKSTEP_CUDA_PDL_TRIGGER", "early")
-    with pytest.raises(ProviderError, match="'entry' or 'late'"):
-        module.pdl_trigger()
+    source = module.source("linear_mma")
+    assert source.startswith("// Programmatic dependent launch")
+    assert source.index("#define PDL_ENTER()") < source.index("__global__")

@@ -47,9 +47,6 @@ class Preparing(CpuReferenceProvider):
         super().__init__()
         self.only = only
 
-    def supports(self, node):  # the hooks below serve plain projections, not RMSNormMatMul's
-        return node.op_type != "RMSNormMatMul" and super().supports(node)
-
     def prepare(self, node):
         if self.only is not None and node.name not in self.only:
             return None

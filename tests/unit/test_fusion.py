@@ -10,10 +10,9 @@ from core.testing.tiny_model import make_tiny_model
 from providers.cpu_reference.provider import CpuReferenceProvider
 
 
-def no_norm_fusion(node):
-    """cpu_reference's supports, refusing the RMSNormMatMul and ReduceSumSubCast passes (for
-    counts of the others)."""
-    return node.op_type not in ("RMSNormMatMul", "ReduceSumSubCast") and CpuReferenceProvider().supports(node)
+def no_mask_fusion(node):
+    """cpu_reference's supports, refusing the ReduceSumSubCast pass (for counts of the others)."""
+    return node.op_type != "ReduceSumSubCast" and CpuReferenceProvider().supports(node)
 
 
 class NoFusion(CpuReferenceProvider):
@@ -26,7 +25,7 @@ class NoFusion(CpuReferenceProvider):
 def test_silu_mul_pass_replaces_three_nodes_per_layer(tmp_path):
     model = load_model(make_tiny_model(tmp_path / "m"))
     nodes = node_infos(model.graph)
-    fused = fusion.apply(nodes, {o.name for o in model.graph.output}, no_norm_fusion)
+    fused = fusion.apply(nodes, {o.name for o in model.graph.output}, no_mask_fusion)
     n_sig = sum(n.op_type == "Sigmoid" for n in nodes)
     assert n_sig > 0
     assert sum(n.op_type == "SiluMul" for n in fused) == n_sig
@@ -63,14 +62,14 @@ def test_gated_pass_fuses_gate_up_and_silu_mul_per_layer(tmp_path):
     for quant, op in ((None, "SiluGatedMatMul"), ("int4", "SiluGatedMatMulNBits")):
         model = load_model(make_tiny_model(tmp_path / str(quant), dtype="float16", quant=quant))
         nodes = node_infos(model.graph)
-        fused = fusion.apply(nodes, {o.name for o in model.graph.output}, no_norm_fusion, set(model.initializers))
+        fused = fusion.apply(nodes, {o.name for o in model.graph.output}, no_mask_fusion, set(model.initializers))
         n_sig = sum(n.op_type == "Sigmoid" for n in nodes)
         assert sum(n.op_type == op for n in fused) == n_sig > 0
         assert not any(n.op_type == "SiluMul" for n in fused)
         # Sigmoid, Mul, Mul, and one projection; fp16: the tied lookup's Transpose (GatherColumns)
         assert len(nodes) - len(fused) == 4 * n_sig + (0 if quant else 1)
         # without the weights among the constants the pass leaves the projections alone
-        kept = fusion.apply(nodes, {o.name for o in model.graph.output}, no_norm_fusion)
+        kept = fusion.apply(nodes, {o.name for o in model.graph.output}, no_mask_fusion)
         assert sum(n.op_type == "SiluMul" for n in kept) == n_sig
 
 
@@ -131,61 +130,6 @@ def test_tied_gather_pass_reads_the_lm_head_weight_and_folds_no_transposed_copy(
                                      outputs=("y2",), input_dtypes=(None, None))]
     assert [n.op_type for n in fusion.fuse_tied_gather(twice, set(), ok, {"w"})] == ["Transpose", "Gather", "Gather"]
     assert [n.op_type for n in fusion.fuse_tied_gather([tr, ga], {"wt"}, ok, {"w"})] == ["Transpose", "Gather"]
-
-
-def test_norm_pass_fuses_each_layer_norm_into_its_projection_but_not_the_lm_head(tmp_path):
-    for quant, projection in ((None, "SiluGatedMatMul"), ("int4", "SiluGatedMatMulNBits")):
-        model = load_model(make_tiny_model(tmp_path / str(quant), dtype="float16", quant=quant))
-        nodes = node_infos(model.graph)
-        outputs = {o.name for o in model.graph.output}
-        fused = fusion.apply(nodes, outputs, CpuReferenceProvider().supports, set(model.initializers))
-        norms = [n for n in nodes if n.op_type.endswith("SimplifiedLayerNormalization")]
-        layers = sum(n.op_type == "GroupQueryAttention" for n in nodes)
-        rms = [n for n in fused if n.op_type == "RMSNormMatMul"]
-        assert len(rms) == 2 * layers > 0  # input and post-attention norm of every layer
-        assert sorted({n.attrs["consumer"] for n in rms}) == sorted({projection, "MatMulNBits" if quant else "MatMul"})
-        left = [n for n in fused if n.op_type.endswith("SimplifiedLayerNormalization")]
-        assert len(left) == len(norms) - 2 * layers == 1  # the final norm feeds the lm_head
-        # the residual sum keeps its name, so the next layer reads it from the fused node
-        sums = {n.outputs[3] for n in rms if len(n.outputs) > 3 and n.outputs[3]}
-        assert sums and all(any(s in m.inputs for m in fused) for s in sums)
-
-
-def test_norm_pass_keeps_order_when_a_reader_of_the_sum_comes_before_the_projection():
-    from core.protocol import NodeInfo
-
-    f16 = np.dtype(np.float16)
-    norm = NodeInfo(name="n", op_type="SkipSimplifiedLayerNormalization", domain="com.microsoft", attrs={},
-                    inputs=("x", "s", "g"), outputs=("y", "", "", "sum"), input_dtypes=(f16, f16, f16))
-    reader = NodeInfo(name="r", op_type="Add", domain="", attrs={}, inputs=("sum", "sum"), outputs=("z",),
-                      input_dtypes=(f16, f16))
-    proj = NodeInfo(name="p", op_type="MatMul", domain="", attrs={}, inputs=("y", "w"), outputs=("o",),
-                    input_dtypes=(f16, f16))
-    assert [n.op_type for n in fusion.fuse_norm_matmul([norm, proj, reader], set(), lambda n: True)] == [
-        "RMSNormMatMul", "Add"]
-    assert [n.op_type for n in fusion.fuse_norm_matmul([norm, reader, proj], set(), lambda n: True)] == [
-        "SkipSimplifiedLayerNormalization", "Add", "MatMul"]
-    # a projection that makes a graph output (the lm_head) is left alone
-    assert [n.op_type for n in fusion.fuse_norm_matmul([norm, proj, reader], {"o"}, lambda n: True)] == [
-        "SkipSimplifiedLayerNormalization", "MatMul", "Add"]
-
-
-def test_norm_fused_plan_is_bitwise_the_unfused_plan_in_prefill_and_decode(tmp_path):
-    class NoNorm(CpuReferenceProvider):
-        def supports(self, node):
-            return node.op_type != "RMSNormMatMul" and super().supports(node)
-
-    for dtype, quant in (("float32", None), ("float16", None), ("float16", "int4")):
-        model = load_model(make_tiny_model(tmp_path / f"{dtype}{quant}", dtype=dtype, quant=quant))
-        rng = np.random.default_rng(7)
-        cfg = model.config
-        prompt = rng.integers(0, cfg.vocab_size, (2, 5)).astype(np.int64)
-        outs = []
-        for provider in (CpuReferenceProvider(), NoNorm()):
-            plan = Plan(model.graph, model.initializers, provider)
-            assert any(n.op_type == "RMSNormMatMul" for n in plan.nodes) == (not isinstance(provider, NoNorm))
-            outs.append(_prefill_and_step(plan, model, prompt))
-        assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1]), (dtype, quant)
 
 
 def _mask_graph(extra_reader: bool = False, constant_nodes: bool = True, axes=(1,), b=(1,), keepdims=0):

@@ -1,4 +1,4 @@
-"""The packed int4 layout of the cuda provider (``_mma.pack_int4``), checked on the host: what the
+"""The packed int4 layout of the cuda provider (``_mma_layout.pack_int4``), checked on the host: what the
 tensor-core kernels and the packed lookup read from it is the raw MatMulNBits weight.
 
 The kernels' reads are emulated in NumPy with their own index arithmetic
@@ -12,7 +12,7 @@ import pytest
 from core.executor import storage
 from core.ops import PREPARE_SHARED, STORAGE_NAMES
 from core.protocol import KernelContext, NodeInfo
-from providers.cuda.ops import _mma, gather_block_quantized, matmul_nbits
+from providers.cuda.ops import _mma_layout, gather_block_quantized, matmul_nbits
 
 
 def _raw(rng, n, k, bs, zp):
@@ -32,7 +32,7 @@ def _zero_points(z, n, nb):
     return np.full((n, nb), 8) if z is None else _codes(z, n)[:, :nb]
 
 
-def _fragments(w: _mma.Int4Weights):
+def _fragments(w: _mma_layout.Int4Weights):
     """What each lane's registers hold, read as the kernel reads them: {(tile, chunk, lane, v, j):
     (a[j] low half, a[j] high half)} as codes (the 0x6400 exponent bits taken off)."""
     chunks = -(-w.k // 64)
@@ -50,8 +50,8 @@ def _fragments(w: _mma.Int4Weights):
 def test_the_kernels_fragments_are_the_raw_codes_scales_and_zero_points(n, k, bs, zp):
     rng = np.random.default_rng(n + k + bs)
     q, s, z = _raw(rng, n, k, bs, zp)
-    w = _mma.pack_int4(np, q, s, z, n, k, bs)
-    tiles, chunks, nb, nbp = -(-n // 16), -(-k // 64), -(-k // bs), _mma.int4_blocks(k, bs)
+    w = _mma_layout.pack_int4(np, q, s, z, n, k, bs)
+    tiles, chunks, nb, nbp = -(-n // 16), -(-k // 64), -(-k // bs), _mma_layout.int4_blocks(k, bs)
     codes = np.zeros((16 * tiles, 64 * chunks), np.int64)
     codes[:n, :k] = _codes(q, n)[:, :k]
     halves = _fragments(w)
@@ -89,12 +89,12 @@ def test_an_emulated_kernel_product_is_the_dequantised_product():
     rng = np.random.default_rng(5)
     n, k, bs = 40, 352, 32
     q, s, z = _raw(rng, n, k, bs, True)
-    w = _mma.pack_int4(np, q, s, z, n, k, bs)
+    w = _mma_layout.pack_int4(np, q, s, z, n, k, bs)
     x = rng.standard_normal(k)
     nb = -(-k // bs)
     dq = (_codes(q, n) - np.repeat(_zero_points(z, n, nb), bs, 1)) * np.repeat(s.astype(np.float64), bs, 1)
     want = dq[:, :k] @ x
-    tiles, chunks, nbp = -(-n // 16), -(-k // 64), _mma.int4_blocks(k, bs)
+    tiles, chunks, nbp = -(-n // 16), -(-k // 64), _mma_layout.int4_blocks(k, bs)
     xp = np.zeros(64 * chunks)
     xp[:k] = x
     halves = _fragments(w)
@@ -123,8 +123,8 @@ def test_the_packed_lookup_reads_the_raw_rows(zp):
     rng = np.random.default_rng(7)
     v, d, bs = 70, 192, 64
     q, s, z = _raw(rng, v, d, bs, zp)
-    w = _mma.pack_int4(np, q, s, z, v, d, bs)
-    nbp, lbs, nc = _mma.int4_blocks(d, bs), bs.bit_length() - 1, -(-d // 64)
+    w = _mma_layout.pack_int4(np, q, s, z, v, d, bs)
+    nbp, lbs, nc = _mma_layout.int4_blocks(d, bs), bs.bit_length() - 1, -(-d // 64)
     rows = np.array([0, 9, 17, 69, 33])
     col = np.arange(d)
     r = rows[:, None]
@@ -149,9 +149,9 @@ def test_aligned_weights_pack_to_their_own_bytes():
     rng = np.random.default_rng(1)
     for n, k, bs in ((64, 2048, 32), (32, 576, 64), (16, 1024, 128)):
         q, s, z = _raw(rng, n, k, bs, True)
-        w = _mma.pack_int4(np, q, s, z, n, k, bs)
+        w = _mma_layout.pack_int4(np, q, s, z, n, k, bs)
         assert w.codes.nbytes == q.nbytes and w.scales.nbytes == s.nbytes and w.zq.size == s.size
-        assert _mma.int4_blocks(k, bs) == k // bs
+        assert _mma_layout.int4_blocks(k, bs) == k // bs
         # shaped rows x per-row bytes, so a lookup's rows are counted at their size
         assert w.codes.shape == (n, k // 2) and w.scales.shape == s.shape and w.codes.flags.c_contiguous
 

@@ -12,15 +12,15 @@ from core.testing import parity
 from core.testing.tiny_model import make_tiny_model
 from providers.cpu_reference.ops._util import as_compute
 from providers.cpu_reference.provider import CpuReferenceProvider
-from providers.cuda.ops import _mma
+from providers.cuda.ops import _mma_layout
 
 
 @pytest.mark.parametrize("n", [1, 8, 12, 52, 1536])
 def test_glu_interleave_puts_gate_and_up_of_a_feature_in_one_16_row_tile(n):
     gate = np.arange(n * 3, dtype=np.float32).reshape(n, 3) + 1
     up = -gate
-    both = _mma.glu_interleave(np, gate, up)
-    assert both.shape == (_mma.glu_width(n), 3) and _mma.glu_width(n) % 16 == 0
+    both = _mma_layout.glu_interleave(np, gate, up)
+    assert both.shape == (_mma_layout.glu_width(n), 3) and _mma_layout.glu_width(n) % 16 == 0
     for i, row in enumerate(both):
         feature = (i // 16) * 8 + i % 8  # what finish<GLU> writes for this row
         want = (gate if i % 16 < 8 else up)[feature] if feature < n else np.zeros(3)

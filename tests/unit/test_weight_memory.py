@@ -5,22 +5,18 @@ kernels' layout, the tied embedding shared with the lm_head, and a load whose pe
 weights plus one node's transient (tracemalloc counts NumPy's allocations)."""
 
 import tracemalloc
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from core import fusion
 from core.executor import Plan
 from core.models.model import load_model
 from core.testing.tiny_model import TinyConfig, make_tiny_model
 from providers.cpu_reference.ops import gather_columns, matmul, silu_gated_matmul
-from providers.cpu_reference.ops import rms_norm_matmul as ref_rms_norm_matmul
 from providers.cpu_reference.provider import CpuReferenceProvider
-from providers.cuda.ops import _mma
+from providers.cuda.ops import _mma_layout
 from providers.cuda.ops import gather_columns as cuda_gather_columns
 from providers.cuda.ops import matmul as cuda_matmul
-from providers.cuda.ops import rms_norm_matmul as cuda_rms_norm_matmul
 from providers.cuda.ops import silu_gated_matmul as cuda_silu_gated_matmul
 
 
@@ -48,79 +44,68 @@ SHAPES = [(64, 16), (100, 37), (576, 1536), (1, 1), (130, 70), (2048, 24)]
 def test_host_packing_is_the_fragment_order(k, n):
     rng = np.random.default_rng(k * 1000 + n)
     w, up = (rng.standard_normal((k, n)).astype(np.float16) for _ in range(2))
-    packed = _mma.pack(np, w)
-    assert packed.dtype == np.float16 and packed.size == _mma.packed_size(k, n)
+    packed = _mma_layout.pack(np, w)
+    assert packed.dtype == np.float16 and packed.size == _mma_layout.packed_size(k, n)
     assert np.array_equal(packed, fragment_order(w))
     # gate/up: the columns of both interleaved in glu_rows order (zero column past N), then packed
-    both = np.concatenate([w, up, np.zeros((k, 1), np.float16)], axis=1)[:, _mma.glu_rows(n)]
-    glu = _mma.pack(np, w, up)
-    assert glu.size == _mma.packed_size(k, n, glu=True) and np.array_equal(glu, fragment_order(both))
+    both = np.concatenate([w, up, np.zeros((k, 1), np.float16)], axis=1)[:, _mma_layout.glu_rows(n)]
+    glu = _mma_layout.pack(np, w, up)
+    assert glu.size == _mma_layout.packed_size(k, n, glu=True) and np.array_equal(glu, fragment_order(both))
 
 
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_packed_offset_reads_every_element_back(k, n):
     w = np.random.default_rng(n).standard_normal((k, n)).astype(np.float16)
     kk, nn = np.meshgrid(np.arange(k), np.arange(n), indexing="ij")
-    assert np.array_equal(_mma.pack(np, w)[_mma.packed_offset(np, kk, nn, k)], w)
+    assert np.array_equal(_mma_layout.pack(np, w)[_mma_layout.packed_offset(np, kk, nn, k)], w)
 
 
 @pytest.mark.parametrize("n,x", [(52, 7), (16, 3), (5, 1), (8, 10)])
 def test_interleave_is_the_glu_row_order(n, x):
     rng = np.random.default_rng(n)
     gate, up = (rng.integers(0, 256, (n, x)).astype(np.uint8) for _ in range(2))
-    want = np.concatenate([gate, up, np.zeros((1, x), np.uint8)])[_mma.glu_rows(n)]
-    assert np.array_equal(_mma.glu_interleave(np, gate, up), want)
+    want = np.concatenate([gate, up, np.zeros((1, x), np.uint8)])[_mma_layout.glu_rows(n)]
+    assert np.array_equal(_mma_layout.glu_interleave(np, gate, up), want)
 
 
 def _unpack(packed, k: int, n: int) -> np.ndarray:
     kk, nn = np.meshgrid(np.arange(k), np.arange(n), indexing="ij")
-    return packed[_mma.packed_offset(np, kk, nn, k)]
+    return packed[_mma_layout.packed_offset(np, kk, nn, k)]
 
 
 def _packed_matmul(ctx, a, w):
-    if _mma.PREPARED in ctx.cache:
-        w = _unpack(w, *ctx.cache[_mma.PREPARED])
+    if _mma_layout.PREPARED in ctx.cache:
+        w = _unpack(w, *ctx.cache[_mma_layout.PREPARED])
     return matmul.run(ctx, a, w)
 
 
 def _packed_gated(ctx, x, w, up):
-    if _mma.PREPARED in ctx.cache:
-        k, n = ctx.cache[_mma.PREPARED]
-        both = _unpack(w, k, _mma.glu_width(n))
+    if _mma_layout.PREPARED in ctx.cache:
+        k, n = ctx.cache[_mma_layout.PREPARED]
+        both = _unpack(w, k, _mma_layout.glu_width(n))
         where = np.empty(2 * n + 1, np.int64)
-        where[_mma.glu_rows(n)] = np.arange(_mma.glu_width(n))
+        where[_mma_layout.glu_rows(n)] = np.arange(_mma_layout.glu_width(n))
         w, up = (np.ascontiguousarray(both[:, cols]) for cols in (where[:n], where[n:2 * n]))
     return silu_gated_matmul.run(ctx, x, w, up)
 
 
 def _packed_gather(ctx, w, indices):
-    if _mma.PREPARED in ctx.cache:
-        w = _unpack(w, *ctx.cache[_mma.PREPARED])
+    if _mma_layout.PREPARED in ctx.cache:
+        w = _unpack(w, *ctx.cache[_mma_layout.PREPARED])
     return gather_columns.run(ctx, w, indices)
-
-
-#: the reference parts of RMSNormMatMul, its projections reading packed weights
-PACKED_PARTS = {**ref_rms_norm_matmul.MODULES, ("", "MatMul"): SimpleNamespace(run=_packed_matmul),
-                ("lockstep", "SiluGatedMatMul"): SimpleNamespace(run=_packed_gated)}
-
-
-def _packed_norm_matmul(ctx, x, skip, gamma, bias, *weights):
-    return fusion.run_parts(ctx, PACKED_PARTS, x, skip, gamma, bias, *weights)
 
 
 class HostPacked(CpuReferenceProvider):
     """cpu_reference planned with the cuda provider's prepare hooks, packing on the host, whose
-    MatMul, SiluGatedMatMul, RMSNormMatMul and GatherColumns kernels read the packed forms back
-    through ``_mma.packed_offset`` (the index formula of the cuda gather kernel). ``upload``
+    MatMul, SiluGatedMatMul and GatherColumns kernels read the packed forms back
+    through ``_mma_layout.packed_offset`` (the index formula of the cuda gather kernel). ``upload``
     copies, as a device upload allocates."""
 
     HOOKS = {"MatMul": cuda_matmul.prepare, "SiluGatedMatMul": cuda_silu_gated_matmul.prepare,
-             "RMSNormMatMul": cuda_rms_norm_matmul.prepare, "GatherColumns": cuda_gather_columns.prepare}
-    KERNELS = {"MatMul": _packed_matmul, "SiluGatedMatMul": _packed_gated, "RMSNormMatMul": _packed_norm_matmul,
-               "GatherColumns": _packed_gather}
-    #: the inputs the hooks replace (RMSNormMatMul: its projection's weights, after x, skip, gamma, bias)
-    WEIGHTS = {"MatMul": slice(1, 2), "SiluGatedMatMul": slice(1, 3), "RMSNormMatMul": slice(4, None),
-               "GatherColumns": slice(0, 1)}
+             "GatherColumns": cuda_gather_columns.prepare}
+    KERNELS = {"MatMul": _packed_matmul, "SiluGatedMatMul": _packed_gated, "GatherColumns": _packed_gather}
+    #: the inputs the hooks replace
+    WEIGHTS = {"MatMul": slice(1, 2), "SiluGatedMatMul": slice(1, 3), "GatherColumns": slice(0, 1)}
 
     def prepare(self, node):
         return self.HOOKS.get(node.op_type)
@@ -159,13 +144,12 @@ def test_host_packed_plan_holds_one_copy_per_weight_and_computes_the_plain_bits(
     (lookup,) = [plan.nodes[i] for i in plan.steps if plan.nodes[i].op_type == "GatherColumns"]
     (lm_head,) = [plan.nodes[i] for i in plan.steps if plan.nodes[i].name == "/lm_head/MatMul"]
     assert lookup.inputs[0] == lm_head.inputs[1] and lookup.inputs[0] in plan.prepared
-    assert np.array_equal(plan.constants[lookup.inputs[0]], _mma.pack(np, tied))
+    assert np.array_equal(plan.constants[lookup.inputs[0]], _mma_layout.pack(np, tied))
     prepared = [plan.nodes[i] for i in plan.steps if plan.nodes[i].op_type in HostPacked.HOOKS]
     raw = {x for i in plain.steps if plain.nodes[i].op_type in HostPacked.HOOKS
            for x in plain.nodes[i].inputs[HostPacked.WEIGHTS[plain.nodes[i].op_type]] if x in model.initializers}
-    # lookup, lm_head; per layer qkv and gate/up (each with its RMSNorm), o and down
+    # lookup, lm_head; per layer qkv, o, gate/up and down
     assert len(prepared) == 2 + 4 * model.config.num_layers
-    assert sum(n.op_type == "RMSNormMatMul" for n in prepared) == 2 * model.config.num_layers
     assert raw and not raw & set(plan.constants)  # every raw weight a hook packed is gone
     # aligned shapes pack without padding: the packed plan holds exactly the plain plan's bytes
     assert plan.weight_bytes() == plain.weight_bytes() == sum(v.nbytes for v in plan.constants.values())

@@ -118,8 +118,6 @@ DECLINED = {
                                      "computes fp32 products, not numpy64's float64 MatMul",
     ("lockstep", "SiluGatedMatMulNBits"): "numpy64 declines lockstep.SiluGatedMatMulNBits: cpu_reference's "
                                           "kernel computes fp32 products, not numpy64's float64 MatMulNBits",
-    ("lockstep", "RMSNormMatMul"): "numpy64 declines lockstep.RMSNormMatMul: cpu_reference's kernel runs "
-                                   "cpu_reference's norm and projection, not numpy64's float64 ones",
 }
 
 

@@ -19,10 +19,6 @@
 // ("scale after", the int4 section below; fp16 zero points and blocks under 32 are refused, the
 // CUDA-core kernel of linear.cu serves them).
 //
-// mma_dense NORM = true (NJ = 1): the RMSNorm prologue (norm_rows, below) computes the block's
-// activation rows in shared memory first: one launch for SkipSimplifiedLayerNormalization and the
-// projection that reads its output (lockstep.RMSNormMatMul), bitwise the two launches.
-//
 // Kernels, all with the arithmetic above, so the choice between them never changes a bit:
 //   mma_dense / mma_nbits4  one 16-feature tile per block, 8 NJ tokens, a warp per K segment
 //                           (PIPE: the pipelined load schedule and token-major grid, see mma_dense;
@@ -134,109 +130,6 @@ __device__ __forceinline__ void ld_x16(const __half* x, long long m, int K, int 
     }
 }
 
-// RMSNorm prologue (NORM kernels, lockstep.RMSNormMatMul): the block's rows m0 .. m0 + R - 1
-// (R = min(8, M - m0)) of v = x (+ skip) are normalised with exactly the arithmetic of
-// kernels/rms_norm.cu, so the fused launch is bitwise SkipSimplifiedLayerNormalization followed
-// by the projection:
-//   sum(v^2): 256 virtual threads t, each an fmaf chain over d = t, t + 256, ... ascending; per
-//     virtual warp the xor-shuffle tree (lane 0's value); the 8 warp sums added in ascending order.
-//   inv = 1 / sqrtf(sum / K + eps); y = fp16((v * inv) * gamma) (v in fp32: x + skip, __fadd_rn).
-// Virtual warp vw runs on real warp vw % nwarps (same lanes), so the xor trees are the same.
-// Shared memory after the GEMM's partials: x, skip [R][K] and gamma [K] as halves (cp.async, one
-// round trip), inv [8], red [8][8], then xs [R][K + 8] halves (y; the pad keeps the rows on
-// distinct banks; rows >= R are read as zeros, never stored).  The blocks of column 0 also store v rounded to fp16 (output 3, the residual sum)
-// into sum_out.  Needs K % 8 == 0.
-struct NormArgs {
-    const __half* skip;   // [M, K] or null
-    const __half* gamma;  // [K]
-    __half* sum_out;      // [M, K] or null
-    float eps;
-};
-
-// Shared floats of the prologue before xs: raw x, skip (R rows each) and gamma as halves
-// (rounded up to floats), inv [8], red [64].
-__host__ __device__ constexpr int norm_floats(int rows, int K) { return (2 * rows * K + K + 1) / 2 + 72; }
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
-}
-
-__device__ void norm_rows(const __half* __restrict__ x, const NormArgs& na, int M, int K, int m0,
-                          bool first_tile, float* sm, __half* xs) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, nt = blockDim.x;
-    const int R = min(8, M - m0), xst = K + 8, u8 = K / 8;
-    __half* xh = reinterpret_cast<__half*>(sm);  // [R][K]
-    __half* sh = xh + R * K;                     // [R][K] (skip)
-    __half* gh = sh + R * K;                     // [K]
-    float* inv = sm + norm_floats(R, K) - 72; float* red = inv + 8;
-    // one memory round trip: every 16-byte piece of x, skip and gamma copied asynchronously
-    const int units = (na.skip ? 2 * R + 1 : R + 1) * u8;
-    for (int u = threadIdx.x; u < units; u += nt) {
-        const int r = u / u8, d0 = (u - r * u8) * 8;
-        if (r < R) cp_async16(xh + r * K + d0, x + (long long)(m0 + r) * K + d0);
-        else if (r == R) cp_async16(gh + d0, na.gamma + d0);
-        else cp_async16(sh + (r - R - 1) * K + d0, na.skip + (long long)(m0 + r - R - 1) * K + d0);
-    }
-    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-    __syncthreads();
-    auto v = [&](int r, int d) {
-        const float t = __half2float(xh[r * K + d]);
-        return na.skip ? __fadd_rn(t, __half2float(sh[r * K + d])) : t;
-    };
-    for (int vw = warp; vw < 8; vw += nw) {  // all rows' chains of this virtual warp, then the trees
-        float s[8];
-#pragma unroll
-        for (int r = 0; r < 8; ++r) {
-            s[r] = 0.f;
-            if (r < R)
-                for (int d = vw * 32 + lane; d < K; d += 256) { const float t = v(r, d); s[r] = fmaf(t, t, s[r]); }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-            for (int r = 0; r < 8; ++r) s[r] = __fadd_rn(s[r], __shfl_xor_sync(0xffffffffu, s[r], o));
-        if (lane == 0)
-#pragma unroll
-            for (int r = 0; r < 8; ++r) red[r * 8 + vw] = s[r];
-    }
-    __syncthreads();
-    if (threadIdx.x < R) {
-        float tot = 0.f;
-#pragma unroll
-        for (int w = 0; w < 8; ++w) tot = __fadd_rn(tot, red[threadIdx.x * 8 + w]);
-        inv[threadIdx.x] = __fdiv_rn(1.f, sqrtf(__fadd_rn(__fdiv_rn(tot, (float)K), na.eps)));
-    }
-    __syncthreads();
-    const bool store_sum = na.sum_out && na.skip && first_tile;
-    for (int r = 0; r < R; ++r) {
-        const float ir = inv[r];
-        for (int d = threadIdx.x; d < K; d += nt) {
-            const float t = v(r, d);
-            xs[r * xst + d] = __float2half_rn(__fmul_rn(__fmul_rn(t, ir), __half2float(gh[d])));
-            if (store_sum) na.sum_out[(long long)(m0 + r) * K + d] = __float2half_rn(t);
-        }
-    }
-    __syncthreads();
-}
-
-// Row g's normalised activations xs[g, kl .. kl + 15] (16 halves), zeros past K and for rows
-// g >= R (the block's live rows, never written).
-__device__ __forceinline__ void ld_xs16(const __half* xs, int g, int K, int kl, int R, uint4* out) {
-    const __half* row = xs + g * (K + 8);
-    if (g >= R) {
-        out[0] = make_uint4(0, 0, 0, 0); out[1] = out[0];
-    } else if (kl + 16 <= K) {
-        const uint4* p = reinterpret_cast<const uint4*>(row + kl);
-        out[0] = p[0]; out[1] = p[1];
-    } else {
-        __half h[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) h[i] = kl + i < K ? row[kl + i] : __float2half(0.f);
-        out[0] = *reinterpret_cast<uint4*>(&h[0]); out[1] = *reinterpret_cast<uint4*>(&h[8]);
-    }
-}
-
 // 64-wide k chunks of K segment s (SEG_K / 64 but the last one's).
 __device__ __forceinline__ int seg_chunks(int K, int s) { return (min(K, (s + 1) * SEG_K) - s * SEG_K + 63) >> 6; }
 
@@ -257,13 +150,10 @@ __device__ __forceinline__ uint4 ld_tile(const uint4* base, int s, int i) { retu
 // lane, 8 KB per warp in flight) and refills each tile's registers with the same tile of the
 // warp's next segment as soon as its mma has issued, so the loads of segment s + nwarps overlap
 // the mmas of segment s and a warp never waits for more than its first round trip.
-template <int NJ, bool GLU, bool NORM, bool PIPE>
+template <int NJ, bool GLU, bool PIPE>
 __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, const uint4* __restrict__ wp,
                                                  const __half* __restrict__ bias, __half* __restrict__ y,
-                                                 int M, int N, int K, int n_out, const __half* n_skip, const __half* n_gamma,
-                                                 __half* n_sum, float n_eps) {
-    const NormArgs norm{n_skip, n_gamma, n_sum, n_eps};
-    static_assert(!NORM || NJ == 1, "the RMSNorm prologue holds 8 rows");
+                                                 int M, int N, int K, int n_out) {
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nseg = (K + SEG_K - 1) / SEG_K, nwarps = blockDim.x >> 5, ktiles = ((K + 63) >> 6) << 2;
@@ -278,18 +168,14 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 #pragma unroll
         for (int i = 0; i < NA; ++i) if (i < first) a[i] = ld_tile(base, warp, i);
     }
-    PDL_ENTER_GEMM();
-    float* nsm = part + nseg * 16 * 8 * NJ;  // NORM: the prologue's shared memory (norm_rows)
-    __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
-    if constexpr (NORM) norm_rows(x, norm, M, K, m0, nt == 0, nsm, xs);
+    PDL_ENTER();
     // activations of 64-chunk starting at kc for every token tile: 16 halves per lane
     auto load_x = [&](uint4 (*xa)[2], int kc) {
         const int kl = kc + 16 * t;
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
             const int m = m0 + j * 8 + g;
-            if constexpr (NORM) ld_xs16(xs, j * 8 + g, K, kl, M - m0, xa[j]);
-            else ld_x16(x, m, K, kl, m < M, xa[j]);
+            ld_x16(x, m, K, kl, m < M, xa[j]);
         }
     };
     auto mma_tile = [&](float (*acc)[4], const uint4& w, uint4 (*xa)[2], int v) {
@@ -344,7 +230,6 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
         }
         store_partial<NJ>(part, acc, seg);
     }
-    PDL_LATE_TRIGGER();
     finish<NJ, GLU>(part, nseg, bias, y, M, N, nt * 16, m0, n_out);
 }
 
@@ -364,15 +249,14 @@ __global__ void __launch_bounds__(256) mma_dense(const __half* __restrict__ x, c
 // Needs K % 8 == 0.
 #define WIDE_STAGES 3
 // Stages of the one-token-warp tiles of one 16-feature tile a warp (TW = 1, F = 1: Llama-3.2-1B's
-// gate/up at 17 to 32 rows): 3 chunks in flight a block, measured 26.5 -> 25.5 us a launch at 32
-// rows (docs/benchmarks/kernels.md section 19; 6 stages measured no faster end to end, section
-// 20).  The 128-feature-per-warp-pair form (F = 2) keeps WIDE_STAGES: a fourth stage would cost
-// it a block a multiprocessor.
+// gate/up at 17 to 32 rows): 3 chunks in flight a block, enough to cover the copy latency (more
+// stages measured no faster).  The 128-feature-per-warp-pair form (F = 2) keeps WIDE_STAGES: a
+// fourth stage would cost it a block a multiprocessor.
 #define WIDE32_STAGES 4
 #define WIDE_XS 72  // halves per staged token row: 64 + 8, so the rows fall on distinct banks
 // Feature warps of those tiles (TW = 1, F = 1): 8, a block of 128 features, so each staged
 // activation chunk serves 8 warps and the grid copies the activations half as often as with 4
-// (Llama-3.2-1B's gate/up at 32 rows: 26.2 -> 24.0 us a launch, section 20).  Other forms: 4.
+// (measured faster on Llama-3.2-1B's gate/up at 32 rows).  Other forms: 4.
 #define WIDE32_FW 8
 
 __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool ok) {
@@ -481,14 +365,14 @@ __global__ void __launch_bounds__(32 * TW * wide_fw(F, TW), 16 / (TW * wide_fw(F
     const int ntiles = (N + 15) >> 4, ktiles = ((K + 63) >> 6) << 2, nchunks = (K + 63) >> 6;
     uint4* ws = wsm;                                                    // [STAGES][TILES][4 k tiles][32 lanes]
     __half* xs = reinterpret_cast<__half*>(wsm + ST * WS);              // [STAGES][ROWS tokens][WIDE_XS]
-    PDL_ENTER_GEMM();
+    PDL_ENTER();
     // stage(c): chunk c into stage c % ST, zeros for tiles past N, tokens past M and k past K.
     // The copies start from per-thread bases worked out once: thread i copies weight pieces
     // p = i + j NT (j < WPT; tile tile0 + p / 128, lane piece i % 128, as NT is a multiple of 128)
     // and activation pieces p = i + j NT (j < XPT; row p / 8, 8 halves at 8 (p % 8)); chunk c adds
     // 128 c pieces (its 4 k tiles) and 64 c halves.  Unrolled and without per-copy index
-    // arithmetic, a chunk's copies are about 50 instructions instead of 110 (Llama-3.2-1B's gate/up
-    // at 32 rows: 23.7 -> 21.5 us a launch, docs/benchmarks/kernels.md section 20).
+    // arithmetic, a chunk's copies are about 50 instructions instead of 110, on the tiles'
+    // critical path.
     constexpr int NT = 32 * TW * FW, WPT = WS / NT, XPT = ROWS * 8 / NT;
     static_assert(WS % NT == 0 && (ROWS * 8) % NT == 0 && NT % 128 == 0, "whole pieces per thread");
     const long long wstep = (long long)(NT >> 7) * ktiles * 32;  // one thread's tiles are NT / 128 apart
@@ -541,7 +425,6 @@ __global__ void __launch_bounds__(32 * TW * wide_fw(F, TW), 16 / (TW * wide_fw(F
             }
         if ((c & 3) == 3 || c == nchunks - 1) wide_fold<F>(acc, tot);  // the end of a K segment (4 chunks)
     }
-    PDL_LATE_TRIGGER();
     wide_store<F, GLU>(tot, bias, y, M, N, n_out, m0 + wt * 32, tile0 + wf * F);
 }
 
@@ -685,21 +568,15 @@ __device__ __forceinline__ void ld_x4q(const __half* x, long long m, int K, int 
 // split block, nseg unsplit; warp w computes segments s_lo + w, s_lo + w + 8, ...; no shared
 // partials when split, see split_last).  Requires K % 16 == 0 and fp16 X.  PIPE as in mma_dense:
 // false holds one 64-chunk of weights per lane (load, wait, 4 tiles); true holds the segment's 4
-// chunks and refills each with the warp's next segment once its tiles have issued.  NORM
-// (NJ = 1): mma_dense's RMSNorm prologue (norm_rows), the activations then read from shared
-// memory (lockstep.RMSNormMatMul, opt-in: measured slower than the two launches, see
-// providers/cuda/ops/rms_norm_matmul.py).  The sequence of every element (the header of this
+// chunks and refills each with the warp's next segment once its tiles have issued.  The sequence of every element (the header of this
 // section) is the same for every schedule.
-template <int NJ, typename S, bool GLU, bool NORM, bool PIPE, bool ZP>
+template <int NJ, typename S, bool GLU, bool PIPE, bool ZP>
 __global__ void __launch_bounds__(256, NJ == 1 ? 4 : NJ == 4 ? 2 : 1) mma_nbits4(const __half* __restrict__ x, const uint4* __restrict__ qp,
                                                   const typename ScalePair<S>::type* __restrict__ sp,
                                                   const __half2* __restrict__ zqp, int nbp, int lbs,
                                                   const __half* __restrict__ bias,
                                                   __half* __restrict__ y, int M, int N, int K,
-                                                  int n_out, const __half* n_skip, const __half* n_gamma,
-                                                  __half* n_sum, float n_eps, float* sk_part, int* sk_tickets,
-                                                  int spb) {
-    static_assert(!NORM || NJ == 1, "the RMSNorm prologue holds 8 rows");
+                                                  int n_out, float* sk_part, int* sk_tickets, int spb) {
     extern __shared__ float part[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nseg = (K + SEG_K - 1) / SEG_K, nwarps = blockDim.x >> 5, nchunks = (K + 63) >> 6;
@@ -720,18 +597,14 @@ __global__ void __launch_bounds__(256, NJ == 1 ? 4 : NJ == 4 ? 2 : 1) mma_nbits4
 #pragma unroll
         for (int c = 0; c < NC; ++c) if (c < first) load_w(w[c], seg0 * (SEG_K / 64) + c);
     }
-    PDL_ENTER_GEMM();
-    float* nsm = part + (split ? 0 : nseg * 16 * 8 * NJ);  // NORM: the prologue's shared memory (norm_rows)
-    __half* xs = reinterpret_cast<__half*>(nsm + norm_floats(min(8, M - m0), K));
-    if constexpr (NORM) norm_rows(x, NormArgs{n_skip, n_gamma, n_sum, n_eps}, M, K, m0, n0 == 0 && blockIdx.z == 0, nsm, xs);
+    PDL_ENTER();
     // the 4 tiles of the chunk at k0 (weights wc) into acc
     auto mma_chunk = [&](float (*acc)[4], const Chunk4<S>& wc, int k0) {
         uint2 xq[NJ][4];
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
             const int m = m0 + j * 8 + g;
-            if constexpr (NORM) ld_x4q(xs + g * (K + 8), 0, K, k0, t, g < M - m0, xq[j]);  // rows >= R: zeros
-            else ld_x4q(x, m, K, k0, t, m < M, xq[j]);
+            ld_x4q(x, m, K, k0, t, m < M, xq[j]);
         }
         mma4_chunk<NJ, S, ZP>(acc, wc, xq);
     };
@@ -754,7 +627,6 @@ __global__ void __launch_bounds__(256, NJ == 1 ? 4 : NJ == 4 ? 2 : 1) mma_nbits4
         }
         store_partial<NJ>(pout, acc, seg);
     }
-    PDL_LATE_TRIGGER();
     if (split && !split_last(sk_tickets, tile_block)) return;
     finish<NJ, GLU>(pout, nseg, bias, y, M, N, n0, m0, n_out);
 }
@@ -791,7 +663,7 @@ __global__ void __launch_bounds__(256) mma_wide4(const __half* __restrict__ x, c
     const Packed4<S> pk{qp, sp, zqp, nchunks, nbp, lbs};
     uint4* cs = wsm;                                                 // [STAGES][TILES][32 lanes]
     __half* xs = reinterpret_cast<__half*>(wsm + WIDE_STAGES * CS);  // [STAGES][64 tokens][WIDE_XS4]
-    PDL_ENTER_GEMM();
+    PDL_ENTER();
     auto stage = [&](int c) {
         uint4* cdst = cs + (c % WIDE_STAGES) * CS;
         for (int p = threadIdx.x; p < CS; p += blockDim.x) {
@@ -835,6 +707,5 @@ __global__ void __launch_bounds__(256) mma_wide4(const __half* __restrict__ x, c
 #pragma unroll
         for (int f = 0; f < F; ++f) cur[f] = nxt[f];
     }
-    PDL_LATE_TRIGGER();
     wide_store<F, GLU>(tot, bias, y, M, N, n_out, m0 + wt * 32, tile0 + wf * F);
 }

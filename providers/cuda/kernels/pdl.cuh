@@ -18,17 +18,3 @@
 #define PDL_TRIGGER() do { } while (0)
 #endif
 #define PDL_ENTER() do { PDL_WAIT(); PDL_TRIGGER(); } while (0)
-// The tensor-core GEMMs enter with PDL_ENTER_GEMM() and mark the end of their main loop with
-// PDL_LATE_TRIGGER().  By default these are PDL_ENTER() and nothing.  With PDL_LATE defined
-// (providers/cuda/module.py, LOCKSTEP_CUDA_PDL_TRIGGER=late) a GEMM only waits at entry and lets
-// the next kernel launch once its main loop is done, so that kernel's waiting blocks take no
-// multiprocessor room while the GEMM's blocks still stream weights.  Where the trigger sits never
-// affects correctness: the next kernel still waits at its own entry until this one has completed,
-// and a block that exits without triggering counts as having triggered.
-#ifdef PDL_LATE
-#define PDL_ENTER_GEMM() PDL_WAIT()
-#define PDL_LATE_TRIGGER() PDL_TRIGGER()
-#else
-#define PDL_ENTER_GEMM() PDL_ENTER()
-#define PDL_LATE_TRIGGER() do { } while (0)
-#endif

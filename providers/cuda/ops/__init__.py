@@ -3,7 +3,7 @@
 Each module defines OP_TYPE, DOMAIN ("" default), run(ctx, *inputs) -> tuple with one entry
 per node output, optionally supports(node), and optionally prepare(ctx, *inputs), the
 plan-time weight hook (:mod:`core.ops`): it turns constant weights into the kernel's form
-once (the fp16 tensor-core packing of ``_mma.pack``, the gate/up interleave of ``_mma.glu_*``)
+once (the fp16 tensor-core packing of ``_mma_layout.pack``, the gate/up interleave of ``_mma.glu_*``)
 and records the static facts the kernel needs in ``ctx.cache``; the kernel reads prepared
 inputs when that entry is present and still runs on raw inputs (direct calls, fed weights).
 

@@ -4,8 +4,8 @@ scales [V, D/bs] fp16/fp32; zero_points optional packed uint8. gather_axis 0, qu
 last, bits 4/8. Kernel: kernels/gather.cu ``gather_block_quantized`` (fp32 math).
 
 A 4-bit table in the layout of the int4 tensor-core kernels (fp16 scales, block_size >= 32,
-D a multiple of 16 and at most ``_mma.MAX_K``, zero points absent or packed) is prepared by
-:func:`prepare` into that packed form (``_mma.prepare_int4``): for the builder's tied
+D a multiple of 16 and at most ``_mma_layout.MAX_K``, zero points absent or packed) is prepared by
+:func:`prepare` into that packed form (``_mma_layout.prepare_int4``): for the builder's tied
 embedding it is the same object the lm_head MatMulNBits's hook returns, so the table is
 resident once, and ``gather_packed_int4`` reads its rows there, with the same arithmetic.
 """
@@ -14,7 +14,7 @@ import numpy as np
 
 from core.opdefs import gather_block_quantized_supports as supports  # noqa: F401
 from providers.cuda.module import ctype, function
-from providers.cuda.ops import MAX_GRID_Y, NULL, _mma, device_array
+from providers.cuda.ops import MAX_GRID_Y, NULL, _mma_layout, device_array
 
 OP_TYPE = "GatherBlockQuantized"
 DOMAIN = "com.microsoft"
@@ -41,7 +41,7 @@ def _geometry(attrs: dict, data, scales) -> tuple[int, int, int, int, int]:
 
 def prepare(ctx, data, indices, scales, zero_points=None):
     """Plan-time hook (core.ops): a constant 4-bit table the int4 tensor-core kernels could read
-    (module docstring) becomes their packed form (inputs 0, 2, 3; ``_mma.prepare_int4``, shared
+    (module docstring) becomes their packed form (inputs 0, 2, 3; ``_mma_layout.prepare_int4``, shared
     with the tied lm_head), with (V, D, block_size) in ctx.cache[PREPARED]. Else None."""
     names = list(ctx.node.inputs) + [""] * 4
     if data is None or scales is None or (names[3] and zero_points is None) or scales.dtype != np.float16:
@@ -51,11 +51,11 @@ def prepare(ctx, data, indices, scales, zero_points=None):
     except ValueError:
         return None  # run() raises it
     zp_mode = 0 if zero_points is None else 1 if zero_points.dtype == np.uint8 else 2
-    if (bits != 4 or d % 16 or d > _mma.MAX_K or not _mma.int4_layout_applies(bs, zp_mode)
+    if (bits != 4 or d % 16 or d > _mma_layout.MAX_K or not _mma_layout.int4_layout_applies(bs, zp_mode)
             or (zero_points is not None and zero_points.size != v * -(-nb // 2))):
         return None
     try:
-        w = _mma.prepare_int4(ctx, data, scales, zero_points, v, d, bs, (names[0], names[2], names[3]))
+        w = _mma_layout.prepare_int4(ctx, data, scales, zero_points, v, d, bs, (names[0], names[2], names[3]))
     except ValueError:
         return None
     ctx.cache[PREPARED] = (v, d, bs)
@@ -67,7 +67,7 @@ def prepare(ctx, data, indices, scales, zero_points=None):
 
 def run(ctx, data, indices, scales, zero_points=None):
     prepared = ctx.cache.get(PREPARED)
-    if prepared is not None:  # data, scales, zero_points: the packed table (_mma.Int4Weights)
+    if prepared is not None:  # data, scales, zero_points: the packed table (_mma_layout.Int4Weights)
         v, d, bs = prepared
     else:
         bits, bs, v, d, nb = _geometry(ctx.node.attrs, data, scales)
@@ -78,7 +78,8 @@ def run(ctx, data, indices, scales, zero_points=None):
         zp = NULL if zero_points is None else zero_points
         if prepared is not None:
             kern = function("gather", f"gather_packed_int4<{ctype(scales.dtype)}>", _EXPRS)
-            kern(grid, (256,), (data, idx, scales, zp, out, np.int64(v), np.int32(d), np.int32(_mma.int4_blocks(d, bs)),
+            blocks = np.int32(_mma_layout.int4_blocks(d, bs))
+            kern(grid, (256,), (data, idx, scales, zp, out, np.int64(v), np.int32(d), blocks,
                                 np.int32(bs.bit_length() - 1), np.int64(idx.size)))
         else:
             kern = function("gather", f"gather_block_quantized<{ctype(scales.dtype)}>", _EXPRS)

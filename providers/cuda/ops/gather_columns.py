@@ -3,7 +3,7 @@ tied-embedding lookup Gather(Transpose(W, perm=[1, 0])) read from the lm_head we
 
 An fp16 W the lm_head's tensor-core kernel reads packed (K <= 2048) is prepared by
 :func:`prepare` into that packed form, the same object the lm_head MatMul's hook returns
-(``_mma.prepare_dense`` shares it through the prepare pass), so the table is resident once,
+(``_mma_layout.prepare_dense`` shares it through the prepare pass), so the table is resident once,
 in the lm_head's layout, and kernels/gather.cu ``gather_packed_columns`` reads its columns
 there. Otherwise ``gather_columns`` reads the raw [K, N] weight. A copy: bitwise the unfused
 Transpose + Gather. Negative indices wrap; out-of-range columns are zero (as Gather here).
@@ -12,7 +12,7 @@ Transpose + Gather. Negative indices wrap; out-of-range columns are zero (as Gat
 import numpy as np
 
 from providers.cuda.module import function
-from providers.cuda.ops import MAX_GRID_Y, _mma, device_array
+from providers.cuda.ops import MAX_GRID_Y, _mma_layout, device_array
 
 OP_TYPE = "GatherColumns"
 DOMAIN = "lockstep"
@@ -27,13 +27,13 @@ def supports(node) -> bool:
 
 def prepare(ctx, w, indices):
     """Plan-time hook (core.ops): an fp16 constant W [K, N] with K <= MAX_K becomes the packed
-    lm_head weight (input 0; (K, N) in ctx.cache[_mma.PREPARED])."""
-    packed = _mma.prepare_dense(ctx, w, names=(ctx.node.inputs[0],))
+    lm_head weight (input 0; (K, N) in ctx.cache[_mma_layout.PREPARED])."""
+    packed = _mma_layout.prepare_dense(ctx, w, names=(ctx.node.inputs[0],))
     return None if packed is None else {0: packed}
 
 
 def run(ctx, w, indices):
-    prepared = ctx.cache.get(_mma.PREPARED)
+    prepared = ctx.cache.get(_mma_layout.PREPARED)
     if prepared is not None:  # w is the packed fp16 weight
         k, n = prepared
     elif w.ndim != 2 or w.dtype not in _BITS:

@@ -49,9 +49,9 @@ _counts = {"qk_norm": 0, "plain": 0, "decode_128": 0, "decode_256": 0, "decode_h
 #: Whether ``gqa_decode`` may take its hinted prologue (:func:`hinted`; ``LOCKSTEP_CUDA_ATTN_HINT``,
 #: default on). Either way every output bit is the same.
 HINT = env.switch("LOCKSTEP_CUDA_ATTN_HINT")
-#: The most rows of a decode step that takes the hint. Measured (docs/benchmarks/kernels.md
-#: section 18): 0 to +8% a step at 1 and 8 rows, 0 to -4% at 16 and 32, where a step's attention
-#: grid is large and the guess's extra read lengthens every block, the many that exit at once too.
+#: The most rows of a decode step that takes the hint: past 8 rows the attention grid is large
+#: and the guess's extra read lengthens every block, the many that exit at once too (measured
+#: slower at 16 and 32 rows, faster at 1 and 8).
 HINT_ROWS = 8
 #: Added to the decode kernel's guess of each row's position (its ``hint`` argument,
 #: kernels/group_query_attention.cu QkvRound): 0, the seqlens array itself. Tests set it to make
@@ -89,8 +89,9 @@ def replay_key(ctx, *inputs) -> tuple:
 #: runs the kernel with H at run time (HC = 0).
 STATIC_HEADS = (64, 128)
 #: Whether decode launches use the compile-time head size where it is one of STATIC_HEADS
-#: (``LOCKSTEP_CUDA_ATTN_STATIC_HEAD``, default on; docs/benchmarks/kernels.md section 25). The
-#: same floating-point operations in the same order either way, so the same bits.
+#: (``LOCKSTEP_CUDA_ATTN_STATIC_HEAD``, default on: divisions by a known H become shifts on the
+#: kernel's latency-bound path). The same floating-point operations in the same order either
+#: way, so the same bits.
 STATIC_HEAD = env.switch("LOCKSTEP_CUDA_ATTN_STATIC_HEAD")
 
 

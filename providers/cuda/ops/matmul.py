@@ -10,7 +10,7 @@ builder's weights are 2-D).
 import numpy as np
 
 from providers.cuda.module import ctype, function
-from providers.cuda.ops import NULL, _mma, row_slices, rows_of
+from providers.cuda.ops import NULL, _mma, _mma_layout, row_slices, rows_of
 from providers.cuda.ops._linear import config, i32
 
 OP_TYPE = "MatMul"
@@ -28,14 +28,14 @@ def _exprs(t: str) -> tuple[str, ...]:
 
 def prepare(ctx, a, w):
     """Plan-time hook (core.ops): an fp16 constant W [K, N] with K <= MAX_K is replaced by its
-    tensor-core packed form (``_mma.prepare_dense``; (K, N) in ctx.cache[_mma.PREPARED]), the
+    tensor-core packed form (``_mma_layout.prepare_dense``; (K, N) in ctx.cache[_mma_layout.PREPARED]), the
     same object a GatherColumns over W receives (the tied embedding reads it too)."""
-    packed = _mma.prepare_dense(ctx, w, names=(ctx.node.inputs[1],))
+    packed = _mma_layout.prepare_dense(ctx, w, names=(ctx.node.inputs[1],))
     return None if packed is None else {1: packed}
 
 
 def run(ctx, a, w):
-    prepared = ctx.cache.get(_mma.PREPARED)
+    prepared = ctx.cache.get(_mma_layout.PREPARED)
     if prepared is not None:  # w is the packed weight
         k, n = prepared
         if a.shape[-1] != k or a.dtype != np.float16:
@@ -53,7 +53,7 @@ def run(ctx, a, w):
     if m == 0:
         return (y,)
     if uses_mma(a, k):
-        _mma.dense(a, _mma.unprepared(ctx, w), None, y, m, n, k, NULL)
+        _mma.dense(a, _mma_layout.unprepared(ctx, w), None, y, m, n, k, NULL)
     else:
         fma(a, w, y, m, n, k)
     return (y,)
@@ -61,7 +61,7 @@ def run(ctx, a, w):
 
 def uses_mma(a, k: int) -> bool:
     """True when an [.., K] x [K, N] product of ``a`` runs on the tensor-core kernel."""
-    return a.dtype == np.float16 and k <= _mma.MAX_K and a.flags.c_contiguous
+    return a.dtype == np.float16 and k <= _mma_layout.MAX_K and a.flags.c_contiguous
 
 
 def fma(a, w, y, m: int, n: int, k: int) -> None:

@@ -6,7 +6,7 @@ bits 2/4/8, block_size a power of two >= 16; g_idx and prepacked weights are rej
 Kernels: kernels/linear_mma.cu ``mma_nbits4`` / ``mma_wide4`` (tensor cores, :func:`mma_config`:
 per 32-wide k group the exact products (q - z) x summed by two mmas, then scaled by one fmaf
 into the accumulator; the weights packed once at plan time by :func:`prepare`, in the layout
-``_mma.pack_int4`` defines), else kernels/linear.cu ``nbits`` (dequantisation in registers; K
+``_mma_layout.pack_int4`` defines), else kernels/linear.cu ``nbits`` (dequantisation in registers; K
 order fixed per (K, block_size): one fmaf chain per quantisation block, blocks folded in
 ascending order). Which one a node takes is fixed by its attributes and dtypes, never by M.
 """
@@ -15,7 +15,7 @@ import numpy as np
 
 from core.opdefs import matmul_nbits_supports
 from providers.cuda.module import ctype, function
-from providers.cuda.ops import NULL, _mma, row_slices, rows_of
+from providers.cuda.ops import NULL, _mma, _mma_layout, row_slices, rows_of
 from providers.cuda.ops._linear import config, i32
 
 OP_TYPE = "MatMulNBits"
@@ -36,15 +36,15 @@ def run(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
     if g_idx is not None:
         raise ValueError("MatMulNBits: g_idx is not supported")
     y = ctx.output(0, (*a.shape[:-1], int(ctx.node.attrs["N"])), a.dtype)
-    prepared = ctx.cache.get(_mma.INT4_PREPARED)
-    if prepared is not None:  # b, scales, zero_points: the packed weights (_mma.Int4Weights)
+    prepared = ctx.cache.get(_mma_layout.INT4_PREPARED)
+    if prepared is not None:  # b, scales, zero_points: the packed weights (_mma_layout.Int4Weights)
         k, n, bs = prepared
         if a.shape[-1] != k or a.dtype != np.float16:
             raise ValueError(f"MatMulNBits (cuda): A {a.dtype}{a.shape} for prepared fp16 weights, K={k}")
         if bias is not None and bias.dtype != a.dtype:
             raise ValueError("MatMulNBits: bias dtype must match A")
         if a.size:
-            w = _mma.Int4Weights(b, scales, zero_points, n, k, bs)
+            w = _mma_layout.Int4Weights(b, scales, zero_points, n, k, bs)
             _mma.nbits4(_mma.contiguous(ctx, a), w, bias, y, a.size // k, NULL)
         return (y,)
     launch(ctx, ctx.node.attrs, a, b, scales, zero_points, bias, y)
@@ -55,8 +55,8 @@ def prepare(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
     """Plan-time hook (core.ops): where the tensor-core kernel applies to every call (fp16 A,
     as declared or else as the scales' dtype, which ORT's schema gives A too; the static
     conditions of :func:`mma_config`), inputs 1..3 become the packed codes, scales and zero
-    points (``_mma.prepare_int4``, shared with the tied embedding's lookup) and
-    ctx.cache[_mma.INT4_PREPARED] = (K, N, block_size). None (nothing prepared) for fed weights or a
+    points (``_mma_layout.prepare_int4``, shared with the tied embedding's lookup) and
+    ctx.cache[_mma_layout.INT4_PREPARED] = (K, N, block_size). None (nothing prepared) for fed weights or a
     configuration ``run`` would reject."""
     node = ctx.node
     names = list(node.inputs) + [""] * 6
@@ -73,10 +73,10 @@ def prepare(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
     if not mma_config(np.dtype(np.float16), bits, k, bs, zp_mode):
         return None
     try:
-        w = _mma.prepare_int4(ctx, b, scales, zero_points, n, k, bs, tuple(names[1:4]))
+        w = _mma_layout.prepare_int4(ctx, b, scales, zero_points, n, k, bs, tuple(names[1:4]))
     except ValueError:
         return None  # zero points of another size: run() raises it
-    ctx.cache[_mma.INT4_PREPARED] = (k, n, bs)
+    ctx.cache[_mma_layout.INT4_PREPARED] = (k, n, bs)
     changes = {1: w.codes, 2: w.scales}
     if zero_points is not None:
         changes[3] = w.zq
@@ -102,10 +102,10 @@ def zero_point_mode(zero_points, a_dtype, n: int, nb: int):
 def mma_config(a_dtype, bits: int, k: int, bs: int, zp_mode: int) -> bool:
     """Whether the product runs on the tensor-core int4 kernel (a strided A is copied first):
     fp16 A, 4 bits, K a multiple of 16 and at most MAX_K, and a layout the kernels compute
-    (``_mma.int4_layout_applies``: block_size at least 32, zero points absent or packed). Float
+    (``_mma_layout.int4_layout_applies``: block_size at least 32, zero points absent or packed). Float
     zero points and smaller blocks take the CUDA-core kernel."""
-    return (a_dtype == np.float16 and bits == 4 and k % 16 == 0 and k <= _mma.MAX_K
-            and _mma.int4_layout_applies(bs, zp_mode))
+    return (a_dtype == np.float16 and bits == 4 and k % 16 == 0 and k <= _mma_layout.MAX_K
+            and _mma_layout.int4_layout_applies(bs, zp_mode))
 
 
 def geometry(attrs: dict, a, b, scales) -> tuple[int, int, int, int, int]:
@@ -130,7 +130,7 @@ def geometry(attrs: dict, a, b, scales) -> tuple[int, int, int, int, int]:
 def launch(ctx, attrs: dict, a, b, scales, zero_points, bias, y) -> None:
     """y = a @ dequant(b)^T (+ bias) into ``y`` [..., N] (checks as in the module docstring),
     for raw MatMulNBits weights; on the tensor-core kernel they are packed first
-    (``_mma.unprepared_int4``, kept in ``ctx``'s cache while the same weights come back) and a
+    (``_mma_layout.unprepared_int4``, kept in ``ctx``'s cache while the same weights come back) and a
     strided A is copied, as the prepared path does, so both compute alike.
 
     Raises:
@@ -146,7 +146,7 @@ def launch(ctx, attrs: dict, a, b, scales, zero_points, bias, y) -> None:
         return
     t, s = ctype(a.dtype), ctype(scales.dtype)
     if mma_config(a.dtype, bits, k, bs, zp_mode):
-        w = _mma.unprepared_int4(ctx, b, scales, zero_points, n, k, bs)
+        w = _mma_layout.unprepared_int4(ctx, b, scales, zero_points, n, k, bs)
         _mma.nbits4(_mma.contiguous(ctx, a), w, bias, y, m, NULL)
         return
     for r0, r1 in row_slices(m, 8):

@@ -2,7 +2,7 @@
 
 X [..., K] and W_gate, W_up [K, N] of one float dtype (graph constants). Where MatMul would
 use the tensor-core kernel (fp16, K <= 2048, contiguous X): ONE GEMM over the gate and up
-weights interleaved in groups of 8 features (``_mma.glu_rows``; packed once at plan time by
+weights interleaved in groups of 8 features (``_mma_layout.glu_rows``; packed once at plan time by
 :func:`prepare`) with the SiluMul in its epilogue (kernels/linear_mma.cu, GLU). Each output's
 K order is the unfused MatMul's, and the epilogue rounds as MatMul and SiluMul do, so the
 result is bitwise the unfused MatMul, MatMul, SiluMul of this provider. Otherwise those three
@@ -11,7 +11,7 @@ kernels run in turn.
 
 import numpy as np
 
-from providers.cuda.ops import NULL, _mma, is_host, matmul, silu_mul
+from providers.cuda.ops import NULL, _mma, _mma_layout, is_host, matmul, silu_mul
 
 OP_TYPE = "SiluGatedMatMul"
 DOMAIN = "lockstep"
@@ -24,13 +24,13 @@ def supports(node) -> bool:
 
 def prepare(ctx, x, w_gate, w_up):
     """Plan-time hook (core.ops): fp16 constants W_gate, W_up [K, N] with K <= MAX_K become one
-    packed, interleaved weight (input 1; ``_mma.prepare_dense``) and input 2 is dropped."""
-    packed = _mma.prepare_dense(ctx, w_gate, w_up, names=ctx.node.inputs[1:3]) if w_up is not None else None
+    packed, interleaved weight (input 1; ``_mma_layout.prepare_dense``) and input 2 is dropped."""
+    packed = _mma_layout.prepare_dense(ctx, w_gate, w_up, names=ctx.node.inputs[1:3]) if w_up is not None else None
     return None if packed is None else {1: packed, 2: None}
 
 
 def run(ctx, x, w_gate, w_up):
-    prepared = ctx.cache.get(_mma.PREPARED)
+    prepared = ctx.cache.get(_mma_layout.PREPARED)
     if prepared is not None:  # w_gate is the packed gate/up pair, w_up None
         k, n = prepared
         if is_host(x) or x.shape[-1] != k or x.dtype != np.float16:
@@ -51,7 +51,7 @@ def run(ctx, x, w_gate, w_up):
     if m == 0:
         return (y,)
     if matmul.uses_mma(x, k):
-        _mma.dense(x, _mma.unprepared(ctx, w_gate, w_up), None, y, m, n, k, NULL, glu=True)
+        _mma.dense(x, _mma_layout.unprepared(ctx, w_gate, w_up), None, y, m, n, k, NULL, glu=True)
         return (y,)
     gate, up = ctx.output("gate", y.shape, x.dtype), ctx.output("up", y.shape, x.dtype)
     matmul.fma(x, w_gate, gate, m, n, k)

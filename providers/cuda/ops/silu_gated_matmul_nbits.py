@@ -4,7 +4,7 @@ MatMulNBits(X, up)) with the MatMulNBits attributes shared by both projections (
 Inputs: X, B_gate, scales_gate, zero_points_gate (or absent), B_up, scales_up, zero_points_up
 (graph constants of equal shapes and dtypes). Where MatMulNBits would use the tensor-core
 int4 kernel: ONE launch over the gate and up rows interleaved in groups of 8 features
-(``_mma.glu_rows``; codes, scales and zero points interleaved and packed (``_mma.pack_int4``)
+(``_mma_layout.glu_rows``; codes, scales and zero points interleaved and packed (``_mma_layout.pack_int4``)
 once at plan time by :func:`prepare`) with the SiluMul in its epilogue, bitwise the unfused MatMulNBits,
 MatMulNBits, SiluMul of this provider. Otherwise those three kernels run in turn.
 """
@@ -12,7 +12,7 @@ MatMulNBits, SiluMul of this provider. Otherwise those three kernels run in turn
 import numpy as np
 
 from core.opdefs import gate_view
-from providers.cuda.ops import NULL, _mma, array_module, matmul_nbits, silu_mul
+from providers.cuda.ops import NULL, _mma, _mma_layout, array_module, matmul_nbits, silu_mul
 
 OP_TYPE = "SiluGatedMatMulNBits"
 DOMAIN = "lockstep"
@@ -27,8 +27,8 @@ def supports(node) -> bool:
 
 def interleave(xp, n: int, pairs) -> list:
     """Each (gate, up) pair of ``pairs`` (arrays of N rows, or (None, None)) as one array of
-    glu_width(N) rows in glu_rows order (``_mma.glu_interleave``); None for an absent pair."""
-    return [None if g is None else _mma.glu_interleave(xp, g.reshape(n, -1), u.reshape(n, -1))
+    glu_width(N) rows in glu_rows order (``_mma_layout.glu_interleave``); None for an absent pair."""
+    return [None if g is None else _mma_layout.glu_interleave(xp, g.reshape(n, -1), u.reshape(n, -1))
             for g, u in pairs]
 
 
@@ -72,17 +72,17 @@ def prepare(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
     return changes
 
 
-def packed(xp, n: int, k: int, bs: int, weights) -> "_mma.Int4Weights":
+def packed(xp, n: int, k: int, bs: int, weights) -> "_mma_layout.Int4Weights":
     """The raw (gate codes, scales, zero points, up codes, scales, zero points) interleaved
-    (:func:`interleave`) and packed (``_mma.pack_int4``) as one weight of glu_width(N) rows."""
+    (:func:`interleave`) and packed (``_mma_layout.pack_int4``) as one weight of glu_width(N) rows."""
     b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up = weights
     b, s, z = interleave(xp, n, ((b_gate, b_up), (scales_gate, scales_up), (zp_gate, zp_up)))
-    return _mma.pack_int4(xp, b, s, z, _mma.glu_width(n), k, bs)
+    return _mma_layout.pack_int4(xp, b, s, z, _mma_layout.glu_width(n), k, bs)
 
 
-def _unprepared(ctx, n: int, k: int, bs: int, weights) -> "_mma.Int4Weights":
-    """:func:`packed` of raw weights passed to the kernel (``_mma.per_call``)."""
-    return _mma.per_call(ctx, "glu_unprepared", tuple(weights),
+def _unprepared(ctx, n: int, k: int, bs: int, weights) -> "_mma_layout.Int4Weights":
+    """:func:`packed` of raw weights passed to the kernel (``_mma_layout.per_call``)."""
+    return _mma_layout.per_call(ctx, "glu_unprepared", tuple(weights),
                          lambda: packed(array_module(weights[0]), n, k, bs, weights))
 
 
@@ -94,7 +94,7 @@ def run(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
             raise ValueError(f"SiluGatedMatMulNBits (cuda): X {x.dtype}{x.shape} for prepared fp16 weights, K={k}")
         y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
         if x.size:
-            w = _mma.Int4Weights(b_gate, scales_gate, zp_gate, _mma.glu_width(n), k, bs)
+            w = _mma_layout.Int4Weights(b_gate, scales_gate, zp_gate, _mma_layout.glu_width(n), k, bs)
             _mma.nbits4(_mma.contiguous(ctx, x), w, None, y, x.size // k, NULL, glu_out=n)
         return (y,)
     attrs = ctx.node.attrs
