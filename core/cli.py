@@ -39,6 +39,7 @@ from core.models.prepare import (
     resolve_model,
     source_kind,
 )
+from core.threads import ENV, ThreadsError, blas_threads, choose, requested
 
 console = Console(stderr=True, soft_wrap=True)  # an error stays one line in logs
 
@@ -205,13 +206,18 @@ def cmd_run(a) -> int:
                      weight_budget=a.weight_budget, device_budget=a.device_budget, progress=progress,
                      tensor_parallel=a.tensor_parallel, **options)
     if a.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(_json(a, result), indent=2))
     else:
         for prompt, row in zip(prompts, result.rows):
             if len(prompts) > 1:
                 print(f"### {prompt}")
             print(row.text)
     return _report(a, result)
+
+
+def _json(a, result) -> dict:
+    """``run --json``: the result's data and the BLAS threads it ran with."""
+    return {**result.to_dict(), "cpu_threads": a.cpu_threads}
 
 
 def _report(a, result) -> int:
@@ -308,7 +314,7 @@ def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
         print(file=out)
     result = st.result()
     if a.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(_json(a, result), indent=2))
     return _report(a, result)
 
 
@@ -497,6 +503,12 @@ def _budget_arg(parser: argparse.ArgumentParser, device: bool = True) -> None:
                             "(4GiB): KV growth takes from the weight budget, so more weights stream")
 
 
+def _threads_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=_positive_int, metavar="N", help="BLAS threads of the host math "
+                        f"(default: ${ENV}, else chosen per provider and workload: the idle cores for "
+                        "cpu_reference, 1 for a GPU provider and for parity; docs/first-day.md)")
+
+
 def _version() -> str:
     import core
 
@@ -538,6 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="R", help="shard the model "
                    "over R rank processes (greedy only; docs/parallel.md; default: %(default)s)")
     _budget_arg(r)
+    _threads_arg(r)
     _sampling_args(r)
     r.set_defaults(func=cmd_run)
 
@@ -548,6 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-new-tokens", type=_positive_int, default=256, help="most tokens per reply "
                    "(default: %(default)s)")
     c.add_argument("--no-capture", action="store_true", help="never capture decode steps")
+    _threads_arg(c)
     _sampling_args(c, stop=False)
     c.set_defaults(func=cmd_chat)
 
@@ -582,6 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "with --full 64)")
     t.add_argument("--json", action="store_true", help="print the report as JSON")
     _budget_arg(t, device=False)
+    _threads_arg(t)
     t.set_defaults(func=cmd_parity)
 
     f = sub.add_parser("profile", help="decode throughput sweep over batch sizes")
@@ -608,6 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--tensor-tflops", type=float, default=None, metavar="TFLOPS", help="with --kernels: "
                    "the tensor rate the FLOPs floor uses (default: bytes floor only)")
     _budget_arg(f)
+    _threads_arg(f)
     f.add_argument("--json", dest="json_out", help="write the rows as JSON to this file")
     f.add_argument("--anchor", metavar="FILE", help="put another runtime's tokens/s beside each row: the "
                    "--json file of benchmarks/ort_genai_decode.py (same prompt lengths and batches)")
@@ -617,6 +633,18 @@ def build_parser() -> argparse.ArgumentParser:
     for command in sub.choices.values():  # an unknown flag is reported with its command's usage
         command.set_defaults(command_parser=command)
     return p
+
+
+@contextlib.contextmanager
+def _cpu_threads(a):
+    """The BLAS thread limit of a command that has ``--threads`` (:func:`core.threads.choose`),
+    kept in ``a.cpu_threads`` for ``--json``; other commands run unlimited."""
+    if not hasattr(a, "threads"):
+        yield
+        return
+    a.cpu_threads = choose(a.provider, a.command, requested(a.threads))
+    with blas_threads(a.cpu_threads):
+        yield
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -640,8 +668,9 @@ def main(argv: list[str] | None = None) -> int:
             hint = '; a prompt goes after --prompt, e.g. lockstep run --prompt "What is 2 + 2?"'
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     try:
-        return args.func(args)
-    except USER_ERRORS as exc:
+        with _cpu_threads(args):
+            return args.func(args)
+    except USER_ERRORS + (ThreadsError,) as exc:
         # a request the generation library refused names its keyword: here, the flag the user typed
         message = _flag_names(str(exc)) if args.func in (cmd_run, cmd_chat) else str(exc)
         console.print(f"lockstep {args.command}: [red]error:[/red] {escape(message)}")  # as argparse's
