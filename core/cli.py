@@ -178,7 +178,7 @@ def _rate(tokens_per_s: float | None) -> str:
 def cmd_run(a) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from core.generation.generate import check_prompt_texts, check_request, run
+    from core.generation.generate import check_prompt_texts, check_request
     from core.plugins import get_provider
 
     prompts = _prompts(a)
@@ -201,10 +201,7 @@ def cmd_run(a) -> int:
             text = f"prefill of {rows}" if done == 0 else "decoding"
             bar.update(task, completed=done, description=text)
 
-        result = run(model, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens,
-                     chat=not a.raw, kv_layout=a.layout, capture=False if a.no_capture else None,
-                     weight_budget=a.weight_budget, device_budget=a.device_budget, progress=progress,
-                     tensor_parallel=a.tensor_parallel, **options)
+        result, interrupted = _drain(a, _start(a, prompts, model, provider, options, progress), lambda d: None)
     if a.json:
         print(json.dumps(_json(a, result), indent=2))
     else:
@@ -212,7 +209,42 @@ def cmd_run(a) -> int:
             if len(prompts) > 1:
                 print(f"### {prompt}")
             print(row.text)
-    return _report(a, result)
+    code = _report(a, result)
+    return 130 if interrupted else code
+
+
+def _start(a, prompts: list[str], model, provider, options: dict, progress=None):
+    """The :class:`~core.generation.generate.Stream` of ``lockstep run``'s request."""
+    from core.generation.generate import start
+
+    return start(model, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens, chat=not a.raw,
+                 kv_layout=a.layout, capture=False if a.no_capture else None, weight_budget=a.weight_budget,
+                 device_budget=a.device_budget, progress=progress, tensor_parallel=a.tensor_parallel, **options)
+
+
+def _drain(a, st, on_delta):
+    """Run ``st`` to its end, passing each delta to ``on_delta``; the first Ctrl-C stops it
+    after the current step and keeps the rows made so far (finish reason "interrupted").
+    Returns (the Result, whether it was interrupted); the ranks of --tensor-parallel are
+    stopped either way."""
+    from core.generation.interrupt import CtrlC
+
+    interrupted = False
+    try:
+        deltas = iter(st)
+        with CtrlC() as ctrl_c:
+            for d in deltas:
+                on_delta(d)
+                if ctrl_c.pressed:
+                    deltas.close()
+                    for last in st.generation.interrupt():
+                        on_delta(last)
+                    interrupted = True
+                    break
+        return st.result(), interrupted
+    finally:
+        if a.tensor_parallel != 1:  # stop the rank processes now, not when the session is collected
+            st.session.close()
 
 
 def _json(a, result) -> dict:
@@ -295,14 +327,10 @@ def _note_greedy(a, model) -> None:
 def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
     """``run --stream``: one prompt's text as it is decoded; several prompts: each row printed
     whole as soon as it ends (interleaved rows are unreadable)."""
-    from core.generation.generate import stream
-
-    st = stream(model, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens, chat=not a.raw,
-                kv_layout=a.layout, capture=False if a.no_capture else None, weight_budget=a.weight_budget,
-                device_budget=a.device_budget, tensor_parallel=a.tensor_parallel, **options)
     texts = [""] * len(prompts)
     out = sys.stderr if a.json else sys.stdout  # with --json, stdout holds the JSON alone
-    for d in st:
+
+    def show(d) -> None:
         if len(prompts) == 1:
             out.write(d.text)
             out.flush()
@@ -310,12 +338,14 @@ def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
             texts[d.row] += d.text
             if d.finish_reason is not None:
                 print(f"### {prompts[d.row]}\n{texts[d.row]}", file=out, flush=True)
+
+    result, interrupted = _drain(a, _start(a, prompts, model, provider, options), show)
     if len(prompts) == 1:
         print(file=out)
-    result = st.result()
     if a.json:
         print(json.dumps(_json(a, result), indent=2))
-    return _report(a, result)
+    code = _report(a, result)
+    return 130 if interrupted else code
 
 
 def cmd_chat(a) -> int:
@@ -337,13 +367,16 @@ def cmd_chat(a) -> int:
         raise RequestError(f"max_new_tokens={a.max_new_tokens} leaves no room for a prompt in the model's "
                            f"context of {context} positions")
     talk = Conversation(session, system=system, max_new_tokens=a.max_new_tokens, sampling=options or None)
-    console.print("[dim]chat: an empty line or /exit ends, /reset starts over[/dim]")
+    console.print("[dim]chat: an empty line or /exit ends, /reset starts over, Ctrl-C stops a reply[/dim]")
     failed = 0
     while True:
         try:
             line = input("> " if sys.stdin.isatty() else "")
         except EOFError:
             break
+        except KeyboardInterrupt:  # at the prompt: drop the line being typed, keep the conversation
+            console.print("\n[dim](an empty line, /exit or Ctrl-D ends the chat)[/dim]")
+            continue
         if line.strip() in ("", "/exit"):
             break
         if line.strip() == "/reset":
@@ -356,15 +389,31 @@ def cmd_chat(a) -> int:
             failed += 1
             continue
         try:
-            for d in talk.say(line):
-                sys.stdout.write(d.text)
-                sys.stdout.flush()
+            _reply(talk, line)
         except RequestError as exc:  # e.g. the conversation outgrew the cache: say so, keep going
             console.print(f"[red]error:[/red] {escape(_flag_names(str(exc)))}")
             failed += 1
             continue
-        print(flush=True)
     return 1 if failed else 0
+
+
+def _reply(talk, line: str) -> None:
+    """One chat turn streamed to stdout; the first Ctrl-C stops the reply after the current
+    step and keeps it, as far as it got, in the conversation."""
+    from core.generation.interrupt import CtrlC
+
+    with CtrlC() as ctrl_c:
+        deltas = talk.say(line)
+        for d in deltas:
+            sys.stdout.write(d.text)
+            sys.stdout.flush()
+            if ctrl_c.pressed:
+                deltas.close()
+                sys.stdout.write("".join(last.text for last in talk.interrupt()))
+                print(flush=True)
+                console.print("[dim](reply stopped; the conversation goes on)[/dim]")
+                return
+    print(flush=True)
 
 
 def _sampling_args(parser: argparse.ArgumentParser, stop: bool = True) -> None:
@@ -554,7 +603,12 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(r)
     r.set_defaults(func=cmd_run)
 
-    c = sub.add_parser("chat", help="an interactive chat (one line per turn; the KV cache carries on)")
+    c = sub.add_parser("chat", help="an interactive chat (one line per turn; the KV cache carries on)",
+                       description="An interactive chat: type a line, the model replies; the conversation "
+                       "carries on in the KV cache.",
+                       epilog="In the chat: /reset starts a new conversation; /exit, an empty line or Ctrl-D "
+                       "ends it. Ctrl-C stops the current reply and keeps it, as far as it got, in the "
+                       "conversation (press it twice to quit at once); at the prompt it clears the line.")
     c.add_argument("--model", help="builder folder, Hugging Face folder, .gguf file or model name "
                    "(default: smollm2-135m; prepared on first use, then cached)")
     c.add_argument("--provider", default="cpu_reference", help="execution provider (default: %(default)s)")
@@ -679,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"lockstep {args.command}: [red]error:[/red] {escape(str(exc))}")
         return 1
     except KeyboardInterrupt:
-        console.print("[red]interrupted[/red]")
+        console.print("\n[red]interrupted[/red]")
         return 130
     except BrokenPipeError:  # the reader of stdout went away (lockstep run ... | head): stop quietly
         with contextlib.suppress(Exception):  # stdout onto /dev/null, so the last flush cannot raise again

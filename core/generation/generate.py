@@ -28,8 +28,9 @@ class Row:
         output_ids: generated token ids (EOS included when the row ended on it).
         text: ``output_ids`` decoded (special tokens skipped), cut before a stop string; ""
             without a tokenizer.
-        finish_reason: "eos", "stop" (a stop string or stop token id), "length", or "error" (the
-            row's logits held NaN/inf; docs/cases.md 12).
+        finish_reason: "eos", "stop" (a stop string or stop token id), "length", "error" (the
+            row's logits held NaN/inf; docs/cases.md 12), or "interrupted" (stopped by the
+            caller between steps, e.g. Ctrl-C in ``lockstep run``; the tokens made are kept).
         stop: the stop string or stop token id that ended the row, else None.
         sampling: the row's sampling options as used (the seed drawn for it included).
     """

@@ -56,17 +56,17 @@ def byte_model(tmp_path_factory):
 
 
 def _run_seeing_threads(monkeypatch, capsys, model, *argv):
-    """`lockstep run --json` on the tiny model; returns (exit code, JSON, BLAS threads seen by run())."""
+    """`lockstep run --json` on the tiny model; returns (exit code, JSON, BLAS threads seen by start())."""
     import core.generation.generate as gen
 
     seen = []
-    real = gen.run
+    real = gen.start
 
     def spy(*args, **kwargs):
         seen.append({p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"})
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gen, "run", spy)
+    monkeypatch.setattr(gen, "start", spy)
     code = main(["run", "--model", str(model), "--raw", "--json", "--max-new-tokens", "2", "--prompt", "hi", *argv])
     out = capsys.readouterr()
     return code, (json.loads(out.out) if code == 0 else out.err), seen
