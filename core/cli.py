@@ -201,7 +201,11 @@ def cmd_run(a) -> int:
             text = f"prefill of {rows}" if done == 0 else "decoding"
             bar.update(task, completed=done, description=text)
 
-        result, interrupted = _drain(a, _start(a, prompts, model, provider, options, progress), lambda d: None)
+        def compiling(what: str, cache: str) -> None:
+            bar.update(task, description=f"compiling {a.provider} kernels, first run only, cached in {cache}: {what}")
+
+        with _compiles(a, compiling):
+            result, interrupted = _drain(a, _start(a, prompts, model, provider, options, progress), lambda d: None)
     if a.json:
         print(json.dumps(_json(a, result), indent=2))
     else:
@@ -220,6 +224,21 @@ def _start(a, prompts: list[str], model, provider, options: dict, progress=None)
     return start(model, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens, chat=not a.raw,
                  kv_layout=a.layout, capture=False if a.no_capture else None, weight_budget=a.weight_budget,
                  device_budget=a.device_budget, progress=progress, tensor_parallel=a.tensor_parallel, **options)
+
+
+@contextlib.contextmanager
+def _compiles(a, show=None):
+    """Inside the block, each kernel compile (:mod:`core.compiling`) is passed to ``show`` and
+    its cache folder kept in ``a.compile_cache`` for the report."""
+    from core import compiling
+
+    def seen(what: str, cache: str) -> None:
+        a.compile_cache = cache
+        if show is not None:
+            show(what, cache)
+
+    with compiling.listen(seen):
+        yield
 
 
 def _drain(a, st, on_delta):
@@ -252,6 +271,10 @@ def _json(a, result) -> dict:
     return {**result.to_dict(), "cpu_threads": a.cpu_threads}
 
 
+#: Compile seconds from which ``lockstep run`` names the compile (a disk-cache hit takes milliseconds).
+COMPILE_NOTE_S = 0.5
+
+
 def _report(a, result) -> int:
     """The rates and finish line on stderr (text mode), failed rows on stderr (always); returns
     the exit status: 1 when every row failed (non-finite logits), else 0."""
@@ -267,6 +290,9 @@ def _report(a, result) -> int:
                       f"{_tokens(c['prefill_tokens'])} in {c['prefill_s'] * 1e3:.0f} ms "
                       f"({_rate(result.prefill_tokens_per_s)}); decode {c['decode_steps']} steps in "
                       f"{c['decode_s'] * 1e3:.0f} ms ({_rate(result.decode_tokens_per_s)})[/dim]")
+        if c.get("compile_s", 0) >= COMPILE_NOTE_S:
+            console.print(f"[dim]kernels compiled in {c['compile_s']:.1f} s, not counted in the rates (first run "
+                          f"only; cached in {escape(getattr(a, 'compile_cache', 'the provider cache'))})[/dim]")
         if c.get("weight_bytes_streamed_per_step"):  # --weight-budget / --device-budget streamed weights
             console.print(f"[dim]weights: {_size(c['weight_bytes_resident'])} resident, "
                           f"{_size(c['weight_bytes_streamed_per_step'])} streamed a step through "
@@ -339,7 +365,8 @@ def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
             if d.finish_reason is not None:
                 print(f"### {prompts[d.row]}\n{texts[d.row]}", file=out, flush=True)
 
-    result, interrupted = _drain(a, _start(a, prompts, model, provider, options), show)
+    with _compiles(a):
+        result, interrupted = _drain(a, _start(a, prompts, model, provider, options), show)
     if len(prompts) == 1:
         print(file=out)
     if a.json:
