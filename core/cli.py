@@ -559,6 +559,9 @@ def cmd_profile(a) -> int:
     from core.plugins import get_provider
     from core.profile import check_outputs, profile_main
     from core.session import RequestError
+    from core.sweep import apply_defaults
+
+    apply_defaults(a)
 
     if a.tensor_tflops is not None and not a.kernels:
         raise RequestError("--tensor-tflops sets the FLOPs floor of the --kernels table; add --kernels")
@@ -683,10 +686,10 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("profile", help="decode throughput sweep over batch sizes")
     f.add_argument("model", help="builder folder, Hugging Face folder, .gguf file or model name")
     f.add_argument("--provider", default="cpu_reference", help="provider (default: %(default)s)")
-    f.add_argument("--batch-sweep", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
-                   help="batch sizes, comma-separated (default: 1,2,4,...,256)")
-    f.add_argument("--tokens", type=_positive_int, default=64, help="measured decode steps per batch "
-                   "(default: %(default)s)")
+    f.add_argument("--batch-sweep", type=_int_list, default=None,
+                   help="batch sizes, comma-separated (default: 1,2,4,8 on cpu_reference, else 1,2,4,...,256)")
+    f.add_argument("--tokens", type=_positive_int, default=None, help="measured decode steps per batch "
+                   "(default: 16 on cpu_reference, else 64)")
     f.add_argument("--warmup", type=_non_negative_int, default=8, help="decode steps before measuring, including "
                    "capture warm-up and capture (default: %(default)s)")
     f.add_argument("--context", type=_positive_int, default=512, help="KV capacity in tokens, raised "
