@@ -1,4 +1,4 @@
-"""The ``lockstep`` command (also ``python -m core``).
+"""The ``lockstep`` command (also ``python -m lockstep``, which a folder holding its own ``core/`` cannot shadow).
 
     lockstep run [--model DIR|NAME] [--provider P] --prompt A [--prompt B ...] [--prompt -]
                  [--prompt-file FILE] [--max-new-tokens N] [--raw] [--json]
@@ -32,6 +32,7 @@ from core.models.prepare import (
     REFUSED_VARIANTS,
     TARGETS,
     VARIANTS,
+    PrepareError,
     Variant,
     cached_folder,
     default_variant,
@@ -109,8 +110,23 @@ def _resolve_model(model: str | None, provider: str):
     if cached is not None:
         return cached  # no status line: nothing is prepared
     what = "the default model" if model is None else model
-    with _status(f"preparing {what} ({precision}/{target}; built once, then cached)") as update:
+    with _lazy_status(f"preparing {what} ({precision}/{target}; built once, then cached)") as update:
         return resolve_model(model, precision, target, progress=update)
+
+
+@contextlib.contextmanager
+def _lazy_status(text: str):
+    """:func:`_status`, opened at the first status line only: a path source already in the cache
+    (its content hash remembered) is found without one, so says nothing."""
+    with contextlib.ExitStack() as stack:
+        shown: list = []
+
+        def update(line: str) -> None:
+            if not shown:
+                shown.append(stack.enter_context(_status(text)))
+            shown[0](line)
+
+        yield update
 
 
 def read_prompts(data: bytes, source: str) -> list[str]:
@@ -176,15 +192,37 @@ def _rate(tokens_per_s: float | None) -> str:
 
 
 def cmd_run(a) -> int:
+    from core.session import RequestError
+
+    prompts = _prompts(a)
+    try:
+        return _run(a, prompts)
+    except RequestError as exc:  # the library counts prompts from 0; the command line from 1
+        raise RequestError(_prompt_numbers(str(exc), len(prompts))) from None
+
+
+def _prompt_numbers(message: str, count: int) -> str:
+    """A library message about ``prompt i`` (counted from 0) as the command line counts its
+    prompts: "the prompt" when there is one, else "prompt i+1 of n"."""
+    if count == 1:
+        return re.sub(r"\b[Pp]rompt 0\b", "the prompt", message)
+    return re.sub(r"\b([Pp]rompt) (\d+)\b", lambda m: f"{m[1]} {int(m[2]) + 1} of {count}", message)
+
+
+def _run(a, prompts: list[str]) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from core.generation.generate import check_prompt_texts, check_request
     from core.plugins import get_provider
+    from core.session import RequestError
 
-    prompts = _prompts(a)
     check_prompt_texts(prompts)  # before any model build
     provider = get_provider(a.provider)  # a missing provider is reported before any model build
     options = _generation_options(a)
+    if a.tensor_parallel != 1 and a.do_sample:
+        from core.parallel.session import GREEDY_ONLY
+
+        raise RequestError(GREEDY_ONLY.split(":")[0] + ": drop --do-sample")
     check_request(a.max_new_tokens, {k: v for k, v in options.items() if k not in ("stop", "system")},
                   options.get("stop"), a.weight_budget, a.device_budget, a.tensor_parallel)  # before any build
     model = _resolve_model(a.model, a.provider)
@@ -392,7 +430,7 @@ def cmd_chat(a) -> int:
     context = session.model.config.context_length
     if a.max_new_tokens >= context:  # no turn could ever fit: refuse now, not at every turn
         raise RequestError(f"max_new_tokens={a.max_new_tokens} leaves no room for a prompt in the model's "
-                           f"context of {context} positions")
+                           f"context of {context} positions; give at most {context - 1}, less the longest turn")
     talk = Conversation(session, system=system, max_new_tokens=a.max_new_tokens, sampling=options or None)
     console.print("[dim]chat: an empty line or /exit ends, /reset starts over, Ctrl-C stops a reply[/dim]")
     failed = 0
@@ -492,8 +530,11 @@ def cmd_prepare(a) -> int:
         a.precision = default_variant(a.target)[0]
     variant = Variant(a.model, a.precision, a.target)  # a bad name or pair is refused before any status line
     with _status(f"preparing {a.model} {a.precision} for {a.target}") as update:
-        path = prepare(variant, output=a.output,
-                       progress=update, force=a.force)
+        try:
+            path = prepare(variant, output=a.output, progress=update, force=a.force)
+        except PrepareError as exc:  # the library says "the output"; the command line typed --output
+            text = str(exc).replace("the output's folder", "the folder of --output")
+            raise PrepareError(re.sub(r"\bthe output(?: folder)? (?=/|\S)", "--output ", text)) from None
     print(path)
     return 0
 
@@ -732,7 +773,7 @@ def _cpu_threads(a):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``lockstep`` and ``python -m core``; returns the exit status (2 for a
+    """Entry point of ``lockstep`` and ``python -m lockstep``; returns the exit status (2 for a
     refused request, printed as one line without traceback; 130 when interrupted; 0, quietly,
     when the reader of stdout closes it early, as ``| head`` does)."""
     from core.errors import USER_ERRORS

@@ -308,7 +308,8 @@ class Session:
         if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence | np.ndarray):
             raise RequestError(f"input_ids must be a list of {self.batch} token-id lists, got {_short(input_ids)}")
         if len(input_ids) != self.batch:
-            raise RequestError(f"this session has batch {self.batch}; got {len(input_ids)} prompts")
+            raise RequestError(f"this session has batch {self.batch}; got {len(input_ids)} "
+                               f"{'prompt' if len(input_ids) == 1 else 'prompts'}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise RequestError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
         limit = self.state.kv.limit

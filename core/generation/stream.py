@@ -160,6 +160,8 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
+    if isinstance(items, (list, tuple)) and all(isinstance(s, str) for s in items) and not all(items):
+        raise RequestError("stop must not be an empty string (it would end every row at once)")
     if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
         raise RequestError(f"stop must be a non-empty string or a list of them, got {value!r:.60}")
     return tuple(items)
