@@ -12,8 +12,8 @@ prefill under two busy loops: 42 tok/s on one thread, 33 on two; batch-1 decode 
 3. ``parity`` (thousands of small ops on tiny and real models): 1 thread, where a BLAS thread's
    hand-off costs more than the product.
 4. ``run``, ``chat`` and ``profile`` on cpu_reference: the cores no other work is using,
-   at least 1: the usable cores (``os.sched_getaffinity``) less the 1-minute load average,
-   rounded (a quiet 2-core machine: 2; one busy loop: 1).
+   at least 1: the usable cores (``os.sched_getaffinity``) less the cores busy now
+   (:func:`load`), rounded (a quiet 2-core machine: 2; one busy loop: 1).
 
 The load is read once, as the command starts: work started later on the machine does not
 change the choice (set ``--threads 1`` for a machine known to be shared).
@@ -44,8 +44,33 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+#: Seconds :func:`load` watches the CPU counters (Linux) before a command starts.
+SAMPLE_S = 0.1
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs from /proc/stat, or None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def load() -> float:
-    """The 1-minute load average (runnable processes); 0.0 where the OS has none (Windows)."""
+    """Cores busy with other work now: on Linux, the busy share of every CPU over
+    :data:`SAMPLE_S` seconds (this process sleeps meanwhile) times the usable cores; elsewhere
+    the 1-minute load average (which lags a change by tens of seconds); 0.0 where neither exists."""
+    import time
+
+    first = _cpu_times()
+    if first is not None:
+        time.sleep(SAMPLE_S)
+        second = _cpu_times()
+        if second is not None and second[1] > first[1]:
+            return (second[0] - first[0]) / (second[1] - first[1]) * (os.cpu_count() or 1)
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):

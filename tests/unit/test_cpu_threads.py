@@ -93,3 +93,17 @@ def test_a_bad_environment_value_is_a_one_line_error_before_any_work(monkeypatch
     monkeypatch.setenv(ENV, "lots")
     code, err, seen = _run_seeing_threads(monkeypatch, capsys, byte_model)
     assert code == 2 and ENV in err and err.count("\n") == 1 and seen == []
+
+
+def test_the_load_is_the_busy_share_of_the_cpus_over_a_short_sample(monkeypatch):
+    import os
+
+    import core.threads as threads
+
+    samples = iter([(100, 1000), (150, 1100)])  # (busy, total) jiffies: half busy meanwhile
+    monkeypatch.setattr(threads, "_cpu_times", lambda: next(samples))
+    monkeypatch.setattr(threads, "SAMPLE_S", 0.0)
+    assert threads.load() == 0.5 * os.cpu_count()
+    monkeypatch.setattr(threads, "_cpu_times", lambda: None)  # no /proc/stat: the load average
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.25, 0.0, 0.0))
+    assert threads.load() == 1.25
