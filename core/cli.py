@@ -253,8 +253,7 @@ def _run(a, prompts: list[str]) -> int:
             if len(prompts) > 1:
                 print(f"### {prompt}")
             print(row.text)
-    code = _report(a, result)
-    return 130 if interrupted else code
+    return _interrupted(a, result) if interrupted else _report(a, result)
 
 
 def _start(a, prompts: list[str], model, provider, options: dict, progress=None):
@@ -309,6 +308,15 @@ def _drain(a, st, on_delta):
 def _json(a, result) -> dict:
     """``run --json``: the result's data and the BLAS threads it ran with."""
     return {**result.to_dict(), "cpu_threads": a.cpu_threads}
+
+
+def _interrupted(a, result) -> int:
+    """The report of a run stopped by Ctrl-C; returns 130, the status of a command it stopped."""
+    _report(a, result)
+    made = sum(len(r.output_ids) for r in result.rows)
+    console.print(f"[yellow]interrupted[/yellow] (Ctrl-C): kept the {_tokens(made)} made so far, each row with "
+                  "finish reason \"interrupted\"")
+    return 130
 
 
 #: Compile seconds from which ``lockstep run`` names the compile (a disk-cache hit takes milliseconds).
@@ -411,8 +419,7 @@ def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
         print(file=out)
     if a.json:
         print(json.dumps(_json(a, result), indent=2))
-    code = _report(a, result)
-    return 130 if interrupted else code
+    return _interrupted(a, result) if interrupted else _report(a, result)
 
 
 def cmd_chat(a) -> int:

@@ -60,6 +60,7 @@ def test_run_prints_interrupted_rows_as_text_and_names_them(tiny, capsys, monkey
     out = capsys.readouterr()
     ref = core.run(tiny, prompts=["hi"], max_new_tokens=2, chat=False).rows[0]
     assert code == 130 and out.out == ref.text + "\n" and "finish: interrupted (2 tokens)" in out.err
+    assert "kept the 2 tokens made so far" in out.err
 
 
 def test_an_interrupted_reply_stays_in_the_conversation_like_one_that_ended_there(tiny):
