@@ -544,8 +544,29 @@ def cmd_prepare(a) -> int:
         except PrepareError as exc:  # the library says "the output"; the command line typed --output
             text = str(exc).replace("the output's folder", "the folder of --output")
             raise PrepareError(re.sub(r"\bthe output(?: folder)? (?=/|\S)", "--output ", text)) from None
+    if a.target == "cuda" and not a.no_compile:
+        _compile_ahead(path)
     print(path)
     return 0
+
+
+def _compile_ahead(path) -> None:
+    """``prepare --target cuda``: compile the cuda kernels of the model now, where a GPU is
+    usable, so that the first run's prefill does not wait for them; else say why not."""
+    from core import compiling
+    from core.plugins import ProviderError, get_provider
+
+    try:
+        provider = get_provider("cuda")
+    except ProviderError as exc:
+        console.print(f"[dim]cuda kernels not compiled ahead ({escape(str(exc))}); the first cuda run "
+                      "compiles them[/dim]")
+        return
+    with _status("compiling cuda kernels for this model (first run only)") as update, \
+            compiling.listen(lambda what, cache: update(f"compiling cuda kernels, first run only, cached in "
+                                                         f"{cache}: {what}")):
+        spent = compiling.warm(path, provider)
+    console.print(f"[dim]cuda kernels ready ({spent:.1f} s of compiling)[/dim]")
 
 
 def cmd_providers(a) -> int:
@@ -711,6 +732,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "provider: cpu writes fp32 I/O, cuda fp16 I/O (default: %(default)s)")
     q.add_argument("--output", help="folder to write (default: the cache)")
     q.add_argument("--force", action="store_true", help="rebuild even if cached")
+    q.add_argument("--no-compile", action="store_true", help="with --target cuda: do not compile the cuda "
+                   "kernels ahead (default: compiled once the folder is built, where a GPU is usable, so that "
+                   "the first run does not wait for them)")
     q.set_defaults(func=cmd_prepare)
 
     cache_command.add_parser(sub)

@@ -41,6 +41,18 @@ def compiling(what: str, cache: str) -> Iterator[None]:
         _seconds = before + (time.perf_counter() - t0)
 
 
+def warm(model_dir, provider) -> float:
+    """Compile ahead the kernels ``provider`` runs the model in ``model_dir`` with: a batch-1
+    request of three prompt tokens and two new ones (the prefill's and the decode step's
+    kernels; other batch sizes mostly reuse the same compiled files). Returns the compile
+    seconds it took (about 0 when the provider's cache already held them)."""
+    from core.generation.generate import run
+
+    before = seconds()
+    run(model_dir, provider=provider, input_ids=[[1, 2, 3]], max_new_tokens=2)
+    return seconds() - before
+
+
 @contextlib.contextmanager
 def listen(listener: Listener) -> Iterator[None]:
     """Call ``listener`` as each compile starts, inside the block."""

@@ -39,3 +39,17 @@ def test_a_fresh_compile_is_its_own_field_and_a_cached_one_is_not_named(tmp_path
     assert "kernels compiled in" not in again.stderr
     fresh = _run(model, tmp_path / "other-kernels")
     assert "kernels compiled in" in fresh.stderr and str(tmp_path / "other-kernels") in fresh.stderr
+
+
+def test_compiling_ahead_leaves_nothing_for_the_first_run(tmp_path):
+    """What `lockstep prepare --target cuda` does once the folder is built (core.compiling.warm)."""
+    from core.testing.tiny_model import make_tiny_model, write_byte_tokenizer
+
+    model = write_byte_tokenizer(make_tiny_model(tmp_path / "m", dtype="float16", quant="int4"))
+    cache = tmp_path / "kernels"
+    warm = subprocess.run([sys.executable, "-c", "import sys, lockstep; from core.compiling import warm; "
+                           "print(warm(sys.argv[1], 'cuda'))", str(model)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, CUPY_CACHE_DIR=str(cache)))
+    assert warm.returncode == 0 and float(warm.stdout) > 1.0, warm.stderr[-2000:]
+    run = _run(model, cache, "--json")
+    assert run.returncode == 0 and json.loads(run.stdout)["counters"]["compile_s"] < 0.5

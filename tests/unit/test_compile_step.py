@@ -104,3 +104,33 @@ def test_the_cuda_provider_times_each_kernel_file_and_names_cupys_cache(monkeypa
     assert [e[0] for e in events] == ["build", "compile"] and events[1] == ("compile", "gpu_hold")
     assert compiling.seconds() > before
     module._module.cache_clear()
+
+
+def test_warm_runs_the_model_and_returns_the_compile_seconds(tiny, slow_first_use):
+    assert compiling.warm(tiny, "cpu_reference") >= 2 * COMPILE_S  # the prefill's and the step's
+
+
+@pytest.mark.parametrize("usable, flags", [(True, []), (False, []), (True, ["--no-compile"])])
+def test_prepare_for_cuda_compiles_ahead_where_a_gpu_is_usable(tiny, capsys, monkeypatch, usable, flags):
+    from core.plugins import ProviderError
+
+    warmed = []
+    monkeypatch.setattr("core.cli.prepare", lambda *a, **k: tiny)
+
+    def provider(name):
+        if not usable:
+            raise ProviderError("no GPU here")
+        return name
+
+    monkeypatch.setattr("core.plugins.get_provider", provider)
+    monkeypatch.setattr(compiling, "warm", lambda path, p: warmed.append((path, p)) or 12.5)
+    code = main(["prepare", "--target", "cuda", *flags])
+    out = capsys.readouterr()
+    assert code == 0 and out.out == f"{tiny}\n"  # stdout: the folder alone, as before
+    if flags:
+        assert warmed == [] and "cuda kernels" not in out.err
+    elif usable:
+        assert warmed == [(tiny, "cuda")] and "cuda kernels ready (12.5 s of compiling)" in out.err
+    else:
+        assert warmed == [] and "cuda kernels not compiled ahead (no GPU here); the first cuda run compiles them" \
+            in out.err
