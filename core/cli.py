@@ -26,6 +26,7 @@ from typing import NoReturn
 from rich.console import Console
 from rich.markup import escape
 
+from core.cli_work import compile_ahead, compiles, cpu_threads, drain, prompt_numbers, reply
 from core.models import cache as cache_command
 from core.models.prepare import (
     DEFAULT_MODEL,
@@ -42,7 +43,7 @@ from core.models.prepare import (
     resolve_model,
     source_kind,
 )
-from core.threads import ENV, ThreadsError, blas_threads, choose, requested
+from core.threads import ENV, ThreadsError
 
 console = Console(stderr=True, soft_wrap=True)  # an error stays one line in logs
 
@@ -200,15 +201,7 @@ def cmd_run(a) -> int:
     try:
         return _run(a, prompts)
     except RequestError as exc:  # the library counts prompts from 0; the command line from 1
-        raise RequestError(_prompt_numbers(str(exc), len(prompts))) from None
-
-
-def _prompt_numbers(message: str, count: int) -> str:
-    """A library message about ``prompt i`` (counted from 0) as the command line counts its
-    prompts: "the prompt" when there is one, else "prompt i+1 of n"."""
-    if count == 1:
-        return re.sub(r"\b[Pp]rompt 0\b", "the prompt", message)
-    return re.sub(r"\b([Pp]rompt) (\d+)\b", lambda m: f"{m[1]} {int(m[2]) + 1} of {count}", message)
+        raise RequestError(prompt_numbers(str(exc), len(prompts))) from None
 
 
 def _run(a, prompts: list[str]) -> int:
@@ -244,8 +237,8 @@ def _run(a, prompts: list[str]) -> int:
         def compiling(what: str, cache: str) -> None:
             bar.update(task, description=f"compiling {a.provider} kernels, first run only, cached in {cache}: {what}")
 
-        with _compiles(a, compiling):
-            result, interrupted = _drain(a, _start(a, prompts, model, provider, options, progress), lambda d: None)
+        with compiles(a, compiling):
+            result, interrupted = drain(a, _start(a, prompts, model, provider, options, progress), lambda d: None)
     if a.json:
         print(json.dumps(_json(a, result), indent=2))
     else:
@@ -263,46 +256,6 @@ def _start(a, prompts: list[str], model, provider, options: dict, progress=None)
     return start(model, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens, chat=not a.raw,
                  kv_layout=a.layout, capture=False if a.no_capture else None, weight_budget=a.weight_budget,
                  device_budget=a.device_budget, progress=progress, tensor_parallel=a.tensor_parallel, **options)
-
-
-@contextlib.contextmanager
-def _compiles(a, show=None):
-    """Inside the block, each kernel compile (:mod:`core.compiling`) is passed to ``show`` and
-    its cache folder kept in ``a.compile_cache`` for the report."""
-    from core import compiling
-
-    def seen(what: str, cache: str) -> None:
-        a.compile_cache = cache
-        if show is not None:
-            show(what, cache)
-
-    with compiling.listen(seen):
-        yield
-
-
-def _drain(a, st, on_delta):
-    """Run ``st`` to its end, passing each delta to ``on_delta``; the first Ctrl-C stops it
-    after the current step and keeps the rows made so far (finish reason "interrupted").
-    Returns (the Result, whether it was interrupted); the ranks of --tensor-parallel are
-    stopped either way."""
-    from core.generation.interrupt import CtrlC
-
-    interrupted = False
-    try:
-        deltas = iter(st)
-        with CtrlC() as ctrl_c:
-            for d in deltas:
-                on_delta(d)
-                if ctrl_c.pressed:
-                    deltas.close()
-                    for last in st.generation.interrupt():
-                        on_delta(last)
-                    interrupted = True
-                    break
-        return st.result(), interrupted
-    finally:
-        if a.tensor_parallel != 1:  # stop the rank processes now, not when the session is collected
-            st.session.close()
 
 
 def _json(a, result) -> dict:
@@ -413,8 +366,8 @@ def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
             if d.finish_reason is not None:
                 print(f"### {prompts[d.row]}\n{texts[d.row]}", file=out, flush=True)
 
-    with _compiles(a):
-        result, interrupted = _drain(a, _start(a, prompts, model, provider, options), show)
+    with compiles(a):
+        result, interrupted = drain(a, _start(a, prompts, model, provider, options), show)
     if len(prompts) == 1:
         print(file=out)
     if a.json:
@@ -463,31 +416,12 @@ def cmd_chat(a) -> int:
             failed += 1
             continue
         try:
-            _reply(talk, line)
+            reply(talk, line, console)
         except RequestError as exc:  # e.g. the conversation outgrew the cache: say so, keep going
             console.print(f"[red]error:[/red] {escape(_flag_names(str(exc)))}")
             failed += 1
             continue
     return 1 if failed else 0
-
-
-def _reply(talk, line: str) -> None:
-    """One chat turn streamed to stdout; the first Ctrl-C stops the reply after the current
-    step and keeps it, as far as it got, in the conversation."""
-    from core.generation.interrupt import CtrlC
-
-    with CtrlC() as ctrl_c:
-        deltas = talk.say(line)
-        for d in deltas:
-            sys.stdout.write(d.text)
-            sys.stdout.flush()
-            if ctrl_c.pressed:
-                deltas.close()
-                sys.stdout.write("".join(last.text for last in talk.interrupt()))
-                print(flush=True)
-                console.print("[dim](reply stopped; the conversation goes on)[/dim]")
-                return
-    print(flush=True)
 
 
 def _sampling_args(parser: argparse.ArgumentParser, stop: bool = True) -> None:
@@ -545,28 +479,9 @@ def cmd_prepare(a) -> int:
             text = str(exc).replace("the output's folder", "the folder of --output")
             raise PrepareError(re.sub(r"\bthe output(?: folder)? (?=/|\S)", "--output ", text)) from None
     if a.target == "cuda" and not a.no_compile:
-        _compile_ahead(path)
+        compile_ahead(path, console, _status)
     print(path)
     return 0
-
-
-def _compile_ahead(path) -> None:
-    """``prepare --target cuda``: compile the cuda kernels of the model now, where a GPU is
-    usable, so that the first run's prefill does not wait for them; else say why not."""
-    from core import compiling
-    from core.plugins import ProviderError, get_provider
-
-    try:
-        provider = get_provider("cuda")
-    except ProviderError as exc:
-        console.print(f"[dim]cuda kernels not compiled ahead ({escape(str(exc))}); the first cuda run "
-                      "compiles them[/dim]")
-        return
-    with _status("compiling cuda kernels for this model (first run only)") as update, \
-            compiling.listen(lambda what, cache: update(f"compiling cuda kernels, first run only, cached in "
-                                                         f"{cache}: {what}")):
-        spent = compiling.warm(path, provider)
-    console.print(f"[dim]cuda kernels ready ({spent:.1f} s of compiling)[/dim]")
 
 
 def cmd_providers(a) -> int:
@@ -795,18 +710,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-@contextlib.contextmanager
-def _cpu_threads(a):
-    """The BLAS thread limit of a command that has ``--threads`` (:func:`core.threads.choose`),
-    kept in ``a.cpu_threads`` for ``--json``; other commands run unlimited."""
-    if not hasattr(a, "threads"):
-        yield
-        return
-    a.cpu_threads = choose(a.provider, a.command, requested(a.threads))
-    with blas_threads(a.cpu_threads):
-        yield
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lockstep`` and ``python -m lockstep``; returns the exit status (2 for a
     refused request, printed as one line without traceback; 130 when interrupted; 0, quietly,
@@ -828,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
             hint = '; a prompt goes after --prompt, e.g. lockstep run --prompt "What is 2 + 2?"'
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     try:
-        with _cpu_threads(args):
+        with cpu_threads(args):
             return args.func(args)
     except USER_ERRORS + (ThreadsError,) as exc:
         # a request the generation library refused names its keyword: here, the flag the user typed

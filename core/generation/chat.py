@@ -13,7 +13,7 @@ as it got. ``lockstep chat`` is a loop over :meth:`Conversation.say`.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Generator
 
 from core.generation.stream import Delta, Generation
 
@@ -53,7 +53,7 @@ class Conversation:
         """Every token of the conversation the row holds (the last reply included)."""
         return [] if self.generation is None else self.generation.rows[0].history
 
-    def say(self, text: str) -> Iterator[Delta]:
+    def say(self, text: str) -> Generator[Delta, None, None]:
         """Add a user turn and stream the reply; the reply joins :attr:`messages` when it ends.
 
         Raises:
