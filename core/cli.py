@@ -1,4 +1,4 @@
-"""The ``lockstep`` command (also ``python -m core``).
+"""The ``lockstep`` command (also ``python -m lockstep``, which a folder holding its own ``core/`` cannot shadow).
 
     lockstep run [--model DIR|NAME] [--provider P] --prompt A [--prompt B ...] [--prompt -]
                  [--prompt-file FILE] [--max-new-tokens N] [--raw] [--json]
@@ -6,6 +6,7 @@
     lockstep prepare [NAME|HF_DIR|FILE.gguf] [--precision fp32|int4|fp16] [--target cpu|cuda] [--output DIR]
     lockstep prepare --list
     lockstep chat [--model DIR|NAME] [--provider P] [--system TEXT] [sampling options]
+    lockstep cache [clean [NAME ...] [--dry-run]]
     lockstep providers
     lockstep parity --provider P [--model DIR] [--full] [--batch 1,2] [--steps 4] [--json]
     lockstep profile MODEL --provider P --batch-sweep 1,2,4 --tokens T --context L [...]
@@ -25,6 +26,8 @@ from typing import NoReturn
 from rich.console import Console
 from rich.markup import escape
 
+from core.cli_work import compile_ahead, compiles, cpu_threads, drain, prompt_numbers, reply
+from core.models import cache as cache_command
 from core.models.prepare import (
     DEFAULT_MODEL,
     MODELS,
@@ -32,6 +35,7 @@ from core.models.prepare import (
     REFUSED_VARIANTS,
     TARGETS,
     VARIANTS,
+    PrepareError,
     Variant,
     cached_folder,
     default_variant,
@@ -39,6 +43,7 @@ from core.models.prepare import (
     resolve_model,
     source_kind,
 )
+from core.threads import ENV, ThreadsError
 
 console = Console(stderr=True, soft_wrap=True)  # an error stays one line in logs
 
@@ -108,8 +113,23 @@ def _resolve_model(model: str | None, provider: str):
     if cached is not None:
         return cached  # no status line: nothing is prepared
     what = "the default model" if model is None else model
-    with _status(f"preparing {what} ({precision}/{target}; built once, then cached)") as update:
+    with _lazy_status(f"preparing {what} ({precision}/{target}; built once, then cached)") as update:
         return resolve_model(model, precision, target, progress=update)
+
+
+@contextlib.contextmanager
+def _lazy_status(text: str):
+    """:func:`_status`, opened at the first status line only: a path source already in the cache
+    (its content hash remembered) is found without one, so says nothing."""
+    with contextlib.ExitStack() as stack:
+        shown: list = []
+
+        def update(line: str) -> None:
+            if not shown:
+                shown.append(stack.enter_context(_status(text)))
+            shown[0](line)
+
+        yield update
 
 
 def read_prompts(data: bytes, source: str) -> list[str]:
@@ -175,15 +195,29 @@ def _rate(tokens_per_s: float | None) -> str:
 
 
 def cmd_run(a) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from core.generation.generate import check_prompt_texts, check_request, run
-    from core.plugins import get_provider
+    from core.session import RequestError
 
     prompts = _prompts(a)
+    try:
+        return _run(a, prompts)
+    except RequestError as exc:  # the library counts prompts from 0; the command line from 1
+        raise RequestError(prompt_numbers(str(exc), len(prompts))) from None
+
+
+def _run(a, prompts: list[str]) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from core.generation.generate import check_prompt_texts, check_request
+    from core.plugins import get_provider
+    from core.session import RequestError
+
     check_prompt_texts(prompts)  # before any model build
     provider = get_provider(a.provider)  # a missing provider is reported before any model build
     options = _generation_options(a)
+    if a.tensor_parallel != 1 and a.do_sample:
+        from core.parallel.session import GREEDY_ONLY
+
+        raise RequestError(GREEDY_ONLY.split(":")[0] + ": drop --do-sample")
     check_request(a.max_new_tokens, {k: v for k, v in options.items() if k not in ("stop", "system")},
                   options.get("stop"), a.weight_budget, a.device_budget, a.tensor_parallel)  # before any build
     model = _resolve_model(a.model, a.provider)
@@ -200,18 +234,46 @@ def cmd_run(a) -> int:
             text = f"prefill of {rows}" if done == 0 else "decoding"
             bar.update(task, completed=done, description=text)
 
-        result = run(model, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens,
-                     chat=not a.raw, kv_layout=a.layout, capture=False if a.no_capture else None,
-                     weight_budget=a.weight_budget, device_budget=a.device_budget, progress=progress,
-                     tensor_parallel=a.tensor_parallel, **options)
+        def compiling(what: str, cache: str) -> None:
+            bar.update(task, description=f"compiling {a.provider} kernels, first run only, cached in {cache}: {what}")
+
+        with compiles(a, compiling):
+            result, interrupted = drain(a, _start(a, prompts, model, provider, options, progress), lambda d: None)
     if a.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(_json(a, result), indent=2))
     else:
         for prompt, row in zip(prompts, result.rows):
             if len(prompts) > 1:
                 print(f"### {prompt}")
             print(row.text)
-    return _report(a, result)
+    return _interrupted(a, result) if interrupted else _report(a, result)
+
+
+def _start(a, prompts: list[str], model, provider, options: dict, progress=None):
+    """The :class:`~core.generation.generate.Stream` of ``lockstep run``'s request."""
+    from core.generation.generate import start
+
+    return start(model, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens, chat=not a.raw,
+                 kv_layout=a.layout, capture=False if a.no_capture else None, weight_budget=a.weight_budget,
+                 device_budget=a.device_budget, progress=progress, tensor_parallel=a.tensor_parallel, **options)
+
+
+def _json(a, result) -> dict:
+    """``run --json``: the result's data and the BLAS threads it ran with."""
+    return {**result.to_dict(), "cpu_threads": a.cpu_threads}
+
+
+def _interrupted(a, result) -> int:
+    """The report of a run stopped by Ctrl-C; returns 130, the status of a command it stopped."""
+    _report(a, result)
+    made = sum(len(r.output_ids) for r in result.rows)
+    console.print(f"[yellow]interrupted[/yellow] (Ctrl-C): kept the {_tokens(made)} made so far, each row with "
+                  "finish reason \"interrupted\"")
+    return 130
+
+
+#: Compile seconds from which ``lockstep run`` names the compile (a disk-cache hit takes milliseconds).
+COMPILE_NOTE_S = 0.5
 
 
 def _report(a, result) -> int:
@@ -229,6 +291,9 @@ def _report(a, result) -> int:
                       f"{_tokens(c['prefill_tokens'])} in {c['prefill_s'] * 1e3:.0f} ms "
                       f"({_rate(result.prefill_tokens_per_s)}); decode {c['decode_steps']} steps in "
                       f"{c['decode_s'] * 1e3:.0f} ms ({_rate(result.decode_tokens_per_s)})[/dim]")
+        if c.get("compile_s", 0) >= COMPILE_NOTE_S:
+            console.print(f"[dim]kernels compiled in {c['compile_s']:.1f} s, not counted in the rates (first run "
+                          f"only; cached in {escape(getattr(a, 'compile_cache', 'the provider cache'))})[/dim]")
         if c.get("weight_bytes_streamed_per_step"):  # --weight-budget / --device-budget streamed weights
             console.print(f"[dim]weights: {_size(c['weight_bytes_resident'])} resident, "
                           f"{_size(c['weight_bytes_streamed_per_step'])} streamed a step through "
@@ -289,14 +354,10 @@ def _note_greedy(a, model) -> None:
 def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
     """``run --stream``: one prompt's text as it is decoded; several prompts: each row printed
     whole as soon as it ends (interleaved rows are unreadable)."""
-    from core.generation.generate import stream
-
-    st = stream(model, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens, chat=not a.raw,
-                kv_layout=a.layout, capture=False if a.no_capture else None, weight_budget=a.weight_budget,
-                device_budget=a.device_budget, tensor_parallel=a.tensor_parallel, **options)
     texts = [""] * len(prompts)
     out = sys.stderr if a.json else sys.stdout  # with --json, stdout holds the JSON alone
-    for d in st:
+
+    def show(d) -> None:
         if len(prompts) == 1:
             out.write(d.text)
             out.flush()
@@ -304,12 +365,14 @@ def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
             texts[d.row] += d.text
             if d.finish_reason is not None:
                 print(f"### {prompts[d.row]}\n{texts[d.row]}", file=out, flush=True)
+
+    with compiles(a):
+        result, interrupted = drain(a, _start(a, prompts, model, provider, options), show)
     if len(prompts) == 1:
         print(file=out)
-    result = st.result()
     if a.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    return _report(a, result)
+        print(json.dumps(_json(a, result), indent=2))
+    return _interrupted(a, result) if interrupted else _report(a, result)
 
 
 def cmd_chat(a) -> int:
@@ -329,15 +392,18 @@ def cmd_chat(a) -> int:
     context = session.model.config.context_length
     if a.max_new_tokens >= context:  # no turn could ever fit: refuse now, not at every turn
         raise RequestError(f"max_new_tokens={a.max_new_tokens} leaves no room for a prompt in the model's "
-                           f"context of {context} positions")
+                           f"context of {context} positions; give at most {context - 1}, less the longest turn")
     talk = Conversation(session, system=system, max_new_tokens=a.max_new_tokens, sampling=options or None)
-    console.print("[dim]chat: an empty line or /exit ends, /reset starts over[/dim]")
+    console.print("[dim]chat: an empty line or /exit ends, /reset starts over, Ctrl-C stops a reply[/dim]")
     failed = 0
     while True:
         try:
             line = input("> " if sys.stdin.isatty() else "")
         except EOFError:
             break
+        except KeyboardInterrupt:  # at the prompt: drop the line being typed, keep the conversation
+            console.print("\n[dim](an empty line, /exit or Ctrl-D ends the chat)[/dim]")
+            continue
         if line.strip() in ("", "/exit"):
             break
         if line.strip() == "/reset":
@@ -350,14 +416,11 @@ def cmd_chat(a) -> int:
             failed += 1
             continue
         try:
-            for d in talk.say(line):
-                sys.stdout.write(d.text)
-                sys.stdout.flush()
+            reply(talk, line, console)
         except RequestError as exc:  # e.g. the conversation outgrew the cache: say so, keep going
             console.print(f"[red]error:[/red] {escape(_flag_names(str(exc)))}")
             failed += 1
             continue
-        print(flush=True)
     return 1 if failed else 0
 
 
@@ -410,8 +473,13 @@ def cmd_prepare(a) -> int:
         a.precision = default_variant(a.target)[0]
     variant = Variant(a.model, a.precision, a.target)  # a bad name or pair is refused before any status line
     with _status(f"preparing {a.model} {a.precision} for {a.target}") as update:
-        path = prepare(variant, output=a.output,
-                       progress=update, force=a.force)
+        try:
+            path = prepare(variant, output=a.output, progress=update, force=a.force)
+        except PrepareError as exc:  # the library says "the output"; the command line typed --output
+            text = str(exc).replace("the output's folder", "the folder of --output")
+            raise PrepareError(re.sub(r"\bthe output(?: folder)? (?=/|\S)", "--output ", text)) from None
+    if a.target == "cuda" and not a.no_compile:
+        compile_ahead(path, console, _status)
     print(path)
     return 0
 
@@ -477,6 +545,9 @@ def cmd_profile(a) -> int:
     from core.plugins import get_provider
     from core.profile import check_outputs, profile_main
     from core.session import RequestError
+    from core.sweep import apply_defaults
+
+    apply_defaults(a)
 
     if a.tensor_tflops is not None and not a.kernels:
         raise RequestError("--tensor-tflops sets the FLOPs floor of the --kernels table; add --kernels")
@@ -495,6 +566,12 @@ def _budget_arg(parser: argparse.ArgumentParser, device: bool = True) -> None:
     if device:
         parser.add_argument("--device-budget", metavar="BYTES", help="device bytes for weights and KV together "
                             "(4GiB): KV growth takes from the weight budget, so more weights stream")
+
+
+def _threads_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=_positive_int, metavar="N", help="BLAS threads of the host math "
+                        f"(default: ${ENV}, else chosen per provider and workload: the idle cores for "
+                        "cpu_reference, 1 for a GPU provider and for parity; docs/first-day.md)")
 
 
 def _version() -> str:
@@ -538,16 +615,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="R", help="shard the model "
                    "over R rank processes (greedy only; docs/parallel.md; default: %(default)s)")
     _budget_arg(r)
+    _threads_arg(r)
     _sampling_args(r)
     r.set_defaults(func=cmd_run)
 
-    c = sub.add_parser("chat", help="an interactive chat (one line per turn; the KV cache carries on)")
+    c = sub.add_parser("chat", help="an interactive chat (one line per turn; the KV cache carries on)",
+                       description="An interactive chat: type a line, the model replies; the conversation "
+                       "carries on in the KV cache.",
+                       epilog="In the chat: /reset starts a new conversation; /exit, an empty line or Ctrl-D "
+                       "ends it. Ctrl-C stops the current reply and keeps it, as far as it got, in the "
+                       "conversation (press it twice to quit at once); at the prompt it clears the line.")
     c.add_argument("--model", help="builder folder, Hugging Face folder, .gguf file or model name "
                    "(default: smollm2-135m; prepared on first use, then cached)")
     c.add_argument("--provider", default="cpu_reference", help="execution provider (default: %(default)s)")
     c.add_argument("--max-new-tokens", type=_positive_int, default=256, help="most tokens per reply "
                    "(default: %(default)s)")
     c.add_argument("--no-capture", action="store_true", help="never capture decode steps")
+    _threads_arg(c)
     _sampling_args(c, stop=False)
     c.set_defaults(func=cmd_chat)
 
@@ -563,7 +647,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "provider: cpu writes fp32 I/O, cuda fp16 I/O (default: %(default)s)")
     q.add_argument("--output", help="folder to write (default: the cache)")
     q.add_argument("--force", action="store_true", help="rebuild even if cached")
+    q.add_argument("--no-compile", action="store_true", help="with --target cuda: do not compile the cuda "
+                   "kernels ahead (default: compiled once the folder is built, where a GPU is usable, so that "
+                   "the first run does not wait for them)")
     q.set_defaults(func=cmd_prepare)
+
+    cache_command.add_parser(sub)
 
     v = sub.add_parser("providers", help="list installed providers")
     v.set_defaults(func=cmd_providers)
@@ -582,15 +671,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "with --full 64)")
     t.add_argument("--json", action="store_true", help="print the report as JSON")
     _budget_arg(t, device=False)
+    _threads_arg(t)
     t.set_defaults(func=cmd_parity)
 
     f = sub.add_parser("profile", help="decode throughput sweep over batch sizes")
     f.add_argument("model", help="builder folder, Hugging Face folder, .gguf file or model name")
     f.add_argument("--provider", default="cpu_reference", help="provider (default: %(default)s)")
-    f.add_argument("--batch-sweep", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
-                   help="batch sizes, comma-separated (default: 1,2,4,...,256)")
-    f.add_argument("--tokens", type=_positive_int, default=64, help="measured decode steps per batch "
-                   "(default: %(default)s)")
+    f.add_argument("--batch-sweep", type=_int_list, default=None,
+                   help="batch sizes, comma-separated (default: 1,2,4,8 on cpu_reference, else 1,2,4,...,256)")
+    f.add_argument("--tokens", type=_positive_int, default=None, help="measured decode steps per batch "
+                   "(default: 16 on cpu_reference, else 64)")
     f.add_argument("--warmup", type=_non_negative_int, default=8, help="decode steps before measuring, including "
                    "capture warm-up and capture (default: %(default)s)")
     f.add_argument("--context", type=_positive_int, default=512, help="KV capacity in tokens, raised "
@@ -608,6 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--tensor-tflops", type=float, default=None, metavar="TFLOPS", help="with --kernels: "
                    "the tensor rate the FLOPs floor uses (default: bytes floor only)")
     _budget_arg(f)
+    _threads_arg(f)
     f.add_argument("--json", dest="json_out", help="write the rows as JSON to this file")
     f.add_argument("--anchor", metavar="FILE", help="put another runtime's tokens/s beside each row: the "
                    "--json file of benchmarks/ort_genai_decode.py (same prompt lengths and batches)")
@@ -620,7 +711,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``lockstep`` and ``python -m core``; returns the exit status (2 for a
+    """Entry point of ``lockstep`` and ``python -m lockstep``; returns the exit status (2 for a
     refused request, printed as one line without traceback; 130 when interrupted; 0, quietly,
     when the reader of stdout closes it early, as ``| head`` does)."""
     from core.errors import USER_ERRORS
@@ -640,8 +731,9 @@ def main(argv: list[str] | None = None) -> int:
             hint = '; a prompt goes after --prompt, e.g. lockstep run --prompt "What is 2 + 2?"'
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     try:
-        return args.func(args)
-    except USER_ERRORS as exc:
+        with cpu_threads(args):
+            return args.func(args)
+    except USER_ERRORS + (ThreadsError,) as exc:
         # a request the generation library refused names its keyword: here, the flag the user typed
         message = _flag_names(str(exc)) if args.func in (cmd_run, cmd_chat) else str(exc)
         console.print(f"lockstep {args.command}: [red]error:[/red] {escape(message)}")  # as argparse's
@@ -650,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"lockstep {args.command}: [red]error:[/red] {escape(str(exc))}")
         return 1
     except KeyboardInterrupt:
-        console.print("[red]interrupted[/red]")
+        console.print("\n[red]interrupted[/red]")
         return 130
     except BrokenPipeError:  # the reader of stdout went away (lockstep run ... | head): stop quietly
         with contextlib.suppress(Exception):  # stdout onto /dev/null, so the last flush cannot raise again

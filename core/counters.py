@@ -18,6 +18,9 @@ class Counters:
         prefill_s, decode_s: wall seconds in prefill and in decode steps (host clock, including
             the per-step read-back of the [B, 2] argmax result; a step queued ahead is charged
             from the later of its queueing and the previous step's read to its own read).
+        compile_s: wall seconds the provider spent compiling kernels during the prefills and
+            decode steps (first use only; :mod:`core.compiling`), left out of ``prefill_s``
+            and ``decode_s``.
         decode_device_s: device seconds of the decode steps read (the provider's node timer
             around each step's work, from the queue reaching it to its last kernel; 0 without
             a timer). ``decode_s - decode_device_s`` is what the host added.
@@ -55,6 +58,7 @@ class Counters:
     decode_steps: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    compile_s: float = 0.0
     decode_device_s: float = 0.0
     run_ahead_steps: int = 0
     discarded_steps: int = 0

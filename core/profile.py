@@ -151,9 +151,30 @@ def capacity_for(prompt_len: int, args, context_length: int) -> int:
     return context if need <= context else round_capacity(need, context_length)
 
 
-def profile(model_dir, provider, batches: list[int], args, progress=None) -> list[ProfileRow]:
+def _announce(runner: Runner, batches: list[int], lengths: list[int], capacity: int, args, announce) -> None:
+    """Time a batch-1 prefill and three decode steps, and pass ``announce`` the sweep's size and
+    expected duration (:mod:`core.sweep`) before it starts."""
+    from core import sweep
+
+    prompt = [3] * lengths[0]
+    session = Session(runner, batch=1, capacity=capacity, kv_layout=args.layout, kv_policy="fixed",
+                      capture=False if args.no_capture else None, run_ahead=False)  # each step timed whole
+    trace = decode(session, [prompt], 3)
+    session.close()
+    runner.release_states()
+    step_s = min(trace.seconds[1:])  # the first steps may include a capture or a kernel compile
+    total = sweep.estimate_s(args.provider, batches, lengths, args.warmup, args.tokens, step_s, trace.seconds[0])
+    steps = sweep.planned_steps(batches, lengths, args.warmup, args.tokens)
+    announce(f"profile: batches {','.join(map(str, batches))} x prompt length {','.join(map(str, lengths))}: "
+             f"{steps} decode steps ({args.warmup} warm-up + {args.tokens} measured a point); about "
+             f"{sweep.duration(total)} (a batch-1 step takes {step_s * 1e3:.0f} ms here; --batch-sweep and "
+             "--tokens make it shorter)")
+
+
+def profile(model_dir, provider, batches: list[int], args, progress=None, announce=None) -> list[ProfileRow]:
     """Run the sweep on one Runner (the weights are uploaded once); returns one
     :class:`ProfileRow` per prompt length and batch size (prompt lengths outermost).
+    ``announce``, when given, gets one line with the sweep's size and expected duration first.
 
     Raises:
         core.session.RequestError: a prompt length with its steps exceeds the model context.
@@ -166,6 +187,8 @@ def profile(model_dir, provider, batches: list[int], args, progress=None) -> lis
                     device_budget=getattr(args, "device_budget", None))
     bandwidth = runner.provider.device_bandwidth()
     h2d = runner.provider.host_to_device_bandwidth() if runner.residency.streams else None
+    if announce is not None:
+        _announce(runner, batches, lengths, capacities[0], args, announce)
     rows: list[ProfileRow] = []
     total = len(lengths) * len(batches)
     for length, capacity in zip(lengths, capacities):
@@ -404,7 +427,8 @@ def profile_main(args, console, table_console) -> int:
                 console.print(f"profile: batch {row.batch} x {row.prompt_len} prompt tokens done ({done}/{total}), "
                               f"{row.tokens_per_s:,.0f} tok/s", markup=False)
 
-        rows = profile(args.model, args.provider, batches, args, progress=progress)
+        rows = profile(args.model, args.provider, batches, args, progress=progress,
+                       announce=lambda line: console.print(line, markup=False))
     if anchor is not None:
         rows = with_anchor(rows, anchor)
     settings = next((r.settings for r in rows if r.settings), {})

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from core import compiling
 from core.counters import Counters
 from core.generation import sampling as sampling_mod
 from core.generation.sampling import SamplingParams
@@ -201,6 +202,7 @@ class Session:
         self._unread: list[PendingStep] = []  # queued decode steps not read yet, oldest first
         self._last_raw: np.ndarray | None = None  # the [B, 2] result of the last step read
         self._read_at = 0.0  # host clock of the last read
+        self._compiled_at = compiling.seconds()  # the process's compile seconds at the last read
         self._logits_stale = False  # a discarded step overwrote the logits of the last one read
         self.all_logits, self.prefill_groups = bool(all_logits), prefill_groups
         self._prefilled_at = -1
@@ -306,7 +308,8 @@ class Session:
         if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence | np.ndarray):
             raise RequestError(f"input_ids must be a list of {self.batch} token-id lists, got {_short(input_ids)}")
         if len(input_ids) != self.batch:
-            raise RequestError(f"this session has batch {self.batch}; got {len(input_ids)} prompts")
+            raise RequestError(f"this session has batch {self.batch}; got {len(input_ids)} "
+                               f"{'prompt' if len(input_ids) == 1 else 'prompts'}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise RequestError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
         limit = self.state.kv.limit
@@ -388,6 +391,7 @@ class Session:
         self._settle()
         state = self.state
         self.set_sampling(rows, input_ids)
+        self._compiled_at = compiling.seconds()  # a compile before the prefill is not the prefill's
         t0 = time.perf_counter()
         before = self.runner.stream_meter()
         steps.prefill(state, input_ids, self.all_logits, self.prefill_groups)
@@ -398,7 +402,7 @@ class Session:
         out = steps.step_output(raw)
         self._last_raw, self._logits_stale = raw, False
         self._read_at = time.perf_counter()
-        self.counters.prefill_s += self._read_at - t0
+        self.counters.prefill_s += self._read_at - t0 - self._take_compile_s()
         self.counters.prefill_tokens += int(state.lengths.sum())
         state.capture.check(self.counters, "buffers changed between requests")
         return out
@@ -537,6 +541,14 @@ class Session:
         self._unread.append(pending)
         return pending
 
+    def _take_compile_s(self) -> float:
+        """Kernel compile seconds since the last read (:mod:`core.compiling`), now counted in
+        ``compile_s``: a one-off compile is kept out of ``prefill_s`` and ``decode_s``."""
+        now = compiling.seconds()
+        spent, self._compiled_at = now - self._compiled_at, now
+        self.counters.compile_s += spent
+        return spent
+
     def _read(self, pending: PendingStep) -> None:
         """Read ``pending`` and every unread step queued before it, in order."""
         while self._unread:
@@ -547,7 +559,7 @@ class Session:
             self._last_raw = raw
             self._logits_stale = False
             c = self.counters
-            c.decode_s += now - max(q.queued_at, self._read_at)
+            c.decode_s += max(now - max(q.queued_at, self._read_at) - self._take_compile_s(), 0.0)
             self._read_at = now
             c.decode_steps += 1
             start, end = q._marks

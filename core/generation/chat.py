@@ -6,13 +6,14 @@ appends only what the template adds after the history the row already holds (the
 assistant turn and the new user turn), found by rendering the whole conversation and removing
 the decoded history (special tokens kept) from its front. When the template does not render
 the history as a prefix (a template that rewrites earlier turns), the turn starts afresh from
-the full rendering instead (counted in :attr:`Conversation.refills`). ``lockstep chat`` is a
-loop over :meth:`Conversation.say`.
+the full rendering instead (counted in :attr:`Conversation.refills`). A reply stopped early
+(:meth:`Conversation.interrupt`, Ctrl-C in ``lockstep chat``) stays in the conversation as far
+as it got. ``lockstep chat`` is a loop over :meth:`Conversation.say`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Generator
 
 from core.generation.stream import Delta, Generation
 
@@ -52,7 +53,7 @@ class Conversation:
         """Every token of the conversation the row holds (the last reply included)."""
         return [] if self.generation is None else self.generation.rows[0].history
 
-    def say(self, text: str) -> Iterator[Delta]:
+    def say(self, text: str) -> Generator[Delta, None, None]:
         """Add a user turn and stream the reply; the reply joins :attr:`messages` when it ends.
 
         Raises:
@@ -78,3 +79,19 @@ class Conversation:
         self.messages = messages
         yield from gen
         self.messages.append({"role": "assistant", "content": gen.rows[0].text})
+
+    def interrupt(self) -> list[Delta]:
+        """Stop the reply :meth:`say` is streaming (close that iterator first) between decode
+        steps: the partial reply joins :attr:`messages` and the conversation goes on from it.
+        Returns the reply's last delta (text held back until then), or [] when no reply runs.
+
+        Raises:
+            core.session.RequestError: the reply has no token yet (see
+                :meth:`~core.generation.stream.Generation.interrupt`).
+        """
+        gen = self.generation
+        if gen is None or gen.rows[0].finish_reason is not None:
+            return []
+        out = gen.interrupt()
+        self.messages.append({"role": "assistant", "content": gen.rows[0].text})
+        return out

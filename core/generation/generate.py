@@ -28,8 +28,9 @@ class Row:
         output_ids: generated token ids (EOS included when the row ended on it).
         text: ``output_ids`` decoded (special tokens skipped), cut before a stop string; ""
             without a tokenizer.
-        finish_reason: "eos", "stop" (a stop string or stop token id), "length", or "error" (the
-            row's logits held NaN/inf; docs/cases.md 12).
+        finish_reason: "eos", "stop" (a stop string or stop token id), "length", "error" (the
+            row's logits held NaN/inf; docs/cases.md 12), or "interrupted" (stopped by the
+            caller between steps, e.g. Ctrl-C in ``lockstep run``; the tokens made are kept).
         stop: the stop string or stop token id that ended the row, else None.
         sampling: the row's sampling options as used (the seed drawn for it included).
     """
@@ -278,10 +279,10 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
     if not input_ids:
         raise RequestError("no prompts given")
     if capacity is None:
-        need = max(len(r) for r in input_ids) + max(max(news) - 1, 0)
+        news = news * len(input_ids) if len(news) == 1 else news
+        need = max(len(r) + max(n - 1, 0) for r, n in zip(input_ids, news))
         if need > model.config.context_length:
-            raise RequestError(f"the request needs {need} KV positions; the model context is "
-                               f"{model.config.context_length}")
+            raise RequestError(_too_long(input_ids, news, model.config.context_length))
         capacity = kvgeo.round_capacity(need, model.config.context_length)
     if tensor_parallel != 1 and not isinstance(tensor_parallel, bool):  # refuse sampling before ranks start
         from core.parallel.session import check_greedy
@@ -293,6 +294,18 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
                       device_budget=device_budget, tensor_parallel=tensor_parallel)
     return Stream(session, Generation(session, input_ids, max_new_tokens, sampling, stop, stop_token_ids,
                                       progress))
+
+
+def _too_long(input_ids: Sequence[Sequence[int]], news: Sequence[int], context: int) -> str:
+    """Why a request does not fit the model context, naming the row that needs the most KV
+    positions, its prompt's token count and the largest max_new_tokens that fits."""
+    b = max(range(len(input_ids)), key=lambda i: len(input_ids[i]) + max(news[i] - 1, 0))
+    length, new = len(input_ids[b]), news[b]
+    if length > context:
+        return (f"prompt {b} has {length} tokens, more than the model context of {context} positions; "
+                "shorten it")
+    return (f"max_new_tokens={new} does not fit: prompt {b} has {length} tokens and the model context is "
+            f"{context} positions, so max_new_tokens can be at most {context - length + 1}")
 
 
 class Stream:

@@ -202,7 +202,8 @@ def resolve_rows(sampling: Any, batch: int, defaults: SamplingParams) -> list[Sa
     elif isinstance(sampling, Sequence) and not isinstance(sampling, (str, bytes)):
         rows = list(sampling)
         if len(rows) != batch:
-            raise SamplingError(f"sampling has {len(rows)} entries for {batch} rows")
+            raise SamplingError(f"sampling has {len(rows)} {'entry' if len(rows) == 1 else 'entries'} for "
+                                f"{batch} {'row' if batch == 1 else 'rows'}")
     else:
         raise SamplingError(f"sampling must be a dict, a SamplingParams or a list of them, got {sampling!r:.60}")
     out = []

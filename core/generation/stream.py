@@ -34,8 +34,9 @@ from typing import Any, Iterator, Sequence
 import attrs
 import numpy as np
 
-#: finish reasons: an EOS id, a stop token id or stop string, max_new_tokens, non-finite logits
-FINISH_REASONS = ("eos", "stop", "length", "error")
+#: finish reasons: an EOS id, a stop token id or stop string, max_new_tokens, non-finite logits,
+#: or the caller stopped the generation between steps (:meth:`Generation.interrupt`, Ctrl-C)
+FINISH_REASONS = ("eos", "stop", "length", "error", "interrupted")
 
 
 @attrs.frozen
@@ -159,6 +160,8 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
+    if isinstance(items, (list, tuple)) and all(isinstance(s, str) for s in items) and not all(items):
+        raise RequestError("stop must not be an empty string (it would end every row at once)")
     if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
         raise RequestError(f"stop must be a non-empty string or a list of them, got {value!r:.60}")
     return tuple(items)
@@ -360,6 +363,29 @@ class Generation:
         text = r.detok.finish(cut)
         r.text, r.finish_reason = r.detok.text, reason
         return Delta(b, list(ids or []), text, reason)
+
+    def interrupt(self) -> list[Delta]:
+        """End every running row now, between steps, keeping what it made: finish reason
+        "interrupted", its tokens and their text (held-back characters released). Close the
+        iterator first (a ``for`` loop left with ``break`` does not); the session then stands
+        at a step boundary, so an interrupted row can be continued (:meth:`extend`) like an
+        ended one. Returns the rows' last deltas.
+
+        Raises:
+            core.session.RequestError: the prefill has not run, or a row is still being fed its
+                new tokens (its KV cache would not hold the history it records); nothing changes.
+        """
+        from core.session import RequestError
+
+        if self._input_ids is not None or any(r.forced for r in self.rows if r.finish_reason is None):
+            raise RequestError("interrupt() stops rows between decode steps, after the prefill and the fed "
+                               "tokens; iterate until a row yields a token first")
+        out = []
+        for b, r in enumerate(self.rows):
+            if r.finish_reason is None:
+                out.append(self._end(b, r, "interrupted"))
+        self._pending = False
+        return out
 
     def run(self) -> list[RowState]:
         """Iterate to the end; returns :attr:`rows`."""

@@ -214,14 +214,17 @@ def load_model(folder: str | Path) -> Model:
         raise ModelError(f"{cfg_path} is malformed: {exc}") from exc
     onnx_name = data["model"]["decoder"].get("filename", "model.onnx")
     onnx_path = folder / onnx_name
+    from core.models.prepare import rebuild_hint
+
     if not onnx_path.is_file():
-        raise ModelError(f"model file missing: {onnx_path}")
+        raise ModelError(f"model file missing: {onnx_path}; {rebuild_hint(folder)}")
     if onnx_path.stat().st_size == 0:
-        raise ModelError(f"{onnx_path} is empty (0 bytes: an interrupted build or copy?)")
+        raise ModelError(f"{onnx_path} is empty (0 bytes: an interrupted build or copy?); {rebuild_hint(folder)}")
     try:
         proto = onnx.load(str(onnx_path), load_external_data=True)
     except Exception as exc:  # noqa: BLE001 - onnx raises several kinds
-        raise ModelError(f"cannot read {onnx_path} (or its external data): {exc}") from exc
+        raise ModelError(f"the model folder {folder} is damaged (an interrupted build or copy?): {onnx_name} or "
+                         f"its external data cannot be read ({exc}); {rebuild_hint(folder)}") from exc
     graph = proto.graph
     check_graph(graph, config, data["model"]["decoder"], onnx_path)
     initializers = {t.name: numpy_helper.to_array(t) for t in graph.initializer}

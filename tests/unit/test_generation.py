@@ -247,7 +247,7 @@ def test_conversation_continues_the_cache_and_equals_a_fresh_run(runner):
     (dict(top_k=-3), "top_k must be >= 0"),
     (dict(temprature=1), "unknown option 'temprature'"),
     (dict(sampling=[None, dict(top_p=2)]), "row 1: top_p"),
-    (dict(stop=[""]), "stop must be"),
+    (dict(stop=[""]), "stop must not be an empty string"),
     (dict(stop_token_ids=[999]), "stop_token_ids must be"),
     (dict(max_new_tokens=[1, -1]), "max_new_tokens"),
 ])

@@ -1,0 +1,121 @@
+"""What the ``lockstep`` commands do around the work itself: the BLAS threads they run with,
+kernel compiles shown as their own step, and Ctrl-C that keeps what was made (used by
+:mod:`core.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.markup import escape
+
+from core.threads import blas_threads, choose, requested
+
+if TYPE_CHECKING:
+    from core.generation.chat import Conversation
+    from core.generation.generate import Result
+    from core.generation.stream import Delta
+
+
+@contextlib.contextmanager
+def cpu_threads(a: argparse.Namespace) -> Iterator[None]:
+    """The BLAS thread limit of a command that has ``--threads`` (:func:`core.threads.choose`),
+    kept in ``a.cpu_threads`` for ``--json``; other commands run unlimited."""
+    if not hasattr(a, "threads"):
+        yield
+        return
+    a.cpu_threads = choose(a.provider, a.command, requested(a.threads))
+    with blas_threads(a.cpu_threads):
+        yield
+
+
+def prompt_numbers(message: str, count: int) -> str:
+    """A library message about ``prompt i`` (counted from 0) as the command line counts its
+    prompts: "the prompt" when there is one, else "prompt i+1 of n"."""
+    if count == 1:
+        return re.sub(r"\b[Pp]rompt 0\b", "the prompt", message)
+    return re.sub(r"\b([Pp]rompt) (\d+)\b", lambda m: f"{m[1]} {int(m[2]) + 1} of {count}", message)
+
+
+@contextlib.contextmanager
+def compiles(a: argparse.Namespace, show: Callable[[str, str], None] | None = None) -> Iterator[None]:
+    """Inside the block, each kernel compile (:mod:`core.compiling`) is passed to ``show`` and
+    its cache folder kept in ``a.compile_cache`` for the report."""
+    from core import compiling
+
+    def seen(what: str, cache: str) -> None:
+        a.compile_cache = cache
+        if show is not None:
+            show(what, cache)
+
+    with compiling.listen(seen):
+        yield
+
+
+def drain(a: argparse.Namespace, st, on_delta: Callable[[Delta], None]) -> tuple[Result, bool]:
+    """Run ``st`` to its end, passing each delta to ``on_delta``; the first Ctrl-C stops it
+    after the current step and keeps the rows made so far (finish reason "interrupted").
+    Returns (the Result, whether it was interrupted); the ranks of --tensor-parallel are
+    stopped either way."""
+    from core.generation.interrupt import CtrlC
+
+    interrupted = False
+    try:
+        deltas = iter(st)
+        with CtrlC() as ctrl_c:
+            for d in deltas:
+                on_delta(d)
+                if ctrl_c.pressed:
+                    deltas.close()
+                    for last in st.generation.interrupt():
+                        on_delta(last)
+                    interrupted = True
+                    break
+        return st.result(), interrupted
+    finally:
+        if a.tensor_parallel != 1:  # stop the rank processes now, not when the session is collected
+            st.session.close()
+
+
+def reply(talk: Conversation, line: str, console: Console) -> None:
+    """One chat turn streamed to stdout; the first Ctrl-C stops the reply after the current
+    step and keeps it, as far as it got, in the conversation."""
+    from core.generation.interrupt import CtrlC
+
+    with CtrlC() as ctrl_c:
+        deltas = talk.say(line)
+        for d in deltas:
+            sys.stdout.write(d.text)
+            sys.stdout.flush()
+            if ctrl_c.pressed:
+                deltas.close()
+                sys.stdout.write("".join(last.text for last in talk.interrupt()))
+                print(flush=True)
+                console.print("[dim](reply stopped; the conversation goes on)[/dim]")
+                return
+    print(flush=True)
+
+
+def compile_ahead(path: Path, console: Console, status: Callable) -> None:
+    """``prepare --target cuda``: compile the cuda kernels of the model now, where a GPU is
+    usable, so that the first run's prefill does not wait for them; else say why not."""
+    from core import compiling
+    from core.plugins import ProviderError, get_provider
+
+    try:
+        provider = get_provider("cuda")
+    except ProviderError as exc:
+        console.print(f"[dim]cuda kernels not compiled ahead ({escape(str(exc))}); the first cuda run "
+                      "compiles them[/dim]")
+        return
+    with status("compiling cuda kernels for this model (first run only)") as update, \
+            compiling.listen(lambda what, cache: update(f"compiling cuda kernels, first run only, cached in "
+                                                         f"{cache}: {what}")):
+        spent = compiling.warm(path, provider)
+    console.print(f"[dim]cuda kernels ready ({spent:.1f} s of compiling)[/dim]")
