@@ -245,7 +245,7 @@ def genai_config(cfg: TinyConfig) -> dict:
 
 
 def make_tiny_model(folder: str | Path, dtype: str = "float32", quant: str | None = None,
-                    seed: int = 0, config: TinyConfig | None = None) -> Path:
+                    seed: int = 0, config: TinyConfig | None = None, external: bool = False) -> Path:
     """Write a tiny random builder-pattern model into ``folder`` and return the folder.
 
     Args:
@@ -254,6 +254,8 @@ def make_tiny_model(folder: str | Path, dtype: str = "float32", quant: str | Non
         quant: None, or "int4" (MatMulNBits weights, GatherBlockQuantized tied embedding).
         seed: weights are a deterministic function of the seed.
         config: geometry (default :class:`TinyConfig`).
+        external: write every initializer into ``model.onnx.data`` (external data, as the
+            builder does for real models) instead of inline.
 
     Raises:
         ValueError: unknown dtype or quant.
@@ -261,7 +263,8 @@ def make_tiny_model(folder: str | Path, dtype: str = "float32", quant: str | Non
     cfg = config or TinyConfig()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    onnx.save(build_graph(cfg, dtype, quant, seed), str(folder / "model.onnx"))
+    onnx.save(build_graph(cfg, dtype, quant, seed), str(folder / "model.onnx"), save_as_external_data=external,
+              all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=0)
     (folder / "genai_config.json").write_text(json.dumps(genai_config(cfg), indent=2))
     return folder
 
