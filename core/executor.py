@@ -441,10 +441,10 @@ class Plan:
         lm = fusion.logits_projection(self.nodes, logits, set(initializers)) if logits in self.output_names else None
         hidden = None if lm is None else fusion.projection_k(
             self.nodes[lm], {k: tuple(v.shape) for k, v in initializers.items()})
-        self.steps = self._fold_constants()
         self.placer = placer
         self.staged_weights: dict[str, Any] = {}
         self._placed: set[str] = set()
+        self.steps = self._fold_constants()
         if placer is not None:
             placer.start(self)
         self.prepared = self._prepare()
@@ -539,11 +539,17 @@ class Plan:
         consumed: set[str] = set()
         for i, node in enumerate(self.nodes):
             if all((not x) or x in self.constants for x in node.inputs):
-                args = [self._value(x) if x else None for x in node.inputs]
+                # under a placer a node with a host kernel folds on the host arrays: its output
+                # (the int4 embedding's reshaped codes) waits on the host for its placement
+                on_host = self.placer is not None and (self.host_kernels[i] is not None or not self.host_dispatch)
+                args = [(self.constants[x] if on_host else self._value(x)) if x else None for x in node.inputs]
                 step = self._step(i, args)
                 outs = step.kernel(step.ctx, *args)
                 self._check_outputs(step, outs)
                 self.constants.update((n, v) for n, v in zip(node.outputs, outs) if n)
+                if on_host and self.host_dispatch:
+                    self._pending.update(n for n, v in zip(node.outputs, outs)
+                                         if n and isinstance(v, np.ndarray) and not is_host_constant(v))
                 consumed.update(x for x in node.inputs if x)
                 # a folded node never runs again: what its context kept (a replay memo of its
                 # inputs, output buffers) must not keep a weight alive once hooks replace it
