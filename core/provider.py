@@ -272,6 +272,11 @@ class ProviderBase:
         """Measured host-to-device copy bandwidth from staged (pinned) memory in bytes/s, or None."""
         return None
 
+    def device_used_bytes(self) -> int | None:
+        """Device bytes in use by the driver's count (every process, the context included), or
+        None when the provider cannot tell (:class:`core.runtime.meter.DriverMeter` polls it)."""
+        return None
+
     def free_device_bytes(self) -> int | None:
         """Device bytes free now (for the default weight budget), or None when unbounded/unknown."""
         return None

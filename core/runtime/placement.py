@@ -110,7 +110,7 @@ class BudgetPlacer:
         nbytes = int(value.nbytes)
         # an initializer not placed yet, or a host-prepared form on a device provider
         on_host = name in plan._pending or (plan.host_dispatch and is_host(value))
-        if source in self._mapped and name == source:
+        if source in self._mapped and nbytes >= residency.SMALL_BYTES:  # the table, or its prepared form
             kind = "mapped"
         elif nbytes < residency.SMALL_BYTES or source in self._pinned or name in self._pinned:
             kind = "resident"

@@ -400,6 +400,11 @@ class CudaProvider(ProviderBase):
             self._return_probe()
         return self._h2d
 
+    def device_used_bytes(self) -> int:
+        """Device bytes in use by the driver's count (cudaMemGetInfo: total minus free)."""
+        free, total = self.cupy.cuda.runtime.memGetInfo()
+        return int(total) - int(free)
+
     def free_device_bytes(self) -> int:
         """Free device memory now (cudaMemGetInfo) plus what CuPy's pool holds unused."""
         free, _ = self.cupy.cuda.runtime.memGetInfo()
