@@ -27,7 +27,10 @@ What a run really took: "driver MiB" is the driver's figure of device bytes in u
 (``provider.device_used_bytes()``: cudaMemGetInfo, the CUDA context and every pool included),
 polled every 2 ms by :class:`core.runtime.meter.DriverMeter`, at most during the row; the title
 gives the load time (planning and placing the weights, :attr:`Runner.load_seconds`), the same
-figure at most while loading and before it; "host RSS MiB" is the process's peak resident set.
+figure at most while loading and before it; "host RSS MiB" is the process's peak resident set
+(the page-cache pages of the memory-mapped weight files it touched included), "anon MiB" its
+anonymous resident bytes at the row's end (heap and pinned staging: the streamed weights' one
+host copy).
 With weights streaming, "plan tok/s" is what ``lockstep plan`` expects at that batch
 (:func:`core.plan.expected_rate`), beside the measured rate.
 
@@ -48,7 +51,7 @@ from core.models.model import load_model
 from core.plan import expected_rate
 from core.plugins import get_provider
 from core.runtime.kv import cache_bytes, round_capacity
-from core.runtime.meter import DriverMeter, host_rss_peak_bytes
+from core.runtime.meter import DriverMeter, host_anon_bytes, host_rss_peak_bytes
 from core.runtime.runner import Runner
 from core.session import RequestError, Session
 
@@ -94,7 +97,8 @@ class ProfileRow:
     driver_baseline_bytes: int | None = None  # the same figure before the model was loaded (context, other work)
     load_driver_peak_bytes: int | None = None  # the driver's figure at most while the Runner loaded
     load_s: float = 0.0  # seconds to plan and place the weights (Runner construction)
-    host_rss_peak_bytes: int = 0  # the process's peak resident set size so far
+    host_rss_peak_bytes: int = 0  # the process's peak resident set size so far (mapped weight pages included)
+    host_anon_bytes: int | None = None  # anonymous resident bytes at the row's end (heap, pinned staging)
     predicted_tok_s: float | None = None  # the plan's expected rate at this batch (core.plan.expected_rate)
 
     @property
@@ -146,6 +150,7 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capac
                      prefill_activation_bytes=runner.plan.transient_peak_bytes, settings=provider_settings(p),
                      device_ms_p50=float(np.percentile(device, 50)) * 1e3 if device else None,
                      run_ahead=session.run_ahead, host_rss_peak_bytes=host_rss_peak_bytes(),
+                     host_anon_bytes=host_anon_bytes(),
                      predicted_tok_s=expected_rate(streamed, runner.residency.weight_bytes_resident, batch, None,
                                                    h2d, bandwidth) if streamed else None)
     if meter is not None:
@@ -309,7 +314,7 @@ def render(rows: list[ProfileRow], title: str):
     if anchored:
         speed_cols += ["anchor tok/s", "x anchor"]
     memory_cols = ["prompt", "batch", "captures", "replays", "fallbacks", "invalid.", "kv moved", "peak MiB",
-                   "= weights", "+ KV", "+ work", "+ other", "driver MiB", "host RSS MiB"]
+                   "= weights", "+ KV", "+ work", "+ other", "driver MiB", "host RSS MiB", "anon MiB"]
     speed, memory = Table(title=title), Table(title="capture and device memory")
     for table, cols in ((speed, speed_cols), (memory, memory_cols)):
         for col in cols:
@@ -335,7 +340,7 @@ def render(rows: list[ProfileRow], title: str):
         memory.add_row(*head, str(r.captures), str(r.replays), str(r.fallbacks), str(r.invalidations),
                        str(r.kv_bytes_moved), mib(r.peak_device_bytes), mib(r.weight_device_bytes),
                        mib(r.kv_device_bytes or r.kv_bytes), mib(r.workspace_bytes), mib(r.other_bytes),
-                       mib(r.driver_peak_bytes), mib(r.host_rss_peak_bytes))
+                       mib(r.driver_peak_bytes), mib(r.host_rss_peak_bytes), mib(r.host_anon_bytes))
     return Group(speed, memory)
 
 

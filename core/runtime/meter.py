@@ -65,3 +65,16 @@ def host_rss_peak_bytes() -> int:
     """The process's peak resident set size in bytes (``getrusage``; kilobytes on Linux)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def host_anon_bytes() -> int | None:
+    """The process's anonymous resident bytes now (``RssAnon`` of /proc/self/status: heap and
+    pinned staging, not the page-cache pages of memory-mapped weight files), or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

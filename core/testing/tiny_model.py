@@ -47,6 +47,7 @@ class TinyConfig:
     layers: int = 2
     block_size: int = 32
     rope_theta: float = 10000.0
+    tied: bool = True  # the embedding is the lm_head's weight; else a float table of its own (a Gather)
 
 
 def quantize_int4(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -138,7 +139,16 @@ def build_graph(cfg: TinyConfig, dtype: str = "float32", quant: str | None = Non
     total = g.node("Cast", [total], f"{m}/Gather/Cast", to=TensorProto.INT32)[0]
 
     lm_head = (rng.standard_normal((h, cfg.vocab))).astype(np.float32)
-    if quant is None:
+    if not cfg.tied:
+        table = g.init("model.embed_tokens.weight", rng.standard_normal((cfg.vocab, h)).astype(np_dtype))
+        x = g.node("Gather", [table, "input_ids"], "/model/embed_tokens/Gather")[0]
+        if quant is None:
+            g.init("lm_head.MatMul.weight", lm_head.astype(np_dtype))
+        else:
+            packed, scales = quantize_int4(lm_head, cfg.block_size)
+            g.init("lm_head.MatMul.weight_Q4", packed)
+            g.init("lm_head.MatMul.weight_scales", scales.astype(np_dtype))
+    elif quant is None:
         lm_name = g.init("lm_head.MatMul.weight", lm_head.astype(np_dtype))
         table = g.node("Transpose", [lm_name], "/model/embed_tokens/Transpose", perm=[1, 0])[0]
         x = g.node("Gather", [table, "input_ids"], "/model/embed_tokens/Gather")[0]

@@ -33,11 +33,14 @@ def small_tensors_stream(monkeypatch):
     monkeypatch.setattr(residency, "SMALL_BYTES", 512)
 
 
-@pytest.fixture(scope="module", params=[None, "int4"])
+@pytest.fixture(scope="module", params=["fp32", "int4", "untied"])
 def model_dir(request, tmp_path_factory):
-    config = TinyConfig(layers=4, vocab=128, context=128)
-    return make_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param or 'fp32'}"), quant=request.param,
-                           config=config, external=True)
+    """fp32 (the embedding is the lm_head's weight, read by a column gather: resident), int4 (the
+    table folds from the lm_head's codes into its own copy: mapped) and untied (a table of its
+    own: mapped)."""
+    config = TinyConfig(layers=4, vocab=128, context=128, tied=request.param != "untied")
+    return make_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"),
+                           quant="int4" if request.param == "int4" else None, config=config, external=True)
 
 
 def tokens_and_logits(runner, rows, steps=8):
@@ -53,8 +56,9 @@ def half_budget(model_dir) -> int:
 
 
 def test_external_data_loads_as_memory_maps_equal_to_inline_data(model_dir, tmp_path):
-    inline = load_model(make_tiny_model(tmp_path, quant="int4" if "int4" in str(model_dir) else None,
-                                        config=TinyConfig(layers=4, vocab=128, context=128)))
+    inline = load_model(make_tiny_model(tmp_path, quant="int4" if "int4" in model_dir.name else None,
+                                        config=TinyConfig(layers=4, vocab=128, context=128,
+                                                          tied="untied" not in model_dir.name)))
     mapped = load_model(model_dir)
     assert inline.initializers.keys() == mapped.initializers.keys()
     for name, a in mapped.initializers.items():
@@ -76,10 +80,10 @@ def test_load_uploads_only_what_stays_resident_and_decodes_bitwise(model_dir):
     staged_at_load = {n for n, kind in placer.decisions.items() if kind == "staged"}
     assert staged_at_load == set(r.streamed), "the load staged other weights than the plan streams"
     assert runner.weight_bytes + r.staging_bytes <= budget
-    # the int4 tiny model's embedding is a table only its lookup reads: read in place from
-    # host memory, neither resident nor streamed (the fp32 one is tied to the lm_head: resident)
+    # an embedding only its lookup reads is read in place from host memory, neither resident
+    # nor streamed (the fp32 one is the lm_head's weight: resident)
     mapped = [n for n in r.mapped if streaming.mapped(runner.plan, n)]
-    assert len(mapped) == len(r.mapped) == (1 if "int4" in str(model_dir) else 0)
+    assert len(mapped) == len(r.mapped) == (0 if "fp32" in model_dir.name else 1)
     for name in mapped:
         assert placer.decisions[name] == "mapped" and r.weight_bytes_mapped > 0 and name not in r.streamed
         assert runner.plan.constants[name] is runner.plan.staged_weights[name]
@@ -140,3 +144,30 @@ def test_plan_gives_the_copy_floor_and_a_row_per_batch(model_dir, capsys):
     assert eight["copy_floor_ms"] == pytest.approx(eight["weight_bytes_streamed_per_step"] / 10e9 * 1e3)
     assert eight["expected_tok_s"] == pytest.approx(8 / (eight["copy_floor_ms"] / 1e3))
     assert "error" in many and "KV" in many["error"]
+
+
+def test_a_model_that_does_not_fit_streams_on_its_own_and_says_so_on_one_line(model_dir, caplog):
+    from core.runtime import runner as runner_module
+
+    budget = half_budget(model_dir)
+
+    class SmallDevice(CpuReferenceProvider):
+        def free_device_bytes(self):
+            return int(budget / runner_module.AUTO_SHARE)
+
+        def host_to_device_bandwidth(self):
+            return 10e9
+
+    with caplog.at_level("WARNING", logger="lockstep"):
+        runner = Runner(model_dir, SmallDevice())
+    assert runner.auto_budget and runner.placer is not None and runner.residency.streams
+    assert runner.residency.budget <= budget
+    lines = [r.getMessage() for r in caplog.records if "do not fit" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    rate = 1 / (runner.residency.weight_bytes_streamed_per_step / 10e9)
+    assert f"about {rate:.1f} tok/s at batch 1" in lines[0]
+    # a model that fits: nothing streams, nothing is said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lockstep"):
+        fits = Runner(model_dir, CpuReferenceProvider())
+    assert not fits.auto_budget and fits.placer is None and not caplog.records
