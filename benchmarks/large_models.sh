@@ -42,7 +42,7 @@ for B in ${BUDGETS:-8GiB 4GiB 12GiB}; do
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > $LOG/smi_$B.txt &
   SMI=$!
   sleep 1
-  python3 -m core profile $M --provider cuda --device-budget $B --batch-sweep ${BATCHES:-1,8,32} \
+  timeout ${RUN_TIMEOUT:-170} python3 -m core profile $M --provider cuda --device-budget $B --batch-sweep ${BATCHES:-1,8,32} \
     --tokens ${TOKENS:-32} --warmup 4 --context 512 --json $LOG/profile_$B.json > $LOG/profile_$B.txt 2>&1
   kill $SMI
   echo "budget $B: nvidia-smi first $(head -1 $LOG/smi_$B.txt) MiB, peak $(sort -n $LOG/smi_$B.txt | tail -1) MiB" \
