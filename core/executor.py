@@ -569,6 +569,12 @@ class Plan:
             self.constants[name] = self.provider.upload(self.constants[name])
         return self.constants[name]
 
+    def _weight(self, name: str) -> bool:
+        """Whether constant ``name`` is a weight a placer places: an initializer not uploaded yet,
+        or a provider tensor; not a host value of a device provider (shapes, axes: they stay
+        host arrays)."""
+        return name in self._pending or not (self.host_dispatch and is_host(self.constants[name]))
+
     def _place(self, name: str, node: str, source: str | None = None) -> None:
         """Constant ``name`` is final (no later hook replaces or shares it): uploaded, or where
         the placer puts it. ``node``: its first per-step reader; ``source``: the initializer a
@@ -634,7 +640,7 @@ class Plan:
                     continue
                 if x in replaced and x not in kept:
                     self._drop(x)  # its last reader read a prepared form: never uploaded again
-                elif x not in self._placed and x in self.constants:
+                elif x not in self._placed and x in self.constants and self._weight(x):
                     self._place(x, node.name)
             # a shared form whose sources have no hook left to ask for it: dropped from the
             # dict, so a form the placer moved to host memory leaves the device now

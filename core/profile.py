@@ -192,13 +192,15 @@ def profile(model_dir, provider, batches: list[int], args, progress=None) -> lis
     capacities = [capacity_for(n, args, model.config.context_length) for n in lengths]
     rng = np.random.default_rng(0)
     provider = get_provider(provider)
+    # the bandwidth probes take device memory of their own: measured before the model is there
+    bandwidth = provider.device_bandwidth()
+    h2d = provider.host_to_device_bandwidth()
     meter = DriverMeter(provider)
     with meter:
         runner = Runner(model, provider, args.layout, weight_budget=getattr(args, "weight_budget", None),
                         device_budget=getattr(args, "device_budget", None))
     load = {"load_s": runner.load_seconds, "load_driver_peak_bytes": meter.peak_bytes}
-    bandwidth = runner.provider.device_bandwidth()
-    h2d = runner.provider.host_to_device_bandwidth() if runner.residency.streams else None
+    h2d = h2d if runner.residency.streams else None
     with meter:
         rows = _sweep(runner, model, batches, args, lengths, capacities, rng, bandwidth, h2d, meter, progress)
     return [attrs.evolve(r, **load) for r in rows]

@@ -131,7 +131,8 @@ class Runner:
         from core.plan import expected_rate
 
         r = self.residency
-        rate = expected_rate(r.weight_bytes_streamed_per_step, r.weight_bytes_resident, 1, self.provider)
+        # the copy floor alone: the device-bandwidth probe would need room the model has taken
+        rate = expected_rate(r.weight_bytes_streamed_per_step, 0, 1, None, self.provider.host_to_device_bandwidth())
         per_s = f"{rate:.1f} tok/s" if rate is not None else "an unknown rate"
         return (f"the model's {self.model.weight_bytes() / 1e9:.2f} GB of weights do not fit the free memory of "
                 f"{self.provider.name}: streaming {r.weight_bytes_streamed_per_step / 1e9:.2f} GB per step under a "
