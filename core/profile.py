@@ -451,15 +451,15 @@ def profile_main(args, console, table_console) -> int:
         rows = profile(args.model, args.provider, batches, args, progress=progress)
     if anchor is not None:
         rows = with_anchor(rows, anchor)
-    settings = next((r.settings for r in rows if r.settings), {})
-    if settings:
-        title += f"; {settings_text(settings)}"
     if rows:
         mib = 2**20
         load_peak = rows[0].load_driver_peak_bytes
         title += (f"; load {rows[0].load_s:.1f} s" + ("" if load_peak is None else
                   f", driver peak {load_peak / mib:,.0f} MiB while loading "
                   f"({(rows[0].driver_baseline_bytes or 0) / mib:,.0f} MiB before)"))
+    settings = next((r.settings for r in rows if r.settings), {})
+    if settings:  # last: a reader finds the switches at the end of the title
+        title += f"; {settings_text(settings)}"
     table_console.print(render(rows, title))
     if args.json_out:
         with open(Path(args.json_out).expanduser(), "w") as f:
