@@ -9,7 +9,9 @@ tokens are well separated and cross-provider token comparisons are meaningful.
 
 Architectures: smollm2-135m (LlamaForCausalLM, the default) and qwen2.5-1.5b (Qwen2ForCausalLM:
 hidden 1536, 28 layers, 12 heads / 2 kv heads, intermediate 8960, vocab 151,936, QKV bias,
-tied embeddings; the public config's geometry).
+tied embeddings; the public config's geometry), qwen2.5-0.5b, llama-3.2-1b and llama-3.1-8b
+(hidden 4096, 32 layers, 32 / 8 heads of 128, intermediate 14336, vocab 128,256, untied: 16 GB
+in fp16; ``--hf-dtype float16`` halves the random checkpoint the builder reads).
 """
 
 from __future__ import annotations
@@ -47,8 +49,12 @@ LLAMA32_1B = dict(
                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     bos_token_id=128000, eos_token_id=128001, pad_token_id=128001, hidden_act="silu",
 )
+# Llama-3.1-8B (its published config.json geometry: untied embeddings, llama3 rope scaling)
+LLAMA31_8B = dict(LLAMA32_1B, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=128, num_hidden_layers=32, tie_word_embeddings=False,
+                  rope_scaling=dict(LLAMA32_1B["rope_scaling"], factor=8.0))
 ARCHS = {"smollm2-135m": SMOLLM2_135M, "qwen2.5-0.5b": QWEN25_0_5B, "qwen2.5-1.5b": QWEN25_1_5B,
-         "llama-3.2-1b": LLAMA32_1B}
+         "llama-3.2-1b": LLAMA32_1B, "llama-3.1-8b": LLAMA31_8B}
 
 
 def _placeholder_tokenizer(vocab_size: int):
@@ -64,7 +70,8 @@ def _placeholder_tokenizer(vocab_size: int):
 
 
 def build(out: Path, precision: str, target: str, layers: int | None, init_std: float, seed: int,
-          tokenizer_from: Path | None, arch: str = "smollm2-135m", keep_hf: Path | None = None) -> Path:
+          tokenizer_from: Path | None, arch: str = "smollm2-135m", keep_hf: Path | None = None,
+          hf_dtype: str = "float32") -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -76,7 +83,7 @@ def build(out: Path, precision: str, target: str, layers: int | None, init_std: 
     with tempfile.TemporaryDirectory() as tmp:
         hf = keep_hf or Path(tmp) / "hf"
         if not (hf / "config.json").exists():
-            AutoModelForCausalLM.from_config(cfg).to(torch.float32).save_pretrained(hf)
+            AutoModelForCausalLM.from_config(cfg).to(getattr(torch, hf_dtype)).save_pretrained(hf)
         if tokenizer_from is not None:
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 if (tokenizer_from / name).exists():
@@ -101,8 +108,11 @@ def main(argv=None) -> None:
     p.add_argument("--init-std", type=float, default=0.06)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer-from", type=Path, default=None)
+    p.add_argument("--hf-dtype", default="float32", choices=["float32", "float16"],
+                   help="dtype of the random checkpoint the builder reads (default: %(default)s)")
     a = p.parse_args(argv)
-    print(build(a.out, a.precision, a.target, a.layers, a.init_std, a.seed, a.tokenizer_from, a.arch, a.keep_hf))
+    print(build(a.out, a.precision, a.target, a.layers, a.init_std, a.seed, a.tokenizer_from, a.arch, a.keep_hf,
+                a.hf_dtype))
 
 
 if __name__ == "__main__":

@@ -541,6 +541,12 @@ def cmd_parity(a) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_plan(a) -> int:
+    from core.plan import main as plan_main
+
+    return plan_main(a, console)
+
+
 def cmd_profile(a) -> int:
     from core.plugins import get_provider
     from core.profile import check_outputs, profile_main
@@ -705,6 +711,20 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--plot", dest="plot_out", help="write tokens/s against batch as a PNG "
                    "(needs the plot extra: pip install -e \".[plot]\")")
     f.set_defaults(func=cmd_profile)
+    g = sub.add_parser("plan", help="the residency plan of a model under a budget, before loading it "
+                       "(sizes from the ONNX header; no weight is read)")
+    g.add_argument("model", help="builder folder")
+    g.add_argument("--provider", default="cuda", help="provider whose fusion rules and measured bandwidths "
+                   "the plan uses (default: %(default)s; cpu_reference's rules when it cannot start)")
+    g.add_argument("--batch", type=_int_list, default=[1, 8, 32], help="batch sizes (default: 1,8,32)")
+    g.add_argument("--context", type=_positive_int, default=2048, help="KV tokens per row (default: %(default)s)")
+    g.add_argument("--staging-slots", type=_positive_int, default=None, help="staging ring slots "
+                   "(default: one layer's streamed pages plus one)")
+    g.add_argument("--h2d-gbps", type=float, default=None, help="host-to-device GB/s for the copy floor "
+                   "(default: measured by the provider)")
+    g.add_argument("--json", action="store_true", help="print the rows as JSON")
+    _budget_arg(g)
+    g.set_defaults(func=cmd_plan)
     for command in sub.choices.values():  # an unknown flag is reported with its command's usage
         command.set_defaults(command_parser=command)
     return p

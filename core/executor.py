@@ -57,6 +57,14 @@ becomes one constant. :meth:`Plan.weight_bytes` counts each storage once (a cons
 is a view of another adds nothing) and :meth:`Plan.weight_reads` reports such views as
 aliases of one weight.
 
+Placement. With a placer (:class:`Placer`, given by the Runner under a weight budget), each
+constant is handed to it once it is final, in execution order: an initializer when its last
+per-step reader has been prepared, a prepared form right after its hook. The placer keeps it
+on the device (uploading it if still on the host), or in pinned host memory (staged or mapped,
+recorded in :attr:`Plan.staged_weights`); it also says whether a hook runs on device copies of
+its node's weights or on the host arrays. So the device holds only what the placer keeps plus
+one node's scratch, never the whole model (:mod:`core.runtime.placement`).
+
 Last-position program. When the ``logits`` output comes from a projection (MatMul or
 MatMulNBits, possibly through a Cast; :func:`core.fusion.logits_projection`) whose K is known,
 the plan also holds :attr:`Plan.last_position_steps`: the per-step program with
@@ -93,7 +101,7 @@ import copy
 import functools
 import importlib
 import operator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import attrs
 import numpy as np
@@ -121,6 +129,22 @@ class KernelOutputError(RuntimeError):
     """A kernel returned something other than its node's declared outputs (not a tuple, a
     wrong count, None for a used output, or a dtype / rank the graph does not declare); the
     message names the node, its op type and the kernel."""
+
+
+class Placer(Protocol):
+    """Where each weight goes as a plan loads (module docstring, "Placement";
+    :class:`core.runtime.placement.BudgetPlacer`)."""
+
+    def start(self, plan: Plan) -> None:
+        """The graph is fused and folded; no weight is prepared yet."""
+
+    def prepare_on_device(self, plan: Plan, node: NodeInfo) -> bool:
+        """Whether ``node``'s prepare hook runs on device copies of its weights (else on the
+        host arrays)."""
+
+    def place(self, plan: Plan, name: str, value: Any, node: str, source: str) -> Any:
+        """What constant ``name`` becomes now that it is final (first read by ``node``, made
+        from initializer ``source``)."""
 
 
 def storage(value: Any) -> Any:
@@ -350,6 +374,8 @@ class Plan:
             (default): when the provider's tensors are not host arrays.
         logits: the graph output whose last prompt positions prefill reads ("Last-position
             program" in the module docstring).
+        placer: where each weight goes as it becomes final (:class:`Placer`; "Placement" in
+            the module docstring), or None: every weight is uploaded.
 
     Attributes:
         nodes, contexts, kernels: per node (after fusion): its NodeInfo, context, kernel.
@@ -360,6 +386,8 @@ class Plan:
         last_position_steps: the last-position program, ``(node index, node)`` pairs in
             execution order, or None when the plan has none (module docstring).
         prepared: names of the constants made by prepare hooks.
+        staged_weights: name -> the host copy (:meth:`ProviderBase.stage`) of every constant
+            kept in host memory (streamed or mapped), made once for the plan's life.
 
     Raises:
         UnsupportedOpError: some nodes are not supported by the provider (all are listed).
@@ -368,7 +396,7 @@ class Plan:
 
     def __init__(self, graph: onnx.GraphProto, initializers: dict[str, np.ndarray],
                  provider: ExecutionProvider, kv_layout: str = "head_major",
-                 host_dispatch: bool | None = None, logits: str = "logits"):
+                 host_dispatch: bool | None = None, logits: str = "logits", placer: Placer | None = None):
         self.provider = provider
         self.kv_layout = kv_layout
         self.nodes = fusion.apply(node_infos(graph), {o.name for o in graph.output}, provider.supports,
@@ -413,10 +441,15 @@ class Plan:
         lm = fusion.logits_projection(self.nodes, logits, set(initializers)) if logits in self.output_names else None
         hidden = None if lm is None else fusion.projection_k(
             self.nodes[lm], {k: tuple(v.shape) for k, v in initializers.items()})
+        self.placer = placer
+        self.staged_weights: dict[str, Any] = {}
+        self._placed: set[str] = set()
         self.steps = self._fold_constants()
+        if placer is not None:
+            placer.start(self)
         self.prepared = self._prepare()
-        for name in sorted(self._pending):  # what no hook replaced: uploaded as it is
-            self._value(name)
+        for name in sorted(self._pending):  # what no node placed (no per-step node reads it)
+            self._place(name, "")
         self.last_position_steps = self._last_position_program(lm, hidden)
         #: device bytes the provider held at the high-water mark of this plan's load above what
         #: it held before (``peak_bytes()``), or None when the provider cannot tell
@@ -506,11 +539,17 @@ class Plan:
         consumed: set[str] = set()
         for i, node in enumerate(self.nodes):
             if all((not x) or x in self.constants for x in node.inputs):
-                args = [self._value(x) if x else None for x in node.inputs]
+                # under a placer a node with a host kernel folds on the host arrays: its output
+                # (the int4 embedding's reshaped codes) waits on the host for its placement
+                on_host = self.placer is not None and (self.host_kernels[i] is not None or not self.host_dispatch)
+                args = [(self.constants[x] if on_host else self._value(x)) if x else None for x in node.inputs]
                 step = self._step(i, args)
                 outs = step.kernel(step.ctx, *args)
                 self._check_outputs(step, outs)
                 self.constants.update((n, v) for n, v in zip(node.outputs, outs) if n)
+                if on_host and self.host_dispatch:
+                    self._pending.update(n for n, v in zip(node.outputs, outs)
+                                         if n and isinstance(v, np.ndarray) and not is_host_constant(v))
                 consumed.update(x for x in node.inputs if x)
                 # a folded node never runs again: what its context kept (a replay memo of its
                 # inputs, output buffers) must not keep a weight alive once hooks replace it
@@ -530,6 +569,24 @@ class Plan:
             self.constants[name] = self.provider.upload(self.constants[name])
         return self.constants[name]
 
+    def _weight(self, name: str) -> bool:
+        """Whether constant ``name`` is a weight a placer places: an initializer not uploaded yet,
+        or a provider tensor; not a host value of a device provider (shapes, axes: they stay
+        host arrays)."""
+        return name in self._pending or not (self.host_dispatch and is_host(self.constants[name]))
+
+    def _place(self, name: str, node: str, source: str | None = None) -> None:
+        """Constant ``name`` is final (no later hook replaces or shares it): uploaded, or where
+        the placer puts it. ``node``: its first per-step reader; ``source``: the initializer a
+        prepared constant was made from."""
+        if self.placer is None:
+            self._value(name)
+            return
+        # popped into the call: the placer holds the last reference to a device copy it stages
+        self.constants[name] = self.placer.place(self, name, self.constants.pop(name), node, source or name)
+        self._pending.discard(name)
+        self._placed.add(name)
+
     def _drop(self, name: str) -> None:
         """Forget constant ``name`` (its device memory goes back to the provider)."""
         self._pending.discard(name)
@@ -544,8 +601,6 @@ class Plan:
         """
         lookup = getattr(self.provider, "prepare", None)
         made: list[str] = []
-        if lookup is None:
-            return made
         # per-step readers left of every constant: a replaced one goes as its last reader is done
         left: dict[str, int] = {}
         for i in self.steps:
@@ -556,26 +611,43 @@ class Plan:
         replaced: set[str] = set()
         names: dict[int, str] = {}  # id of a prepared value -> its constant name (shared forms)
         shared: dict = {STORAGE_NAMES: self._storage_names()}  # ctx.cache[PREPARE_SHARED] of every hook
+        sharing: list[tuple[list, list[str]]] = []  # (keys a hook added to shared, its node's constants)
         for i in self._prepare_order():
             node = self.nodes[i]
-            hook = lookup(node)
-            here = [x for x in set(node.inputs) if x in left]
+            hook = None if lookup is None else lookup(node)
+            here = [x for x in dict.fromkeys(node.inputs) if x in left]
             if hook is not None and any(x in self.constants for x in node.inputs if x):
-                args = [self._value(x) if x in self.constants else None for x in node.inputs]
+                on_device = self.placer is None or self.placer.prepare_on_device(self, node)
+                args = [(self._value(x) if on_device else self.constants[x]) if x in self.constants else None
+                        for x in node.inputs]
                 ctx = self.contexts[i]
                 ctx.cache[PREPARE_SHARED] = shared
+                before = set(shared)
                 try:
                     changes = hook(ctx, *args)
                 finally:
                     ctx.cache.pop(PREPARE_SHARED, None)
                 del args
+                sharing.append(([k for k in shared if k not in before], here))
                 if changes:
-                    self._apply_changes(i, changes, replaced, names, made)
+                    for name, source in self._apply_changes(i, changes, replaced, names, made):
+                        self._place(name, node.name, source)
+                del changes
             kept.update(x for x in self.nodes[i].inputs if x in left)
             for x in here:
                 left[x] -= 1
-                if not left[x] and x in replaced and x not in kept:
+                if left[x]:
+                    continue
+                if x in replaced and x not in kept:
                     self._drop(x)  # its last reader read a prepared form: never uploaded again
+                elif x not in self._placed and x in self.constants and self._weight(x):
+                    self._place(x, node.name)
+            # a shared form whose sources have no hook left to ask for it: dropped from the
+            # dict, so a form the placer moved to host memory leaves the device now
+            for keys, _ in [e for e in sharing if not any(left[x] for x in e[1])]:
+                for k in keys:
+                    shared.pop(k, None)
+            sharing = [e for e in sharing if any(left[x] for x in e[1])]
         still_read = {x for i in self.steps for x in self.nodes[i].inputs} | set(self.output_names)
         for name in replaced - still_read:
             self._drop(name)
@@ -611,10 +683,11 @@ class Plan:
                     order.setdefault(j)
         return list(order)
 
-    def _apply_changes(self, i: int, changes: dict, replaced: set, names: dict, made: list) -> None:
+    def _apply_changes(self, i: int, changes: dict, replaced: set, names: dict, made: list) -> list[tuple[str, str]]:
         """Rewire node ``i`` to a hook's replacements (module docstring, "Prepared weights"):
         new constants named ``{node}:prepared:{j}`` (one name for one object, however many
-        hooks return it), dropped inputs absent.
+        hooks return it), dropped inputs absent. Returns (new constant, the input it replaced)
+        for each constant made here.
 
         Raises:
             ValueError: a replaced input is not a constant.
@@ -622,6 +695,7 @@ class Plan:
         node = self.nodes[i]
         inputs = list(node.inputs)
         dtypes = list(node.input_dtypes) + [None] * (len(inputs) - len(node.input_dtypes))
+        new: list[tuple[str, str]] = []
         for j, value in sorted(changes.items()):
             if not 0 <= j < len(inputs) or not inputs[j] or inputs[j] not in self.constants:
                 raise ValueError(f"prepare hook of node {node.name!r} ({node.op_type}) replaced input {j}, "
@@ -635,9 +709,11 @@ class Plan:
                 name = names[id(value)] = f"{node.name}:prepared:{j}"
                 self.constants[name] = value
                 made.append(name)
+                new.append((name, inputs[j]))
             inputs[j], dtypes[j] = name, np.dtype(value.dtype)
         self.nodes[i] = self.contexts[i].node = attrs.evolve(node, inputs=tuple(inputs), input_dtypes=tuple(dtypes))
         self.host_kernels[i] = None  # a reference kernel does not read the prepared form
+        return new
 
     def _check_outputs(self, step: _Step, results: Any) -> None:
         """Check a result that is not ``step.last`` (module docstring, "Output checks").
@@ -695,6 +771,14 @@ class Plan:
         else the host contexts' numpy buffers too."""
         return sum(ctx.buffer_bytes() for ctx in (self._every_context() if host else self.contexts))
 
+    def _weight_nbytes(self, name: str, value: Any) -> int:
+        """Bytes constant ``name`` takes where the plan puts it: an initializer not yet placed
+        and a weight kept in host memory count their bytes (the device may hold them: the
+        placer and the residency plan decide), any other value its device bytes."""
+        if name in self._pending or name in self.staged_weights:
+            return int(getattr(self.staged_weights.get(name, value), "nbytes", 0))
+        return self._device_nbytes(value)
+
     def _device_nbytes(self, value: Any) -> int:
         """Bytes ``value`` takes on the provider: 0 for a host value of a device provider (small
         integer constants stay host arrays there)."""
@@ -722,7 +806,7 @@ class Plan:
                 k = first.get(key)
                 if k is None:
                     first[key] = len(reads)
-                    reads.append(WeightRead(pos, node.name, x, self._device_nbytes(value), gathered))
+                    reads.append(WeightRead(pos, node.name, x, self._weight_nbytes(x, value), gathered))
                     continue
                 r = reads[k]
                 if x != r.constant and x not in r.aliases:

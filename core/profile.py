@@ -23,6 +23,17 @@ prefill's KV scratch). The JSON's ``prefill_activation_bytes`` is the most bytes
 buffers held at once (:attr:`core.executor.Plan.transient_peak_bytes`): the part of "other" the
 prefill's activations explain.
 
+What a run really took: "driver MiB" is the driver's figure of device bytes in use
+(``provider.device_used_bytes()``: cudaMemGetInfo, the CUDA context and every pool included),
+polled every 2 ms by :class:`core.runtime.meter.DriverMeter`, at most during the row; the title
+gives the load time (planning and placing the weights, :attr:`Runner.load_seconds`), the same
+figure at most while loading and before it; "host RSS MiB" is the process's peak resident set
+(the page-cache pages of the memory-mapped weight files it touched included), "anon MiB" its
+anonymous resident bytes at the row's end (heap and pinned staging: the streamed weights' one
+host copy).
+With weights streaming, "plan tok/s" is what ``lockstep plan`` expects at that batch
+(:func:`core.plan.expected_rate`), beside the measured rate.
+
 The floor column is the time to read once every weight byte a step reads (gather tables
 excluded) at the provider's measured device bandwidth (``provider.device_bandwidth()`` in
 bytes/s, when the provider offers it).
@@ -37,7 +48,10 @@ import numpy as np
 
 from core.generation.loop import decode
 from core.models.model import load_model
+from core.plan import expected_rate
+from core.plugins import get_provider
 from core.runtime.kv import cache_bytes, round_capacity
+from core.runtime.meter import DriverMeter, host_anon_bytes, host_rss_peak_bytes
 from core.runtime.runner import Runner
 from core.session import RequestError, Session
 
@@ -79,6 +93,13 @@ class ProfileRow:
     settings: dict = attrs.field(factory=dict)  # the provider's switches (ExecutionProvider settings())
     device_ms_p50: float | None = None  # median device time of a measured step (PendingStep.device_s)
     run_ahead: bool = True  # the loop queued steps before reading the last (Session.run_ahead)
+    driver_peak_bytes: int | None = None  # the driver's device bytes in use at most during the row (polled)
+    driver_baseline_bytes: int | None = None  # the same figure before the model was loaded (context, other work)
+    load_driver_peak_bytes: int | None = None  # the driver's figure at most while the Runner loaded
+    load_s: float = 0.0  # seconds to plan and place the weights (Runner construction)
+    host_rss_peak_bytes: int = 0  # the process's peak resident set size so far (mapped weight pages included)
+    host_anon_bytes: int | None = None  # anonymous resident bytes at the row's end (heap, pinned staging)
+    predicted_tok_s: float | None = None  # the plan's expected rate at this batch (core.plan.expected_rate)
 
     @property
     def other_bytes(self) -> int | None:
@@ -100,7 +121,7 @@ def settings_text(settings: dict[str, str]) -> str:
     return ", ".join(f"{k}={v}" for k, v in settings.items())
 
 
-def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capacity=None):
+def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capacity=None, meter=None):
     vocab = runner.model.config.vocab_size
     rows = [prompt] + [list(rng.integers(3, vocab, len(prompt))) for _ in range(batch - 1)]
     capacity = capacity or args.context
@@ -110,6 +131,8 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capac
     p = runner.provider
     runner.plan.release_buffers()  # the last point's activations: not this point's peak
     p.reset_peak()
+    if meter is not None:
+        meter.reset()
     trace = decode(session, rows, args.warmup + args.tokens)
     times_ms = np.array(trace.seconds[1 + args.warmup:]) * 1e3
     device = [d for d in trace.device_seconds[args.warmup:] if d is not None]
@@ -126,7 +149,13 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capac
                      kv_device_bytes=memory.kv, workspace_bytes=memory.workspace,
                      prefill_activation_bytes=runner.plan.transient_peak_bytes, settings=provider_settings(p),
                      device_ms_p50=float(np.percentile(device, 50)) * 1e3 if device else None,
-                     run_ahead=session.run_ahead)
+                     run_ahead=session.run_ahead, host_rss_peak_bytes=host_rss_peak_bytes(),
+                     host_anon_bytes=host_anon_bytes(),
+                     predicted_tok_s=expected_rate(streamed, runner.residency.weight_bytes_resident, batch, None,
+                                                   h2d, bandwidth) if streamed else None)
+    if meter is not None:
+        meter._sample()
+        row = attrs.evolve(row, driver_peak_bytes=meter.peak_bytes, driver_baseline_bytes=meter.baseline_bytes)
     session.close()
     return row, trace.tokens[:, 0].tolist()
 
@@ -183,12 +212,25 @@ def profile(model_dir, provider, batches: list[int], args, progress=None, announ
     lengths = prompt_lengths(args)
     capacities = [capacity_for(n, args, model.config.context_length) for n in lengths]
     rng = np.random.default_rng(0)
-    runner = Runner(model, provider, args.layout, weight_budget=getattr(args, "weight_budget", None),
-                    device_budget=getattr(args, "device_budget", None))
-    bandwidth = runner.provider.device_bandwidth()
-    h2d = runner.provider.host_to_device_bandwidth() if runner.residency.streams else None
+    provider = get_provider(provider)
+    # the bandwidth probes take device memory of their own: measured before the model is there
+    bandwidth = provider.device_bandwidth()
+    h2d = provider.host_to_device_bandwidth()
+    meter = DriverMeter(provider)
+    with meter:
+        runner = Runner(model, provider, args.layout, weight_budget=getattr(args, "weight_budget", None),
+                        device_budget=getattr(args, "device_budget", None))
+    load = {"load_s": runner.load_seconds, "load_driver_peak_bytes": meter.peak_bytes}
+    h2d = h2d if runner.residency.streams else None
     if announce is not None:
         _announce(runner, batches, lengths, capacities[0], args, announce)
+    with meter:
+        rows = _sweep(runner, model, batches, args, lengths, capacities, rng, bandwidth, h2d, meter, progress)
+    return [attrs.evolve(r, **load) for r in rows]
+
+
+def _sweep(runner, model, batches, args, lengths, capacities, rng, bandwidth, h2d, meter, progress):
+    """:func:`profile`'s loop over prompt lengths and batch sizes on one Runner."""
     rows: list[ProfileRow] = []
     total = len(lengths) * len(batches)
     for length, capacity in zip(lengths, capacities):
@@ -202,7 +244,7 @@ def profile(model_dir, provider, batches: list[int], args, progress=None, announ
                     progress(len(rows), total, rows[-1])
                 continue
             try:
-                row, stream = _stream(runner, batch, args, prompt, rng, bandwidth, h2d, capacity)
+                row, stream = _stream(runner, batch, args, prompt, rng, bandwidth, h2d, capacity, meter)
             except MemoryError as exc:  # this point does not fit: say so, keep the sweep going
                 rows.append(_refused(batch, length, capacity, f"out of memory ({exc})"))
                 runner.release_states()
@@ -293,11 +335,11 @@ def render(rows: list[ProfileRow], title: str):
     speed_cols = ["prompt", "batch", "tok/s", "ms/step p50", "p95", *(["device ms"] if timed else []), "floor ms",
                   "prefill ms", "row0==b1"]
     if streams:
-        speed_cols += ["copy floor ms", "htod MiB/tok", "page-ins/tok", "byte hit"]
+        speed_cols += ["copy floor ms", "plan tok/s", "htod MiB/tok", "page-ins/tok", "byte hit"]
     if anchored:
         speed_cols += ["anchor tok/s", "x anchor"]
     memory_cols = ["prompt", "batch", "captures", "replays", "fallbacks", "invalid.", "kv moved", "peak MiB",
-                   "= weights", "+ KV", "+ work", "+ other"]
+                   "= weights", "+ KV", "+ work", "+ other", "driver MiB", "host RSS MiB", "anon MiB"]
     speed, memory = Table(title=title), Table(title="capture and device memory")
     for table, cols in ((speed, speed_cols), (memory, memory_cols)):
         for col in cols:
@@ -315,13 +357,15 @@ def render(rows: list[ProfileRow], title: str):
                       "-" if r.floor_ms is None else f"{r.floor_ms:.3f}", f"{r.prefill_ms:,.1f}",
                       "yes" if r.row0_matches_batch1 else "[red]NO[/red]",
                       *(["-" if r.copy_floor_ms is None else f"{r.copy_floor_ms:.3f}",
+                         "-" if r.predicted_tok_s is None else _rate(r.predicted_tok_s),
                          f"{r.htod_bytes_per_token / 2**20:,.2f}", f"{r.page_ins_per_token:.1f}",
                          f"{r.byte_hit_rate:.2f}"] if streams else []),
                       *([_anchor_cell(r), "-" if not r.anchor_tokens_per_s else
                          f"{r.tokens_per_s / r.anchor_tokens_per_s:.2f}"] if anchored else []))
         memory.add_row(*head, str(r.captures), str(r.replays), str(r.fallbacks), str(r.invalidations),
                        str(r.kv_bytes_moved), mib(r.peak_device_bytes), mib(r.weight_device_bytes),
-                       mib(r.kv_device_bytes or r.kv_bytes), mib(r.workspace_bytes), mib(r.other_bytes))
+                       mib(r.kv_device_bytes or r.kv_bytes), mib(r.workspace_bytes), mib(r.other_bytes),
+                       mib(r.driver_peak_bytes), mib(r.host_rss_peak_bytes), mib(r.host_anon_bytes))
     return Group(speed, memory)
 
 
@@ -431,8 +475,14 @@ def profile_main(args, console, table_console) -> int:
                        announce=lambda line: console.print(line, markup=False))
     if anchor is not None:
         rows = with_anchor(rows, anchor)
+    if rows:
+        mib = 2**20
+        load_peak = rows[0].load_driver_peak_bytes
+        title += (f"; load {rows[0].load_s:.1f} s" + ("" if load_peak is None else
+                  f", driver peak {load_peak / mib:,.0f} MiB while loading "
+                  f"({(rows[0].driver_baseline_bytes or 0) / mib:,.0f} MiB before)"))
     settings = next((r.settings for r in rows if r.settings), {})
-    if settings:
+    if settings:  # last: a reader finds the switches at the end of the title
         title += f"; {settings_text(settings)}"
     table_console.print(render(rows, title))
     if args.json_out:

@@ -221,6 +221,18 @@ class ProviderBase:
         """
         raise NotImplementedError(f"provider {self.name!r} has no VMM (capabilities().vmm is False)")
 
+    def stage(self, array: np.ndarray) -> np.ndarray:
+        """The host copy a streamed or mapped weight lives in, made once (pinned memory on a
+        GPU, so copies from it are asynchronous and kernels may read it): a new C-contiguous
+        array of ``array``'s shape and dtype. Counted in ``staged_bytes``."""
+        self.staged_bytes = getattr(self, "staged_bytes", 0) + int(array.nbytes)
+        return np.array(array, order="C", copy=True)
+
+    def map_host(self, staged: np.ndarray) -> Any:
+        """A tensor kernels read in place over a :meth:`stage` copy (a gathered table: a step
+        reads B rows of it from host memory). On a host provider the copy itself."""
+        return staged
+
     def weight_stream(self, slots: int, slot_bytes: int) -> WeightStream:
         """A staging ring of ``slots`` device buffers of ``slot_bytes`` for weight streaming
         (:mod:`core.runtime.residency`). The default copies synchronously with :meth:`write`;
@@ -258,6 +270,11 @@ class ProviderBase:
 
     def host_to_device_bandwidth(self) -> float | None:
         """Measured host-to-device copy bandwidth from staged (pinned) memory in bytes/s, or None."""
+        return None
+
+    def device_used_bytes(self) -> int | None:
+        """Device bytes in use by the driver's count (every process, the context included), or
+        None when the provider cannot tell (:class:`core.runtime.meter.DriverMeter` polls it)."""
         return None
 
     def free_device_bytes(self) -> int | None:
@@ -310,8 +327,10 @@ class WeightStream:
         self.bytes_copied = 0
 
     def stage(self, array: np.ndarray) -> Any:
-        """The host copy a weight is streamed from (pinned memory on a GPU), made once."""
-        return np.ascontiguousarray(array).copy()
+        """The host copy a weight is streamed from (pinned memory on a GPU), made once
+        (the provider's ``stage`` when it has one)."""
+        stage = getattr(self.provider, "stage", None)
+        return stage(array) if stage is not None else np.ascontiguousarray(array).copy()
 
     def view(self, slot: int, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
         """Bytes ``offset...`` of slot ``slot`` seen as a tensor of ``shape`` / ``dtype`` (what

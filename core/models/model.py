@@ -12,7 +12,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import external_data_helper, numpy_helper
 
 
 class ModelError(ValueError):
@@ -171,8 +171,9 @@ class Model:
     Attributes:
         folder: the model folder.
         config: :class:`ModelConfig` from genai_config.json.
-        graph: the ONNX GraphProto (initializer data loaded from external files).
-        initializers: name -> numpy array of every initializer.
+        graph: the ONNX GraphProto (external initializer data not loaded: only their headers).
+        initializers: name -> numpy array of every initializer (read-only memory maps of the
+            external data file, :func:`tensor_array`).
         io_dtype: numpy dtype of the KV cache and logits (float32 or float16).
         tokenizer: :class:`Tokenizer`, or None when the folder has no tokenizer.json.
     """
@@ -221,13 +222,15 @@ def load_model(folder: str | Path) -> Model:
     if onnx_path.stat().st_size == 0:
         raise ModelError(f"{onnx_path} is empty (0 bytes: an interrupted build or copy?); {rebuild_hint(folder)}")
     try:
-        proto = onnx.load(str(onnx_path), load_external_data=True)
-    except Exception as exc:  # noqa: BLE001 - onnx raises several kinds
+        proto = onnx.load(str(onnx_path), load_external_data=False)
+        graph = proto.graph
+        check_graph(graph, config, data["model"]["decoder"], onnx_path)
+        initializers = {t.name: tensor_array(t, onnx_path.parent) for t in graph.initializer}
+    except ModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - onnx and numpy raise several kinds
         raise ModelError(f"the model folder {folder} is damaged (an interrupted build or copy?): {onnx_name} or "
                          f"its external data cannot be read ({exc}); {rebuild_hint(folder)}") from exc
-    graph = proto.graph
-    check_graph(graph, config, data["model"]["decoder"], onnx_path)
-    initializers = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
     io_dtype = np.dtype(np.float32)
     for vi in graph.output:
         if vi.name == "logits":
@@ -237,6 +240,51 @@ def load_model(folder: str | Path) -> Model:
             io_dtype = onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
     tokenizer = Tokenizer(folder) if (folder / "tokenizer.json").exists() else None
     return Model(folder, config, graph, initializers, np.dtype(io_dtype), tokenizer)
+
+
+def external_location(tensor: onnx.TensorProto) -> tuple[str, int, int | None] | None:
+    """(file, byte offset, byte length or None) of a tensor stored in external data, read from
+    its ``external_data`` entries (onnx external data spec); None for a tensor stored inline."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    info = {e.key: e.value for e in tensor.external_data}
+    length = info.get("length")
+    return info["location"], int(info.get("offset", 0)), None if length is None else int(length)
+
+
+def tensor_nbytes(tensor: onnx.TensorProto) -> int:
+    """Bytes of an initializer's values from its header alone (dims and data type; nothing read)."""
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    return int(np.prod(tensor.dims, dtype=np.int64)) * dtype.itemsize
+
+
+def tensor_array(tensor: onnx.TensorProto, folder: Path) -> np.ndarray:
+    """An initializer's values: a read-only memory map of its bytes in the external data file
+    (nothing is read until a page is touched, and the page cache is shared, so a weight that
+    goes straight to pinned host memory or the device is never held twice), else the inline
+    values (:func:`onnx.numpy_helper.to_array`).
+
+    Raises:
+        ModelError: the external file is missing or shorter than the tensor.
+    """
+    where = external_location(tensor)
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    if where is None or dtype.kind not in "biuf":
+        if where is not None:
+            external_data_helper.load_external_data_for_tensor(tensor, str(folder))
+        return numpy_helper.to_array(tensor)
+    name, offset, length = where
+    path = folder / name
+    shape = tuple(int(d) for d in tensor.dims)
+    nbytes = tensor_nbytes(tensor)
+    if not path.is_file():
+        raise ModelError(f"external data file missing: {path} (tensor {tensor.name!r})")
+    if (length is not None and length < nbytes) or path.stat().st_size < offset + nbytes:
+        raise ModelError(f"{path} is too short for tensor {tensor.name!r} ({nbytes:,} bytes at offset {offset:,}): "
+                         "an interrupted build or copy?")
+    if nbytes == 0:
+        return np.zeros(shape, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape or (1,)).reshape(shape)
 
 
 #: Graph input and output names the runtime binds (docs/ops.md 6.1); genai_config.json must name these.

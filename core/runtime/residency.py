@@ -7,8 +7,12 @@ step copies exactly the same bytes on every replay.
 Admission policy (what stays resident, and why):
 
 1. Gathered tables (Gather / GatherBlockQuantized / GatherColumns inputs: the embedding) are
-   resident. A step reads B rows of them, so streaming one would move the whole table to use
-   a few rows, and no kernel may read host memory directly. So are weights several nodes read
+   not streamed: a step reads B rows of them, so streaming one would move the whole table to
+   use a few rows. When the weights do not all fit and the provider can map host memory, a
+   table only gathers read (one reader, no views of it) is *mapped*: it lives once in pinned
+   host memory and the gather kernel reads its B rows from there (a few KB per step over the
+   bus; bulk weight reads never do this), so it takes no device memory. Otherwise it is
+   resident. So are weights several nodes read
    every step (the rotary cos/sin caches, read by every layer; the packed tied embedding,
    read by the lookup and the lm_head): their reuse is highest, and a page read across the
    whole step would hold its slot for the whole step. So is a weight other constants are
@@ -90,6 +94,8 @@ class ResidencyPlan:
         weights: every per-step weight, in execution order of its first read.
         pages: the streamed pages in execution order, each the names of its weights.
         slots, slot_bytes: the staging ring (0 slots when nothing streams).
+        mapped: gathered tables read from pinned host memory (policy rule 1): neither resident
+            nor streamed.
     """
 
     budget: int | None
@@ -97,6 +103,7 @@ class ResidencyPlan:
     pages: tuple[tuple[str, ...], ...] = ()
     slots: int = 0
     slot_bytes: int = 0
+    mapped: tuple[str, ...] = ()
 
     @property
     def streamed(self) -> tuple[str, ...]:
@@ -116,8 +123,14 @@ class ResidencyPlan:
     @property
     def weight_bytes_resident(self) -> int:
         """Bytes of per-step weights kept on the device (the staging ring not included)."""
-        streamed = set(self.streamed)
-        return sum(w.nbytes for w in self.weights if w.name not in streamed)
+        away = set(self.streamed) | set(self.mapped)
+        return sum(w.nbytes for w in self.weights if w.name not in away)
+
+    @property
+    def weight_bytes_mapped(self) -> int:
+        """Bytes of the gathered tables read from pinned host memory (never copied whole)."""
+        mapped = set(self.mapped)
+        return sum(w.nbytes for w in self.weights if w.name in mapped)
 
     @property
     def weight_bytes_streamed_per_step(self) -> int:
@@ -132,13 +145,14 @@ class ResidencyPlan:
 
     @property
     def hit_rate(self) -> float:
-        """Fraction of the per-step weight reads (by tensor) served by resident weights."""
+        """Fraction of the per-step weight reads (by tensor) served by resident weights (a
+        mapped table's few rows count as a hit: nothing is copied for them)."""
         return 1.0 - len(self.streamed) / len(self.weights) if self.weights else 1.0
 
     @property
     def byte_hit_rate(self) -> float:
         """Fraction of the per-step weight bytes read that were resident."""
-        total = sum(w.nbytes for w in self.weights)
+        total = sum(w.nbytes for w in self.weights if w.name not in set(self.mapped))
         return 1.0 - self.weight_bytes_streamed_per_step / total if total else 1.0
 
     def placement(self) -> dict[str, tuple[int, int]]:
@@ -158,6 +172,7 @@ class ResidencyPlan:
             "weight_budget": self.budget,
             "weight_bytes_resident": self.weight_bytes_resident,
             "weight_bytes_streamed_per_step": self.weight_bytes_streamed_per_step,
+            "weight_bytes_mapped": self.weight_bytes_mapped,
             "staging_bytes": self.staging_bytes,
             "staging_slots": self.slots,
             "hit_rate": self.hit_rate,
@@ -237,7 +252,8 @@ def parse_budget(value, total: int, fractions: bool = True) -> int | None:
     return int(value)
 
 
-def plan_residency(weights: Sequence[Weight], budget: int | None, slots: int | None = None) -> ResidencyPlan:
+def plan_residency(weights: Sequence[Weight], budget: int | None, slots: int | None = None,
+                   mappable: bool = False) -> ResidencyPlan:
     """The residency plan for ``budget`` bytes of device weight memory (staging included).
 
     Args:
@@ -245,42 +261,44 @@ def plan_residency(weights: Sequence[Weight], budget: int | None, slots: int | N
             that is resident whatever the plan (``gathered=True``).
         budget: bytes, or None for everything resident.
         slots: staging slots (>= 2), or None for the default (module docstring).
+        mappable: the provider can read gathered tables from pinned host memory (rule 1).
 
     Raises:
         BudgetError: the budget cannot hold the always-resident weights plus a staging ring
             (the message gives the smallest budget that works), or ``slots`` < 2.
     """
     try:
-        return _plan(tuple(weights), budget, slots)
+        return _plan(tuple(weights), budget, slots, mappable)
     except BudgetError as exc:
         if budget is None or "at least 2 slots" in str(exc):
             raise
-        raise BudgetError(f"{exc}; the smallest working budget is {_bytes(_smallest(tuple(weights), slots))}") from None
+        smallest = _smallest(tuple(weights), slots, mappable)
+        raise BudgetError(f"{exc}; the smallest working budget is {_bytes(smallest)}") from None
 
 
-def _plan(weights: Sequence[Weight], budget: int | None, slots: int | None = None) -> ResidencyPlan:
-    """The residency plan for ``budget`` bytes of device weight memory (staging included).
+def smallest_budget(weights: Sequence[Weight], slots: int | None = None, mappable: bool = False) -> int:
+    """The smallest weight budget :func:`plan_residency` finds a plan for (one byte less is
+    refused with this number)."""
+    return _smallest(tuple(weights), slots, mappable)
 
-    Args:
-        weights: per-step weights in execution order (:func:`weights_of`).
-        budget: bytes, or None for everything resident.
-        slots: staging slots (>= 2), or None for the default (module docstring).
 
-    Raises:
-        BudgetError: the budget cannot hold the always-resident weights plus a staging ring,
-            or ``slots`` < 2.
-    """
+def _plan(weights: Sequence[Weight], budget: int | None, slots: int | None = None,
+          mappable: bool = False) -> ResidencyPlan:
+    """:func:`plan_residency` without the smallest working budget in its error."""
     weights = tuple(weights)
     total = sum(w.nbytes for w in weights)
     if budget is None or budget >= total:
         return ResidencyPlan(budget, weights)
     if slots is not None and slots < 2:
         raise BudgetError(f"the staging ring needs at least 2 slots, got {slots}")
-    fixed = sum(w.nbytes for w in weights if _pinned(w))
+    mapped = tuple(w.name for w in weights if mappable and _mappable(w))
+    fixed = sum(w.nbytes for w in weights if _pinned(w) and w.name not in mapped)
     pages: dict[str, list[Weight]] = {}
     for w in weights:
         if not _pinned(w):
             pages.setdefault(w.page or w.name, []).append(w)
+    if not pages and fixed <= budget:
+        return ResidencyPlan(budget, weights, mapped=mapped)
     if not pages:
         raise BudgetError(f"a budget of {_bytes(budget)} is below the {_bytes(fixed)} of weights that "
                           "must stay resident (gathered tables and small tensors)")
@@ -292,7 +310,7 @@ def _plan(weights: Sequence[Weight], budget: int | None, slots: int | None = Non
     error: BudgetError | None = None
     for order, keep in ((candidates, None), ([largest] + [p for p in candidates if p is not largest], largest)):
         try:
-            plan = _admit(weights, order, candidates, budget, fixed, slots, keep)
+            plan = attrs.evolve(_admit(weights, order, candidates, budget, fixed, slots, keep), mapped=mapped)
         except BudgetError as exc:
             error = error or exc
             continue
@@ -338,9 +356,10 @@ def _admit(weights, order, candidates, budget: int, fixed: int, slots: int | Non
                          max(n_slots, 1), slot_bytes)
 
 
-def budget_for(weights: Sequence[Weight], fraction: float, slots: int | None = None) -> int:
+def budget_for(weights: Sequence[Weight], fraction: float, slots: int | None = None, mappable: bool = False) -> int:
     """The largest budget whose plan streams at least ``fraction`` of the streamable bytes (the
-    weights the admission policy does not pin), found by bisection over :func:`plan_residency`.
+    weights the admission policy does not pin), found by bisection over :func:`plan_residency`
+    (``mappable``: as there).
 
     Raises:
         BudgetError: no budget streams that much (the staging ring alone would not fit).
@@ -352,7 +371,7 @@ def budget_for(weights: Sequence[Weight], fraction: float, slots: int | None = N
     while lo <= hi:
         mid = (lo + hi) // 2
         try:
-            ok = plan_residency(weights, mid, slots).weight_bytes_streamed_per_step >= want
+            ok = plan_residency(weights, mid, slots, mappable).weight_bytes_streamed_per_step >= want
         except BudgetError:
             lo = mid + 1
             continue
@@ -369,13 +388,13 @@ def _bytes(n: int) -> str:
     return "1 byte" if n == 1 else f"{n:,} bytes"
 
 
-def _smallest(weights: Sequence[Weight], slots: int | None) -> int:
+def _smallest(weights: Sequence[Weight], slots: int | None, mappable: bool = False) -> int:
     """The smallest budget :func:`plan_residency` finds a plan for (bisection; plans are cheap)."""
     lo, hi = 0, sum(w.nbytes for w in weights)
     while lo < hi:
         mid = (lo + hi) // 2
         try:
-            _plan(weights, mid, slots)
+            _plan(weights, mid, slots, mappable)
             hi = mid
         except BudgetError:
             lo = mid + 1
@@ -385,6 +404,11 @@ def _smallest(weights: Sequence[Weight], slots: int | None) -> int:
 def _pinned(w: Weight) -> bool:
     # a weight other constants view stays: streaming it would leave the views' memory behind
     return w.gathered or w.nbytes < SMALL_BYTES or w.readers > 1 or bool(w.aliases)
+
+
+def _mappable(w: Weight) -> bool:
+    # only gathers read it, through one name and one node: its rows can come from host memory
+    return w.gathered and w.readers == 1 and not w.aliases and w.nbytes >= SMALL_BYTES and bool(w.page)
 
 
 def _default_slots(pages: Sequence[Sequence[Weight]], slot_bytes: int, budget: int) -> int:

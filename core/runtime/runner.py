@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,13 @@ from core.executor import Plan
 from core.models.model import Model, load_model
 from core.plugins import get_provider
 from core.runtime import kv as kvgeo
-from core.runtime import residency, streaming
+from core.runtime import placement, residency, streaming
 
 log = logging.getLogger("lockstep")
+
+#: With no budget given, weights that exceed this share of the provider's free memory stream
+#: under a weight budget of this share (the rest: KV cache, activations, workspace).
+AUTO_SHARE = 0.8
 
 
 class Runner:
@@ -73,9 +78,6 @@ class Runner:
             raise kvgeo.KVLayoutError(f"provider {self.provider.name!r} does not support KV layout {kv_layout!r}")
         self.model = model if isinstance(model, Model) else load_model(model)
         self.kv_layout = kv_layout
-        before = getattr(self.provider, "uploaded_bytes", 0)
-        self.plan = Plan(self.model.graph, self.model.initializers, self.provider, kv_layout)
-        self.weight_upload_bytes = getattr(self.provider, "uploaded_bytes", 0) - before
         self._free: list = []
         #: The decode state whose prefill or step ran the plan last: the plan's output buffers
         #: (the logits among them) hold its values (Session.last_logits checks it).
@@ -83,48 +85,85 @@ class Runner:
         self.weight_budget = weight_budget
         self.stream = None
         self._slots = staging_slots
+        raw = self.model.weight_bytes()  # the initializers' sizes (memory maps: nothing read)
+        self.device_budget = residency.parse_budget(device_budget, raw, fractions=False)
+        self.kv_device_bytes = 0  # KV bytes held by this runner's decode states
+        budget = residency.parse_budget(weight_budget, raw)
+        if self.device_budget is not None:
+            budget = min(budget or self.device_budget, self.device_budget)
+        self.auto_budget = budget is None and self._too_big(raw)
+        if self.auto_budget:
+            budget = int(self.provider.free_device_bytes() * AUTO_SHARE)
+        #: the load-time placement (core.runtime.placement), or None: every weight uploaded
+        self.placer = None
+        if budget is not None and budget < raw and self.provider.capabilities().weight_streaming:
+            self.placer = placement.BudgetPlacer(budget, staging_slots, mappable=True)
+        before = getattr(self.provider, "uploaded_bytes", 0)
+        start = time.perf_counter()
+        try:
+            self.plan = Plan(self.model.graph, self.model.initializers, self.provider, kv_layout, placer=self.placer)
+        except residency.BudgetError as exc:
+            raise self._budget_error(exc, weight_budget) from None
+        self.weight_upload_bytes = getattr(self.provider, "uploaded_bytes", 0) - before
         self._weights = residency.weights_of(self.plan)
         total = sum(w.nbytes for w in self._weights)
         self._other_bytes = self.plan.weight_bytes() - total  # constants no step reads (folded inputs)
-        self.device_budget = residency.parse_budget(device_budget, total, fractions=False)
-        self.kv_device_bytes = 0  # KV bytes held by this runner's decode states
-        budget = residency.parse_budget(weight_budget, total)
-        if self.device_budget is not None:
-            budget = min(budget or self.device_budget, self.device_budget)
         self.replans = 0
         try:
-            self.residency = self._plan_residency(budget, auto=weight_budget is None and device_budget is None)
+            self.residency = self._plan_residency(budget)
         except residency.BudgetError as exc:
-            if self.device_budget is None or weight_budget is not None:
-                raise
-            raise residency.BudgetError(f"a device budget of {residency._bytes(self.device_budget)} leaves too little "
-                                        f"for the weights: {exc}") from None
+            raise self._budget_error(exc, weight_budget) from None
+        getattr(self.provider, "reset_peak", lambda: None)()  # blocks freed while loading go back
+        #: seconds from planning the graph to the weights in place (the model files excluded)
+        self.load_seconds = time.perf_counter() - start
+        if self.auto_budget:
+            log.warning("%s", self.auto_line())
+
+    def _too_big(self, raw: int) -> bool:
+        """Whether ``raw`` weight bytes exceed the share of the provider's free memory the
+        weights may take when no budget is given (:data:`AUTO_SHARE`)."""
+        free = self.provider.free_device_bytes()
+        return free is not None and raw > free * AUTO_SHARE and self.provider.capabilities().weight_streaming
+
+    def auto_line(self) -> str:
+        """The one line an automatic streaming run prints: the sizes and the expected batch-1
+        rate (:func:`core.plan.expected_rate`)."""
+        from core.plan import expected_rate
+
+        r = self.residency
+        # the copy floor alone: the device-bandwidth probe would need room the model has taken
+        rate = expected_rate(r.weight_bytes_streamed_per_step, 0, 1, None, self.provider.host_to_device_bandwidth())
+        per_s = f"{rate:.1f} tok/s" if rate is not None else "an unknown rate"
+        return (f"the model's {self.model.weight_bytes() / 1e9:.2f} GB of weights do not fit the free memory of "
+                f"{self.provider.name}: streaming {r.weight_bytes_streamed_per_step / 1e9:.2f} GB per step under a "
+                f"{(r.budget or 0) / 2**30:.2f} GiB weight budget; expect about {per_s} at batch 1")
+
+    def _budget_error(self, exc: residency.BudgetError, weight_budget) -> residency.BudgetError:
+        if self.device_budget is None or weight_budget is not None:
+            return exc
+        return residency.BudgetError(f"a device budget of {residency._bytes(self.device_budget)} leaves too little "
+                                     f"for the weights: {exc}")
 
     @property
     def weight_bytes(self) -> int:
         """Device bytes of resident constants (the staging ring not included)."""
-        # the slot views of streamed weights stand in the plan's constants: not resident bytes
-        return self.plan.weight_bytes(exclude=set(self.residency.streamed))
+        # the slot views of streamed weights and the host views of mapped tables stand in the
+        # plan's constants: not resident bytes
+        return self.plan.weight_bytes(exclude=set(self.residency.streamed) | set(self.residency.mapped))
 
-    def _plan_residency(self, budget: int | None, auto: bool = False) -> residency.ResidencyPlan:
+    def _plan_residency(self, budget: int | None) -> residency.ResidencyPlan:
         """The residency plan for ``budget`` bytes (module core.runtime.residency), applied to
         the plan: streamed weights move to staged host memory and read a staging slot."""
-        total = sum(w.nbytes for w in self._weights)
-        if budget is None and auto:
-            free = self.provider.free_device_bytes()
-            if free is not None and total > free:
-                budget = int(free * 0.8)
-                log.warning("the model's %.2f GB of weights exceed the %.2f GB free on %s: streaming "
-                            "with a weight budget of %.2f GB", total / 1e9, free / 1e9, self.provider.name,
-                            budget / 1e9)
         # constants no step reads (folded inputs, host integers) are resident whatever the plan
         other = residency.Weight("(constants no step reads)", self._other_bytes, True, -1)
+        mappable = bool(self.provider.capabilities().weight_streaming)
         plan = residency.plan_residency((*self._weights, other) if self._other_bytes else self._weights,
-                                        budget, self._slots)
+                                        budget, self._slots, mappable)
         if plan.streams and not self.provider.capabilities().weight_streaming:
             raise residency.BudgetError(f"provider {self.provider.name!r} cannot stream weights "
                                         "(capabilities().weight_streaming is False)")
-        if plan.streams or self.stream is not None:
+        streaming.evict(self.plan, plan)  # device copies of newly streamed weights go first
+        if plan.streams or self.stream is not None or plan.mapped or self.plan.staged_weights:
             ring = (plan.slots, plan.slot_bytes)
             if self.stream is None or ring != (len(self.stream.slots), self.stream.slots[0].nbytes):
                 self.stream = None

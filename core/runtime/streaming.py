@@ -48,9 +48,28 @@ class StreamedKernel:
         return results
 
 
+def evict(plan, residency: ResidencyPlan) -> None:
+    """Move the device copies of the weights ``residency`` streams or maps to their staged
+    host copies (:meth:`ProviderBase.stage`, made once), and give their device memory back,
+    before anything new is allocated: a change of plan shrinks the device before it grows."""
+    provider, staged = plan.provider, plan.staged_weights
+    moved = False
+    for name in (*residency.streamed, *residency.mapped):
+        if name in staged:
+            continue
+        staged[name] = provider.stage(provider.download(plan.constants[name]))
+        plan.constants[name] = staged[name]
+        moved = True
+    if moved:
+        _unwrap(plan)  # wrapped kernels keep nothing, but the dispatch may have chosen by the old values
+        getattr(provider, "reset_peak", lambda: None)()
+
+
 def apply(plan, residency: ResidencyPlan, stream) -> None:
-    """Stream ``residency.pages`` through ``stream`` on every run of ``plan`` (again after a
-    re-plan: weights that stream no longer are uploaded back, newly streamed ones staged).
+    """Stream ``residency.pages`` through ``stream`` on every run of ``plan`` and read the
+    mapped tables in place from their staged host copies (again after a re-plan: weights kept
+    in host memory that the plan keeps resident now are uploaded back, newly streamed ones
+    staged; :func:`evict` first gives the device copies of those back).
 
     Args:
         plan: a :class:`core.executor.Plan`.
@@ -78,16 +97,23 @@ def apply(plan, residency: ResidencyPlan, stream) -> None:
             raise BudgetError(f"page {residency.pages[j]} is still read after page {residency.pages[j + slots]} "
                               f"needs its staging slot; use more staging slots than {slots}")
     _unwrap(plan)
-    staged: dict = getattr(plan, "staged_weights", {})
-    plan.staged_weights = staged  # name -> staged host copy, kept for the plan's life
-    for name in getattr(plan, "streamed_names", set()) - set(page_of):
+    staged: dict = plan.staged_weights  # name -> staged host copy, kept for the plan's life
+    mapped = set(residency.mapped)
+    away = set(getattr(plan, "streamed_names", ())) | set(getattr(plan, "mapped_names", ()))
+    away |= {name for name, host in staged.items() if plan.constants.get(name) is host}
+    for name in sorted(away - set(page_of) - mapped):
         plan.constants[name] = provider.upload(staged[name])  # resident again
+    for name in sorted(mapped - set(getattr(plan, "mapped_names", ()))):
+        if name not in staged:
+            staged[name] = provider.stage(provider.download(plan.constants[name]))
+        plan.constants[name] = provider.map_host(staged[name])
+    plan.mapped_names = mapped
     place = residency.placement()
     items: list[list] = [[] for _ in range(pages)]
     for name, j in page_of.items():
         value = plan.constants[name]
         if name not in staged:
-            staged[name] = stream.stage(provider.download(value))
+            staged[name] = provider.stage(provider.download(value))
         slot, offset = place[name]
         view = stream.view(slot, offset, tuple(value.shape), value.dtype)
         items[j].append((staged[name], view))
@@ -101,6 +127,11 @@ def apply(plan, residency: ResidencyPlan, stream) -> None:
 def streamed(plan, name: str) -> bool:
     """True when constant ``name`` of ``plan`` streams (reads a staging slot)."""
     return name in getattr(plan, "streamed_names", ())
+
+
+def mapped(plan, name: str) -> bool:
+    """True when constant ``name`` of ``plan`` is read in place from host memory (a mapped table)."""
+    return name in getattr(plan, "mapped_names", ())
 
 
 def _unwrap(plan) -> None:

@@ -47,6 +47,7 @@ class TinyConfig:
     layers: int = 2
     block_size: int = 32
     rope_theta: float = 10000.0
+    tied: bool = True  # the embedding is the lm_head's weight; else a float table of its own (a Gather)
 
 
 def quantize_int4(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -138,7 +139,16 @@ def build_graph(cfg: TinyConfig, dtype: str = "float32", quant: str | None = Non
     total = g.node("Cast", [total], f"{m}/Gather/Cast", to=TensorProto.INT32)[0]
 
     lm_head = (rng.standard_normal((h, cfg.vocab))).astype(np.float32)
-    if quant is None:
+    if not cfg.tied:
+        table = g.init("model.embed_tokens.weight", rng.standard_normal((cfg.vocab, h)).astype(np_dtype))
+        x = g.node("Gather", [table, "input_ids"], "/model/embed_tokens/Gather")[0]
+        if quant is None:
+            g.init("lm_head.MatMul.weight", lm_head.astype(np_dtype))
+        else:
+            packed, scales = quantize_int4(lm_head, cfg.block_size)
+            g.init("lm_head.MatMul.weight_Q4", packed)
+            g.init("lm_head.MatMul.weight_scales", scales.astype(np_dtype))
+    elif quant is None:
         lm_name = g.init("lm_head.MatMul.weight", lm_head.astype(np_dtype))
         table = g.node("Transpose", [lm_name], "/model/embed_tokens/Transpose", perm=[1, 0])[0]
         x = g.node("Gather", [table, "input_ids"], "/model/embed_tokens/Gather")[0]
@@ -245,7 +255,7 @@ def genai_config(cfg: TinyConfig) -> dict:
 
 
 def make_tiny_model(folder: str | Path, dtype: str = "float32", quant: str | None = None,
-                    seed: int = 0, config: TinyConfig | None = None) -> Path:
+                    seed: int = 0, config: TinyConfig | None = None, external: bool = False) -> Path:
     """Write a tiny random builder-pattern model into ``folder`` and return the folder.
 
     Args:
@@ -254,6 +264,8 @@ def make_tiny_model(folder: str | Path, dtype: str = "float32", quant: str | Non
         quant: None, or "int4" (MatMulNBits weights, GatherBlockQuantized tied embedding).
         seed: weights are a deterministic function of the seed.
         config: geometry (default :class:`TinyConfig`).
+        external: write every initializer into ``model.onnx.data`` (external data, as the
+            builder does for real models) instead of inline.
 
     Raises:
         ValueError: unknown dtype or quant.
@@ -261,7 +273,8 @@ def make_tiny_model(folder: str | Path, dtype: str = "float32", quant: str | Non
     cfg = config or TinyConfig()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    onnx.save(build_graph(cfg, dtype, quant, seed), str(folder / "model.onnx"))
+    onnx.save(build_graph(cfg, dtype, quant, seed), str(folder / "model.onnx"), save_as_external_data=external,
+              all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=0)
     (folder / "genai_config.json").write_text(json.dumps(genai_config(cfg), indent=2))
     return folder
 

@@ -353,6 +353,27 @@ class CudaProvider(ProviderBase):
             times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
         return float(np.median(times[1:]))
 
+    def stage(self, array: np.ndarray) -> np.ndarray:
+        """A pinned host copy of ``array`` (``cupy.cuda.alloc_pinned_memory``; the array keeps
+        its block alive), written in 64 MiB pieces so a memory-mapped weight is read once."""
+        host = np.asarray(array)
+        mem = self.cupy.cuda.alloc_pinned_memory(max(host.nbytes, 1))
+        pinned = np.frombuffer(mem, host.dtype, host.size).reshape(host.shape)
+        flat_in, flat_out = host.reshape(-1), pinned.reshape(-1)
+        step = max(1, (64 << 20) // max(host.itemsize, 1))
+        for i in range(0, flat_in.size, step):
+            flat_out[i:i + step] = flat_in[i:i + step]
+        self.staged_bytes = getattr(self, "staged_bytes", 0) + int(host.nbytes)
+        return pinned
+
+    def map_host(self, staged: np.ndarray):
+        """A CuPy array over a :meth:`stage` copy that kernels read in place: pinned memory is
+        mapped into the device's address space under the same pointer (unified addressing), so
+        a gather reads its B rows over the bus and the table takes no device memory."""
+        cp = self.cupy
+        mem = cp.cuda.UnownedMemory(staged.ctypes.data, max(staged.nbytes, 1), staged, cp.cuda.Device().id)
+        return cp.ndarray(staged.shape, staged.dtype, cp.cuda.MemoryPointer(mem, 0))
+
     def weight_stream(self, slots: int, slot_bytes: int):
         """A staging ring with a copy stream and per-slot events (providers/cuda/streaming.py)."""
         from providers.cuda.streaming import CudaWeightStream
@@ -376,6 +397,11 @@ class CudaProvider(ProviderBase):
             del dev, mem
             self._return_probe()
         return self._h2d
+
+    def device_used_bytes(self) -> int:
+        """Device bytes in use by the driver's count (cudaMemGetInfo: total minus free)."""
+        free, total = self.cupy.cuda.runtime.memGetInfo()
+        return int(total) - int(free)
 
     def free_device_bytes(self) -> int:
         """Free device memory now (cudaMemGetInfo) plus what CuPy's pool holds unused."""

@@ -18,8 +18,6 @@ asynchronous and capturable; no kernel reads host memory, and no managed memory 
 
 from __future__ import annotations
 
-import numpy as np
-
 from core.provider import WeightStream
 
 
@@ -36,16 +34,7 @@ class CudaWeightStream(WeightStream):
         self.released = [cp.cuda.Event(disable_timing=True) for _ in self.slots]
         self._fork = cp.cuda.Event(disable_timing=True)
         self._join = cp.cuda.Event(disable_timing=True)
-        self._pinned: list = []  # the pinned blocks behind every staged weight (kept alive)
         self._released_this_step = [False] * len(self.slots)
-
-    def stage(self, array: np.ndarray):
-        host = np.ascontiguousarray(array)
-        mem = self._cp.cuda.alloc_pinned_memory(max(host.nbytes, 1))
-        pinned = np.frombuffer(mem, host.dtype, host.size).reshape(host.shape)
-        pinned[...] = host
-        self._pinned.append(mem)
-        return pinned
 
     def begin(self) -> None:
         self._fork.record(self.compute)

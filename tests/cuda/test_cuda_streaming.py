@@ -61,7 +61,7 @@ def _trace(runner, rows, steps, capture):
 def _budget(runner, fraction):
     """The largest budget streaming at least ``fraction`` of the streamable weight bytes (those
     the admission policy does not pin) through a 2-slot ring."""
-    return residency.budget_for(residency.weights_of(runner.plan), fraction, slots=2)
+    return residency.budget_for(residency.weights_of(runner.plan), fraction, slots=2, mappable=True)
 
 
 @pytest.fixture(scope="module")

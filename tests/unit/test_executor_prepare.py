@@ -191,7 +191,7 @@ def test_a_constant_viewing_another_is_one_weight_counted_once_and_never_streame
     weights = residency.weights_of(plan)
     (w,) = [w for w in weights if w.name == view]
     assert w.aliases == (codes,) and w.readers == 2
-    budget = residency.budget_for(weights, 0.9)  # stream as much as the policy lets
+    budget = residency.budget_for(weights, 0.9, mappable=True)  # stream as much as the policy lets
     assert view not in residency.plan_residency(weights, budget).streamed
 
 

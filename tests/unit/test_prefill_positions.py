@@ -188,7 +188,7 @@ def test_grouped_prefill_with_streamed_weights_is_bitwise_the_resident_run(tmp_p
     model_dir = make_tiny_model(tmp_path / "m")
     resident_runner = Runner(model_dir, CpuReferenceProvider())
     resident, _ = _run(resident_runner, LONG_SHORT, steps=6)
-    budget = residency.budget_for(residency.weights_of(resident_runner.plan), 0.5, slots=2)
+    budget = residency.budget_for(residency.weights_of(resident_runner.plan), 0.5, slots=2, mappable=True)
     streamed_runner = Runner(model_dir, CpuReferenceProvider(), weight_budget=budget, staging_slots=2)
     per_run = streamed_runner.residency.weight_bytes_streamed_per_step
     assert per_run > 0

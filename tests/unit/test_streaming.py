@@ -49,7 +49,7 @@ def test_streamed_runs_are_bitwise_the_resident_run(model_dir, fraction, batch):
     resident = Runner(model_dir, CpuReferenceProvider())
     weights = residency.weights_of(resident.plan)
     streamable = sum(w.nbytes for w in weights if not residency._pinned(w))
-    budget = residency.budget_for(weights, fraction, slots=2)
+    budget = residency.budget_for(weights, fraction, slots=2, mappable=True)
     streamed = Runner(model_dir, CpuReferenceProvider(), weight_budget=budget, staging_slots=2)
     r = streamed.residency
     assert streamed.weight_bytes + r.staging_bytes <= budget

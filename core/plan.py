@@ -1,0 +1,271 @@
+"""``lockstep plan``: the residency plan of a model under a budget, before loading it.
+
+The sizes come from the ONNX header and the external data's layout (memory maps that are never
+read: no weight is loaded, prepared or uploaded). The graph is fused with the provider's fusion
+rules, so the pages are the nodes the provider will run; the planner is the one the Runner uses
+(:func:`core.runtime.residency.plan_residency`). Prepared forms (packed for the tensor cores)
+are a few percent larger than the raw weights for int4 zero points and padding, so the load's
+plan may stream slightly more than this one.
+
+Per batch size B, the device budget is shared as the Runner shares it once the KV cache of B
+rows at ``context`` tokens is allocated: the weight budget is the device budget less that KV.
+The copy floor of a step is the streamed bytes over the measured host-to-device bandwidth; the
+expected step is the longer of the copy floor and the time to read every weight byte once at
+the device bandwidth (copies overlap compute on their own stream), and the expected rate is B
+tokens per expected step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+import numpy as np
+
+from core import fusion
+from core.executor import GATHER_OPS, WeightRead, is_host_constant, node_infos
+from core.models.model import Model, load_model
+from core.opdefs import constant_supports, constant_value
+from core.runtime import residency
+
+#: Ops whose folded output has the bytes of their first input.
+_VIEWS = ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")
+
+
+@attrs.frozen
+class BatchPlan:
+    """The plan of one batch size.
+
+    Attributes:
+        batch: rows decoded together.
+        kv_bytes: KV cache bytes of ``batch`` rows at the plan's context.
+        residency: the residency plan for the weight budget left.
+        copy_floor_s: seconds per step the streamed bytes take at the host-to-device bandwidth
+            (None: bandwidth unknown).
+        expected_tok_s: tokens/s expected (module docstring; None: no bandwidth known).
+        error: why no plan works at this batch (then ``residency`` is None).
+    """
+
+    batch: int
+    kv_bytes: int
+    residency: residency.ResidencyPlan | None
+    copy_floor_s: float | None = None
+    expected_tok_s: float | None = None
+    error: str = ""
+
+    def row(self) -> dict:
+        """The plan as one JSON-able row."""
+        r = self.residency
+        if r is None:
+            return {"batch": self.batch, "kv_bytes": self.kv_bytes, "error": self.error}
+        return {"batch": self.batch, "kv_bytes": self.kv_bytes, "weight_budget": r.budget,
+                "weight_bytes_resident": r.weight_bytes_resident,
+                "weight_bytes_streamed_per_step": r.weight_bytes_streamed_per_step,
+                "weight_bytes_mapped": r.weight_bytes_mapped, "staging_slots": r.slots,
+                "slot_bytes": r.slot_bytes, "pages_per_step": r.page_ins_per_step,
+                "copy_floor_ms": None if self.copy_floor_s is None else self.copy_floor_s * 1e3,
+                "expected_tok_s": self.expected_tok_s}
+
+
+class _Header:
+    """The parts of :class:`core.executor.Plan` that :func:`residency.weights_of` reads, built
+    from the graph and the initializers' sizes alone (no kernel runs, nothing is uploaded)."""
+
+    def __init__(self, model: Model, supports, device: bool):
+        inits = model.initializers
+        outputs = {o.name for o in model.graph.output}
+        self.nodes = fusion.apply(node_infos(model.graph), outputs, supports, set(inits))
+        nbytes = {name: 0 if device and is_host_constant(a) else int(a.nbytes) for name, a in inits.items()}
+        root = {name: name for name in inits}  # constant -> the constant whose storage it views
+        self.steps: list[int] = []
+        for i, n in enumerate(self.nodes):
+            if all(not x or x in root for x in n.inputs):  # folded once at load
+                for y in n.outputs:
+                    root[y] = y
+                    if n.op_type in _VIEWS and n.inputs and n.inputs[0]:
+                        # under a budget a reshape folds on the host into a copy of its input
+                        nbytes[y] = nbytes[root[n.inputs[0]]]
+                        continue
+                    # a Constant's value is in its attribute; a device provider keeps it on the host
+                    value = constant_value(n) if n.op_type == "Constant" and constant_supports(n) else None
+                    nbytes.setdefault(y, 0 if device or value is None else int(np.asarray(value).nbytes))
+            else:
+                self.steps.append(i)
+        self._nbytes, self._root = nbytes, root
+
+    def weight_reads(self) -> list[WeightRead]:
+        """As :meth:`core.executor.Plan.weight_reads`, over the header's sizes."""
+        reads: list[WeightRead] = []
+        first: dict[str, int] = {}
+        for pos, i in enumerate(self.steps):
+            node = self.nodes[i]
+            for j, x in enumerate(node.inputs):
+                if not x or x not in self._root:
+                    continue
+                gathered = node.op_type in GATHER_OPS and j != 1
+                key = self._root[x]
+                k = first.get(key)
+                if k is None:
+                    first[key] = len(reads)
+                    reads.append(WeightRead(pos, node.name, x, self._nbytes[key], gathered))
+                    continue
+                r = reads[k]
+                if x != r.constant and x not in r.aliases:
+                    r = r._replace(aliases=(*r.aliases, x))
+                reads[k] = r._replace(gathered=r.gathered and gathered)
+        return reads
+
+    def other_bytes(self) -> int:
+        """Bytes of the initializers no per-step node reads (inputs of folded nodes), which the
+        Runner keeps resident whatever the plan."""
+        read = {self._root[x] for i in self.steps for x in self.nodes[i].inputs if x in self._root}
+        return sum(n for name, n in self._nbytes.items() if name not in read and self._root.get(name) == name)
+
+
+def header_weights(model: Model, provider: Any = None) -> tuple[residency.Weight, ...]:
+    """The per-step weights of ``model`` (:func:`residency.weights_of`) from its header, and
+    the initializers no step reads as one always-resident entry (as the Runner plans): the
+    graph fused with ``provider``'s rules (cpu_reference's when None), sizes from the
+    initializers' shapes and dtypes, nothing read."""
+    if provider is None:
+        from providers.cpu_reference.provider import CpuReferenceProvider
+
+        provider = CpuReferenceProvider()
+    from core.opdefs import is_host
+
+    device = not is_host(provider.allocate((1,), np.float32))
+    header = _Header(model, provider.supports, device)
+    other = header.other_bytes()
+    weights = residency.weights_of(header)
+    return (*weights, residency.Weight("(constants no step reads)", other, True, -1)) if other else weights
+
+
+def kv_bytes(model: Model, batch: int, context: int) -> int:
+    """KV cache bytes of ``batch`` rows of ``context`` tokens (keys and values, every layer)."""
+    c = model.config
+    return 2 * c.num_layers * batch * c.num_kv_heads * c.head_size * context * np.dtype(model.io_dtype).itemsize
+
+
+def expected_rate(streamed: int, resident: int, batch: int, provider: Any = None,
+                  h2d: float | None = None, device_bw: float | None = None) -> float | None:
+    """Tokens/s expected at ``batch`` rows (module docstring): B over the longer of the copy
+    floor (``streamed`` bytes at ``h2d`` bytes/s) and reading every weight byte once at
+    ``device_bw`` bytes/s; bandwidths the caller does not give come from ``provider``'s
+    measurements. None when the host-to-device bandwidth is unknown and something streams."""
+    if h2d is None and provider is not None:
+        h2d = provider.host_to_device_bandwidth()
+    if device_bw is None and provider is not None:
+        device_bw = provider.device_bandwidth()
+    floor = streamed / h2d if h2d else (0.0 if not streamed else None)
+    if floor is None:
+        return None
+    read = (streamed + resident) / device_bw if device_bw else 0.0
+    step = max(floor, read)
+    return batch / step if step > 0 else None
+
+
+def plan_model(model: Model | str, batches: Sequence[int], context: int, provider: Any = None,
+               device_budget: int | str | None = None, weight_budget: int | float | str | None = None,
+               slots: int | None = None, h2d: float | None = None,
+               device_bw: float | None = None) -> list[BatchPlan]:
+    """The plan of each batch size (module docstring).
+
+    Args:
+        model: a loaded model or its folder (only the header and the data file's size are read).
+        batches: batch sizes.
+        context: KV tokens per row.
+        provider: a provider object (its fusion rules and measured bandwidths), or None.
+        device_budget, weight_budget: as the Runner's (bytes or sizes; a weight budget may be a
+            fraction of the weight bytes). Neither: everything resident.
+        slots: staging slots (default: the planner's).
+        h2d, device_bw: bandwidths in bytes/s replacing the provider's measurements.
+
+    Returns:
+        one :class:`BatchPlan` per batch size; one whose budget is too small carries the reason
+        (the smallest working weight budget, the KV the batch takes) instead of a plan.
+
+    Raises:
+        core.runtime.residency.BudgetError: a malformed budget.
+    """
+    if not isinstance(model, Model):
+        model = load_model(model)
+    weights = header_weights(model, provider)
+    total = sum(w.nbytes for w in weights)
+    device = residency.parse_budget(device_budget, total, fractions=False)
+    budget = residency.parse_budget(weight_budget, total)
+    mappable = provider is None or bool(provider.capabilities().weight_streaming)
+    if h2d is None and provider is not None:
+        h2d = provider.host_to_device_bandwidth()
+    if device_bw is None and provider is not None:
+        device_bw = provider.device_bandwidth()
+    out = []
+    for b in batches:
+        kv = kv_bytes(model, b, context)
+        wb = budget
+        if device is not None:
+            wb = min(budget if budget is not None else device, device - kv)
+            if wb <= 0:
+                out.append(BatchPlan(b, kv, None, error=f"the {kv:,} bytes of KV fill the device budget"))
+                continue
+        try:
+            r = residency.plan_residency(weights, wb, slots, mappable)
+        except residency.BudgetError as exc:
+            out.append(BatchPlan(b, kv, None, error=str(exc)))
+            continue
+        streamed = r.weight_bytes_streamed_per_step
+        floor = streamed / h2d if h2d else (0.0 if not streamed else None)
+        rate = expected_rate(streamed, r.weight_bytes_resident, b, None, h2d, device_bw)
+        out.append(BatchPlan(b, kv, r, floor, rate))
+    return out
+
+
+def main(a, console) -> int:
+    """``lockstep plan``: print (or write as JSON) :func:`plan_model`'s rows for ``a.model``.
+
+    Raises:
+        core.runtime.residency.BudgetError: a budget too small (the smallest working one named).
+        core.models.model.ModelError: the folder is not a builder model.
+    """
+    import json
+
+    from rich.markup import escape
+    from rich.table import Table
+
+    from core.plugins import get_provider
+
+    provider, note = None, ""
+    try:
+        provider = get_provider(a.provider)
+    except Exception as exc:  # noqa: BLE001 - an unusable provider: plan with the reference fusion rules
+        note = f"provider {a.provider!r} unavailable ({exc}); fusion rules of cpu_reference"
+    h2d = a.h2d_gbps * 1e9 if a.h2d_gbps else None
+    model = load_model(a.model)
+    rows = plan_model(model, a.batch, a.context, provider, a.device_budget, a.weight_budget, a.staging_slots,
+                      h2d=h2d)
+    if a.json:
+        print(json.dumps({"model": str(model.folder), "provider": a.provider, "context": a.context,
+                          "device_budget": a.device_budget, "weight_budget": a.weight_budget,
+                          "weight_bytes": model.weight_bytes(), "note": note,
+                          "rows": [r.row() for r in rows]}, indent=2))
+        return 0
+    gb = 1e9
+    title = (f"{model.folder.name}: {model.weight_bytes() / gb:.2f} GB of weights, {a.context} tokens of KV per row"
+             + (f" ({note})" if note else ""))
+    table = Table("batch", "KV GB", "weight budget GB", "resident GB", "mapped GB", "streamed GB/step",
+                  "ring", "copy floor ms", "expected tok/s", title=title)
+    for p in rows:
+        r = p.residency
+        if r is None:
+            table.add_row(str(p.batch), f"{p.kv_bytes / gb:.2f}", *["-"] * 7)
+            continue
+        ring = f"{r.slots} x {r.slot_bytes / 2**20:.0f} MiB" if r.slots else "-"
+        table.add_row(str(p.batch), f"{p.kv_bytes / gb:.2f}", "-" if r.budget is None else f"{r.budget / gb:.2f}",
+                      f"{r.weight_bytes_resident / gb:.2f}", f"{r.weight_bytes_mapped / gb:.2f}",
+                      f"{r.weight_bytes_streamed_per_step / gb:.2f}", ring,
+                      "?" if p.copy_floor_s is None else f"{p.copy_floor_s * 1e3:.1f}",
+                      "?" if p.expected_tok_s is None else f"{p.expected_tok_s:.1f}")
+    console.print(table)
+    for p in rows:
+        if p.residency is None:
+            console.print(f"batch {p.batch} does not fit: {escape(p.error)}")
+    return 0

@@ -1,0 +1,129 @@
+"""Loading under a budget on the GPU, by the driver's count (cudaMemGetInfo, polled every
+millisecond): a model larger than its weight budget loads with the device never holding more
+than the budget beyond what it held before (the CUDA context and earlier work, measured as the
+baseline, plus :data:`SLACK` for kernel modules loaded on first use), decodes bitwise like the
+resident run at batch 1 and 8, eager and captured, with its embedding read in place from
+pinned host memory (not resident).
+"""
+
+import gc
+
+import numpy as np
+import pytest
+from _gpu import require_gpu
+
+require_gpu()
+
+from core.generation.loop import decode  # noqa: E402
+from core.runtime import streaming  # noqa: E402
+from core.runtime.meter import DriverMeter  # noqa: E402
+from core.runtime.runner import Runner  # noqa: E402
+from core.session import Session  # noqa: E402
+
+#: Device bytes beyond the budget the driver may show: modules of kernels compiled on first use
+#: (NVRTC and CuPy's elementwise kernels) and the pool's rounding.
+SLACK = 32 * 2**20
+MIB = 2**20
+
+
+@pytest.fixture(scope="module", params=[None, "int4"], ids=["fp16", "int4"])
+def big_model(request, tmp_path_factory):
+    """A builder-pattern model of ~100-250 MB (external data): many pages, none dominant; the
+    fp16 one with an embedding of its own (a Gather, as the builder writes Llama-3.1-8B), the
+    int4 one with the tiny model's tied table (under a budget it folds into its own copy)."""
+    from core.testing.tiny_model import TinyConfig, make_tiny_model
+
+    config = TinyConfig(hidden=1024, heads=8, kv_heads=2, head_size=128, intermediate=4096, vocab=16384,
+                        layers=6, context=512, tied=request.param is not None)
+    return make_tiny_model(tmp_path_factory.mktemp("big"), dtype="float16", quant=request.param, config=config,
+                           external=True)
+
+
+def _rows(batch, vocab):
+    rng = np.random.default_rng(5)
+    return [list(rng.integers(3, vocab, 3 + (5 * b) % 11)) for b in range(batch)]
+
+
+def _trace(runner, rows, steps, capture):
+    s = Session(runner, batch=len(rows), capacity=128, capture=capture)
+    logits = []
+    t = decode(s, rows, steps, observer=lambda *_: logits.append(s.last_logits()))
+    counters = s.counters
+    s.close()
+    return t.tokens, np.stack(logits), counters
+
+
+def _free(gpu):
+    gc.collect()
+    gpu.synchronize()
+    gpu.reset_peak()
+
+
+def _smallest(model, gpu) -> int:
+    """The smallest working weight budget, as a one-byte budget's refusal names it."""
+    from core.runtime.residency import BudgetError
+
+    with pytest.raises(BudgetError) as info:
+        Runner(model, gpu, weight_budget=1)
+    return int(str(info.value).rsplit("is ", 1)[1].split()[0].replace(",", ""))
+
+
+def test_a_model_larger_than_its_budget_loads_within_it_and_decodes_bitwise(big_model, gpu):
+    _free(gpu)
+    resident = Runner(big_model, gpu)
+    total = resident.weight_bytes
+    vocab = resident.model.config.vocab_size
+    want = {b: _trace(resident, _rows(b, vocab), 16, capture=False) for b in (1, 8)}
+    del resident
+    _free(gpu)
+    budget = max(total // 3, _smallest(big_model, gpu))
+    meter = DriverMeter(gpu, interval_s=0.001)
+    with meter:
+        runner = Runner(big_model, gpu, weight_budget=budget)
+    load_peak = meter.peak_bytes - meter.baseline_bytes
+    r = runner.residency
+    print(f"{big_model.name}: {total / MIB:.0f} MiB of weights under a {budget / MIB:.0f} MiB budget: driver "
+          f"+{load_peak / MIB:.1f} MiB while loading ({meter.baseline_bytes / MIB:.0f} MiB before), "
+          f"{r.weight_bytes_streamed_per_step / MIB:.0f} MiB streamed per step, "
+          f"{r.weight_bytes_mapped / MIB:.0f} MiB mapped, host-prepared {len(runner.placer.host_prepared)} nodes")
+    assert r.streams and runner.placer is not None
+    assert load_peak <= budget + SLACK, f"the load took {load_peak:,} device bytes for a {budget:,} byte budget"
+    assert runner.weight_bytes + r.staging_bytes <= budget
+    # the embedding is not resident: it is read in place from pinned host memory
+    assert r.mapped and all(streaming.mapped(runner.plan, n) for n in r.mapped)
+    table = runner.plan.constants[r.mapped[0]]
+    assert table.data.ptr == runner.plan.staged_weights[r.mapped[0]].ctypes.data
+    for batch in (1, 8):
+        rows = _rows(batch, vocab)
+        for capture in (False, True):
+            with meter:
+                meter.reset()
+                got = _trace(runner, rows, 16, capture=capture)
+            assert np.array_equal(want[batch][0], got[0]), f"tokens differ (batch {batch}, capture {capture})"
+            assert np.array_equal(want[batch][1], got[1]), f"logits differ (batch {batch}, capture {capture})"
+            c = got[2]
+            assert c.htod_bytes == (c.decode_steps + 1) * r.weight_bytes_streamed_per_step > 0
+            if capture:
+                assert c.captures == 1 and c.fallbacks == []
+            step_peak = meter.peak_bytes - meter.baseline_bytes
+            print(f"  batch {batch} capture {capture}: driver +{step_peak / MIB:.1f} MiB")
+            # weights and ring within the budget; the KV cache, activations and graphs on top
+            assert step_peak <= budget + 64 * MIB + SLACK
+    del runner
+    _free(gpu)
+
+
+def test_a_budget_one_byte_below_the_smallest_is_refused_with_that_number(big_model, gpu):
+    from core.runtime.residency import BudgetError
+
+    smallest = _smallest(big_model, gpu)
+    _free(gpu)
+    meter = DriverMeter(gpu, interval_s=0.001)
+    with meter:
+        runner = Runner(big_model, gpu, weight_budget=smallest)
+    assert meter.peak_bytes - meter.baseline_bytes <= smallest + SLACK
+    assert runner.weight_bytes + runner.residency.staging_bytes <= smallest
+    del runner
+    _free(gpu)
+    with pytest.raises(BudgetError, match=f"smallest working budget is {smallest:,} bytes"):
+        Runner(big_model, gpu, weight_budget=smallest - 1)
