@@ -1,0 +1,139 @@
+"""The engine's policy, requests and loop on cpu_reference (solo equivalence: test_engine_fuzz.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from core.engine import Engine, EngineClosedError, QueueFullError
+from core.engine.scheduler import Scheduler, buckets
+from core.runtime.runner import Runner
+from core.session import RequestError, Session
+from core.testing.arrivals import solo_tokens
+from core.testing.tiny_model import make_tiny_model, write_byte_tokenizer
+
+
+class _Req:
+    def __init__(self, rid: str, n: int = 4):
+        self.id, self.prompt_ids = rid, [1] * n
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    return Runner(write_byte_tokenizer(make_tiny_model(tmp_path_factory.mktemp("engine"))), "cpu_reference")
+
+
+def test_buckets():
+    assert buckets(1) == [1]
+    assert buckets(8) == [1, 2, 4, 8]
+    assert buckets(12) == [1, 2, 4, 8, 12]
+    with pytest.raises(ValueError):
+        buckets(0)
+
+
+def test_scheduler_lowest_free_slot_and_bucket():
+    s = Scheduler(slots=8, prefill_tokens=100)
+    for i in range(5):
+        s.submit(_Req(f"r{i}"))
+    assert [slot for _, slot in s.admit()] == [0, 1, 2, 3, 4]
+    assert s.bucket() == 8
+    for slot in (3, 4):
+        s.release(slot)
+    assert s.bucket() == 4
+    s.release(0)
+    s.submit(_Req("late"))
+    assert s.admit()[0][1] == 0  # the lowest free slot keeps the rows packed
+    assert s.find("late")[:2] == ("running", s.running[0])
+
+
+def test_scheduler_prefill_budget_admits_at_least_one():
+    s = Scheduler(slots=4, prefill_tokens=10)
+    for i, n in enumerate((30, 4, 4, 4)):
+        s.submit(_Req(f"r{i}", n))
+    assert [r.id for r, _ in s.admit()] == ["r0"]  # over budget alone: still admitted
+    assert [r.id for r, _ in s.admit()] == ["r1", "r2"]
+
+
+def test_request_validation_names_the_problem(runner):
+    engine = Engine(runner, max_batch=2, capacity=32)
+    bad = [({"prompt_ids": []}, "empty"), ({"prompt_ids": [1, 999]}, "outside"),
+           ({"prompt_ids": [1], "max_tokens": 0}, "max_tokens"),
+           ({"prompt_ids": [1] * 30, "max_tokens": 5}, "positions"),
+           ({"prompt_ids": [1], "stop": [""]}, "stop"),
+           ({"prompt_ids": [1], "sampling": {"temperature": -1}}, "temperature"),
+           ({"prompt_ids": [1], "stop_token_ids": [256]}, "stop_token_ids")]
+    for kwargs, word in bad:
+        with pytest.raises(RequestError, match=word):
+            engine.request(**kwargs)
+    assert not engine.busy()
+
+
+def test_stop_string_across_tokens_and_no_broken_utf8(runner):
+    engine = Engine(runner, max_batch=2, capacity=32)
+    req = engine.request([5, 6], max_tokens=20, stop=["cd"])
+    text = "é€ab" + "c" + "dzz"
+    pieces = []
+    for tok in text.encode():
+        event = req.feed(tok, False)
+        pieces.append(event.text)
+        assert "\ufffd" not in event.text
+        if event.finish_reason:
+            break
+    assert event.finish_reason == "stop" and req.stop == "cd"
+    assert "".join(pieces) == req.text == "é€ab"
+
+
+def test_abort_frees_the_slot_before_the_next_step(runner):
+    engine = Engine(runner, max_batch=1, capacity=32)
+    first = engine.submit([3, 4, 5], max_tokens=20)
+    second = engine.submit([7, 8], max_tokens=3)
+    engine.run_once()  # the first is admitted and decodes; the second waits
+    assert engine.running == 1 and engine.waiting == 1
+    engine.abort(first.request.id)
+    engine.run_once()  # the abort frees slot 0 and the second takes it in the same iteration
+    assert engine.scheduler.running[0] is second.request
+    engine.run_until_idle()
+    assert [e.finish_reason for e in first][-1] == "abort"
+    tokens = [t for e in second for t in e.token_ids]
+    session = Session(runner, batch=1, capacity=32, kv_policy="fixed")
+    assert tokens == solo_tokens(session, second.request)
+
+
+def test_full_queue_refuses_and_the_engine_serves_on(runner):
+    engine = Engine(runner, max_batch=1, capacity=32, max_waiting=2)
+    handles = [engine.submit([3], max_tokens=2) for _ in range(2)]
+    with pytest.raises(QueueFullError):
+        engine.submit([3], max_tokens=2)
+    engine.run_until_idle()
+    assert [list(h)[-1].finish_reason for h in handles] == ["length", "length"]
+    engine.submit([3], max_tokens=2)  # room again
+
+
+def test_thread_owner_shutdown_aborts_the_rest(runner):
+    engine = Engine(runner, max_batch=2, capacity=64).start()
+    done = engine.submit([9, 10, 11], max_tokens=4)
+    events = list(done)
+    assert events[-1].finish_reason == "length" and events[-1].usage.completion_tokens == 4
+    started = threading.Event()
+    long = engine.request([9], max_tokens=60, sink=lambda e: started.set())
+    engine.add(long)
+    assert started.wait(10)
+    engine.shutdown(timeout=10)
+    assert long.finish_reason == "abort" and 0 < len(long.output_ids) < 60
+    with pytest.raises(EngineClosedError):
+        engine.submit([1], max_tokens=1)
+
+
+def test_a_failing_sink_aborts_only_its_request(runner):
+    engine = Engine(runner, max_batch=2, capacity=32)
+
+    def broken(event):
+        raise RuntimeError("consumer bug")
+
+    bad = engine.request([4, 5], max_tokens=10, sink=broken)
+    engine.add(bad)
+    good = engine.submit([4, 5], max_tokens=10)
+    engine.run_until_idle()
+    assert bad.finish_reason == "abort"
+    assert list(good)[-1].finish_reason == "length"
