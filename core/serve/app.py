@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 import threading
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -157,10 +157,8 @@ async def _complete(server: Server, request: Request, chat: bool) -> Response:
         except (ValueError, UnicodeDecodeError):
             raise api.APIError("the request body is not valid JSON") from None
         parsed = api.parse(body, api.CHAT_FIELDS if chat else api.COMPLETION_FIELDS, server.served, chat)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        req = _engine_request(server, engine, parsed, chat,
-                              lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        sink = _Sink(server)
+        req = sink.request = _engine_request(server, engine, parsed, chat, sink)
         try:
             engine.add(req)
         except QueueFullError as exc:
@@ -173,24 +171,33 @@ async def _complete(server: Server, request: Request, chat: bool) -> Response:
         return _error(exc)
     rid = api.new_id(chat)
     if parsed.stream:
-        return StreamingResponse(_stream(server, engine, req, events, rid, chat, parsed.include_usage),
+        return StreamingResponse(_stream(server, engine, req, sink.events, rid, chat, parsed.include_usage),
                                  media_type="text/event-stream")
-    return await _whole(server, engine, request, req, events, rid, chat)
+    return await _whole(server, engine, request, req, sink.events, rid, chat)
 
 
-async def _next(server: Server, req: EngineRequest, events: asyncio.Queue, state: dict) -> Event:
-    event = await events.get()
-    state["last"] = server.metrics.observe(req, event, state.get("last"))
-    return event
+class _Sink:
+    """A request's sink, called on the engine's thread: the metrics see every event (an aborted
+    request's too, after its client left), then the event goes to the request's coroutine."""
+
+    def __init__(self, server: Server) -> None:
+        self.server, self.loop = server, asyncio.get_running_loop()
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.request: EngineRequest | None = None
+        self._last: float | None = None
+
+    def __call__(self, event: Event) -> None:
+        if self.request is not None:
+            self._last = self.server.metrics.observe(self.request, event, self._last)
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
 async def _whole(server: Server, engine: Engine, request: Request, req: EngineRequest, events: asyncio.Queue,
                  rid: str, chat: bool) -> Response:
-    state: dict[str, Any] = {}
     try:
         while True:
             try:
-                event = await asyncio.wait_for(_next(server, req, events, state), 0.25)
+                event = await asyncio.wait_for(events.get(), 0.25)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     engine.abort(req.id)
@@ -212,7 +219,6 @@ def _sse(body: dict) -> str:
 
 async def _stream(server: Server, engine: Engine, req: EngineRequest, events: asyncio.Queue, rid: str,
                   chat: bool, include_usage: bool) -> AsyncIterator[str]:
-    state: dict[str, Any] = {}
     first = True
     done = False
     try:
@@ -220,7 +226,7 @@ async def _stream(server: Server, engine: Engine, req: EngineRequest, events: as
             yield _sse(api.chunk(rid, server.served, chat, "", None, first=True))
             first = False
         while not done:
-            event = await _next(server, req, events, state)
+            event = await events.get()
             done = event.finish_reason is not None
             if event.text or done:
                 yield _sse(api.chunk(rid, server.served, chat, event.text if event.text or not chat else None,

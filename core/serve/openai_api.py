@@ -83,8 +83,8 @@ def parse(body: Any, fields: set, served: str, chat: bool) -> Parsed:
         raise APIError("model is required (a string; see /v1/models)", param="model")
     if model != served:
         raise APIError(f"the model {model!r} does not exist; this server serves {served!r}", param="model")
-    if _number(body, "n", 1, 1, integer=True) not in (None, 1):
-        raise APIError("n must be 1", param="n")
+    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
+        raise APIError(f"n must be 1 (one choice per request), got {body.get('n')!r:.20}", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0, 0) not in (None, 0):
             raise APIError(f"{name} is not supported (0 only)", param=name)
