@@ -40,9 +40,9 @@ class FuzzReport:
     stopped: int = 0
 
 
-def _draw(rng: np.random.Generator, vocab: int, capacity: int, text: bool) -> dict[str, Any]:
+def _draw(rng: np.random.Generator, vocab: int, capacity: int, text: bool, longest: int) -> dict[str, Any]:
     prompt = rng.integers(3, vocab, int(rng.integers(1, capacity // 3))).tolist()
-    opts: dict[str, Any] = {"max_tokens": int(rng.integers(1, capacity - len(prompt) + 1))}
+    opts: dict[str, Any] = {"max_tokens": int(rng.integers(1, min(capacity - len(prompt), longest) + 1))}
     if rng.random() < 0.5:
         opts["sampling"] = {"do_sample": True, "temperature": float(rng.choice([0.5, 1.0, 1.5])),
                             "top_k": int(rng.choice([0, 5, 50])), "top_p": float(rng.choice([1.0, 0.9])),
@@ -78,7 +78,7 @@ def expected_events(engine: Engine, request: Request, tokens: list[int]) -> list
 
 
 def fuzz_arrivals(runner, seed: int, requests: int = 300, max_batch: int = 8, capacity: int = 48,
-                  arrival_span: int | None = None, abort_rate: float = 0.1) -> FuzzReport:
+                  arrival_span: int | None = None, abort_rate: float = 0.1, longest: int | None = None) -> FuzzReport:
     """Run ``requests`` random requests on an engine and compare each with its solo run.
 
     Args:
@@ -87,6 +87,7 @@ def fuzz_arrivals(runner, seed: int, requests: int = 300, max_batch: int = 8, ca
         requests, max_batch, capacity: how many requests; the engine's slots and positions.
         arrival_span: iterations over which arrivals spread (default: keeps the slots busy).
         abort_rate: the share of requests aborted after a random number of iterations.
+        longest: the most ``max_tokens`` drawn (default: what the capacity allows).
     """
     from core.session import Session
 
@@ -95,8 +96,9 @@ def fuzz_arrivals(runner, seed: int, requests: int = 300, max_batch: int = 8, ca
     vocab = runner.model.config.vocab_size
     text = runner.model.tokenizer is not None
     span = arrival_span or max(1, requests * capacity // (3 * max_batch))
-    plan = sorted(((int(rng.integers(0, span)), i, _draw(rng, vocab, capacity, text)) for i in range(requests)),
-                  key=lambda x: (x[0], x[1]))
+    draws = [(int(rng.integers(0, span)), i, _draw(rng, vocab, capacity, text, longest or capacity))
+             for i in range(requests)]
+    plan = sorted(draws, key=lambda x: (x[0], x[1]))
     aborts = {i: int(rng.integers(0, 12)) for i in range(requests) if rng.random() < abort_rate}
     report = FuzzReport(requests)
     got: dict[str, list[Event]] = {}

@@ -8,9 +8,6 @@ import concurrent.futures
 import http.client
 import json
 import re
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -30,46 +27,11 @@ from core.runtime.runner import Runner  # noqa: E402
 from core.serve import openai_api as api  # noqa: E402
 from core.session import Session  # noqa: E402
 from core.testing.arrivals import expected_events, solo_tokens  # noqa: E402
+from core.testing.serving import free_port, start_server, stop_server  # noqa: E402
 from core.testing.tiny_model import TinyConfig, make_tiny_model, write_byte_tokenizer  # noqa: E402
 
 CAPACITY = 2048
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(folder: Path, *flags: str, timeout: float = 120) -> tuple[subprocess.Popen, str]:
-    """``python -m core serve`` on a free loopback port; waits for /health 200."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "core", "serve", str(folder), "--port", str(port),
-                             "--log-level", "warning", *flags], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stdout.read().decode()[-2000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not become ready")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 def post(url: str, path: str, data: bytes) -> tuple[int, dict, dict]:
@@ -95,7 +57,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(folder):
-    proc, url = start_server(folder, "--max-batch", "8", "--capacity", str(CAPACITY), "--max-waiting", "64")
+    proc, url = start_server(folder, "--max-batch", "8", "--capacity", str(CAPACITY), "--max-waiting", "64", cwd=ROOT)
     yield url
     stop_server(proc)
 
@@ -221,7 +183,7 @@ def test_openai_client_raises_bad_request(folder, client):
 
 
 def test_full_queue_is_a_429_with_retry_after(folder):
-    proc, url = start_server(folder, "--max-batch", "1", "--capacity", str(CAPACITY), "--max-waiting", "1")
+    proc, url = start_server(folder, "--max-batch", "1", "--capacity", str(CAPACITY), "--max-waiting", "1", cwd=ROOT)
     try:
         long = {"model": folder.name, "prompt": "x", "max_tokens": CAPACITY - 8, "stream": True}
         holders = []
@@ -253,7 +215,7 @@ def test_health_is_503_until_loaded_and_the_api_key_is_checked(folder):
         return Engine(Runner(folder, "cpu_reference"), max_batch=2, capacity=64).start()
 
     server = Server(load, "tiny", api_key="sekret")
-    port = _free_port()
+    port = free_port()
     web = uvicorn.Server(uvicorn.Config(make_app(server), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=web.run, daemon=True)
     thread.start()
