@@ -29,6 +29,7 @@ class FuzzReport:
         buckets: decode batch sizes the engine ran.
         max_running: the most requests that held a slot at once.
         aborted, sampled, stopped: requests aborted, sampling, ended by a stop rule.
+        captures, replays: decode graphs the engine captured and replayed (a provider that captures).
     """
 
     requests: int = 0
@@ -38,6 +39,8 @@ class FuzzReport:
     aborted: int = 0
     sampled: int = 0
     stopped: int = 0
+    captures: int = 0
+    replays: int = 0
 
 
 def _draw(rng: np.random.Generator, vocab: int, capacity: int, text: bool, longest: int) -> dict[str, Any]:
@@ -125,6 +128,7 @@ def fuzz_arrivals(runner, seed: int, requests: int = 300, max_batch: int = 8, ca
         report.max_running = max(report.max_running, engine.running)
         it += 1
     engine.shutdown()
+    report.captures, report.replays = engine.counters.captures, engine.counters.replays
     session = Session(runner, batch=1, capacity=capacity, kv_policy="fixed")
     try:
         for req in made:
