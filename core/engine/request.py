@@ -4,11 +4,11 @@ A :class:`Request` is batch-agnostic: it knows nothing of slots, buckets or the 
 engine feeds it one chosen token at a time (:meth:`Request.feed`) and publishes what comes back
 as :class:`Event` objects to the request's sink.
 
-**Text.** The text of a request is always ``tokenizer.decode(output_ids)``; an event carries what
-became final since the last one (:class:`core.generation.stream.IncrementalDetokenizer`): a
-trailing incomplete UTF-8 sequence is held back, and so are the last ``len(longest stop) - 1``
-characters while stop strings could still begin there. Released text is never taken back, and
-the concatenated event texts equal the final text.
+**Text.** The text of a request is ``tokenizer.decode(output_ids)``; an event carries what
+became final since the last one (:class:`core.engine.detok.WindowDetokenizer`, a cost per token
+that does not grow with the output): a trailing incomplete UTF-8 sequence is held back, and so
+are the last ``len(longest stop) - 1`` characters while stop strings could still begin there.
+Released text is never taken back, and the concatenated event texts equal the final text.
 
 **Stop rules**, checked in this order after each token: an EOS id of the model ("stop", the token
 kept, as OpenAI reports it), a stop token id ("stop"), a stop string anywhere in the text so far
@@ -25,9 +25,9 @@ from typing import Any, Callable, Sequence
 import attrs
 import numpy as np
 
+from core.engine.detok import WindowDetokenizer
 from core.generation import sampling as sampling_mod
 from core.generation.sampling import SamplingParams
-from core.generation.stream import IncrementalDetokenizer
 from core.session import RequestError, token_row
 
 #: How a request can end.
@@ -125,7 +125,7 @@ class Request:
         self.stop_strings, self.stop_token_ids, self.eos_ids = stop_strings, stop_token_ids, eos_ids
         self.sink = sink
         hold = max((len(s) for s in stop_strings), default=1) - 1
-        self.detok = IncrementalDetokenizer(tokenizer, hold)
+        self.detok = WindowDetokenizer(tokenizer, hold)
         self.output_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None

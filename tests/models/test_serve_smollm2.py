@@ -54,3 +54,20 @@ def test_openai_chat_on_smollm2_equals_solo(fp32_model_dir):
         events = expected_events(engine, req, solo_tokens(session, req))
         assert text == "".join(e.text for e in events) and text
         assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), sum(len(e.token_ids) for e in events))
+
+
+@pytest.mark.parametrize("text", ["東京は日本の首都です。", "Party time 🎉🥳 with family 👨‍👩‍👧‍👦 and flags 🇫🇷!",
+                                  "混合 text: 한국어, Ελληνικά, emoji 👍🏽 and ∑ math", "  spaced\n\tout  "])
+def test_window_detokenizer_on_smollm2(fp32_model, text):
+    from core.engine.detok import WindowDetokenizer
+
+    tok = fp32_model.tokenizer
+    ids = tok.encode(text)
+    d = WindowDetokenizer(tok, holdback=2)
+    parts = []
+    for t in ids:
+        d.add(t)
+        parts.append(d.release())
+    parts.append(d.finish())
+    assert "".join(parts) == tok.decode(ids) == text
+    assert not any("\ufffd" in p for p in parts)

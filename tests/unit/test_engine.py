@@ -137,3 +137,27 @@ def test_a_failing_sink_aborts_only_its_request(runner):
     engine.run_until_idle()
     assert bad.finish_reason == "abort"
     assert list(good)[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_window_detokenizer_joins_to_the_full_decode(runner, seed):
+    import numpy as np
+
+    from core.engine.detok import WindowDetokenizer
+
+    tok = runner.model.tokenizer
+    rng = np.random.default_rng(seed)
+    text = "".join(rng.choice(["a", " b", "é", "€", "😀", "東京", "\n"], 40))
+    ids = list(text.encode())
+    if seed % 2:  # and raw random bytes: invalid sequences decode to U+FFFD in both
+        ids = rng.integers(0, 256, 80).tolist()
+    d = WindowDetokenizer(tok, holdback=seed % 3)
+    parts = []
+    for t in ids:
+        d.add(t)
+        parts.append(d.release())
+        assert not parts[-1].endswith("\ufffd") or seed % 2
+    parts.append(d.finish())
+    assert "".join(parts) == d.text == tok.decode(ids)
+    if not seed % 2:
+        assert d.text == text and not any("\ufffd" in p for p in parts)
