@@ -11,7 +11,9 @@ command queue (add, abort, shutdown). Each iteration of the loop:
    chooses its first token;
 3. runs one decode step of the smallest bucket covering the running rows and feeds each
    request its token (:meth:`~core.engine.request.Request.feed`); a request that ends frees
-   its slot at once, so the next iteration can admit into it;
+   its slot at once, so the next iteration can admit into it. Running ahead (the default), the
+   next step is queued before this one is read, so the device never waits for the host; a
+   step's tokens go only to rows that held their slot when it was queued and still hold it;
 4. publishes the events to each request's sink.
 
 **Solo equivalence.** A request's tokens equal the same request run alone (a batch-1
@@ -33,6 +35,7 @@ from core.engine.request import Event, Request, Sink, make_request
 from core.engine.scheduler import Scheduler
 from core.engine.slots import SlotState
 from core.runtime.kv import round_capacity
+from core.runtime.step import step_output
 from core.session import RequestError
 
 log = logging.getLogger("lockstep")
@@ -77,13 +80,16 @@ class Engine:
         max_waiting: requests that may wait for a slot; :meth:`add` refuses more.
         prefill_tokens: prompt tokens admitted per iteration (at least one request).
         capture: graph capture of the decode buckets (None: where the provider supports it).
+        run_ahead: queue the next decode step before reading the last one's tokens, so the
+            device runs while the host feeds the requests (a row that ended meanwhile computes
+            one more step, whose token is dropped).
 
     Raises:
         RequestError: a bad ``max_batch``, ``capacity`` or ``max_waiting``.
     """
 
     def __init__(self, runner, max_batch: int = 8, capacity: int | None = None, max_waiting: int = 256,
-                 prefill_tokens: int = 2048, capture: bool | None = None):
+                 prefill_tokens: int = 2048, capture: bool | None = None, run_ahead: bool = True):
         context = runner.model.config.context_length
         for name, value in (("max_batch", max_batch), ("max_waiting", max_waiting), ("prefill_tokens", prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -102,6 +108,8 @@ class Engine:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._next: tuple | None = None  # a command the idle loop woke up on
+        self.run_ahead = bool(run_ahead)
+        self._queued_steps: list[tuple[dict[int, Request], Any]] = []  # (rows at queue time, download)
 
     # -- any thread ---------------------------------------------------------------------------
     @property
@@ -202,7 +210,7 @@ class Engine:
             return
         for batch in self.scheduler.buckets:
             for _ in range(2):  # a warm-up step, then the capture (and its replay)
-                self.slots.decode(batch, set())
+                self.slots.decode(batch, set()).wait()
 
     def run_once(self) -> bool:
         """One iteration (module docstring): commands, admission and prefills, one decode step,
@@ -268,6 +276,9 @@ class Engine:
         self.scheduler.waiting.clear()
         with self._lock:
             self._queued = 0
+        for _, download in self._queued_steps:  # their device work runs anyway; read to free the copies
+            download.wait()
+        self._queued_steps.clear()
         self.slots.close()
 
     def _prefill(self, req: Request, slot: int, events: list) -> None:
@@ -281,17 +292,32 @@ class Engine:
         self._feed(req, slot, int(out.tokens[0]), bool(out.errors[0]), events)
 
     def _decode(self, events: list) -> None:
-        running = dict(self.scheduler.running)
+        """Queue a step (and, running ahead, the next one), read the oldest queued step and feed
+        the rows that held their slot when it was queued and still hold it."""
         try:
-            out = self.slots.decode(self.scheduler.bucket(), set(running))
+            if not self._queued_steps:
+                self._queue_step()
+            if self.run_ahead and len(self._queued_steps) < 2:
+                self._queue_step()
+            rows, download = self._queued_steps.pop(0)
+            out = step_output(download.wait())
         except Exception as exc:  # noqa: BLE001 - the rows fail, the engine serves on
             log.exception("decode step failed")
-            for slot, req in running.items():
+            self._queued_steps.clear()
+            for slot, failed in dict(self.scheduler.running).items():
                 self.scheduler.release(slot)
-                events.append((req, req.finish("error", error=f"decode step failed: {exc}")))
+                events.append((failed, failed.finish("error", error=f"decode step failed: {exc}")))
             return
-        for slot, req in running.items():
+        for slot, req in rows.items():
+            if self.scheduler.running.get(slot) is not req:
+                continue  # ended (or aborted) after this step was queued: the slot's token is dropped
             self._feed(req, slot, int(out.tokens[slot]), bool(out.errors[slot]), events)
+
+    def _queue_step(self) -> None:
+        running = dict(self.scheduler.running)
+        if self._queued_steps:
+            self.counters.run_ahead_steps += 1
+        self._queued_steps.append((running, self.slots.decode(self.scheduler.bucket(), set(running))))
 
     def _feed(self, req: Request, slot: int, token: int, error: bool, events: list) -> None:
         event = req.feed(token, error)

@@ -18,6 +18,11 @@ view (basic slicing of the leading axis, a view on numpy and CuPy alike):
 A row's numbers depend only on its own prompt, options and position: the prefill computes it
 alone, and every decode kernel is batch invariant, so its tokens are those of a batch-1 run.
 
+**Run-ahead.** A decode step is queued and its result downloaded asynchronously (the
+provider's ``download_async``), so the engine can queue the next step before it reads this
+one; every host write here (a prefill, a lane reset) is queued behind the steps already
+queued, on the provider's one stream.
+
 **Padded lanes.** A free slot below the bucket steps with the others: it feeds token 0 at its
 own length into its own (free) KV slot, positions no live row reads, and its token is
 ignored. Its length is reset to 0 before it would reach the capacity (host writes of its
@@ -148,9 +153,10 @@ class SlotState:
         self.counters.prefill_tokens += n
         return steps.step_output(p.download(row.result))
 
-    def decode(self, batch: int, live: set[int]) -> StepOutput:
-        """One decode step of rows ``[0, batch)`` (a bucket); ``live`` are the occupied slots
-        (the others are padded lanes). Returns every lane's token."""
+    def decode(self, batch: int, live: set[int]) -> Any:
+        """Queue one decode step of rows ``[0, batch)`` (a bucket); ``live`` are the occupied
+        slots (the others are padded lanes). Returns the download of every lane's result: its
+        ``wait()`` gives int32 ``[batch, 2]`` (:func:`core.runtime.step.step_output` reads it)."""
         for s in range(batch):
             if s not in live and self.lane_len[s] >= self.capacity - 1:
                 self._set_length(s, 0)
@@ -161,7 +167,7 @@ class SlotState:
         self.runner.outputs_owner = self
         self.lane_len[:batch] += 1
         self.counters.decode_steps += 1
-        return steps.step_output(steps.start_read(bucket).wait())
+        return steps.start_read(bucket)
 
     def _set_length(self, slot: int, n: int) -> None:
         row, p = self._rows[slot], self.provider

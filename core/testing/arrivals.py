@@ -81,7 +81,8 @@ def expected_events(engine: Engine, request: Request, tokens: list[int]) -> list
 
 
 def fuzz_arrivals(runner, seed: int, requests: int = 300, max_batch: int = 8, capacity: int = 48,
-                  arrival_span: int | None = None, abort_rate: float = 0.1, longest: int | None = None) -> FuzzReport:
+                  arrival_span: int | None = None, abort_rate: float = 0.1, longest: int | None = None,
+                  run_ahead: bool = True) -> FuzzReport:
     """Run ``requests`` random requests on an engine and compare each with its solo run.
 
     Args:
@@ -91,11 +92,13 @@ def fuzz_arrivals(runner, seed: int, requests: int = 300, max_batch: int = 8, ca
         arrival_span: iterations over which arrivals spread (default: keeps the slots busy).
         abort_rate: the share of requests aborted after a random number of iterations.
         longest: the most ``max_tokens`` drawn (default: what the capacity allows).
+        run_ahead: the engine's ``run_ahead``.
     """
     from core.session import Session
 
     rng = np.random.default_rng(seed)
-    engine = Engine(runner, max_batch=max_batch, capacity=capacity, max_waiting=requests, capture=None)
+    engine = Engine(runner, max_batch=max_batch, capacity=capacity, max_waiting=requests, capture=None,
+                    run_ahead=run_ahead)
     vocab = runner.model.config.vocab_size
     text = runner.model.tokenizer is not None
     span = arrival_span or max(1, requests * capacity // (3 * max_batch))

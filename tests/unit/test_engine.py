@@ -161,3 +161,15 @@ def test_window_detokenizer_joins_to_the_full_decode(runner, seed):
     assert "".join(parts) == d.text == tok.decode(ids)
     if not seed % 2:
         assert d.text == text and not any("\ufffd" in p for p in parts)
+
+
+@pytest.mark.parametrize("run_ahead", [True, False])
+def test_run_ahead_queues_the_next_step_and_drops_its_extra_token(runner, run_ahead):
+    engine = Engine(runner, max_batch=2, capacity=32, run_ahead=run_ahead)
+    handle = engine.submit([3, 4, 5], max_tokens=10)
+    engine.run_until_idle()
+    tokens = [t for e in handle for t in e.token_ids]
+    assert tokens == solo_tokens(Session(runner, batch=1, capacity=32, kv_policy="fixed"), handle.request)
+    # 9 decode steps give tokens 2..10; running ahead, one more was queued before the last was read
+    assert engine.counters.decode_steps == 9 + run_ahead
+    assert (engine.counters.run_ahead_steps > 0) == run_ahead

@@ -51,9 +51,10 @@ def test_every_request_equals_its_solo_run(folder):
     assert report.aborted >= 10 and report.sampled >= 100 and report.stopped >= 5
 
 
-def test_small_buckets_and_sparse_arrivals(folder):
+@pytest.mark.parametrize("run_ahead", [True, False])
+def test_small_buckets_and_sparse_arrivals(folder, run_ahead):
     report = fuzz_arrivals(Runner(folder, "cpu_reference"), seed=7, requests=40, max_batch=4, capacity=32,
-                           arrival_span=400)
+                           arrival_span=400, run_ahead=run_ahead)
     assert report.mismatches == []
     assert 1 in report.buckets and 2 in report.buckets
 
