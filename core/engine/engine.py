@@ -198,8 +198,21 @@ class Engine:
         while True:
             if not self.busy():
                 self._next = self._commands.get()  # sleep until a command comes
-            if not self.run_once():
-                return
+            try:
+                if not self.run_once():
+                    return
+            except Exception as exc:  # noqa: BLE001 - a bug fails the requests in flight, not the server
+                log.exception("engine iteration failed")
+                self._fail_all(f"engine error: {exc}")
+
+    def _fail_all(self, reason: str) -> None:
+        """End every running request with "error" (events published) and drop the queued steps."""
+        events = []
+        self._queued_steps.clear()
+        for slot, req in dict(self.scheduler.running).items():
+            self.scheduler.release(slot)
+            events.append((req, req.finish("error", error=reason)))
+        self._publish(events)
 
     def warm_up(self) -> None:
         """Capture every decode bucket now (where the provider captures), so no request waits

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from core.engine import Engine, Event, QueueFullError
+from core.engine import Engine, EngineClosedError, Event, QueueFullError
 from core.engine.request import Request as EngineRequest
 from core.models.model import ModelError
 from core.serve import openai_api as api
@@ -165,6 +165,8 @@ async def _complete(server: Server, request: Request, chat: bool) -> Response:
             server.metrics.rejected.labels("queue_full").inc()
             raise api.APIError(str(exc), status=429, kind="rate_limit_error",
                                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineClosedError as exc:
+            raise api.APIError(str(exc), status=503, kind="server_error") from None
     except api.APIError as exc:
         if exc.status == 400:
             server.metrics.rejected.labels("bad_request").inc()

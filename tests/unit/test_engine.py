@@ -173,3 +173,39 @@ def test_run_ahead_queues_the_next_step_and_drops_its_extra_token(runner, run_ah
     # 9 decode steps give tokens 2..10; running ahead, one more was queued before the last was read
     assert engine.counters.decode_steps == 9 + run_ahead
     assert (engine.counters.run_ahead_steps > 0) == run_ahead
+
+
+def test_a_failing_decode_step_fails_its_rows_and_the_engine_serves_on(runner, monkeypatch):
+    engine = Engine(runner, max_batch=2, capacity=32)
+    doomed = engine.submit([3, 4], max_tokens=8)
+    engine.run_once()  # admitted and prefilled, one step
+    real = engine.slots.decode
+
+    def broken(*args):
+        raise RuntimeError("device fault")
+    monkeypatch.setattr(engine.slots, "decode", broken)
+    engine.run_once()
+    assert doomed.request.finish_reason == "error" and engine.running == 0
+    monkeypatch.setattr(engine.slots, "decode", real)
+    after = engine.submit([3, 4], max_tokens=8)
+    engine.run_until_idle()
+    tokens = [t for e in after for t in e.token_ids]
+    assert tokens == solo_tokens(Session(runner, batch=1, capacity=32, kv_policy="fixed"), after.request)
+
+
+def test_session_batch_equals_the_engine_bitwise(runner):
+    """The fixed-batch Session and the engine give the same tokens for the same rows (both are
+    each row's solo run): Session(batch=4) against four requests arriving together."""
+    rows = [[5, 6, 7], [9], [11, 12, 13, 14, 15, 16], [20, 21]]
+    sampling = [None, {"do_sample": True, "temperature": 0.9, "seed": 3}, None,
+                {"do_sample": True, "top_k": 5, "seed": 8}]
+    session = Session(runner, batch=4, capacity=32, kv_policy="fixed")
+    out = session.prefill(rows, sampling)
+    batch = [out.tokens]
+    for _ in range(11):
+        batch.append(session.step().tokens)
+    engine = Engine(runner, max_batch=4, capacity=32)
+    handles = [engine.submit(r, max_tokens=12, sampling=s) for r, s in zip(rows, sampling)]
+    engine.run_until_idle()
+    for b, h in enumerate(handles):
+        assert [t for e in h for t in e.token_ids] == [int(step[b]) for step in batch]
