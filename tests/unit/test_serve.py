@@ -245,3 +245,14 @@ def test_health_is_503_until_loaded_and_the_api_key_is_checked(folder):
         release.set()
         web.should_exit = True
         thread.join(20)
+
+
+def test_metrics_count_what_was_served(folder, server, client):
+    before = metric(server, "lockstep_generation_tokens_total")
+    client.completions.create(model=folder.name, prompt="count me", max_tokens=5)
+    assert metric(server, "lockstep_generation_tokens_total") == before + 5
+    for name in ("lockstep_time_to_first_token_seconds_count", "lockstep_inter_token_latency_seconds_count",
+                 "lockstep_request_latency_seconds_count", "lockstep_prompt_tokens_total"):
+        assert metric(server, name) > 0, name
+    assert metric(server, "lockstep_queue_depth") == 0 and metric(server, "lockstep_slot_usage") == 0
+    assert metric(server, 'lockstep_requests_total{finish_reason="length"}') > 0
