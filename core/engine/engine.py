@@ -14,7 +14,8 @@ command queue (add, abort, shutdown). Each iteration of the loop:
    its slot at once, so the next iteration can admit into it. Running ahead (the default), the
    next step is queued before this one is read, so the device never waits for the host; a
    step's tokens go only to rows that held their slot when it was queued and still hold it;
-4. publishes the events to each request's sink.
+4. publishes the events to each request's sink (a prefill's first token before the decode
+   step, so the time to first token does not include it).
 
 **Solo equivalence.** A request's tokens equal the same request run alone (a batch-1
 :class:`~core.session.Session` with the same capacity, options and seed), whatever else runs:
@@ -236,6 +237,8 @@ class Engine:
             with self._lock:
                 self._queued -= 1
             self._prefill(req, slot, events)
+        self._publish(events)  # first tokens out now, not a decode step later
+        events = []
         if self.scheduler.running:
             self._decode(events)
         self._publish(events)
