@@ -375,6 +375,24 @@ def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
     return _interrupted(a, result) if interrupted else _report(a, result)
 
 
+def cmd_serve(a) -> int:
+    """``lockstep serve``: an OpenAI-compatible server over the engine (core.serve, docs/serving.md)."""
+    from core.plugins import get_provider
+    from core.session import RequestError
+
+    try:
+        from core.serve.server import build_server, serve
+    except ImportError as exc:
+        raise RequestError(f"lockstep serve needs the serve extra ({exc.name} is missing): "
+                           'pip install -e ".[serve]"') from None
+    get_provider(a.provider)
+    model = _resolve_model(a.model, a.provider)
+    server = build_server(model, a.provider, a.max_batch, a.capacity, a.max_waiting, False if a.no_capture else None,
+                          a.model_name or Path(a.model or DEFAULT_MODEL).name, a.api_key)
+    serve(server, a.host, a.port, a.log_level)
+    return 0
+
+
 def cmd_chat(a) -> int:
     from core.generation.chat import Conversation
     from core.generation.generate import check_request
@@ -640,6 +658,24 @@ def build_parser() -> argparse.ArgumentParser:
     _threads_arg(c)
     _sampling_args(c, stop=False)
     c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    s.add_argument("model", nargs="?", help="builder folder, Hugging Face folder, .gguf file or model name "
+                   "(default: smollm2-135m)")
+    s.add_argument("--provider", default="cpu_reference", help="execution provider (default: %(default)s)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    s.add_argument("--max-batch", type=_positive_int, default=64, help="KV slots: requests decoded at once "
+                   "(default: %(default)s)")
+    s.add_argument("--capacity", type=_positive_int, default=None, help="KV positions per slot, prompt plus "
+                   "max_tokens (default: 2048, at most the model context)")
+    s.add_argument("--max-waiting", type=_positive_int, default=256, help="requests queued for a slot before "
+                   "answering 429 (default: %(default)s)")
+    s.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 routes")
+    s.add_argument("--model-name", help="the name clients pass as model (default: MODEL's last path part)")
+    s.add_argument("--no-capture", action="store_true", help="never capture decode steps")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=cmd_serve)
 
     q = sub.add_parser("prepare", help="build a model variant with the ONNX Runtime GenAI builder",
                        epilog="known models: " + ", ".join(MODELS) + " (lockstep prepare --list shows "

@@ -1,0 +1,176 @@
+"""The engine's device side: a KV cache of fixed slots, row prefills and bucketed decode steps.
+
+One :class:`~core.runtime.state.DecodeState` of ``slots`` rows and ``capacity`` positions (fixed
+policy, every page committed up front) holds the persistent buffers: KV, ``input_ids``,
+``attention_mask``, ``result``, ``positions``, ``lengths_dev`` and the per-row sampling buffers.
+Every piece of it is laid out row-major along the batch axis (the KV in both layouts:
+``[B, Nkv, C, H]`` and ``[B, C, Nkv, H]``), so rows ``[a, b)`` of each buffer are one contiguous
+view (basic slicing of the leading axis, a view on numpy and CuPy alike):
+
+- **a row prefill** runs the plan at batch 1 on the views of row ``s`` (its KV written in place
+  in the slot, :func:`core.runtime.prompts.run_prompts`), then chooses the first token into
+  ``result[s]`` and sets the row's length and mask; the other rows are not touched;
+- **a decode step of bucket b** runs :func:`core.runtime.step.decode_step` on the views of rows
+  ``[0, b)`` with its own IO binding and :class:`~core.runtime.capture.CapturedStep` (one graph
+  per bucket where the provider captures); sampling is always ``device_sample`` (a greedy row
+  is flagged so and gets exactly ``device_argmax``'s token), so no request recaptures.
+
+A row's numbers depend only on its own prompt, options and position: the prefill computes it
+alone, and every decode kernel is batch invariant, so its tokens are those of a batch-1 run.
+
+**Run-ahead.** A decode step is queued and its result downloaded asynchronously (the
+provider's ``download_async``), so the engine can queue the next step before it reads this
+one; every host write here (a prefill, a lane reset) is queued behind the steps already
+queued, on the provider's one stream.
+
+**Padded lanes.** A free slot below the bucket steps with the others: it feeds token 0 at its
+own length into its own (free) KV slot, positions no live row reads, and its token is
+ignored. Its length is reset to 0 before it would reach the capacity (host writes of its
+length and mask row), so it never writes outside its slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+
+from core.counters import Counters
+from core.generation import sampling as sampling_mod
+from core.generation.sampling import SamplingParams
+from core.protocol import SamplingTensors
+from core.runtime import prompts
+from core.runtime import step as steps
+from core.runtime.capture import CapturedStep
+from core.runtime.state import DecodeState
+from core.runtime.step import StepOutput
+
+
+@attrs.define
+class _KVRows:
+    """The KV views of some rows, as :func:`core.runtime.prompts.run_prompts` reads a cache."""
+
+    layers: list
+    dtype: Any
+    layers_count: int
+    geometry: Any
+
+
+class _Rows:
+    """Rows ``[start, stop)`` of the slot buffers, shaped like a decode state for the step
+    functions of :mod:`core.runtime.step` and :mod:`core.runtime.prompts`."""
+
+    def __init__(self, slots: SlotState, start: int, stop: int):
+        st, n = slots.state, stop - start
+        self.runner, self.counters, self.batch = st.runner, slots.counters, n
+        rows = slice(start, stop)
+        self.input_ids, self.attention_mask = st.input_ids[rows], st.attention_mask[rows]
+        self.result, self.positions, self.lengths_dev = st.result[rows], st.positions[rows], st.lengths_dev[rows]
+        s = st.sampling
+        self.sampling = None if s is None else SamplingTensors(s.params[rows], s.options[rows], s.history[rows])
+        geo = attrs.evolve(st.kv.geometry, batch=n)
+        self.kv = _KVRows([(k[rows], v[rows]) for k, v in st.kv.layers], st.kv.dtype, st.kv.layers_count, geo)
+        self.logits: Any = None
+
+
+class _Bucket(_Rows):
+    """Rows ``[0, batch)`` with their own decode binding and captured step."""
+
+    def __init__(self, slots: SlotState, batch: int, capture: bool | None):
+        super().__init__(slots, 0, batch)
+        runner, cfg = self.runner, self.runner.model.config
+        p = runner.provider
+        self.binding = p.io_binding(runner.plan)
+        self.binding.bind_input("input_ids", self.input_ids)
+        self.binding.bind_input("attention_mask", self.attention_mask)
+        for i, (k, v) in enumerate(self.kv.layers):
+            self.binding.bind_input(cfg.past_key % i, k)
+            self.binding.bind_input(cfg.past_value % i, v)
+            self.binding.bind_output(cfg.present_key % i, k)
+            self.binding.bind_output(cfg.present_value % i, v)
+        self.capture = CapturedStep(p, runner.plan, lambda: steps.decode_step(self), self.key, capture,
+                                    slots.counters, meter=runner.stream_meter)
+
+    def key(self) -> tuple:
+        """What the captured graph bakes in (the views are made once, so their ids are stable)."""
+        buffers = [self.input_ids, self.attention_mask, self.result, self.positions, self.lengths_dev]
+        if self.sampling is not None:
+            buffers += [self.sampling.params, self.sampling.options, self.sampling.history]
+        buffers += [t for pair in self.kv.layers for t in pair]
+        return (self.batch, self.kv.geometry.capacity, id(self.runner.plan), id(self.runner.residency),
+                tuple(id(b) for b in buffers))
+
+
+class SlotState:
+    """``slots`` KV rows of ``capacity`` positions on a Runner, with row prefill and bucketed decode.
+
+    Args:
+        runner: the :class:`~core.runtime.runner.Runner` (the engine's owner thread alone drives it).
+        slots: rows (the engine's ``max_batch``).
+        capacity: KV positions per row.
+        capture: graph capture of decode steps (None: where the provider supports it).
+        counters: the engine's :class:`~core.counters.Counters`.
+
+    Raises:
+        core.runtime.kv.KVFullError / core.runtime.residency.BudgetError: the cache does not fit.
+    """
+
+    def __init__(self, runner, slots: int, capacity: int, capture: bool | None, counters: Counters):
+        self.runner, self.slots, self.capacity, self.counters = runner, slots, capacity, counters
+        self.provider = runner.provider
+        self.state = DecodeState(runner, slots, capacity, capacity, "fixed", False, counters)
+        self.state.reserve(capacity)  # every page backed now: no commit ever happens mid-step
+        self.can_sample = hasattr(self.provider, "device_sample")
+        if self.can_sample:
+            self.state.set_sampling(*sampling_mod.pack([SamplingParams()] * slots))
+        self.lane_len = np.zeros(slots, np.int64)  # host mirror of lengths_dev
+        self.capture = capture
+        self._buckets: dict[int, _Bucket] = {}
+        self._rows = [_Rows(self, s, s + 1) for s in range(slots)]
+
+    def close(self) -> None:
+        """Give the KV bytes back to the runner's accounting (the buffers go with this object)."""
+        self.runner.kv_device_bytes -= self.state.kv.device_bytes
+        self._buckets.clear()
+
+    def prefill(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> StepOutput:
+        """Run ``prompt_ids`` into ``slot`` at batch 1 and choose its first token; sets the
+        row's sampling options, history, length and mask. Returns the token ([1] arrays)."""
+        p, row = self.provider, self._rows[slot]
+        if row.sampling is not None:
+            f, i = sampling_mod.pack([sampling])
+            p.write(row.sampling.params, f)
+            p.write(row.sampling.options, i)
+            hist = np.zeros(row.sampling.history.shape, np.uint8)
+            hist[0, np.asarray(prompt_ids, np.int64)] = 1
+            p.write(row.sampling.history, hist)
+        n = len(prompt_ids)
+        row.logits, positions = prompts.run_prompts(row, [prompt_ids], False, "off")
+        steps.select(row, positions, p.upload(np.array([n], np.int32)), None)
+        self.runner.outputs_owner = self
+        self._set_length(slot, n)
+        self.counters.prefill_tokens += n
+        return steps.step_output(p.download(row.result))
+
+    def decode(self, batch: int, live: set[int]) -> Any:
+        """Queue one decode step of rows ``[0, batch)`` (a bucket); ``live`` are the occupied
+        slots (the others are padded lanes). Returns the download of every lane's result: its
+        ``wait()`` gives int32 ``[batch, 2]`` (:func:`core.runtime.step.step_output` reads it)."""
+        for s in range(batch):
+            if s not in live and self.lane_len[s] >= self.capacity - 1:
+                self._set_length(s, 0)
+        bucket = self._buckets.get(batch)
+        if bucket is None:
+            bucket = self._buckets[batch] = _Bucket(self, batch, self.capture)
+        bucket.capture.run(self.counters)
+        self.runner.outputs_owner = self
+        self.lane_len[:batch] += 1
+        self.counters.decode_steps += 1
+        return steps.start_read(bucket)
+
+    def _set_length(self, slot: int, n: int) -> None:
+        row, p = self._rows[slot], self.provider
+        p.write(row.lengths_dev, np.array([n], np.int32))
+        p.write(row.attention_mask, (np.arange(self.capacity) < n).astype(np.int64)[None, :])
+        self.lane_len[slot] = n
