@@ -23,7 +23,7 @@ from core.executor import Plan
 from core.models.model import Model, load_model
 from core.plugins import get_provider
 from core.runtime import kv as kvgeo
-from core.runtime import residency, streaming
+from core.runtime import residency, ring, streaming
 
 log = logging.getLogger("lockstep")
 
@@ -73,6 +73,8 @@ class Runner:
             raise kvgeo.KVLayoutError(f"provider {self.provider.name!r} does not support KV layout {kv_layout!r}")
         self.model = model if isinstance(model, Model) else load_model(model)
         self.kv_layout = kv_layout
+        #: per layer, the window of its ring KV cache or 0 (core.runtime.ring, docs/kv-geometry.md)
+        self.kv_windows = ring.layer_windows(self.model.graph, self.model.config)
         before = getattr(self.provider, "uploaded_bytes", 0)
         self.plan = Plan(self.model.graph, self.model.initializers, self.provider, kv_layout)
         self.weight_upload_bytes = getattr(self.provider, "uploaded_bytes", 0) - before
