@@ -161,3 +161,16 @@ def test_windowed_continuation_is_exact_within_the_rewind_limit_and_refused_past
     alone = _session(model, 1).stream([PROMPTS[2]], max_new_tokens=8)
     alone.run()
     assert again.rows[0].output_ids == alone.rows[0].output_ids
+
+
+def test_windowed_rewind_past_the_ring_is_refused_and_changes_nothing(default_dirs):
+    model = load_model(default_dirs("mistral"))
+    session = _session(model, 1)
+    decode(session, [PROMPTS[0]], 30)
+    limit = session.state.kv.rewind_limit
+    length = int(session.state.lengths[0])
+    with pytest.raises(RequestError, match="ring"):
+        session.rewind([length - limit - 1])
+    assert int(session.state.lengths[0]) == length
+    session.rewind([length - limit])  # at the limit: exact, the next steps run
+    session.step()
