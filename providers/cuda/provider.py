@@ -306,6 +306,7 @@ class CudaProvider(ProviderBase):
                 "gemm_pipeline": _mma.PIPELINE, "gemm_wide": _mma.WIDE, "gemm_split": _mma.SPLIT,
                 "gemm_token_tiles": _mma.TOKEN_TILES, "attn_hint": on[group_query_attention.HINT],
                 "attn_static_head": on[group_query_attention.STATIC_HEAD],
+                "attn_ring": on[group_query_attention.RING],
                 "norm_fusion": on[rms_norm_matmul.enabled()],
                 "norm_fusion_int4": on[rms_norm_matmul.int4_enabled()], "eager_replay": on[self.eager_replay]}
 

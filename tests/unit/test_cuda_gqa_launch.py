@@ -80,3 +80,15 @@ def test_cuda_runs_windowed_nodes_and_refuses_a_ring_without_a_window():
 
     assert gqa.supports(node(sliding_window_cache=1, local_window_size=24))
     assert "a ring needs a window > 0" in gqa.support_reason(node(sliding_window_cache=1, local_window_size=-1))
+
+
+def test_ring_switch_off_refuses_windowed_nodes_with_what_to_do(monkeypatch):
+    from types import SimpleNamespace
+
+    ins = ("qkv", "", "", "pk", "pv", "s", "t", "cos", "sin")
+    node = SimpleNamespace(attrs={"num_heads": 4, "kv_num_heads": 2, "do_rotary": 1, "sliding_window_cache": 1,
+                                  "local_window_size": 24}, inputs=ins, outputs=("o", "pk", "pv"),
+                           input_dtypes=(np.float16,) * len(ins), name="attn")
+    assert gqa.supports(node)
+    monkeypatch.setattr(gqa, "RING", False)
+    assert not gqa.supports(node) and "windowed_kv_cache=false" in gqa.support_reason(node)

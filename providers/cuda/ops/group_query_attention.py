@@ -68,13 +68,18 @@ def stats() -> dict:
     return dict(_counts)
 
 
+#: Whether sliding_window_cache=1 nodes run on their ring (``LOCKSTEP_CUDA_ATTN_RING``, default
+#: on); off, they are refused at load with what to do (core.opdefs.gqa_unsupported).
+RING = env.switch("LOCKSTEP_CUDA_ATTN_RING")
+
+
 def supports(node) -> bool:
-    return not gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True, any_norm_dtype=False, ring=True)
+    return not gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True, any_norm_dtype=False, ring=RING)
 
 
 def support_reason(node) -> str | None:
     return "; ".join(gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True, any_norm_dtype=False,
-                                     ring=True)) or None
+                                     ring=RING)) or None
 
 
 def replay_key(ctx, *inputs) -> tuple:
