@@ -132,7 +132,7 @@ def gate_view(node) -> SimpleNamespace:
 
 # -- GroupQueryAttention (com.microsoft, docs/ops.md 1) -------------------------------------
 def gqa_unsupported(node, interleaved: bool = True, bias: bool = True, qk_norm: bool = False,
-                    any_norm_dtype: bool = True) -> list[str]:
+                    any_norm_dtype: bool = True, ring: bool = False) -> list[str]:
     """The attributes, inputs and dtypes of a GroupQueryAttention node outside what the
     built-in kernels run (empty: supported), each as ``what=value (meaning)``.
 
@@ -143,13 +143,22 @@ def gqa_unsupported(node, interleaved: bool = True, bias: bool = True, qk_norm: 
             ``qk_norm_epsilon``, overridden per side by ``q_norm_epsilon`` / ``k_norm_epsilon``).
         any_norm_dtype: the q/k norm weights may have another float dtype than the query (else
             a declared dtype that differs is reported).
+        ring: the kernel runs ``sliding_window_cache=1`` as Lockstep's ring KV cache
+            (docs/kv-geometry.md): with ``local_window_size > 0``, past key/value given and no
+            attention_bias.
     """
     attrs = node.attrs
     ins = list(node.inputs) + [""] * 17
     out = []
     if int(attrs.get("sliding_window_cache", 0)):
-        out.append("sliding_window_cache=1 (a window-sized KV cache; `lockstep prepare` builds with "
-                   "windowed_kv_cache=false, a full-length cache and a window mask)")
+        if not ring:
+            out.append("sliding_window_cache=1 (a window-sized KV cache, which this provider does not run yet; "
+                       "run the folder on cpu_reference, or rebuild it with `lockstep prepare` or the builder's "
+                       "`--extra_options windowed_kv_cache=false`: a full-length cache and a window mask)")
+        elif int(attrs.get("local_window_size", -1)) <= 0 or not (ins[3] and ins[4]) or ins[10]:
+            out.append(f"sliding_window_cache=1 with local_window_size={attrs.get('local_window_size', -1)}"
+                       f"{'' if ins[3] and ins[4] else ', no past key/value'}"
+                       f"{', attention_bias' if ins[10] else ''} (a ring needs a window > 0, a past and no bias)")
     for a in ("k_quant_type", "v_quant_type"):
         if str(attrs.get(a, "NONE")).upper() not in ("NONE", ""):
             out.append(f"{a}={attrs[a]!r} (quantized KV cache)")

@@ -361,7 +361,9 @@ class Session:
         next step then feeds position ``lengths[b]``. Used to continue rows (core.generation.stream).
 
         Raises:
-            RequestError: no prefill yet, a wrong row count, or a length beyond the row's own.
+            RequestError: no prefill yet, a wrong row count, a length beyond the row's own, or a
+                row cut back by more positions than a ring KV cache keeps
+                (:attr:`core.runtime.kv.KVCache.rewind_limit`, docs/kv-geometry.md).
         """
         self._check_open()
         new = np.asarray(lengths, np.int64)
@@ -369,6 +371,10 @@ class Session:
             raise RequestError("call prefill() before rewind()")
         if new.shape != (self.batch,) or (new < 1).any() or (new > self.state.lengths - len(self._unread)).any():
             raise RequestError(f"rewind needs {self.batch} lengths in [1, the row's length]")
+        limit = self.state.kv.rewind_limit
+        if limit is not None and (self.state.lengths - new > limit).any():
+            raise RequestError(f"rewind cuts a row back by more than {limit} positions, more than the model's "
+                               "sliding-window ring KV cache keeps (docs/kv-geometry.md)")
         self._settle()
         self.state.set_lengths(new)
         if history is not None:

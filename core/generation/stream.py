@@ -401,8 +401,10 @@ class Generation:
 
         Raises:
             core.session.RequestError: rows still running, a row that ended in error, nothing to
-                feed to a row (no output and no new tokens), tokens outside the vocabulary, or
-                the history beyond the KV limit. Checked before any kernel runs.
+                feed to a row (no output and no new tokens), tokens outside the vocabulary, the
+                history beyond the KV limit, or a row that ran further past its end than a ring
+                KV cache keeps (:attr:`core.runtime.kv.KVCache.rewind_limit`). Checked before
+                any kernel runs.
         """
         from core.session import RequestError
 
@@ -433,6 +435,12 @@ class Generation:
             if not feed:
                 raise RequestError(f"row {b} has nothing to continue from (no output and no new tokens)")
             need = kv + len(feed) + news[b] - 1
+            rewind = int(s.state.lengths[b]) - kv
+            if s.state.kv.rewind_limit is not None and rewind > s.state.kv.rewind_limit:
+                raise RequestError(f"row {b} ran {rewind} positions past its end while the batch decoded; the "
+                                   f"model's sliding-window layers keep a ring that holds only "
+                                   f"{s.state.kv.rewind_limit} of them (docs/kv-geometry.md): run it again with its "
+                                   "history as the prompt, or use a folder built with windowed_kv_cache=false")
             if need > s.state.kv.limit:
                 raise RequestError(f"row {b} needs {need} KV positions; the session's limit is {s.state.kv.limit}")
             plans.append(feed)

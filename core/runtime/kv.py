@@ -208,6 +208,10 @@ class KVCache:
         reserve_bytes: called with the device bytes about to be allocated or committed (the
             Runner's elastic budget, :meth:`core.runtime.runner.Runner.reserve_kv`); returns
             None or the reason the weight plan changed, kept in ``replan_reasons``.
+        windows: per layer, the attention window of a ring layer (sliding_window_cache=1) or 0
+            for a full one (:func:`core.runtime.ring.layer_windows`; empty: every layer full).
+            A ring layer's buffers hold ``min(capacity, window + RING_SLACK)`` positions
+            (:func:`core.runtime.ring.layer_geometry`); ``layer_geometries`` has each layer's.
 
     Raises:
         KVLayoutError: an unknown layout or policy, or growing seq_major at batch > 1 (growth
@@ -215,13 +219,17 @@ class KVCache:
     """
 
     def __init__(self, provider, layout: str, batch: int, kv_heads: int, head_size: int, layers: int,
-                 dtype, capacity: int, max_capacity: int, policy: str, counters, reserve_bytes=None):
+                 dtype, capacity: int, max_capacity: int, policy: str, counters, reserve_bytes=None,
+                 windows: Sequence[int] = ()):
         if policy not in POLICIES:
             raise KVLayoutError(f"unknown KV policy {policy!r}; use one of {POLICIES}")
         if policy == "growing" and layout == "seq_major" and batch > 1:
             raise KVLayoutError("a growing seq_major KV cache at batch > 1 would relocate every "
                                 "sequence b > 0; use kv_layout='head_major' or kv_policy='fixed'")
         self.provider, self.policy, self.layers_count, self.dtype = provider, policy, layers, dtype
+        self.windows = tuple(int(w) for w in windows) or (0,) * layers
+        if len(self.windows) != layers:
+            raise KVLayoutError(f"{len(self.windows)} layer windows for {layers} layers")
         self.max_capacity = max_capacity
         self.vmm = bool(policy == "growing" and provider.capabilities().vmm)
         self.page = provider.capabilities().page_bytes
@@ -237,6 +245,20 @@ class KVCache:
         """The most positions a row may ever hold in this cache (capacity if fixed)."""
         return self.capacity if self.policy == "fixed" else self.max_capacity
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every K and V buffer (reserved address space with VMM)."""
+        return 2 * sum(g.nbytes for g in self.layer_geometries)
+
+    @property
+    def rewind_limit(self) -> int | None:
+        """The most positions a row may be cut back by and stay exact (ring layers,
+        :func:`core.runtime.ring.max_rewind`); None without ring layers."""
+        from core.runtime import ring
+
+        limits = [ring.max_rewind(w) for w in self.windows if w > 0]
+        return min(limits) if limits else None
+
     def buffers(self) -> list:
         """Every K and V buffer, layer by layer (K0, V0, K1, V1, ...)."""
         return [t for pair in self.layers for t in pair]
@@ -246,19 +268,22 @@ class KVCache:
         self.capacity = capacity
         stride = self.max_capacity if self.vmm else capacity
         self.geometry = KVGeometry(layout, batch, heads, stride, head_size, itemsize)
+        from core.runtime import ring
+
+        self.layer_geometries = [ring.layer_geometry(self.geometry, w) for w in self.windows]
         if not self.vmm:
-            self._charge(2 * self.layers_count * self.geometry.nbytes - self.device_bytes)
+            self._charge(self.nbytes - self.device_bytes)
         p = self.provider
         if self.vmm:
-            def new():
-                return p.reserve(self.geometry.shape, self.dtype)
+            def new(geo):
+                return p.reserve(geo.shape, self.dtype)
         else:
-            def new():
-                return p.allocate(self.geometry.shape, self.dtype, zero=True)
-        self.layers = [(new(), new()) for _ in range(self.layers_count)]
+            def new(geo):
+                return p.allocate(geo.shape, self.dtype, zero=True)
+        self.layers = [(new(g), new(g)) for g in self.layer_geometries]
         self._committed_len = 0  # positions of every row backed through kv_commit
         self.counters.kv_committed_bytes = 0  # a gauge of the current buffers
-        self.counters.kv_bytes = 2 * self.layers_count * self.geometry.nbytes
+        self.counters.kv_bytes = self.nbytes
 
     def reserve_positions(self, needed: int, lengths: Sequence[int] | np.ndarray) -> bool:
         """Make room for ``needed`` positions in every row and back them before a kernel writes.
@@ -288,11 +313,16 @@ class KVCache:
         if self.vmm:
             self.capacity = new_cap
             return False
-        old, old_geo = self.layers, self.geometry
-        copies = growth_copies(old_geo, new_cap, [int(x) for x in lengths])
+        from core.runtime import ring
+
+        old, old_geos = self.layers, self.layer_geometries
+        lens = [int(x) for x in lengths]
+        full = growth_copies(self.geometry, new_cap, lens)
         self._allocate(new_cap)
         moved = 0
-        for old_pair, new_pair in zip(old, self.layers):
+        for old_pair, new_pair, w, src_geo, dst_geo in zip(old, self.layers, self.windows, old_geos,
+                                                           self.layer_geometries):
+            copies = ring.row_copies(src_geo, dst_geo, [(b, b, n) for b, n in enumerate(lens)]) if w else full
             for src, dst in zip(old_pair, new_pair):
                 moved += self.provider.copy_bytes(dst, src, copies)
         self.counters.kv_bytes_moved += moved
@@ -313,13 +343,16 @@ class KVCache:
         new = min(g.capacity, -(-upto // chunk) * chunk)
         from core.protocol import KVRequest
 
-        reqs = [KVRequest(o, n) for o, n in commit_requests(
-            g, [self._committed_len] * g.batch, [new] * g.batch, page=self.page)]
-        if reqs:
-            if self.vmm:
-                self._charge(2 * self.layers_count * sum(r.nbytes for r in reqs))
-            self.counters.kv_committed_bytes += sum(
-                self.provider.kv_commit(t, reqs) for t in self.buffers())
+        # a ring layer is backed up to its own capacity: positions past it wrap into backed slots
+        layer_reqs = [[KVRequest(o, n) for o, n in commit_requests(
+            lg, [min(self._committed_len, lg.capacity)] * g.batch, [min(new, lg.capacity)] * g.batch,
+            page=self.page)] for lg in self.layer_geometries]
+        committed = 2 * sum(r.nbytes for reqs in layer_reqs for r in reqs)
+        if self.vmm and committed:
+            self._charge(committed)
+        for reqs, pair in zip(layer_reqs, self.layers):
+            if reqs:
+                self.counters.kv_committed_bytes += sum(self.provider.kv_commit(t, reqs) for t in pair)
         self._committed_len = new
 
     def _charge(self, delta: int) -> None:

@@ -37,6 +37,7 @@ import numpy as np
 
 from core.fusion import LAST_INDEX
 from core.runtime import kv as kvgeo
+from core.runtime import ring
 
 #: The padded run must compute at least this many times the grouped positions to group.
 GROUP_GAIN = 2.0
@@ -176,13 +177,15 @@ def _run_group(state, rows_ids: list, lens: np.ndarray, rows: list[int]) -> tupl
     p = state.runner.provider
     ids, mask = _ids_and_mask(state, rows_ids, lens)
     main = state.kv.geometry
-    scratch = kvgeo.KVGeometry(main.layout, len(rows), main.kv_heads, ids.shape[1], main.head_size, main.itemsize)
-    layers = [tuple(p.allocate(scratch.shape, state.kv.dtype) for _ in range(2))
-              for _ in range(state.kv.layers_count)]
+    full = kvgeo.KVGeometry(main.layout, len(rows), main.kv_heads, ids.shape[1], main.head_size, main.itemsize)
+    scratch = [ring.layer_geometry(full, w) for w in state.kv.windows]
+    layers = [tuple(p.allocate(g.shape, state.kv.dtype) for _ in range(2)) for g in scratch]
     outs = _binding(state, layers, ids, mask, _last_index(lens)).run()
     _check_in_place(state, outs, layers[0][0])
-    copies = kvgeo.row_copies(scratch, main, [(j, b, int(n)) for j, (b, n) in enumerate(zip(rows, lens))])
-    for (k, v), (dk, dv) in zip(layers, state.kv.layers):
+    moves = [(j, b, int(n)) for j, (b, n) in enumerate(zip(rows, lens))]
+    for (k, v), (dk, dv), w, src, dst in zip(layers, state.kv.layers, state.kv.windows, scratch,
+                                             state.kv.layer_geometries):
+        copies = ring.row_copies(src, dst, moves) if w else kvgeo.row_copies(src, dst, moves)
         p.copy_bytes(dk, k, copies)
         p.copy_bytes(dv, v, copies)
     return outs["logits"], int(ids.size)

@@ -24,7 +24,7 @@ from core.executor import Plan
 from core.models.model import Model, load_model
 from core.plugins import get_provider
 from core.runtime import kv as kvgeo
-from core.runtime import placement, residency, streaming
+from core.runtime import placement, residency, ring, streaming
 
 log = logging.getLogger("lockstep")
 
@@ -78,6 +78,8 @@ class Runner:
             raise kvgeo.KVLayoutError(f"provider {self.provider.name!r} does not support KV layout {kv_layout!r}")
         self.model = model if isinstance(model, Model) else load_model(model)
         self.kv_layout = kv_layout
+        #: per layer, the window of its ring KV cache or 0 (core.runtime.ring, docs/kv-geometry.md)
+        self.kv_windows = ring.layer_windows(self.model.graph, self.model.config)
         self._free: list = []
         #: The decode state whose prefill or step ran the plan last: the plan's output buffers
         #: (the logits among them) hold its values (Session.last_logits checks it).

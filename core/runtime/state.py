@@ -49,7 +49,7 @@ class DecodeState:
         self.counters = counters
         self.kv = KVCache(p, runner.kv_layout, batch, cfg.num_kv_heads, cfg.head_size, cfg.num_layers,
                           runner.model.io_dtype, capacity, max_capacity, policy, counters,
-                          reserve_bytes=runner.reserve_kv)
+                          reserve_bytes=runner.reserve_kv, windows=runner.kv_windows)
         self.input_ids = p.allocate((batch, 1), np.int64, zero=True)
         self.result = p.allocate((batch, 2), np.int32, zero=True)
         self.positions = p.allocate((batch,), np.int32, zero=True)
@@ -91,7 +91,7 @@ class DecodeState:
     def attach(self, counters: Counters) -> None:
         """Charge ``counters`` from now on (a pooled state handed to a new session)."""
         self.counters = self.kv.counters = counters
-        counters.kv_bytes = 2 * self.kv.layers_count * self.kv.geometry.nbytes
+        counters.kv_bytes = self.kv.nbytes
         self.started = False
 
     def capture_key(self) -> tuple:

@@ -220,16 +220,19 @@ def _gbq_case(tag, shape, v, d, block, bits=4, zp=False) -> OpCase:
 CAP = 16
 
 
-def _kv_buffer(rng, dtype, layout, nkv, head, lengths, cap=CAP):
-    """A KV buffer of capacity ``cap`` with rows [0, length_b) random and NaN beyond (poison)."""
+def _kv_buffer(rng, dtype, layout, nkv, head, lengths, cap=CAP, ring=False):
+    """A KV buffer of capacity ``cap`` with rows [0, length_b) random and NaN beyond (poison);
+    ``ring``: the slots of row b's last min(length_b, cap) positions (slot = position mod cap,
+    docs/kv-geometry.md) random, NaN elsewhere."""
     buf = np.full((len(lengths), nkv, cap, head), np.nan, np.float32)
     for b, n in enumerate(lengths):
-        buf[b, :, :n] = rng.standard_normal((nkv, n, head))
+        rows = np.arange(max(0, n - cap), n) % cap if ring else np.arange(n)
+        buf[b][:, rows] = rng.standard_normal((nkv, len(rows), head))
     buf = buf.astype(dtype)
     return np.ascontiguousarray(buf if layout == "head_major" else buf.transpose(0, 2, 1, 3))
 
 
-def _gqa(layout, seq, pasts, lengths, total, heads, nan_padding, cap=CAP, qk_norm=False):
+def _gqa(layout, seq, pasts, lengths, total, heads, nan_padding, cap=CAP, qk_norm=False, ring=False):
     """GQA inputs: ``pasts`` rows already cached, ``lengths`` new tokens per row (right padding
     up to ``seq``, NaN with ``nan_padding``); seqlens_k = past + length - 1. Packed QKV, or with
     ``qk_norm`` separate q/k/v (scaled by 3, which the norm undoes) and q_norm_weight /
@@ -237,7 +240,7 @@ def _gqa(layout, seq, pasts, lengths, total, heads, nan_padding, cap=CAP, qk_nor
     nq, nkv, head = heads
 
     def make(rng, dtype):
-        angles = np.arange(max(64, cap))[:, None] / (10000.0 ** (np.arange(0, head, 2) / head))[None, :]
+        angles = np.arange(max(64, cap, total))[:, None] / (10000.0 ** (np.arange(0, head, 2) / head))[None, :]
         scale = 3.0 if qk_norm else 1.0
         query = _normal(rng, (len(pasts), seq, (nq + 2 * nkv) * head), dtype, scale)
         if nan_padding:
@@ -249,8 +252,8 @@ def _gqa(layout, seq, pasts, lengths, total, heads, nan_padding, cap=CAP, qk_nor
                    "key": np.ascontiguousarray(query[..., nq * head:(nq + nkv) * head]),
                    "value": np.ascontiguousarray(query[..., (nq + nkv) * head:])}
         inputs = qkv | {
-            "past_key": _kv_buffer(rng, dtype, layout, nkv, head, pasts, cap),
-            "past_value": _kv_buffer(rng, dtype, layout, nkv, head, pasts, cap),
+            "past_key": _kv_buffer(rng, dtype, layout, nkv, head, pasts, cap, ring),
+            "past_value": _kv_buffer(rng, dtype, layout, nkv, head, pasts, cap, ring),
             "seqlens_k": np.array([p + n - 1 for p, n in zip(pasts, lengths)], np.int32),
             "total_sequence_length": np.array(total, np.int32),
             "cos_cache": np.cos(angles).astype(dtype), "sin_cache": np.sin(angles).astype(dtype)}
@@ -274,17 +277,20 @@ def _gqa_spans(inputs: dict[str, Any]) -> list[tuple[int, int]]:
     return spans
 
 
-def _gqa_select(layout):
-    """Output rows of real tokens, and KV rows [0, past + new) of each row."""
+def _gqa_select(layout, ring=False):
+    """Output rows of real tokens, and KV rows [0, past + new) of each row (``ring``: the slots
+    of its last min(past + new, capacity) positions)."""
     def select(inputs, index, array):
         parts = []
         for b, (p, n) in enumerate(_gqa_spans(inputs)):
+            cap = array.shape[2 if layout == "head_major" else 1]
+            rows = np.sort(np.arange(max(0, p + n - cap), p + n) % cap) if ring and index else np.arange(p + n)
             if index == 0:
                 parts.append(array[b, :n].ravel())
             elif layout == "head_major":
-                parts.append(array[b, :, :p + n].ravel())
+                parts.append(array[b][:, rows].ravel())
             else:
-                parts.append(array[b, :p + n].ravel())
+                parts.append(array[b][rows].ravel())
         return np.concatenate(parts)
     return select
 
@@ -299,7 +305,7 @@ def _gqa_alone(inputs: dict[str, Any]) -> Inputs:
 
 
 def _gqa_case(name, layout, seq, pasts, lengths, total, heads=(4, 2, 16), scale=None,
-              nan_padding=False, cap=CAP, window=-1, qk_norm=False) -> OpCase:
+              nan_padding=False, cap=CAP, window=-1, qk_norm=False, ring=False) -> OpCase:
     nq, nkv, head = heads
     attributes = {"num_heads": nq, "kv_num_heads": nkv, "scale": head ** -0.5 if scale is None else scale,
                   "local_window_size": window, "softcap": 0.0, "do_rotary": 1, "rotary_interleaved": 0}
@@ -309,11 +315,13 @@ def _gqa_case(name, layout, seq, pasts, lengths, total, heads=(4, 2, 16), scale=
         attributes["qk_norm_epsilon"] = 1e-6
         constants += ("q_norm_weight", "k_norm_weight")
         rows += ("key", "value")
+    if ring:
+        attributes["sliding_window_cache"] = 1
     return OpCase(
         f"GroupQueryAttention/{name}-{layout}", "GroupQueryAttention",
-        _gqa(layout, seq, pasts, lengths, total, heads, nan_padding, cap, qk_norm), domain="com.microsoft",
+        _gqa(layout, seq, pasts, lengths, total, heads, nan_padding, cap, qk_norm, ring), domain="com.microsoft",
         attributes=attributes, outputs=("y", "present_key", "present_value"), constants=constants,
-        kv_layout=layout, select=_gqa_select(layout),
+        kv_layout=layout, select=_gqa_select(layout, ring),
         rows=rows if len(pasts) > 1 else (), alone=_gqa_alone, host=("total_sequence_length",))
 
 
@@ -347,6 +355,15 @@ def _gqa_cases() -> list[OpCase]:
         cases.append(_gqa_case("qk-norm-prompt", layout, 6, [0, 0, 0], [6, 3, 1], 6, **qk))
         cases.append(_gqa_case("qk-norm-decode", layout, 1, [5, 63, 99], [1, 1, 1], 128, cap=128, **qk))
         cases.append(_gqa_case("qk-norm-append", layout, 4, [3], [4], 7, **qk))
+        # sliding_window_cache=1 rings (docs/kv-geometry.md): window 24 in 40 slots, rows before,
+        # at and past a wrap; a right-padded prompt longer than the ring; window 100 in 116 slots
+        # with windows across chunk boundaries and a wrap inside a chunk
+        cases.append(_gqa_case("ring-decode", layout, 1, [5, 39, 40, 150], [1] * 4, 256, cap=40, window=24,
+                               ring=True))
+        cases.append(_gqa_case("ring-prompt", layout, 50, [0, 0, 0], [50, 30, 7], 50, cap=40, window=24,
+                               ring=True))
+        cases.append(_gqa_case("ring-decode-split", layout, 1, [150, 999, 60], [1, 1, 1], 1024, cap=116,
+                               window=100, ring=True, **g3))
     return cases
 
 

@@ -305,7 +305,8 @@ class CudaProvider(ProviderBase):
                 "gemm_pipeline": _mma_schedule.PIPELINE, "gemm_wide": _mma_schedule.WIDE,
                 "gemm_split": _mma_schedule.SPLIT, "gemm_token_tiles": _mma_schedule.TOKEN_TILES,
                 "attn_hint": on[group_query_attention.HINT],
-                "attn_static_head": on[group_query_attention.STATIC_HEAD], "eager_replay": on[self.eager_replay]}
+                "attn_static_head": on[group_query_attention.STATIC_HEAD],
+                "attn_ring": on[group_query_attention.RING], "eager_replay": on[self.eager_replay]}
 
     def node_timer(self):
         """CUDA events recorded on the provider stream around each node (``lockstep profile

@@ -1,8 +1,10 @@
-"""The tiny builder families (core.testing.families) in their fp16 CUDA variant on the cuda
-provider (GPU only): each row of a batch is bitwise its batch-1 run on cuda, and the greedy
-tokens follow cpu_reference's on the same folder (teacher-forced logits within fp16 tolerance).
+"""The tiny builder families (core.testing.families) in their fp16 and int4 CUDA variants on
+the cuda provider (GPU only): each row of a batch is bitwise its batch-1 run on cuda, and the
+greedy tokens follow cpu_reference's on the same folder (teacher-forced logits within fp16
+tolerance). The builder-default (windowed) folders of the sliding-window families are in
+tests/cuda/test_ring_cuda.py.
 
-    pytest -q tests/cuda/test_families_cuda.py           # builds 12 tiny models (~20 s each)
+    pytest -q tests/cuda/test_families_cuda.py           # builds 24 tiny models (~20 s each)
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ TESTED = sorted(FAMILIES)
 @pytest.fixture(scope="session")
 def cuda_family(tmp_path_factory):
     root = tmp_path_factory.mktemp("families-cuda")
-    built: dict[str, object] = {}
+    built: dict[tuple[str, str], object] = {}
 
-    def get(family: str):
-        if family not in built:
-            built[family] = load_model(prepared_family(family, root, "fp16", "cuda"))
-        return built[family]
+    def get(family: str, precision: str = "fp16"):
+        if (family, precision) not in built:
+            built[(family, precision)] = load_model(prepared_family(family, root / precision, precision, "cuda"))
+        return built[(family, precision)]
 
     return get
 
@@ -47,20 +49,22 @@ def _run(model, provider, rows, force=None):
     return trace.tokens.T, np.stack(logits, 1)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
 @pytest.mark.parametrize("family", TESTED)
-def test_cuda_rows_are_bitwise_their_batch1_runs(cuda_family, family):
-    model = cuda_family(family)
+def test_cuda_rows_are_bitwise_their_batch1_runs(cuda_family, family, precision):
+    model = cuda_family(family, precision)
     tokens, logits = _run(model, "cuda", PROMPTS)
     for b, ids in enumerate(PROMPTS):
         t1, l1 = _run(model, "cuda", [ids])
         assert np.array_equal(tokens[b], t1[0]) and np.array_equal(logits[b], l1[0]), f"{family} row {b}"
 
 
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
 @pytest.mark.parametrize("family", TESTED)
-def test_cuda_follows_cpu_reference_on_the_same_folder(cuda_family, family):
+def test_cuda_follows_cpu_reference_on_the_same_folder(cuda_family, family, precision):
     """Teacher-forced on cpu_reference's greedy tokens: logits within fp16 tolerance of the
     reference's (relative to the logit spread), top-1 equal on at least 90% of the steps."""
-    model = cuda_family(family)
+    model = cuda_family(family, precision)
     ref_tokens, ref_logits = _run(model, "cpu_reference", PROMPTS)
     force = [[int(t) for t in row[:STEPS]] for row in ref_tokens]  # force[b][t] replaces token t
     _, got = _run(model, "cuda", PROMPTS, force=force)

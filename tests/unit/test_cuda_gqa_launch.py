@@ -42,3 +42,53 @@ def test_decode_tile_rows_are_an_odd_number_of_16_byte_units(dtype):
         assert units % 2 == 1
         assert {(r * units) % 8 for r in range(8)} == set(range(8))
         assert stride - h <= 32 // item  # at most two units of padding
+
+
+@pytest.mark.parametrize("window,cap", [(24, 40), (64, 80), (100, 116), (4096, 4112), (24, 16), (200, 64)])
+def test_ring_decode_grid_covers_every_window_in_chunk_order(window, cap):
+    """A ring's decode block x takes the x-th CH-chunk of the row's window (keys p - m + 1 .. p,
+    m = min(window, cap)); the grid must hold every chunk that window touches, at every position
+    (the ring never wraps when cap < window: then p < cap)."""
+    chunks = gqa.decode_chunks(cap, window, ring=True)
+    limit = 3 * cap if cap >= window else cap
+    for p in range(limit):
+        lo = max(0, p - window + 1)
+        assert p // gqa.CH - lo // gqa.CH + 1 <= chunks, p
+    assert chunks <= -(-min(window, cap) // gqa.CH) + 1
+    assert gqa.decode_chunks(cap, window, ring=False) == -(-cap // gqa.CH)
+
+
+def test_ring_size_and_strides_of_the_staging_and_ring_caches():
+    attrs = {"sliding_window_cache": 1, "local_window_size": 24}
+    assert gqa.ring_rows(attrs, 40, first=False, s_len=1) == 40
+    assert gqa.ring_rows(attrs, 40, first=True, s_len=50) == 40  # a prompt longer than the ring: staged
+    assert gqa.ring_rows({"local_window_size": 24}, 64, first=False, s_len=1) == 0
+    with pytest.raises(ValueError, match="subsequent prompt"):
+        gqa.ring_rows(attrs, 40, first=False, s_len=3)
+    assert gqa.strides(True, 2, 40, 16) == (2 * 40 * 16, 40 * 16, 16)
+    assert gqa.strides(False, 2, 40, 16) == (40 * 2 * 16, 16, 2 * 16)
+    assert "gqa_ring_store<float>" in gqa._exprs("float")
+
+
+def test_cuda_runs_windowed_nodes_and_refuses_a_ring_without_a_window():
+    from types import SimpleNamespace
+
+    def node(**attrs):
+        ins = ("qkv", "", "", "past_key_values.0.key", "past_key_values.0.value", "s", "t", "cos", "sin")
+        return SimpleNamespace(attrs={"num_heads": 4, "kv_num_heads": 2, "do_rotary": 1} | attrs, inputs=ins,
+                               outputs=("o", "pk", "pv"), input_dtypes=(np.float16,) * len(ins), name="attn")
+
+    assert gqa.supports(node(sliding_window_cache=1, local_window_size=24))
+    assert "a ring needs a window > 0" in gqa.support_reason(node(sliding_window_cache=1, local_window_size=-1))
+
+
+def test_ring_switch_off_refuses_windowed_nodes_with_what_to_do(monkeypatch):
+    from types import SimpleNamespace
+
+    ins = ("qkv", "", "", "pk", "pv", "s", "t", "cos", "sin")
+    node = SimpleNamespace(attrs={"num_heads": 4, "kv_num_heads": 2, "do_rotary": 1, "sliding_window_cache": 1,
+                                  "local_window_size": 24}, inputs=ins, outputs=("o", "pk", "pv"),
+                           input_dtypes=(np.float16,) * len(ins), name="attn")
+    assert gqa.supports(node)
+    monkeypatch.setattr(gqa, "RING", False)
+    assert not gqa.supports(node) and "windowed_kv_cache=false" in gqa.support_reason(node)

@@ -137,3 +137,27 @@ def test_gqa_fused_qk_norm_is_supported_and_its_bad_forms_are_named():
     assert cuda.support_reason(mixed) == "q_norm_weight dtype float32 (the kernel needs the query's, float16)"
     quant = gqa(names[:12] + ("ks", "vs"))
     assert "input k_scale" in cuda.support_reason(quant) and "input k_scale" in ref.support_reason(quant)
+
+
+def test_gqa_sliding_window_cache_runs_on_the_built_in_providers_and_elsewhere_is_refused_with_what_to_do():
+    """sliding_window_cache=1 (a ring, docs/kv-geometry.md) runs on cpu_reference and cuda; a
+    ring without a window or with an attention bias is named; a provider whose kernels take no
+    ring (gqa_unsupported without ring=True) names the node's cache and how to get a folder it runs."""
+    from core.opdefs import gqa_unsupported
+    from providers.cpu_reference.ops import group_query_attention as ref
+    from providers.cuda.ops import group_query_attention as cuda
+
+    names = ("q", "", "", "pk", "pv", "sk", "t", "cos", "sin")
+
+    def gqa(inputs=names, **extra):
+        attrs = {"num_heads": 4, "kv_num_heads": 2, "do_rotary": 1, "sliding_window_cache": 1} | extra
+        return NodeInfo(name="attn", op_type="GroupQueryAttention", domain="com.microsoft", attrs=attrs,
+                        inputs=inputs, outputs=("o", "pk2", "pv2"), input_dtypes=(np.float16,) * len(inputs))
+
+    ring = gqa(local_window_size=24)
+    assert ref.supports(ring) and cuda.supports(ring)
+    assert "a ring needs a window > 0" in ref.support_reason(gqa(local_window_size=-1))
+    biased = gqa(names + ("", "bias"), local_window_size=24)
+    assert "attention_bias" in ref.support_reason(biased)
+    (reason,) = gqa_unsupported(ring)
+    assert "sliding_window_cache=1" in reason and "windowed_kv_cache=false" in reason and "cpu_reference" in reason

@@ -7,8 +7,7 @@ seqlens_k int [B] (tokens in row b's cache after this step, minus 1); total_sequ
 int scalar / 1-element; cos_cache, sin_cache [max_pos, rotary_dim/2]; position_ids int64 [B, S];
 attention_bias [B|1, Nq|1, S, total]; head_sink [Nq]; q_norm_weight, k_norm_weight [H] (inputs
 14, 15, given together: the fused per-head q/k RMSNorm, docs/ops.md 1.3.0). Inputs 12, 13 and 16
-(quantized KV, query_seqlens) are rejected by ``supports``, as are qk_output, causal=0 and
-sliding_window_cache.
+(quantized KV, query_seqlens) are rejected by ``supports``, as are qk_output and causal=0.
 Outputs: output [B, S, Nq*H]; present_key, present_value.
 
 Per row b: T_b = seqlens_k[b] + 1; with q/k norm weights, every head vector of Q and of the new
@@ -23,6 +22,14 @@ exp(sigma - m) joins the denominator); out = sum_j p_j v_j. Only rows j < T_b of
 are ever read, so the other rows (capacity, padding, NaN) never matter; each (row, kv head) is
 computed alone with a fixed reduction order (ops.rowwise_matmul). A query row with no allowed
 key (a padding row under a window) outputs zeros.
+
+sliding_window_cache=1 (a ring KV cache, docs/kv-geometry.md; needs local_window_size W > 0 and
+a past, no attention_bias): position p of row b lives at slot p mod P_buf of the past buffer,
+which is the present (always in place). Query p reads keys max(0, p - W + 1) .. min(p, T_b - 1)
+in position order (those before P_b from the ring, the others from this call's new K/V), so
+a prompt longer than the ring needs no staging; then the last min(T_b - P_b, P_buf) new rows
+are written to their slots (pad rows are not written: they would overwrite live slots). A row
+that wraps (T_b > P_buf) needs P_buf >= W.
 
 KV buffer sharing: when past is given and holds at least total_sequence_length rows, present
 has the same shape as past (present length = max(total, P_buf), docs/ops.md 1.1), which is when
@@ -52,11 +59,11 @@ DOMAIN = "com.microsoft"
 
 
 def supports(node) -> bool:
-    return not gqa_unsupported(node, qk_norm=True)
+    return not gqa_unsupported(node, qk_norm=True, ring=True)
 
 
 def support_reason(node) -> str | None:
-    return "; ".join(gqa_unsupported(node, qk_norm=True)) or None
+    return "; ".join(gqa_unsupported(node, qk_norm=True, ring=True)) or None
 
 
 def qk_norm(x: np.ndarray, weight, eps: float) -> np.ndarray:
@@ -179,6 +186,24 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         q = rotate(q.astype(np.float32), cos, sin, interleaved).astype(dtype)
         k = rotate(k.astype(np.float32), cos, sin, interleaved).astype(dtype)
 
+    scale = float(attrs.get("scale", 0.0)) or 1.0 / math.sqrt(h)
+    softcap = float(attrs.get("softcap", 0.0))
+    window = int(attrs.get("local_window_size", -1))
+    smooth = bool(attrs.get("smooth_softmax", 0))
+    if smooth and head_sink is not None:
+        raise ValueError("GroupQueryAttention: head_sink cannot be combined with smooth_softmax=1")
+    sinks = None
+    if smooth or head_sink is not None:
+        sinks = np.zeros(nq, np.float32) if head_sink is None else np.asarray(head_sink, dtype=np.float32)
+    if int(attrs.get("sliding_window_cache", 0)):
+        if past_key is None or past_value is None or window <= 0 or attention_bias is not None:
+            raise ValueError("GroupQueryAttention: sliding_window_cache=1 needs past_key, past_value, "
+                             "local_window_size > 0 and no attention_bias")
+        out = _ring_attention(ctx, q, k, v, past_key, past_value, pasts, totals, window, scale, softcap, sinks)
+        result = write(ctx, 0, out.reshape(bsz, s_len, nq * h), dtype)
+        return tuple(o if i < len(ctx.node.outputs) and ctx.node.outputs[i] else None
+                     for i, o in enumerate((result, past_key, past_value)))
+
     # 2. KV write.
     p_buf = 0 if past_key is None else _capacity(past_key, layout)
     shared = past_key is not None and p_buf >= total
@@ -204,17 +229,8 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
                 rows[pasts[b]:pasts[b] + s_len] = new[b, :, g]
 
     # 3-5. Scores, softmax, output per (row, kv head).
-    scale = float(attrs.get("scale", 0.0)) or 1.0 / math.sqrt(h)
-    softcap = float(attrs.get("softcap", 0.0))
-    window = int(attrs.get("local_window_size", -1))
-    smooth = bool(attrs.get("smooth_softmax", 0))
-    if smooth and head_sink is not None:
-        raise ValueError("GroupQueryAttention: head_sink cannot be combined with smooth_softmax=1")
     group = nq // nkv
     out = np.zeros((bsz, s_len, nq, h), np.float32)
-    sinks = None
-    if smooth or head_sink is not None:
-        sinks = np.zeros(nq, np.float32) if head_sink is None else np.asarray(head_sink, dtype=np.float32)
     bias = None if attention_bias is None else np.asarray(attention_bias)
     for b in range(bsz):
         t_b, p_b = totals[b], pasts[b]
@@ -243,3 +259,43 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
     names = ctx.node.outputs
     outs = (result, present_k, present_v)
     return tuple(o if i < len(names) and names[i] else None for i, o in enumerate(outs))
+
+
+def _ring_attention(ctx, q, k, v, past_key, past_value, pasts, totals, window: int, scale: float,
+                    softcap: float, sinks) -> np.ndarray:
+    """sliding_window_cache=1 (module docstring): attention of ``q`` [B, S, Nq, H] over each
+    row's window, read from the ring ``past_*`` and the new ``k``/``v`` [B, S, Nkv, H], then the
+    new rows written into the ring; returns fp32 [B, S, Nq, H]."""
+    layout = ctx.kv_layout
+    bsz, s_len, nq, h = q.shape
+    nkv = k.shape[2]
+    group = nq // nkv
+    cap = _capacity(past_key, layout)
+    out = np.zeros((bsz, s_len, nq, h), np.float32)
+    for b in range(bsz):
+        p_b, t_b = pasts[b], totals[b]
+        if t_b > cap and cap < window:
+            raise ValueError(f"GroupQueryAttention: row {b} holds {t_b} positions in a ring of {cap} slots, "
+                             f"smaller than the window {window}")
+        lo = max(0, p_b - window + 1)  # the first position query P_b reads
+        past_slots = np.arange(lo, p_b) % cap
+        new_rows = min(t_b - p_b, s_len)
+        for g in range(nkv):
+            heads = slice(g * group, (g + 1) * group)
+            sink = None if sinks is None else sinks[heads][:, None, None]
+            keys = np.concatenate([_rows(past_key, layout, b, g)[past_slots], k[b, :new_rows, g]]).astype(np.float32)
+            vals = np.concatenate([_rows(past_value, layout, b, g)[past_slots], v[b, :new_rows, g]]).astype(np.float32)
+            qg = q[b, :, heads].astype(np.float32).transpose(1, 0, 2)  # [G, S, H]
+            for s0 in range(s_len):
+                p = p_b + s0
+                first, end = max(0, p - window + 1), min(p + 1, t_b)
+                if end <= first:
+                    continue  # a padding query with no key in its window: zeros
+                allowed = np.ones((1, end - first), bool)
+                out[b, s0, heads] = _attend(qg[:, s0:s0 + 1], keys[first - lo:end - lo], vals[first - lo:end - lo],
+                                            allowed, None, scale, softcap, sink)[:, 0]
+        written = np.arange(max(p_b, t_b - cap), t_b)
+        for g in range(nkv):
+            for buf, new in ((past_key, k), (past_value, v)):
+                _rows(buf, layout, b, g)[written % cap] = new[b, written - p_b, g]
+    return out

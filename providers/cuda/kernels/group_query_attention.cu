@@ -54,7 +54,15 @@ struct Geo {
     long long cb, cg, cj;     // cache strides: batch, kv head, position
     int first, window, smooth;
     float scale, softcap;
+    int ring;                 // sliding_window_cache=1: the cache is a ring of this many rows, else 0
 };
+
+// Cache row of absolute position p: p, or its ring slot p mod ring (docs/kv-geometry.md).
+__device__ __forceinline__ long long slot(const Geo& g, int p) { return g.ring ? p % g.ring : p; }
+// Whether position p has a cache row: below the capacity, or any position of a ring.
+__device__ __forceinline__ bool in_cache(const Geo& g, int p) { return p >= 0 && (g.ring || p < g.cap); }
+// Rows of a ring from the slot of position p to the ring's end (a tile's rows past it wrap to 0).
+__device__ __forceinline__ int wrap_rows(const Geo& g, int p) { return g.ring ? g.ring - (int)slot(g, p) : 1 << 30; }
 
 // Rotate head vector x (H elements of T at src) at position pos, rounded to T, into dst (T or float).
 // nh > 1: nh adjacent head vectors (src and dst advance by H per head).
@@ -145,15 +153,16 @@ template <typename T> __host__ __device__ constexpr int dtile_stride(int H) {
 template <int TUN> struct TileRound { uint4 k[TUN], v[TUN]; };
 template <typename T, int TUN, int NTT>
 __device__ __forceinline__ void tiles_issue(TileRound<TUN>& r, const T* krows, const T* vrows, long long cj, int n,
-                                            int H, int u0) {
+                                            int H, int u0, int wrap = 1 << 30, int ring = 0) {
     const int upr = H * (int)sizeof(T) / 16, total = n * upr;  // H % 8 == 0: whole units
 #pragma unroll
     for (int i = 0; i < TUN; ++i) {
         const int u = u0 + i * NTT;
         if (u < total) {
             const int jj = u / upr, x = u - jj * upr;
-            r.k[i] = reinterpret_cast<const uint4*>(krows + (long long)jj * cj)[x];
-            r.v[i] = reinterpret_cast<const uint4*>(vrows + (long long)jj * cj)[x];
+            const long long row = jj < wrap ? jj : jj - ring;  // a ring's rows past its end wrap to 0
+            r.k[i] = reinterpret_cast<const uint4*>(krows + row * cj)[x];
+            r.v[i] = reinterpret_cast<const uint4*>(vrows + row * cj)[x];
         }
     }
 }
@@ -175,11 +184,11 @@ __device__ __forceinline__ void tiles_store(const TileRound<TUN>& r, T* kt, T* v
 // The rounds from unit u0 on (u0 = threadIdx.x: the whole chunk).
 template <typename T, int TUN = TU, int NTT = NT>
 __device__ __forceinline__ void load_tiles(T* kt, const T* krows, T* vt, const T* vrows, long long cj, int n, int H,
-                                           int ts, int u0 = threadIdx.x) {
+                                           int ts, int u0 = threadIdx.x, int wrap = 1 << 30, int ring = 0) {
     const int total = n * (H * (int)sizeof(T) / 16);
     for (; u0 < total; u0 += TUN * NTT) {
         TileRound<TUN> r;
-        tiles_issue<T, TUN, NTT>(r, krows, vrows, cj, n, H, u0);
+        tiles_issue<T, TUN, NTT>(r, krows, vrows, cj, n, H, u0, wrap, ring);
         tiles_store<T, TUN, NTT>(r, kt, vt, n, H, ts, u0);
     }
 }
@@ -256,9 +265,9 @@ template <typename T>
 __global__ void gqa_kv_write(const T* __restrict__ kin, const T* __restrict__ vin, T* kc, T* vc,
                              const int* __restrict__ seqlens, const T* cosc, const T* sinc, int do_rotary,
                              const T* knw, float keps,
-    int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
+    int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap, int ring) {
     PDL_ENTER();
-    const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
+    const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap, ring};
     const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int past = g.first ? 0 : seqlens[b] + 1 - g.S, row = past + s;
     if (row < 0 || row >= g.cap) return;
@@ -292,9 +301,9 @@ template <typename T>
 __global__ void gqa_attn(const T* __restrict__ qin, const T* kc, const T* vc, const int* __restrict__ seqlens,
                          const T* cosc, const T* sinc, int do_rotary, const T* sinks, T* out, int qb,
                          const T* qnw, float qeps,
-    int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
+    int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap, int ring) {
     PDL_ENTER();
-    const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
+    const Geo g{B, S, nq, nkv, H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap, ring};
     extern __shared__ float sm[];
     float* qs = sm; float* sc = qs + qb * g.H; float* oc = sc + qb * CH; float* st = oc + qb * g.H;
     T* kt = (T*)(st + 6 * qb);  // st per query: m, l, a, b, m_c, l_c
@@ -515,7 +524,7 @@ __device__ __forceinline__ void qkv_store(const QkvRound& q, float* qs, T* kt, T
 // The cache rows [j0, j0 + nc) of chunk c for position p (nc without row p itself), or false
 // where chunk c is not live for p (gqa_decode's block of chunk c then exits).
 __device__ __forceinline__ bool chunk_rows(const Geo& g, int c, int p, int& j0, int& nc) {
-    if (p < 0 || p >= g.cap) return false;
+    if (!in_cache(g, p)) return false;
     const int lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
     if (c < lo / CH || c > p / CH) return false;
     j0 = max(lo, c * CH);
@@ -545,11 +554,12 @@ __global__ void __launch_bounds__(NTT, 1) gqa_decode(const T* __restrict__ qin, 
                            T* kc, T* vc, const int* __restrict__ seqlens, const int* hint, const T* cosc,
                            const T* sinc, int do_rotary, const T* sinks, T* out, float* part, int* tickets,
                            const T* qnw, const T* knw, float qeps, float keps,
-    int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap) {
-    const Geo g{B, S, nq, nkv, HC > 0 ? HC : H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap};
+    int B, int S, int nq, int nkv, int H, int half_rot, int cap, long long q_row, long long k_row, int k_off, int v_off, long long cb, long long cg, long long cj, int first, int window, int smooth, float scale, float softcap, int ring) {
+    const Geo g{B, S, nq, nkv, HC > 0 ? HC : H, half_rot, cap, q_row, k_row, k_off, v_off, cb, cg, cj, first, window, smooth, scale, softcap, ring};
     extern __shared__ uint4 sm4[];  // 16-byte aligned: the tiles first
-    const int c = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, G = g.nq / g.nkv, tid = threadIdx.x;
+    const int kvh = blockIdx.y, b = blockIdx.z, G = g.nq / g.nkv, tid = threadIdx.x;
     const int nch = gridDim.x, stride = g.H + 2, ts = dtile_stride<T>(g.H);
+    int c = blockIdx.x;  // the chunk; a ring's block x takes the x-th chunk of the row's window (below)
     T* kt = reinterpret_cast<T*>(sm4);
     T* vt = kt + CH * ts;
     float* qs = reinterpret_cast<float*>(vt + CH * ts); float* sc = qs + G * g.H; float* stats = sc + G * CH;
@@ -560,7 +570,7 @@ __global__ void __launch_bounds__(NTT, 1) gqa_decode(const T* __restrict__ qin, 
     const T* ksrc = kin + (long long)b * g.k_row + g.k_off + kvh * g.H;
     const T* vsrc = vin + (long long)b * g.k_row + g.v_off + kvh * g.H;
     const T* qsrc = qin + (long long)b * g.q_row + kvh * G * g.H;  // the group's heads are adjacent
-    const bool hinted = hint != nullptr && qnw == nullptr && qkv_one_round(G, g.H, NTT);
+    const bool hinted = hint != nullptr && qnw == nullptr && !g.ring && qkv_one_round(G, g.H, NTT);
     TileRound<TU> round0;  // the first round's loads stay in flight while q and the new k are rotated
     QkvRound qv;
     int ph = -1, j0 = 0, nc = 0;
@@ -580,23 +590,26 @@ __global__ void __launch_bounds__(NTT, 1) gqa_decode(const T* __restrict__ qin, 
     if (live_h) qkv_values<T, NTT>(qv, qsrc, ksrc, vsrc, do_rotary, G, g.H, g.half_rot);
     const int lo = g.window > 0 ? max(0, p - g.window + 1) : 0;
     T* ob = out + ((long long)b * g.nq + kvh * G) * g.H;  // the group's G heads are adjacent
-    if (p < 0 || p >= g.cap) {
+    if (!in_cache(g, p)) {
         if (c == 0) for (int i = tid; i < G * g.H; i += NTT) ob[i] = from_f<T>(0.f);
         return;
     }
     const int c0 = lo / CH, c1 = p / CH;
+    const int pc0 = g.ring ? c0 : 0;  // the partials' chunk index is c - pc0 (a ring's grid spans its window)
+    c += pc0;
     if (c < c0 || c > c1) return;
     const int n = min(p, c * CH + CH - 1) - max(lo, c * CH) + 1;
     const bool last = c == c1;
     const int jn = n - 1;  // tile row of key P_b (last)
     if (!hinted || p != ph) {  // no guess, or a wrong one: this block's rows and cos/sin at p now
         chunk_rows(g, c, p, j0, nc);
-        tiles_issue<T, TU, NTT>(round0, kb + (long long)j0 * g.cj, vb + (long long)j0 * g.cj, g.cj, nc, g.H, tid);
+        tiles_issue<T, TU, NTT>(round0, kb + slot(g, j0) * g.cj, vb + slot(g, j0) * g.cj, g.cj, nc, g.H, tid,
+                                wrap_rows(g, j0), g.ring);
         if (hinted) qkv_trig<T, NTT>(qv, cosc, sinc, do_rotary, p, G, g.H, g.half_rot);
         if (hinted && !live_h) qkv_values<T, NTT>(qv, qsrc, ksrc, vsrc, do_rotary, G, g.H, g.half_rot);
     }
     if (hinted) {
-        qkv_store<T, NTT>(qv, qs, kt + jn * ts, vt + jn * ts, kb + (long long)p * g.cj, vb + (long long)p * g.cj,
+        qkv_store<T, NTT>(qv, qs, kt + jn * ts, vt + jn * ts, kb + slot(g, p) * g.cj, vb + slot(g, p) * g.cj,
                           do_rotary, G, g.H, g.half_rot, last);
     } else if (qnw != nullptr) {  // fused q/k norm (the block's whole grid takes this branch): synchronises
         norm_rope<T, NTT>(ksrc, kn, knw, keps, cosc, sinc, p, g.H, g.half_rot, 1, do_rotary);
@@ -604,17 +617,17 @@ __global__ void __launch_bounds__(NTT, 1) gqa_decode(const T* __restrict__ qin, 
         if (last) {
             for (int d = tid; d < g.H; d += NTT) {
                 const T kv = from_f<T>(kn[d]), vv = vsrc[d];
-                kt[jn * ts + d] = kv; kb[(long long)p * g.cj + d] = kv;
-                vt[jn * ts + d] = vv; vb[(long long)p * g.cj + d] = vv;
+                kt[jn * ts + d] = kv; kb[slot(g, p) * g.cj + d] = kv;
+                vt[jn * ts + d] = vv; vb[slot(g, p) * g.cj + d] = vv;
             }
         }
     } else {
-        decode_qkv<T, NTT>(qsrc, ksrc, vsrc, qs, kt + jn * ts, vt + jn * ts, kb + (long long)p * g.cj,
-                      vb + (long long)p * g.cj, cosc, sinc, do_rotary, p, G, g.H, g.half_rot, last);
+        decode_qkv<T, NTT>(qsrc, ksrc, vsrc, qs, kt + jn * ts, vt + jn * ts, kb + slot(g, p) * g.cj,
+                      vb + slot(g, p) * g.cj, cosc, sinc, do_rotary, p, G, g.H, g.half_rot, last);
     }
     tiles_store<T, TU, NTT>(round0, kt, vt, nc, g.H, ts, tid);
-    load_tiles<T, TU, NTT>(kt, kb + (long long)j0 * g.cj, vt, vb + (long long)j0 * g.cj, g.cj, nc, g.H, ts,
-                           tid + TU * NTT);
+    load_tiles<T, TU, NTT>(kt, kb + slot(g, j0) * g.cj, vt, vb + slot(g, j0) * g.cj, g.cj, nc, g.H, ts,
+                           tid + TU * NTT, wrap_rows(g, j0), g.ring);
     __syncthreads();
     for (int i = tid; i < G * n; i += NTT) {  // scores: one thread per (head, key)
         const int hh = i / n, jj = i - hh * n;
@@ -655,11 +668,11 @@ __global__ void __launch_bounds__(NTT, 1) gqa_decode(const T* __restrict__ qin, 
     float* pb = part + ((long long)b * g.nq + kvh * G) * nch * stride;  // [G, nch, H + 2]
     for (int i = tid; i < G * g.H; i += NTT) {
         const int hh = i / g.H, d = i - hh * g.H;
-        pb[((long long)hh * nch + c) * stride + 2 + d] = oc[i];
+        pb[((long long)hh * nch + c - pc0) * stride + 2 + d] = oc[i];
     }
     if (tid < G) {
-        pb[((long long)tid * nch + c) * stride] = stats[2 * tid];
-        pb[((long long)tid * nch + c) * stride + 1] = stats[2 * tid + 1];
+        pb[((long long)tid * nch + c - pc0) * stride] = stats[2 * tid];
+        pb[((long long)tid * nch + c - pc0) * stride + 1] = stats[2 * tid + 1];
     }
     __threadfence();
     __syncthreads();
@@ -680,7 +693,7 @@ __global__ void __launch_bounds__(NTT, 1) gqa_decode(const T* __restrict__ qin, 
 #pragma unroll
             for (int u = 0; u < 8; ++u) {
                 const bool ok = cc0 + u <= c1;
-                const float* q = ph + (long long)(cc0 + u) * stride;
+                const float* q = ph + (long long)(cc0 + u - pc0) * stride;
                 pm[u] = ok ? __ldcg(q) : 0.f;
                 pl[u] = ok ? __ldcg(q + 1) : 0.f;
                 po[u] = ok ? __ldcg(q + 2 + d) : 0.f;
@@ -696,5 +709,24 @@ __global__ void __launch_bounds__(NTT, 1) gqa_decode(const T* __restrict__ qin, 
         }
         const float sink = sinks ? to_f(sinks[kvh * G + hh]) : 0.f;
         ob[i] = from_f<T>(finish(m, l, acc, use_sink, sink));
+    }
+}
+
+// A prompt into a ring (sliding_window_cache=1, docs/kv-geometry.md): the launcher runs
+// gqa_kv_write and gqa_attn on a staging cache of S positions (their ring = 0), then this kernel
+// copies each row's resident positions into the ring: position s of row b goes to slot s mod ring
+// when T_b - ring <= s < T_b (pad positions s >= T_b are not copied: they would overwrite live
+// slots).  Grid (S, Nkv, B), block NT; the staging and ring strides are each cache's (cb, cg, cj).
+template <typename T>
+__global__ void gqa_ring_store(const T* __restrict__ ks, const T* __restrict__ vs, T* kc, T* vc,
+                               const int* __restrict__ seqlens, int H, int ring, long long sb, long long sg,
+                               long long sj, long long cb, long long cg, long long cj) {
+    PDL_ENTER();
+    const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tb = seqlens[b] + 1;
+    if (s >= tb || s < tb - ring) return;
+    const long long src = b * sb + h * sg + s * sj, dst = b * cb + h * cg + (long long)(s % ring) * cj;
+    for (int d = threadIdx.x; d < H; d += NT) {
+        kc[dst + d] = ks[src + d];
+        vc[dst + d] = vs[src + d];
     }
 }

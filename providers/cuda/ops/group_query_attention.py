@@ -18,10 +18,13 @@ k_norm_weight [H], inputs 14 and 15, docs/ops.md 1.3.0: every kernel that rotate
 normalises it first with the same device function, so decode and prefill keep giving the same
 bits); KV layout head_major or seq_major (ctx.kv_layout). The KV buffer must be shared (past
 given with >= total rows): new rows are written in place and the past arrays are returned as
-present. Rejected: position_ids, attention_bias, rotary_interleaved, quantized KV (inputs 12,
-13), query_seqlens (16), qk_output, causal=0.
+present. sliding_window_cache=1 (a ring, docs/kv-geometry.md): position p lives in row p mod cap;
+decode blocks take the chunks of the row's window (:func:`decode_chunks`) and address rows by
+slot; a prompt runs on a staging cache of S positions (node scratch) and ``gqa_ring_store``
+copies each row's live positions into the ring. Rejected: position_ids, attention_bias,
+rotary_interleaved, quantized KV (inputs 12, 13), query_seqlens (16), qk_output, causal=0.
 
-:func:`stats` counts the launcher runs that took the q/k-norm path (tests assert it ran).
+:func:`stats` counts the launcher runs that took the q/k-norm path or a ring (tests assert they ran).
 """
 
 import math
@@ -43,9 +46,10 @@ CH = 64  # positions per KV chunk (the kernel's CH)
 #: Launcher runs per path since import (replayed launches are not counted): "qk_norm" took the
 #: fused q/k RMSNorm, "plain" did not; "decode_128" and "decode_256" count decode launches by
 #: block size (:func:`decode_threads`), "decode_hinted" those that took the hinted prologue and
-#: "decode_static_head" those that ran the compile-time head size (:func:`static_head`).
+#: "decode_static_head" those that ran the compile-time head size (:func:`static_head`), "ring"
+#: the runs on a sliding_window_cache ring (:func:`ring_rows`).
 _counts = {"qk_norm": 0, "plain": 0, "decode_128": 0, "decode_256": 0, "decode_hinted": 0,
-           "decode_static_head": 0}
+           "decode_static_head": 0, "ring": 0}
 #: Whether ``gqa_decode`` may take its hinted prologue (:func:`hinted`; ``LOCKSTEP_CUDA_ATTN_HINT``,
 #: default on). Either way every output bit is the same.
 HINT = env.switch("LOCKSTEP_CUDA_ATTN_HINT")
@@ -64,12 +68,18 @@ def stats() -> dict:
     return dict(_counts)
 
 
+#: Whether sliding_window_cache=1 nodes run on their ring (``LOCKSTEP_CUDA_ATTN_RING``, default
+#: on); off, they are refused at load with what to do (core.opdefs.gqa_unsupported).
+RING = env.switch("LOCKSTEP_CUDA_ATTN_RING")
+
+
 def supports(node) -> bool:
-    return not gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True, any_norm_dtype=False)
+    return not gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True, any_norm_dtype=False, ring=RING)
 
 
 def support_reason(node) -> str | None:
-    return "; ".join(gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True, any_norm_dtype=False)) or None
+    return "; ".join(gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True, any_norm_dtype=False,
+                                     ring=RING)) or None
 
 
 def replay_key(ctx, *inputs) -> tuple:
@@ -97,7 +107,7 @@ STATIC_HEAD = env.switch("LOCKSTEP_CUDA_ATTN_STATIC_HEAD")
 
 def _exprs(t):
     decode = tuple(f"gqa_decode<{t}, {n}, {hc}>" for n in (128, 256) for hc in (0, *STATIC_HEADS))
-    return (*decode, f"gqa_attn<{t}>", f"gqa_kv_write<{t}>")
+    return (*decode, f"gqa_attn<{t}>", f"gqa_kv_write<{t}>", f"gqa_ring_store<{t}>")
 
 
 def static_head(h: int) -> int:
@@ -150,14 +160,13 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         raise ValueError("GroupQueryAttention (cuda): needs the shared KV buffer as past_key/past_value")
     head_major = ctx.kv_layout == "head_major"
     cap = past_key.shape[2] if head_major else past_key.shape[1]
-    if cap < total:
+    window = int(attrs.get("local_window_size", -1))
+    first = s_len == total
+    ring = ring_rows(attrs, cap, first, s_len)
+    if cap < total and not ring:
         raise ValueError(f"GroupQueryAttention (cuda): KV buffer holds {cap} rows < total {total}; "
                          "only the shared-buffer mode is supported")
-    if head_major:
-        cb, cg, cj = nkv * cap * h, cap * h, h
-    else:
-        cb, cg, cj = cap * nkv * h, h, nkv * h
-    first = s_len == total
+    cb, cg, cj = strides(head_major, nkv, cap, h)
     if not first and s_len != 1 and bsz != 1:
         raise ValueError("GroupQueryAttention: a subsequent prompt (1 < S != total) needs B == 1")
     seqlens = device_array(ctx, seqlens_k, "seqlens_i32", np.int32)
@@ -182,17 +191,21 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
     qnw = q_norm_weight if norm else NULL
     knw = k_norm_weight if norm else NULL
     _counts["qk_norm" if norm else "plain"] += 1
+    _counts["ring"] += bool(ring)
     scale = float(attrs.get("scale", 0.0)) or 1.0 / math.sqrt(h)
-    window = int(attrs.get("local_window_size", -1))
     out = ctx.output(0, (bsz, s_len, nq * h), dtype)
-    geo = (i32(bsz), i32(s_len), i32(nq), i32(nkv), i32(h), i32(half_rot), i32(cap),
-           np.int64(q_row), np.int64(k_row), i32(k_off), i32(v_off), np.int64(cb), np.int64(cg),
-           np.int64(cj), i32(first), i32(window), i32(smooth), np.float32(scale),
-           np.float32(attrs.get("softcap", 0.0)))
+
+    def geo_of(rows: int, strides_: tuple, ring_: int) -> tuple:
+        return (i32(bsz), i32(s_len), i32(nq), i32(nkv), i32(h), i32(half_rot), i32(rows),
+                np.int64(q_row), np.int64(k_row), i32(k_off), i32(v_off), *(np.int64(x) for x in strides_),
+                i32(first), i32(window), i32(smooth), np.float32(scale), np.float32(attrs.get("softcap", 0.0)),
+                i32(ring_))
+
+    geo = geo_of(cap, (cb, cg, cj), ring)
     t = ctype(dtype)
     if bsz > MAX_GRID_Y:
         raise ValueError(f"GroupQueryAttention (cuda): batch {bsz} exceeds the grid limit {MAX_GRID_Y}")
-    chunks = -(-cap // CH)
+    chunks = decode_chunks(cap, window, bool(ring))
     if not ctx.frozen:  # a prompt makes the workspace of the decode steps that follow it
         _workspace(ctx, bsz, nq, nkv, chunks, h)
     if not first and s_len == 1:
@@ -200,7 +213,7 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         part, tickets = _workspace(ctx, bsz, nq, nkv, chunks, h)
         threads = decode_threads(bsz, nkv)
         _counts[f"decode_{threads}"] += 1
-        use_hint = HINT and bsz <= HINT_ROWS
+        use_hint = HINT and bsz <= HINT_ROWS and not ring  # a ring's chunks follow the position
         if use_hint and not norm and hinted(group, h, threads):
             _counts["decode_hinted"] += 1
         hint = NULL if not use_hint else seqlens if HINT_SHIFT == 0 else _shifted(ctx, seqlens, HINT_SHIFT)
@@ -215,18 +228,58 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
                                           i32(rotary), sinks, out, part, tickets, qnw, knw, qeps, keps) + geo,
              shared_mem=shared)
     else:
+        kc, vc = past_key, past_value
+        if ring:  # the prompt runs on a staging cache of S positions, then its live rows go to the ring
+            shape = (bsz, nkv, s_len, h) if head_major else (bsz, s_len, nkv, h)
+            kc, vc = ctx.output("ring_stage_k", shape, dtype), ctx.output("ring_stage_v", shape, dtype)
+            geo = geo_of(s_len, strides(head_major, nkv, s_len, h), 0)
         write = function("group_query_attention", f"gqa_kv_write<{t}>", _exprs(t))
-        write((s_len, nkv, bsz), (NT,), (kin, vin, past_key, past_value, seqlens, cos, sin,
+        write((s_len, nkv, bsz), (NT,), (kin, vin, kc, vc, seqlens, cos, sin,
                                           i32(rotary), knw, keps) + geo)
         attn = function("group_query_attention", f"gqa_attn<{t}>", _exprs(t))
         qb = min(8, 8 * NT // h)  # queries per block: qb * H <= 8 * NT (the kernel's QMAX and acc[8])
         shared = (2 * qb * h + qb * CH + 6 * qb) * 4 + 2 * CH * _tile_stride(h, dtype) * dtype.itemsize
         _shared_limit(attn, shared)
-        attn((-(-s_len // qb), nq, bsz), (NT,), (query, past_key, past_value, seqlens, cos, sin, i32(rotary),
+        attn((-(-s_len // qb), nq, bsz), (NT,), (query, kc, vc, seqlens, cos, sin, i32(rotary),
                                                  sinks, out, i32(qb), qnw, qeps) + geo, shared_mem=shared)
+        if ring:
+            store = function("group_query_attention", f"gqa_ring_store<{t}>", _exprs(t))
+            store((s_len, nkv, bsz), (NT,), (kc, vc, past_key, past_value, seqlens, i32(h), i32(ring),
+                                             *(np.int64(x) for x in strides(head_major, nkv, s_len, h)),
+                                             np.int64(cb), np.int64(cg), np.int64(cj)))
     names = ctx.node.outputs
     outs = (out, past_key, past_value)
     return tuple(o if i < len(names) and names[i] else None for i, o in enumerate(outs))
+
+
+def ring_rows(attrs, cap: int, first: bool, s_len: int) -> int:
+    """The ring size the kernels get for a node's KV buffer of ``cap`` rows: ``cap`` with
+    sliding_window_cache=1 (position p in row p mod cap, docs/kv-geometry.md), else 0.
+
+    Raises:
+        ValueError: a subsequent prompt (1 < S != total) into a ring (Lockstep's prefill is
+            always a first prompt; its staging would need the ring's past rows).
+    """
+    if not int(attrs.get("sliding_window_cache", 0)):
+        return 0
+    if not first and s_len > 1:
+        raise ValueError("GroupQueryAttention (cuda): a subsequent prompt into a sliding_window_cache ring")
+    return cap
+
+
+def strides(head_major: bool, nkv: int, rows: int, h: int) -> tuple[int, int, int]:
+    """Element strides (batch, kv head, position) of a KV buffer of ``rows`` positions."""
+    return (nkv * rows * h, rows * h, h) if head_major else (rows * nkv * h, h, nkv * h)
+
+
+def decode_chunks(cap: int, window: int, ring: bool) -> int:
+    """Blocks of ``gqa_decode`` per (kv head, row), its grid's x: one per CH-position chunk of a
+    full cache of ``cap`` rows; for a ring, enough for the chunks of any query's window: the
+    keys ``p - m + 1 .. p`` (m = min(window, cap)) touch at most ``ceil(m / CH) + 1`` chunks, and
+    block x takes the row's x-th one."""
+    if not ring:
+        return -(-cap // CH)
+    return -(-min(window, cap) // CH) + 1
 
 
 def hinted(group: int, h: int, threads: int) -> bool:
