@@ -220,3 +220,18 @@ def test_router_of_the_wrong_width_raises_before_any_work(one_node, rng):
     m = one_node.model("MoE", inputs, {"y": np.float32}, "com.microsoft", k=2, **SWIGLU)
     with pytest.raises(ValueError, match="router_probs"):
         one_node.ref(m, inputs)
+
+
+def test_qwen_moe_experts_plain_swiglu_without_biases_match_ort(one_node, rng):
+    """Qwen3.5-MoE's expert layer as the builder writes it: SwiGLU with alpha 1 and beta 0 (silu(g) * l),
+    no limit, no expert biases, top 4 of the experts, normalized."""
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    router = rng.standard_normal((T, E)).astype(np.float32)
+    w = _dense(rng)
+    inputs = _moe_inputs(x, router, w) | {"b1": None, "b2": None}
+    attrs = dict(activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0)
+    (want,), (got,) = one_node.both("MoE", inputs, {"y": np.float32}, "com.microsoft", k=4,
+                                    normalize_routing_weights=1, **attrs)
+    np.testing.assert_allclose(got, want, **F32)
+    loop = _loop(x, router, w["w1"], None, w["w2"], None, 4, 1, _swiglu(1, 1.0, 0.0, np.inf))
+    np.testing.assert_allclose(got, loop, **F32)
