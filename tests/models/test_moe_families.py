@@ -114,3 +114,33 @@ def test_rows_of_a_batch_are_bitwise_their_batch1_runs(moe_dirs, monkeypatch, fa
         t1, l1 = run([ids])
         assert np.array_equal(tokens[b], t1[0]), f"{family} {precision} row {b} tokens"
         assert np.array_equal(logits[b], l1[0]), f"{family} {precision} row {b} logits"
+
+
+@pytest.mark.parametrize("family,precision", sorted(FOLDERS))
+def test_expert_budget_that_forces_page_ins_is_bitwise_the_resident_run(moe_dirs, family, precision):
+    """Two of each layer's 8 experts resident and a ring of 2 slots: the three rows route to up
+    to 6 experts per layer and step, so most routes page in (several waves per call); tokens and
+    logits are bitwise those of the all-resident run."""
+    from core.runtime.experts import moe_layout
+    from providers.cpu_reference.expert_pager import use_expert_residency
+
+    model = load_model(moe_dirs(family, precision))
+    counts, sizes = moe_layout(model.graph, model.initializers)
+    assert set(counts.values()) == {8} and len(counts) == model.config.num_layers
+
+    def run(budget):
+        session = Session(model, "cpu_reference", batch=len(PROMPTS), capacity=CAPACITY)
+        residency = use_expert_residency(session, budget, ring_slots=2) if budget is not None else None
+        logits = []
+        trace = decode(session, PROMPTS, STEPS, observer=lambda *_: logits.append(session.last_logits()))
+        return trace.tokens, np.stack(logits), residency
+
+    tokens, logits, _ = run(None)
+    budget = (2 * len(counts) + 2) * max(sizes.values())
+    paged_tokens, paged_logits, residency = run(budget)
+    c = residency.counters
+    assert all(len(r) == 2 for r in residency.plan.resident.values())
+    assert c.page_ins > 0 and 0 < c.hit_rate < 1
+    assert c.page_in_bytes == c.page_ins * max(sizes.values())
+    assert c.routed == c.hits + c.page_ins
+    assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)

@@ -21,6 +21,9 @@ with (g, l) interleaved along h ([g0, l0, g1, l1, ...], ``swiglu_fusion=1``), co
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
 import attrs
 import numpy as np
 
@@ -135,24 +138,55 @@ class Experts:
     b2: np.ndarray | None = None
     b3: np.ndarray | None = None
 
+    def expert(self, e: int) -> Expert:
+        """Expert ``e``'s arrays (views of these)."""
+        parts = (self.fc3, self.b1, self.b2, self.b3)
+        return Expert(self.fc1[e], self.fc2[e], *(None if a is None else a[e] for a in parts))
+
+
+@attrs.frozen
+class Expert:
+    """One expert's fp32 arrays: fc1 [H, F*I], fc2 [I, H], fc3 [H, I] or None, biases or None."""
+
+    fc1: np.ndarray
+    fc2: np.ndarray
+    fc3: np.ndarray | None = None
+    b1: np.ndarray | None = None
+    b2: np.ndarray | None = None
+    b3: np.ndarray | None = None
+
+
+class Pager(Protocol):
+    """Where a MoE kernel reads its experts from under expert residency (expert_pager)."""
+
+    def waves(self, node: str, experts: Experts, routing: Routing) -> Iterator[list[tuple[int, Expert]]]:
+        """The routed experts of ``routing`` in ascending index order, in waves of (index, arrays)."""
+        ...
+
 
 def _project(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
     y = rowwise_matmul(x, w)
     return y if bias is None else y + bias
 
 
-def mix(x: np.ndarray, routing: Routing, experts: Experts, act: Activation) -> np.ndarray:
-    """The MoE output fp32 [T, H] of token rows ``x`` fp32 [T, H] (module docstring)."""
+def mix(x: np.ndarray, routing: Routing, experts: Experts, act: Activation, pager: Pager | None = None,
+        node: str = "") -> np.ndarray:
+    """The MoE output fp32 [T, H] of token rows ``x`` fp32 [T, H] (module docstring); with a
+    ``pager``, the experts of MoE node ``node`` are read where it puts them (the same values)."""
     t, k = routing.experts.shape
     ys = np.zeros((t, k, experts.fc2.shape[2]), np.float32)
-    for e in np.unique(routing.experts):
-        rows, slots = np.nonzero(routing.experts == e)
-        xe = x[rows]
-        h = _project(xe, experts.fc1[e], None if experts.b1 is None else experts.b1[e])
-        up = None
-        if experts.fc3 is not None:
-            up = _project(xe, experts.fc3[e], None if experts.b3 is None else experts.b3[e])
-        ys[rows, slots] = _project(act(h, up), experts.fc2[e], None if experts.b2 is None else experts.b2[e])
+    if pager is None:
+        waves: Iterable[list[tuple[int, Expert]]] = [[(int(e), experts.expert(int(e)))
+                                                      for e in np.unique(routing.experts)]]
+    else:
+        waves = pager.waves(node, experts, routing)
+    for wave in waves:
+        for e, w in wave:
+            rows, slots = np.nonzero(routing.experts == e)
+            xe = x[rows]
+            h = _project(xe, w.fc1, w.b1)
+            up = None if w.fc3 is None else _project(xe, w.fc3, w.b3)
+            ys[rows, slots] = _project(act(h, up), w.fc2, w.b2)
     w = routing.weights
     out = w[:, 0, None] * ys[:, 0]
     for j in range(1, k):  # rank order (module docstring)

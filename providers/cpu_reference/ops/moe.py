@@ -73,4 +73,5 @@ def run(ctx, x, router_probs, fc1, b1=None, fc2=None, b2=None, fc3=None, b3=None
         raise ValueError("MoE: a fused SwiGLU needs 2 * inter_size fc1 outputs")
     rows, router = token_rows(x, router_probs, experts.fc1.shape[0])
     routing = route(router, int(attrs.get("k", 1)), bool(attrs.get("normalize_routing_weights", 0)))
-    return (write(ctx, 0, mix(rows, routing, experts, act).reshape(x.shape), x.dtype),)
+    pager = getattr(ctx.provider, "expert_residency", None)
+    return (write(ctx, 0, mix(rows, routing, experts, act, pager, ctx.node.name).reshape(x.shape), x.dtype),)
