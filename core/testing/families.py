@@ -172,9 +172,12 @@ def prepared_family(family: str, root: str | Path, precision: str = "fp32", targ
 
 
 def main(argv=None) -> None:
+    from core.testing.moe_families import MOE_FAMILIES
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--family", action="append", choices=sorted(FAMILIES), help="default: every family")
+    p.add_argument("--family", action="append", choices=sorted({**FAMILIES, **MOE_FAMILIES}),
+                   help="default: every dense family")
     p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int4"])
     p.add_argument("--target", default="cpu", choices=["cpu", "cuda"])
     a = p.parse_args(argv)
