@@ -74,3 +74,23 @@ def add_tensors(folder: str | Path, tensors: dict) -> None:
 
     path = Path(folder) / "model.safetensors"
     save_file({**load_file(str(path)), **tensors}, str(path), metadata={"format": "pt"})
+
+
+def released_layout(folder: str | Path) -> Path:
+    """Rewrite a gpt-oss checkpoint ``folder`` written by :func:`core.testing.families.write_checkpoint`
+    the way the released checkpoints are: the experts only as MXFP4 tensors (the dense
+    ``gate_up_proj`` / ``down_proj`` removed) and ``quantization_config`` naming mxfp4."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(folder)
+    path = folder / "model.safetensors"
+    dense = ("experts.gate_up_proj", "experts.down_proj")
+    tensors = {k: v for k, v in load_file(str(path)).items() if not k.endswith(dense)}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder

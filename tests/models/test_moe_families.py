@@ -144,3 +144,24 @@ def test_expert_budget_that_forces_page_ins_is_bitwise_the_resident_run(moe_dirs
     assert c.page_in_bytes == c.page_ins * max(sizes.values())
     assert c.routed == c.hits + c.page_ins
     assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)
+
+
+def test_a_released_layout_checkpoint_prepares_to_the_same_fp32_experts(moe_dirs, tmp_path, monkeypatch):
+    """The tiny checkpoint stores its experts dense and in MXFP4; a released gpt-oss checkpoint
+    stores MXFP4 only (with quantization_config mxfp4). ``lockstep prepare`` of that layout gives
+    the same fp32 expert weights, so the tiny folders stand for the released ones."""
+    import onnx
+
+    from core.models.prepare import Variant, prepare
+    from core.testing.families import write_checkpoint
+    from core.testing.moe_families import released_layout
+
+    def experts(folder):
+        graph = onnx.load(str(folder / "model.onnx"))
+        return {t.name: onnx.numpy_helper.to_array(t) for t in graph.graph.initializer if ".moe.experts." in t.name}
+
+    monkeypatch.setenv("LOCKSTEP_CACHE", str(tmp_path / "cache"))
+    released = prepare(Variant(str(released_layout(write_checkpoint("gpt-oss", tmp_path / "hf"))), "fp32", "cpu"))
+    want, got = experts(moe_dirs("gpt-oss", "fp32")), experts(released)
+    assert want.keys() == got.keys() and len(want) == 8
+    assert all(np.array_equal(got[k], want[k]) for k in want)
