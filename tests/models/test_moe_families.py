@@ -118,9 +118,10 @@ def test_rows_of_a_batch_are_bitwise_their_batch1_runs(moe_dirs, monkeypatch, fa
 
 @pytest.mark.parametrize("family,precision", sorted(FOLDERS))
 def test_expert_budget_that_forces_page_ins_is_bitwise_the_resident_run(moe_dirs, family, precision):
-    """Two of each layer's 8 experts resident and a ring of 2 slots: the three rows route to up
-    to 6 experts per layer and step, so most routes page in (several waves per call); tokens and
-    logits are bitwise those of the all-resident run."""
+    """A budget of 2 experts per layer plus a ring of 2 slots: the three rows route to up to 6
+    experts per layer and step, so most routes page in (several waves per call); tokens and
+    logits are bitwise those of the all-resident run, for the uniform plan (experts 0 and 1 of
+    each layer) and for the plan made from the routing frequencies that run measured."""
     from core.runtime.experts import moe_layout
     from providers.cpu_reference.expert_pager import use_expert_residency
 
@@ -128,22 +129,32 @@ def test_expert_budget_that_forces_page_ins_is_bitwise_the_resident_run(moe_dirs
     counts, sizes = moe_layout(model.graph, model.initializers)
     assert set(counts.values()) == {8} and len(counts) == model.config.num_layers
 
-    def run(budget):
+    def run(budget, frequencies=None):
         session = Session(model, "cpu_reference", batch=len(PROMPTS), capacity=CAPACITY)
-        residency = use_expert_residency(session, budget, ring_slots=2) if budget is not None else None
+        residency = use_expert_residency(session, budget, ring_slots=2, frequencies=frequencies)
         logits = []
         trace = decode(session, PROMPTS, STEPS, observer=lambda *_: logits.append(session.last_logits()))
         return trace.tokens, np.stack(logits), residency
 
-    tokens, logits, _ = run(None)
+    tokens, logits, calibration = run(None)
+    assert calibration.counters.page_ins == 0 and calibration.counters.hit_rate == 1.0
+    measured = calibration.counters.frequencies()
     budget = (2 * len(counts) + 2) * max(sizes.values())
-    paged_tokens, paged_logits, residency = run(budget)
-    c = residency.counters
-    assert all(len(r) == 2 for r in residency.plan.resident.values())
-    assert c.page_ins > 0 and 0 < c.hit_rate < 1
-    assert c.page_in_bytes == c.page_ins * max(sizes.values())
-    assert c.routed == c.hits + c.page_ins
-    assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)
+    for frequencies in (None, measured):
+        paged_tokens, paged_logits, residency = run(budget, frequencies)
+        c = residency.counters
+        resident = residency.plan.resident
+        assert sum(len(r) for r in resident.values()) == 2 * len(counts)
+        if frequencies is None:
+            assert all(r == {0, 1} for r in resident.values())
+        else:  # the most-routed experts across the layers
+            kept = [share[e] for node, share in measured.items() for e in resident[node]]
+            left = [share[e] for node, share in measured.items() for e in range(8) if e not in resident[node]]
+            assert min(kept) >= max(left)
+        assert c.page_ins > 0 and 0 < c.hit_rate < 1
+        assert c.page_in_bytes == c.page_ins * max(sizes.values())
+        assert c.routed == c.hits + c.page_ins
+        assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)
 
 
 def test_a_released_layout_checkpoint_prepares_to_the_same_fp32_experts(moe_dirs, tmp_path, monkeypatch):
