@@ -9,6 +9,14 @@ runs, in :data:`core.testing.families.FAMILIES`' form (model_type, extra config 
   The released checkpoints store the experts in MXFP4 and the builder's int4 build reads those
   tensors (``*_blocks``, ``*_scales``), so :func:`mxfp4_experts` gives the random experts MXFP4
   values and writes both forms: the fp32 build (MoE) and the int4 build (QMoE) hold one model.
+- ``lfm2-moe``: Lfm2MoeForCausalLM with attention layers only (the short-convolution layers of
+  the released checkpoints need a convolution state Lockstep does not feed), one dense layer
+  then two MoE layers of 8 experts, top 2. The expert layer is the Qwen-MoE one (SwiGLU with
+  alpha 1 and beta 0, i.e. silu(g) * u, no expert biases, normalized top-k); the router is
+  computed in the graph (sigmoid + expert bias, TopK, the chosen scores scattered into sentinel
+  logits) and feeds MoE. The builder's int4 build quantizes the dense experts to QMoE itself.
+  (The builder's Qwen-MoE, Qwen3_5MoeForConditionalGeneration, needs 3-D MRoPE position ids
+  that ONNX Runtime 1.32's CPU RotaryEmbedding refuses, so ORT GenAI cannot run it on the CPU.)
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ MOE_FAMILIES: dict[str, tuple[str, dict]] = {
                                     "rope_type": "yarn", "factor": 4.0, "beta_fast": 2.0, "beta_slow": 0.5,
                                     "truncate": False, "original_max_position_embeddings": 64,
                                     "rope_theta": 150000.0})),
+    # attention layers only: Lockstep does not feed the short-convolution state of LFM2's conv layers
+    "lfm2-moe": ("lfm2_moe", dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_dense_layers=1,
+                                  num_hidden_layers=3, layer_types=["full_attention"] * 3, tie_word_embeddings=True)),
 }
 
 #: Families whose experts are written in MXFP4 too (:func:`mxfp4_experts`).

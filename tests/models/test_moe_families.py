@@ -1,8 +1,10 @@
 """The builder's mixture-of-experts families, tiny and random (core.testing.moe_families), on cpu_reference.
 
-gpt-oss (8 experts, top 2, the clamped SwiGLU with biases, sinks, sliding/full layers) is prepared
-in fp32 (MoE nodes) and int4 (QMoE nodes, int4 block 32 experts re-quantized from the
-checkpoint's MXFP4 tensors; MatMulNBits elsewhere) through ``core.prepare``. The int4 folder is
+gpt-oss (8 experts, top 2, the clamped SwiGLU with biases, sinks, sliding/full layers) and
+lfm2-moe (the Qwen-MoE expert layer: plain SwiGLU without biases, behind an in-graph sigmoid
+router) are prepared in fp32 (MoE nodes) and int4 (QMoE nodes, int4 block 32 experts: gpt-oss's
+re-quantized from the checkpoint's MXFP4 tensors, lfm2-moe's from the dense ones; MatMulNBits
+elsewhere) through ``core.prepare``. The int4 folder is
 run with its MatMulNBits at accuracy_level 0 (ORT's level 4 quantizes activations to int8 and
 parts from the exact oracle at near-ties, test_families.py says how much): the router is a
 MatMulNBits too, and a flipped route changes a token.
@@ -37,8 +39,11 @@ pytestmark = pytest.mark.model
 STEPS = 32
 CAPACITY = 64
 PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 21)), [200, 7, 7, 31, 64, 128, 9, 250, 1, 33, 77, 12, 6, 90, 44, 23, 8]]
+#: family -> its number of MoE layers.
+MOE_LAYERS = {"gpt-oss": 2, "lfm2-moe": 2}
 #: (family, precision) -> the op its expert layers use.
-FOLDERS = {("gpt-oss", "fp32"): "MoE", ("gpt-oss", "int4"): "QMoE"}
+FOLDERS = {("gpt-oss", "fp32"): "MoE", ("gpt-oss", "int4"): "QMoE", ("lfm2-moe", "fp32"): "MoE",
+           ("lfm2-moe", "int4"): "QMoE"}
 
 
 def _exact_matmulnbits(folder, out):
@@ -76,7 +81,7 @@ def test_greedy_tokens_equal_ort_genai(moe_dirs, family, precision):
     folder = moe_dirs(family, precision)
     model = load_model(folder)
     experts = [n for n in node_infos(model.graph) if n.op_type == FOLDERS[family, precision]]
-    assert len(experts) == model.config.num_layers
+    assert len(experts) == MOE_LAYERS[family]
     ours = generate(Session(model, "cpu_reference", batch=len(PROMPTS), capacity=CAPACITY), PROMPTS, STEPS)
     eos = set(model.config.eos_token_ids)
     distinct = set()
@@ -127,7 +132,7 @@ def test_expert_budget_that_forces_page_ins_is_bitwise_the_resident_run(moe_dirs
 
     model = load_model(moe_dirs(family, precision))
     counts, sizes = moe_layout(model.graph, model.initializers)
-    assert set(counts.values()) == {8} and len(counts) == model.config.num_layers
+    assert set(counts.values()) == {8} and len(counts) == MOE_LAYERS[family]
 
     def run(budget, frequencies=None):
         session = Session(model, "cpu_reference", batch=len(PROMPTS), capacity=CAPACITY)
