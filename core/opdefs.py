@@ -194,3 +194,51 @@ def gqa_unsupported(node, interleaved: bool = True, bias: bool = True, qk_norm: 
     if dtype is not None and np.dtype(dtype) not in (np.float32, np.float16):
         out.append(f"dtype {np.dtype(dtype).name}")
     return out
+
+
+# -- MoE and QMoE (com.microsoft, docs/moe.md) --------------------------------------------
+#: Activations the MoE kernels run (ORT's CPU set).
+MOE_ACTIVATIONS = ("relu", "gelu", "silu", "identity", "swiglu")
+
+
+def moe_unsupported(node) -> list[str]:
+    """The attributes and inputs of a MoE / QMoE node outside what the built-in kernels run
+    (empty: supported), each as ``what=value (meaning)``."""
+    attrs = node.attrs
+    ins = list(node.inputs) + [""] * 21
+    out = []
+    act = str(attrs.get("activation_type", "relu"))
+    if act not in MOE_ACTIVATIONS:
+        out.append(f"activation_type={act!r} (runs {', '.join(MOE_ACTIVATIONS)})")
+    if int(attrs.get("use_sparse_mixer", 0)):
+        out.append("use_sparse_mixer=1 (Phi-3.5-MoE's SparseMixer routing)")
+    if int(attrs.get("swiglu_limit_after_activation", 0)):
+        out.append("swiglu_limit_after_activation=1 (a CUDA-only clamp)")
+    if int(attrs.get("k", 1)) < 1:
+        out.append(f"k={attrs.get('k')}")
+    fusion = int(attrs.get("swiglu_fusion", 0))
+    if fusion not in (0, 1, 2):
+        out.append(f"swiglu_fusion={fusion}")
+    fc3 = ins[8] if node.op_type == "QMoE" else ins[6]
+    if act == "swiglu" and fusion == 0 and not fc3:
+        out.append("swiglu_fusion=0 without fc3 weights (the up projection)")
+    if fc3 and not (act == "swiglu" and fusion == 0):
+        out.append("fc3 weights with a fused or non-SwiGLU activation")
+    if node.op_type == "QMoE":
+        if str(attrs.get("quant_type", "int")) != "int":
+            out.append(f"quant_type={attrs['quant_type']!r} (integer QMoE only)")
+        if int(attrs.get("weights_prepacked", -1)) == 1:
+            out.append("weights_prepacked=1 (a CUDA CUTLASS layout)")
+        for name in ("expert_weight_bits", "fc1_expert_weight_bits", "fc2_expert_weight_bits",
+                     "fc3_expert_weight_bits"):
+            if name in attrs and int(attrs[name]) not in (2, 4, 8):
+                out.append(f"{name}={attrs[name]} (2, 4 or 8)")
+        bs = int(attrs.get("block_size", 0))
+        if "block_size" in attrs and (bs < 16 or bs & (bs - 1)):
+            out.append(f"block_size={bs} (a power of two >= 16)")
+        if any(ins[14:]):
+            out.append("router_weights, global scales or activation scales (inputs 14..20)")
+    dtype = node.input_dtypes[0] if node.input_dtypes else None
+    if dtype is not None and np.dtype(dtype) not in (np.float32, np.float16):
+        out.append(f"dtype {np.dtype(dtype).name}")
+    return out

@@ -75,11 +75,14 @@ def hf_config(family: str, init_std: float = 0.15, overrides: dict | None = None
     the geometry (e.g. ``{"intermediate_size": 2304}`` for a down projection of 9 K segments).
 
     Raises:
-        KeyError: unknown family (see :data:`FAMILIES`).
+        KeyError: unknown family (see :data:`FAMILIES` and
+            :data:`core.testing.moe_families.MOE_FAMILIES`).
     """
     from transformers import AutoConfig
 
-    model_type, extra = FAMILIES[family]
+    from core.testing.moe_families import MOE_FAMILIES
+
+    model_type, extra = {**FAMILIES, **MOE_FAMILIES}[family]
     fields = {**TINY, **extra, **(overrides or {}), "initializer_range": init_std}
     return AutoConfig.for_model(model_type, **fields)
 
@@ -93,6 +96,8 @@ def write_checkpoint(family: str, out: str | Path, seed: int = 0, init_std: floa
     import torch
     from transformers import AutoModelForCausalLM
 
+    from core.testing.moe_families import MXFP4_FAMILIES, add_tensors, mxfp4_experts
+
     out = Path(out)
     torch.manual_seed(seed)
     cfg = hf_config(family, init_std, overrides)
@@ -101,7 +106,10 @@ def write_checkpoint(family: str, out: str | Path, seed: int = 0, init_std: floa
         for p in model.parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
+    extra = mxfp4_experts(model, seed) if family in MXFP4_FAMILIES else {}
     model.save_pretrained(out)
+    if extra:
+        add_tensors(out, extra)
     _placeholder_tokenizer(cfg.vocab_size).save_pretrained(out)
     return out
 
@@ -164,9 +172,12 @@ def prepared_family(family: str, root: str | Path, precision: str = "fp32", targ
 
 
 def main(argv=None) -> None:
+    from core.testing.moe_families import MOE_FAMILIES
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--family", action="append", choices=sorted(FAMILIES), help="default: every family")
+    p.add_argument("--family", action="append", choices=sorted({**FAMILIES, **MOE_FAMILIES}),
+                   help="default: every dense family")
     p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int4"])
     p.add_argument("--target", default="cpu", choices=["cpu", "cuda"])
     a = p.parse_args(argv)

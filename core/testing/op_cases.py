@@ -506,6 +506,35 @@ def _mask_seqlens_case(width: int, keepdims: int, data=np.int64) -> OpCase:
                   constants=("axes", "b"), dtypes=("int32",), tolerance=dict(EXACT), rows=("x",), unfused=unfused)
 
 
+# -- MoE / QMoE (docs/moe.md) -----------------------------------------------------------------
+
+MOE_SWIGLU = {"activation_type": "swiglu", "swiglu_fusion": 1, "activation_alpha": 1.702, "activation_beta": 1.0,
+              "swiglu_limit": 7.0, "normalize_routing_weights": 1}
+
+
+def _moe_case(m, e, h, inter, k, quantized=False) -> OpCase:
+    """MoE (dense experts) or QMoE (int4, block 32) with gpt-oss's SwiGLU over M token rows,
+    with the row-invariance property (rows share experts)."""
+    def make(rng, dtype):
+        inputs = {"x": _normal(rng, (m, h), dtype), "router": _normal(rng, (m, e), dtype, 2.0)}
+        if quantized:
+            for name, (n, kk) in (("1", (2 * inter, h)), ("2", (h, inter))):
+                inputs[f"w{name}"] = rng.integers(0, 256, (e, n, kk // 2), dtype=np.uint8)
+                inputs[f"s{name}"] = (rng.uniform(0.5, 1.5, (e, n, kk // 32)) / (8 * np.sqrt(kk))).astype(dtype)
+                inputs[f"b{name}"] = _normal(rng, (e, n), dtype, 0.1)
+            return inputs
+        return inputs | {"w1": _normal(rng, (e, 2 * inter, h), dtype, h ** -0.5),
+                         "b1": _normal(rng, (e, 2 * inter), dtype, 0.1),
+                         "w2": _normal(rng, (e, h, inter), dtype, inter ** -0.5),
+                         "b2": _normal(rng, (e, h), dtype, 0.1)}
+
+    op = "QMoE" if quantized else "MoE"
+    attrs = MOE_SWIGLU | {"k": k} | ({"expert_weight_bits": 4, "block_size": 32} if quantized else {})
+    weights = ("w1", "s1", "b1", "w2", "s2", "b2") if quantized else ("w1", "b1", "w2", "b2")
+    return OpCase(f"{op}/swiglu-E{e}-k{k}-H{h}-I{inter}-M{m}", op, make, domain="com.microsoft", attributes=attrs,
+                  constants=weights, rows=("x", "router"))
+
+
 SKIP_NORM: dict[str, Any] = {"op": "SkipSimplifiedLayerNormalization", "domain": "com.microsoft",
              "attributes": {"epsilon": 1e-5}, "constants": ("gamma",), "rows": ("x", "skip")}
 
@@ -563,6 +592,8 @@ OP_CASES: list[OpCase] = [
     _mask_seqlens_case(4100, 0),
     _mask_seqlens_case(64, 1),
     _mask_seqlens_case(64, 1, np.int32),
+    _moe_case(9, 8, 64, 64, 2),
+    _moe_case(17, 8, 64, 32, 4, quantized=True),
 ]
 
 

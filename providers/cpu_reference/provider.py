@@ -27,6 +27,9 @@ class CpuReferenceProvider(ProviderBase):
     def __init__(self):
         super().__init__()
         self._ops = OpTable(ops)
+        #: The MoE nodes' expert residency (providers.cpu_reference.expert_pager); None: every
+        #: expert resident.
+        self.expert_residency: Any = None
 
     def capabilities(self) -> Capabilities:
         return Capabilities(dtypes=("float32", "float16"), weight_streaming=True)
