@@ -179,6 +179,7 @@ class TensorParallelSession(Session):
         self.all_logits, self.prefill_groups = False, prefill_groups
         self.kv_policy = kv_policy or ("growing" if capacity is None else "fixed")
         self.sampling = []
+        self.request_id = 0  # as Session.request_id
         self.counters = TensorParallelCounters(tensor_parallel=self.ranks)
         kwargs = dict(batch=batch, capacity=capacity, kv_layout=kv_layout, kv_policy=kv_policy, capture=capture,
                       max_capacity=max_capacity, weight_budget=weight_budget, device_budget=device_budget,
@@ -344,7 +345,7 @@ class TensorParallelSession(Session):
         """Process id of every rank, in rank order."""
         return [int(p.pid) for p in self._procs]
 
-    def check_prompts(self, input_ids: Sequence[Sequence[int]], max_new_tokens: int = 1) -> None:
+    def check_prompts(self, input_ids: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 1) -> None:
         """As :meth:`core.session.Session.check_prompts` (rank 0 checks)."""
         self._call("check_prompts", input_ids, max_new_tokens, targets=[0])
 
@@ -365,11 +366,13 @@ class TensorParallelSession(Session):
     def rewind(self, lengths: Sequence[int], history: Sequence[Sequence[int]] | None = None) -> None:
         """As :meth:`core.session.Session.rewind`, on every rank."""
         self._call("rewind", list(lengths), history)
+        self.request_id += 1
         self._stats = {**self._stats, "lengths": np.asarray(lengths, np.int64)}
 
     def prefill(self, input_ids: Sequence[Sequence[int]], sampling: Any = None) -> StepOutput:
         """As :meth:`core.session.Session.prefill`, every rank on its shard; greedy only."""
         self.check_sampling(sampling)
+        self.request_id += 1
         return self._stepped(self._call("prefill", input_ids, sampling))
 
     def step(self, force_tokens: Sequence[int] | None = None) -> StepOutput:
