@@ -224,6 +224,10 @@ class Session:
             raise RequestError(f"prefill_groups must be one of {GROUPING}, got {prefill_groups!r}")
         if not isinstance(run_ahead, bool):
             raise RequestError(f"run_ahead must be True or False, got {run_ahead!r}")
+        if capture is not None and not isinstance(capture, bool):  # "no" is truthy: refuse, not guess
+            raise RequestError(f"capture must be True, False or None, got {capture!r}")
+        if not isinstance(all_logits, bool):
+            raise RequestError(f"all_logits must be True or False, got {all_logits!r}")
         self.run_ahead = run_ahead
         self._unread: list[PendingStep] = []  # queued decode steps not read yet, oldest first
         self._last_raw: np.ndarray | None = None  # the [B, 2] result of the last step read

@@ -284,7 +284,7 @@ class Generation:
             self._request = s.request_id
         else:  # a continuation: the first forced step
             self._check_current()
-            out = s.step(force_tokens=self._forced())
+            out = self._step()
         step = 0
         queued: list = []  # steps queued ahead (Session.run_ahead) and not read, oldest first
         try:
@@ -301,11 +301,26 @@ class Generation:
                     return
                 if queued and queued[0].discarded:  # the caller stepped the session during the yield
                     queued.clear()
-                out = queued.pop(0).result() if queued else s.step(force_tokens=self._forced())
+                out = queued.pop(0).result() if queued else self._step()
         finally:  # ended (or abandoned) with steps queued for rows that are done: undo them
             unread = [q for q in queued if not q.discarded and not q.read]  # the caller may have read one
             if unread:
                 s.discard(unread[0])
+
+    def _step(self) -> Any:
+        """One synchronous decode step. Rows that ended keep stepping with the batch, but
+        when the next step would pass the KV limit they are cut back to their own history
+        first (their positions past it hold nothing anyone reads), so each row needs only
+        its own prompt + max_new_tokens - 1 positions (what :meth:`Session.check_prompts`
+        checks per row)."""
+        s = self.session
+        lengths = np.asarray(s.lengths, np.int64)
+        if int(lengths.max()) + 1 > s.state.kv.limit:
+            own = [len(r.prompt_ids) + max(len(r.output_ids) - 1, 0) if r.finish_reason is not None else int(n)
+                   for r, n in zip(self.rows, lengths)]
+            s.rewind([min(o, int(n)) for o, n in zip(own, lengths)])
+            self._request = s.request_id
+        return s.step(force_tokens=self._forced())
 
     def _check_current(self) -> None:
         """Refuse to step the session for this generation once another request (a prefill or
