@@ -349,7 +349,8 @@ class Session:
             raise RequestError(f"input_ids must be a list of {self.batch} token-id lists, got {_short(input_ids)}")
         if len(input_ids) != self.batch:
             raise RequestError(f"this session has batch {self.batch}; got {len(input_ids)} prompts")
-        news = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * self.batch
+        per_row = isinstance(max_new_tokens, (list, tuple))
+        news: list[Any] = list(max_new_tokens) if per_row else [max_new_tokens] * self.batch  # type: ignore[arg-type]
         if len(news) != self.batch:
             raise RequestError(f"max_new_tokens has {len(news)} values for {self.batch} rows")
         for m in news:

@@ -237,9 +237,9 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
     if sum(given) != 1:
         raise RequestError("pass exactly one of prompts=, messages= or input_ids=")
     sampling = _merge_sampling(sampling, options)
-    for name, flag in (("chat", chat), ("capture", capture)):
-        if not isinstance(flag, bool) and not (name == "capture" and flag is None):  # "no" is truthy
-            raise RequestError(f"{name} must be True or False, got {flag!r}")
+    for option, flag in (("chat", chat), ("capture", capture)):
+        if not isinstance(flag, bool) and not (option == "capture" and flag is None):  # "no" is truthy
+            raise RequestError(f"{option} must be True or False, got {flag!r}")
     if progress is not None and not callable(progress):
         raise RequestError(f"progress must be a callable (done, total), got {type(progress).__name__}")
     if isinstance(prompts, str):
