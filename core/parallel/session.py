@@ -24,12 +24,15 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import sys
+import threading
 import time
+import types
 import weakref
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Sequence, cast
+from typing import Any, Iterator, Sequence, cast
 
 import attrs
 import numpy as np
@@ -130,6 +133,24 @@ def _stop(procs: list, ctrls: list, graceful: bool) -> None:
         conn.close()
 
 
+_MAIN_SWAP = threading.Lock()
+
+
+@contextlib.contextmanager
+def _own_main() -> Iterator[None]:
+    """While a rank process starts, ``__main__`` is a bare module: "spawn" re-runs the parent's
+    main module in the child (by path or name), which fails for ``<stdin>`` and is never wanted
+    here (the rank's target lives in core.parallel.worker, and a caller's script must not run
+    twice). The swap covers only ``Process.start`` (the preparation data is read there)."""
+    with _MAIN_SWAP:
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = main
+
+
 class TensorParallelSession(Session):
     """A :class:`~core.session.Session` sharded over ``tensor_parallel`` rank processes
     (module docstring). Arguments as :class:`~core.session.Session`, plus:
@@ -199,6 +220,9 @@ class TensorParallelSession(Session):
         self._stats: dict = {"lengths": np.zeros(self.batch, np.int64), "capacity": None, "started": False}
 
     def _spawn(self, folder: str, provider: str, kwargs: dict) -> tuple[list, list[Connection]]:
+        """Start the ranks. They run :func:`~core.parallel.worker.rank_main` and import nothing
+        of the caller's main module (:func:`_own_main`), so a script read from standard input,
+        ``python -c`` or a notebook starts them like any file."""
         ctx = multiprocessing.get_context("spawn")
         size = self.ranks
         peers: list[dict[int, Connection]] = [{} for _ in range(size)]
@@ -212,7 +236,8 @@ class TensorParallelSession(Session):
             mine, theirs = ctx.Pipe(duplex=True)
             p = ctx.Process(target=rank_main, name=f"lockstep-tp-rank{r}", daemon=True,
                             args=(r, size, folder, provider, kwargs, theirs, peers[r], self.timeout))
-            p.start()
+            with _own_main():
+                p.start()
             procs.append(p)
             ctrls.append(mine)
             child_ends.append(theirs)

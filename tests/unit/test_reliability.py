@@ -160,3 +160,36 @@ def test_session_stream_refuses_what_is_not_a_list_of_rows(runner, bad):
     s = Session(runner, batch=1, capacity=16)
     with pytest.raises(RequestError, match="input_ids"):
         s.stream(bad)
+
+
+SCRIPT = """
+import core
+r = core.run({folder!r}, input_ids=[[1, 2, 3], [9, 8]], max_new_tokens=4, tensor_parallel=2)
+print("TOKENS", [row.output_ids for row in r.rows])
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "-c"])
+def test_tensor_parallel_starts_from_a_script_on_stdin_or_dash_c(model_dir, how):
+    """The ranks do not re-run the caller's main module (which "spawn" cannot find for <stdin>)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = SCRIPT.format(folder=str(model_dir))
+    args = [sys.executable, "-"] if how == "stdin" else [sys.executable, "-c", code]
+    root = str(Path(core.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(args, input=code if how == "stdin" else None, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = [x for x in done.stdout.splitlines() if x.startswith("TOKENS")][0]
+    assert line == f"TOKENS {fresh(model_dir, [[1, 2, 3], [9, 8]], 4)}"
+
+
+def test_a_rank_that_fails_at_start_reports_its_own_error(model_dir):
+    from core.plugins import ProviderError
+
+    with pytest.raises(ProviderError, match="no_such_provider"):
+        Session(model_dir, provider="no_such_provider", tensor_parallel=2)
