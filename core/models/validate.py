@@ -47,7 +47,7 @@ def check_config_fields(data: Any) -> None:
             raise KeyError(key)
         if not _is_int(parent[key]) or parent[key] < 1:
             raise ValueError(f"{path} must be a positive integer, got {parent[key]!r}")
-    vocab = m["vocab_size"]
+    vocab: int = m["vocab_size"]
     eos = m.get("eos_token_id", m.get("pad_token_id", 0))
     ids = eos if isinstance(eos, list) else [eos]
     if not ids or not all(_is_int(t) and 0 <= t < vocab for t in ids):
