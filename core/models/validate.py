@@ -8,7 +8,7 @@ with a raw ``KeyError``, ``IndexError`` or ``TypeError``; one that fails gets a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import onnx
 
@@ -18,7 +18,7 @@ SIZES = ("model.vocab_size", "model.context_length", "model.decoder.num_hidden_l
          "model.decoder.hidden_size")
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
