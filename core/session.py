@@ -55,10 +55,14 @@ _T = TypeVar("_T")
 
 def serialised(method: Callable[_P, _T]) -> Callable[_P, _T]:
     """Run ``method`` holding its session's runner lock (:attr:`core.runtime.runner.Runner.lock`):
-    two threads on one Runner run their calls one after the other, never interleaved."""
+    two threads on one Runner run their calls one after the other, never interleaved. (A
+    session without a Runner in this process, a tensor-parallel one, has nothing to lock.)"""
     @functools.wraps(method)
     def locked(*args: _P.args, **kwargs: _P.kwargs) -> _T:
-        with args[0].runner.lock:  # type: ignore[attr-defined]
+        runner = getattr(args[0], "runner", None)
+        if runner is None:
+            return method(*args, **kwargs)
+        with runner.lock:
             return method(*args, **kwargs)
     return locked
 
