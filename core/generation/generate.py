@@ -283,7 +283,8 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
     if not input_ids:
         raise RequestError("no prompts given")
     if capacity is None:
-        need = max(len(r) for r in input_ids) + max(max(news) - 1, 0)
+        per_row = news if len(news) == len(input_ids) else [max(news)] * len(input_ids)  # a mismatch: refused below
+        need = max(len(r) + max(n - 1, 0) for r, n in zip(input_ids, per_row))  # each row its own (Generation._step)
         if need > model.config.context_length:
             raise RequestError(f"the request needs {need} KV positions; the model context is "
                                f"{model.config.context_length}")

@@ -109,8 +109,9 @@ class SamplingParams:
         return attrs.asdict(self)
 
 
-#: The smallest positive temperature and top_p taken: float32 rounds smaller ones to nothing
-#: (a top_p of 0 keeps no token) or makes logits / temperature overflow to infinity.
+#: The smallest positive temperature, top_p and repetition_penalty taken (and 1 / it the largest
+#: penalty): float32 rounds smaller ones to nothing (a top_p of 0 keeps no token) or makes
+#: logits / temperature or a penalty overflow to infinity.
 MIN_POSITIVE = 1e-6
 
 
@@ -131,7 +132,8 @@ def make_params(options: Mapping[str, Any] | SamplingParams | None,
     Raises:
         SamplingError: an unknown option name, a wrong type, or a value out of range
             (temperature < 0 or in (0, MIN_POSITIVE), top_p outside [MIN_POSITIVE, 1],
-            top_k < 0, min_p outside [0, 1], repetition_penalty <= 0, seed outside [0, 2**64)).
+            top_k < 0, min_p outside [0, 1], repetition_penalty outside [MIN_POSITIVE, 1 / MIN_POSITIVE],
+            seed outside [0, 2**64)).
     """
     base = defaults or SamplingParams()
     if options is None:
@@ -161,8 +163,8 @@ def make_params(options: Mapping[str, Any] | SamplingParams | None,
     if not 0 <= mp <= 1:
         raise SamplingError(f"min_p must be in [0, 1], got {mp}")
     r = float(_number("repetition_penalty", values["repetition_penalty"]))
-    if r <= 0:
-        raise SamplingError(f"repetition_penalty must be > 0, got {r}")
+    if not MIN_POSITIVE <= r <= 1 / MIN_POSITIVE:  # float32 makes a smaller one 0, a larger one inf
+        raise SamplingError(f"repetition_penalty must be > 0 (in [{MIN_POSITIVE:g}, {1 / MIN_POSITIVE:g}]), got {r}")
     seed = values["seed"]
     if seed is not None:
         seed = int(_number("seed", seed, integer=True))

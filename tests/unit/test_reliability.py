@@ -125,6 +125,14 @@ def test_max_new_tokens_per_row_is_checked_against_each_rows_own_prompt(runner):
         s.stream([long, short], max_new_tokens=[4, 2])
 
 
+def test_core_run_sizes_the_cache_for_each_rows_own_limit(model_dir, runner):
+    """A long prompt with few new tokens beside a short one with many: each row fits the
+    128-position context alone, though the longest prompt + the most new tokens would not."""
+    rows, new = [list(range(1, 121)), [5, 6]], [2, 20]
+    got = core.run(runner, input_ids=rows, max_new_tokens=new).rows
+    assert [r.output_ids for r in got] == fresh(model_dir, rows, new)
+
+
 @pytest.mark.parametrize("request_kwargs", [
     dict(input_ids=[[1, 2**63]]),
     dict(input_ids=[[1, -(2**64)]]),
@@ -138,6 +146,7 @@ def test_max_new_tokens_per_row_is_checked_against_each_rows_own_prompt(runner):
     dict(input_ids=[[1, 2]], capture="yes"),
     dict(input_ids=[[1, 2]], top_p=1e-300, do_sample=True),
     dict(input_ids=[[1, 2]], temperature=1e-40, do_sample=True),
+    dict(input_ids=[[1, 2]], repetition_penalty=1e-300),
     dict(prompts=["hi"], chat="no"),
 ])
 def test_bad_requests_are_named_errors_and_the_next_request_is_right(model_dir, runner, request_kwargs):
