@@ -631,8 +631,13 @@ class Session:
     def _read(self, pending: PendingStep) -> None:
         """Read ``pending`` and every unread step queued before it, in order."""
         while self._unread:
-            q = self._unread.pop(0)
-            raw = q._download.wait()
+            q = self._unread[0]
+            try:
+                raw = q._download.wait()
+            except BaseException:  # a failed read: the session goes back to its last read step
+                self._recover()
+                raise
+            self._unread.pop(0)
             now = time.perf_counter()
             q._out = steps.step_output(raw)
             self._last_raw = raw

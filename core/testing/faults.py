@@ -18,7 +18,8 @@ Sites (:data:`SITES`):
 - ``copy``: ``copy_bytes`` (KV growth moves the live prefixes with it; a grouped prefill
   copies its rows);
 - ``write``: a host-to-device write into an existing tensor (``write``);
-- ``download``: a device-to-host copy (``download``, ``download_async``);
+- ``download``: a device-to-host copy (``download``, ``download_async`` as it starts);
+- ``read``: the wait for a ``download_async`` copy (where an asynchronous copy's failure shows);
 - ``commit``: ``kv_commit`` (VMM pages; counted bytes elsewhere).
 
 A fault fires once (after ``after`` matching calls pass) and then disarms itself; it raises
@@ -38,7 +39,7 @@ from typing import Any
 import attrs
 
 #: Where a fault can be armed.
-SITES = ("kernel", "allocate", "copy", "write", "download", "commit")
+SITES = ("kernel", "allocate", "copy", "write", "download", "read", "commit")
 
 
 class InjectedFault(RuntimeError):
@@ -163,9 +164,20 @@ class FaultyProvider:
         if start is None:
             from core.provider import ReadyDownload
 
-            return ReadyDownload(self.inner.download(tensor))
-        return start(tensor)
+            return _CheckedRead(self, ReadyDownload(self.inner.download(tensor)))
+        return _CheckedRead(self, start(tensor))
 
     def kv_commit(self, arena: Any, requests: Any) -> int:
         self._check("commit")
         return self.inner.kv_commit(arena, requests)
+
+
+class _CheckedRead:
+    """A ``download_async`` handle whose ``wait`` passes the ``read`` site first."""
+
+    def __init__(self, provider: FaultyProvider, handle: Any):
+        self._provider, self._handle = provider, handle
+
+    def wait(self) -> Any:
+        self._provider._check("read")
+        return self._handle.wait()
