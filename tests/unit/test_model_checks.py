@@ -104,3 +104,12 @@ def test_a_template_failing_at_render_is_a_model_error(folder, template):
     with pytest.raises(ModelError, match="chat template"):
         core.run(model, prompts=["hi"], max_new_tokens=2)
     assert core.run(model, prompts=["hi"], chat=False, max_new_tokens=2).rows[0].output_ids
+
+
+def test_a_genai_config_top_k_beyond_int32_runs_as_every_token(folder):
+    edit_config(folder, lambda d: d["search"].update(do_sample=True, top_k=2**32, random_seed=4))
+    model = load_model(folder)
+    got = core.run(model, input_ids=[[5, 6, 7]], max_new_tokens=6).rows[0]
+    assert got.sampling["top_k"] == 2**32
+    want = core.run(model, input_ids=[[5, 6, 7]], max_new_tokens=6, top_k=0).rows[0]
+    assert got.output_ids == want.output_ids
