@@ -23,7 +23,7 @@ from core.protocol import PROTOCOL_VERSION, Capabilities, ExecutionProvider, Ker
 from core.runtime.kv import KVLayoutError
 from core.runtime.residency import BudgetError
 from core.runtime.runner import Runner
-from core.session import RequestError, Session
+from core.session import RequestError, Session, StaleGenerationError
 
 try:
     __version__ = _metadata.version("lockstep")
@@ -34,6 +34,6 @@ __all__ = [
     "run", "stream", "generate", "Result", "Row", "Stream", "Delta", "Generation", "SamplingParams",
     "Session", "Runner", "BudgetError", "load_model", "prepare", "Variant",
     "get_provider", "registry", "hookimpl", "ProviderSpec", "Capabilities", "ExecutionProvider",
-    "KernelContext", "NodeInfo", "PROTOCOL_VERSION", "RequestError", "ProviderError",
+    "KernelContext", "NodeInfo", "PROTOCOL_VERSION", "RequestError", "StaleGenerationError", "ProviderError",
     "ModelError", "PrepareError", "UnsupportedOpError", "KVLayoutError",
 ]

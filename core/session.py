@@ -16,10 +16,11 @@ an argmax itself: the provider's ``device_argmax`` and ``decode_advance`` do, an
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, ParamSpec, Sequence, TypeVar
 
 import numpy as np
 
@@ -35,11 +36,36 @@ from core.runtime.residency import BudgetError
 from core.runtime.runner import Runner
 from core.runtime.step import StepOutput
 
-__all__ = ["MAX_UNREAD", "PendingStep", "RequestError", "Session", "StepOutput", "token_row"]
+__all__ = ["MAX_UNREAD", "PendingStep", "RequestError", "Session", "StaleGenerationError", "StepOutput",
+           "token_row"]
 
 
 class RequestError(ValueError):
     """A request the session refuses before any kernel runs; the session stays usable."""
+
+
+class StaleGenerationError(RequestError):
+    """A generation was resumed (iterated or extended) after another request started on its
+    session: the session's KV cache no longer holds its rows. Nothing ran; the session and
+    the newer request are unharmed."""
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def serialised(method: Callable[_P, _T]) -> Callable[_P, _T]:
+    """Run ``method`` holding its session's runner lock (:attr:`core.runtime.runner.Runner.lock`):
+    two threads on one Runner run their calls one after the other, never interleaved. (A
+    session without a Runner in this process, a tensor-parallel one, has nothing to lock.)"""
+    @functools.wraps(method)
+    def locked(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        runner = getattr(args[0], "runner", None)
+        if runner is None:
+            return method(*args, **kwargs)
+        with runner.lock:
+            return method(*args, **kwargs)
+    return locked
 
 
 def _short(value: Any) -> str:
@@ -55,11 +81,14 @@ def token_row(index: int, row: Any) -> np.ndarray:
         RequestError: the row is not a flat, non-empty sequence of integers (a nested list,
             None, a float, a bool or a string in it; the message says which).
     """
-    if isinstance(row, (str, bytes)) or not isinstance(row, Sequence | np.ndarray):
+    if isinstance(row, (str, bytes)) or not isinstance(row, Sequence | np.ndarray) \
+            or (isinstance(row, np.ndarray) and row.ndim != 1):
         raise RequestError(f"prompt {index} must be a list of integer token ids, got {_short(row)}")
     if len(row) == 0:
         raise RequestError(f"prompt {index} is empty; every row needs at least one token")
-    if isinstance(row, np.ndarray) and row.ndim == 1 and row.dtype.kind in "iu":
+    if isinstance(row, np.ndarray) and row.dtype.kind in "iu":
+        if row.dtype.kind == "u" and int(row.max()) >= 1 << 63:
+            raise RequestError(f"prompt {index} has token ids beyond int64: {int(row.max())}")
         return row.astype(np.int64)
     for i, tok in enumerate(row):
         if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)):
@@ -70,6 +99,8 @@ def token_row(index: int, row: Any) -> np.ndarray:
             else:
                 what = f"{type(tok).__name__} {_short(tok)}"
             raise RequestError(f"prompt {index} must be a list of integer token ids; token {i} is {what}")
+        if not -(1 << 63) <= tok < 1 << 63:  # an int64 cannot hold it (NumPy would raise OverflowError)
+            raise RequestError(f"prompt {index}: token {i} ({_short(tok)}) is not a token id")
     return np.asarray(row, dtype=np.int64)
 
 
@@ -198,6 +229,10 @@ class Session:
             raise RequestError(f"prefill_groups must be one of {GROUPING}, got {prefill_groups!r}")
         if not isinstance(run_ahead, bool):
             raise RequestError(f"run_ahead must be True or False, got {run_ahead!r}")
+        if capture is not None and not isinstance(capture, bool):  # "no" is truthy: refuse, not guess
+            raise RequestError(f"capture must be True, False or None, got {capture!r}")
+        if not isinstance(all_logits, bool):
+            raise RequestError(f"all_logits must be True or False, got {all_logits!r}")
         self.run_ahead = run_ahead
         self._unread: list[PendingStep] = []  # queued decode steps not read yet, oldest first
         self._last_raw: np.ndarray | None = None  # the [B, 2] result of the last step read
@@ -251,6 +286,10 @@ class Session:
         self._release_marks = getattr(self._timer, "release", None)  # optional: reuse read marks
         #: per-row sampling options of the current request (seeds resolved)
         self.sampling: list[SamplingParams] = []
+        #: counts the requests and continuations started here (each prefill() and rewind()): a
+        #: :class:`~core.generation.stream.Generation` remembers the one it drives and refuses
+        #: to step the session once another began (:class:`StaleGenerationError`)
+        self.request_id = 0
 
     # -- what the session is made of -------------------------------------------------------
     @property
@@ -283,6 +322,7 @@ class Session:
         """True once a prefill ran for the current request."""
         return self.state.started
 
+    @serialised
     def close(self) -> None:
         """Give the decode state back to the runner's pool (also done when the session is
         garbage-collected); the session cannot be used afterwards. Steps queued and unread are
@@ -293,8 +333,13 @@ class Session:
         self._release()
 
     # -- requests --------------------------------------------------------------------------
-    def check_prompts(self, input_ids: Sequence[Sequence[int]], max_new_tokens: int = 1) -> None:
+    def check_prompts(self, input_ids: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 1) -> None:
         """Validate a request without touching device state.
+
+        Args:
+            input_ids: ``batch`` token-id lists.
+            max_new_tokens: new tokens per row: one int for every row, or one per row (each
+                row is checked against its own prompt).
 
         Raises:
             RequestError: ``input_ids`` not a list of rows, wrong row count, a row that is not a
@@ -305,24 +350,30 @@ class Session:
         """
         self._check_open()
         cfg = self.model.config
-        if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence | np.ndarray):
+        if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence | np.ndarray) \
+                or (isinstance(input_ids, np.ndarray) and input_ids.ndim == 0):
             raise RequestError(f"input_ids must be a list of {self.batch} token-id lists, got {_short(input_ids)}")
         if len(input_ids) != self.batch:
             raise RequestError(f"this session has batch {self.batch}; got {len(input_ids)} "
                                f"{'prompt' if len(input_ids) == 1 else 'prompts'}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+        per_row = isinstance(max_new_tokens, (list, tuple))
+        news: list[Any] = list(max_new_tokens) if per_row else [max_new_tokens] * self.batch  # type: ignore[arg-type]
+        if len(news) != self.batch:
+            raise RequestError(f"max_new_tokens has {len(news)} values for {self.batch} rows")
+        for m in news:
+            if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0:
+                raise RequestError(f"max_new_tokens must be a non-negative integer, got {m!r}")
         limit = self.state.kv.limit
-        for b, row in enumerate(input_ids):
+        for b, (row, m) in enumerate(zip(input_ids, news)):
             arr = token_row(b, row)
             if arr.min() < 0 or arr.max() >= cfg.vocab_size:
                 raise RequestError(f"prompt {b} has token ids outside [0, {cfg.vocab_size}): "
                                    f"{int(arr.min())}..{int(arr.max())}")
-            need = len(row) + max(max_new_tokens - 1, 0)
+            need = len(arr) + max(int(m) - 1, 0)
             if need > limit:
                 what = "capacity" if self.kv_policy == "fixed" else "maximum capacity"
                 raise RequestError(
-                    f"prompt {b} has {len(row)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                    f"prompt {b} has {len(arr)} tokens; with max_new_tokens={m} it needs "
                     f"{need} KV positions but the {what} is {limit}")
 
     def check_sampling(self, sampling: Any = None) -> list[SamplingParams]:
@@ -343,6 +394,7 @@ class Session:
                                "(do_sample=False, repetition_penalty=1)")
         return rows
 
+    @serialised
     def set_sampling(self, rows: Sequence[SamplingParams], history: Sequence[Sequence[int]] | None = None) -> None:
         """Make ``rows`` (from :meth:`check_sampling`) the sampling of every later step and
         write the token ``history`` of each row (what the repetition penalty reads)."""
@@ -355,6 +407,7 @@ class Session:
         if history is not None:
             self.state.write_history(history)
 
+    @serialised
     def rewind(self, lengths: Sequence[int], history: Sequence[Sequence[int]] | None = None) -> None:
         """Cut rows back to ``lengths`` live positions (a finished row that kept stepping
         with the batch drops the tokens past its end) and rewrite the sampling history; the
@@ -376,10 +429,12 @@ class Session:
             raise RequestError(f"rewind cuts a row back by more than {limit} positions, more than the model's "
                                "sliding-window ring KV cache keeps (docs/kv-geometry.md)")
         self._settle()
+        self.request_id += 1
         self.state.set_lengths(new)
         if history is not None:
             self.state.write_history(history)
 
+    @serialised
     def prefill(self, input_ids: Sequence[Sequence[int]], sampling: Any = None) -> StepOutput:
         """Run the prompts (right-padded to the longest) and choose each row's first token.
 
@@ -396,10 +451,12 @@ class Session:
         rows = self.check_sampling(sampling)
         self._settle()
         state = self.state
+        self.request_id += 1
         self.set_sampling(rows, input_ids)
         self._compiled_at = compiling.seconds()  # a compile before the prefill is not the prefill's
         t0 = time.perf_counter()
         before = self.runner.stream_meter()
+        # a fault here leaves the state not started (begin_request): the next prefill rewrites it all
         steps.prefill(state, input_ids, self.all_logits, self.prefill_groups)
         self.runner.outputs_owner = state
         self._prefilled_at = self.counters.decode_steps
@@ -413,6 +470,7 @@ class Session:
         state.capture.check(self.counters, "buffers changed between requests")
         return out
 
+    @serialised
     def step(self, force_tokens: Sequence[int] | None = None) -> StepOutput:
         """One decode step: feed each row's last token (or ``force_tokens``, teacher forcing)
         and choose the next one. Steps queued by :meth:`step_async` and not read are
@@ -426,6 +484,7 @@ class Session:
         self._settle()
         return self._queue(forced).result()
 
+    @serialised
     def step_async(self, force_tokens: Sequence[int] | None = None) -> PendingStep:
         """Queue one decode step on the device and return at once; its tokens come from
         :meth:`PendingStep.result`. The step feeds the tokens of the step queued before it
@@ -464,6 +523,7 @@ class Session:
         needed = int(state.lengths.max()) + 1
         return needed <= min(state.kv.capacity, state.kv.limit) and not state.kv.commit_needed(needed)
 
+    @serialised
     def discard(self, pending: PendingStep) -> None:
         """Drop a queued step that has not been read, and every step queued after it; the
         session's state (lengths, mask, the next step's fed tokens) is put back as if they had
@@ -526,7 +586,36 @@ class Session:
         return forced
 
     def _queue(self, forced: np.ndarray | None) -> PendingStep:
-        """Queue one validated decode step and the download of its result."""
+        """Queue one validated decode step and the download of its result. When anything in
+        it fails (a kernel, an allocation, a copy, Ctrl-C), the session is put back as it was
+        after its last read step (:meth:`_recover`) and the error propagates."""
+        try:
+            return self._queue_step(forced)
+        except BaseException:
+            self._recover()
+            raise
+
+    def _recover(self) -> None:
+        """After a failed step: drop the unread steps and rewrite the device lengths, mask and
+        fed tokens from the host, as :meth:`discard` does, so the same step can run again and
+        compute the same bits. If that fails too, the state is marked broken: the runner
+        drops it at close instead of pooling it, and the session refuses further steps."""
+        state = self.state
+        try:
+            dropped = self._unread[:]
+            self._unread.clear()
+            for q in dropped:
+                q.discarded = True
+            state.set_lengths(state.lengths - len(dropped))
+            if self._last_raw is not None:
+                self.provider.write(state.result, self._last_raw)
+            self._logits_stale = True
+            state.capture.invalidate("a decode step failed", self.counters)
+        except BaseException:
+            state.broken = True
+            raise
+
+    def _queue_step(self, forced: np.ndarray | None) -> PendingStep:
         state = self.state
         t0 = time.perf_counter()
         needed = int(state.lengths.max()) + 1
@@ -540,10 +629,11 @@ class Session:
         self._count_streamed(state.capture.run(self.counters), self.batch)
         end = timer.mark() if timer is not None else None
         self.runner.outputs_owner = state
+        download = steps.start_read(state)
         state.advanced()
         if self._unread:
             self.counters.run_ahead_steps += 1
-        pending = PendingStep(self, steps.start_read(state), t0, (start, end))
+        pending = PendingStep(self, download, t0, (start, end))
         self._unread.append(pending)
         return pending
 
@@ -555,11 +645,17 @@ class Session:
         self.counters.compile_s += spent
         return spent
 
+    @serialised
     def _read(self, pending: PendingStep) -> None:
         """Read ``pending`` and every unread step queued before it, in order."""
         while self._unread:
-            q = self._unread.pop(0)
-            raw = q._download.wait()
+            q = self._unread[0]
+            try:
+                raw = q._download.wait()
+            except BaseException:  # a failed read: the session goes back to its last read step
+                self._recover()
+                raise
+            self._unread.pop(0)
             now = time.perf_counter()
             q._out = steps.step_output(raw)
             self._last_raw = raw
@@ -590,6 +686,7 @@ class Session:
 
         return Generation(self, input_ids, max_new_tokens, **kwargs)
 
+    @serialised
     def last_logits(self) -> np.ndarray:
         """fp32 ``[B, V]`` logits the last step chose from (the prompt's last real position
         after prefill).
@@ -604,6 +701,7 @@ class Session:
             return host[:, 0]
         return host[np.arange(self.batch), self.state.lengths - 1]
 
+    @serialised
     def prompt_logits(self) -> np.ndarray:
         """fp32 ``[B, S, V]``: the last prefill's logits at every prompt position (S the
         longest prompt; a row's positions past its length are padding).
@@ -639,3 +737,6 @@ class Session:
     def _check_open(self) -> None:
         if not self._release.alive:
             raise RequestError("this session is closed")
+        if getattr(self.state, "broken", False):
+            raise RequestError("this session's decode state was left unusable by a failed step whose "
+                               "recovery failed too; close it and make a new Session")

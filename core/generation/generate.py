@@ -238,6 +238,11 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
     if sum(given) != 1:
         raise RequestError("pass exactly one of prompts=, messages= or input_ids=")
     sampling = _merge_sampling(sampling, options)
+    for option, flag in (("chat", chat), ("capture", capture)):
+        if not isinstance(flag, bool) and not (option == "capture" and flag is None):  # "no" is truthy
+            raise RequestError(f"{option} must be True or False, got {flag!r}")
+    if progress is not None and not callable(progress):
+        raise RequestError(f"progress must be a callable (done, total), got {type(progress).__name__}")
     if isinstance(prompts, str):
         prompts = [prompts]
     if prompts is not None:
@@ -279,8 +284,8 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
     if not input_ids:
         raise RequestError("no prompts given")
     if capacity is None:
-        news = news * len(input_ids) if len(news) == 1 else news
-        need = max(len(r) + max(n - 1, 0) for r, n in zip(input_ids, news))
+        per_row = news if len(news) == len(input_ids) else [max(news)] * len(input_ids)  # a mismatch: refused below
+        need = max(len(r) + max(n - 1, 0) for r, n in zip(input_ids, per_row))  # each row its own (Generation._step)
         if need > model.config.context_length:
             raise RequestError(_too_long(input_ids, news, model.config.context_length))
         capacity = kvgeo.round_capacity(need, model.config.context_length)

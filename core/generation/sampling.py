@@ -109,6 +109,12 @@ class SamplingParams:
         return attrs.asdict(self)
 
 
+#: The smallest positive temperature, top_p and repetition_penalty taken (and 1 / it the largest
+#: penalty): float32 rounds smaller ones to nothing (a top_p of 0 keeps no token) or makes
+#: logits / temperature or a penalty overflow to infinity.
+MIN_POSITIVE = 1e-6
+
+
 def _number(name: str, value: Any, integer: bool = False) -> float:
     ok = isinstance(value, (int, np.integer)) if integer else isinstance(value, (int, float, np.integer, np.floating))
     if isinstance(value, bool) or not ok:
@@ -125,8 +131,9 @@ def make_params(options: Mapping[str, Any] | SamplingParams | None,
 
     Raises:
         SamplingError: an unknown option name, a wrong type, or a value out of range
-            (temperature < 0, top_p outside (0, 1], top_k < 0, min_p outside [0, 1],
-            repetition_penalty <= 0, seed outside [0, 2**64)).
+            (temperature < 0 or in (0, MIN_POSITIVE), top_p outside [MIN_POSITIVE, 1],
+            top_k < 0, min_p outside [0, 1], repetition_penalty outside [MIN_POSITIVE, 1 / MIN_POSITIVE],
+            seed outside [0, 2**64)).
     """
     base = defaults or SamplingParams()
     if options is None:
@@ -144,20 +151,20 @@ def make_params(options: Mapping[str, Any] | SamplingParams | None,
     if not isinstance(values["do_sample"], (bool, np.bool_)):
         raise SamplingError(f"sampling option do_sample must be True or False, got {values['do_sample']!r}")
     t = float(_number("temperature", values["temperature"]))
-    if t < 0:
-        raise SamplingError(f"temperature must be >= 0, got {t}")
+    if t < 0 or 0 < t < MIN_POSITIVE:
+        raise SamplingError(f"temperature must be >= 0 (0: greedy; a positive one at least {MIN_POSITIVE:g}), got {t}")
     k = int(_number("top_k", values["top_k"], integer=True))
     if k < 0:
         raise SamplingError(f"top_k must be >= 0 (0 disables it), got {k}")
     p = float(_number("top_p", values["top_p"]))
-    if not 0 < p <= 1:
-        raise SamplingError(f"top_p must be in (0, 1], got {p}")
+    if not MIN_POSITIVE <= p <= 1:
+        raise SamplingError(f"top_p must be in (0, 1] and at least {MIN_POSITIVE:g}, got {p}")
     mp = float(_number("min_p", values["min_p"]))
     if not 0 <= mp <= 1:
         raise SamplingError(f"min_p must be in [0, 1], got {mp}")
     r = float(_number("repetition_penalty", values["repetition_penalty"]))
-    if r <= 0:
-        raise SamplingError(f"repetition_penalty must be > 0, got {r}")
+    if not MIN_POSITIVE <= r <= 1 / MIN_POSITIVE:  # float32 makes a smaller one 0, a larger one inf
+        raise SamplingError(f"repetition_penalty must be > 0 (in [{MIN_POSITIVE:g}, {1 / MIN_POSITIVE:g}]), got {r}")
     seed = values["seed"]
     if seed is not None:
         seed = int(_number("seed", seed, integer=True))
@@ -224,7 +231,8 @@ def pack(params: Sequence[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
         f[b] = (sp.temperature, sp.top_p, sp.min_p, sp.repetition_penalty)
         seed = sp.seed or 0
         flags = (FLAG_SAMPLE if sp.samples else 0) | (FLAG_PENALTY if sp.repetition_penalty != 1.0 else 0)
-        words = np.array([flags, sp.top_k, seed & 0xFFFFFFFF, seed >> 32], np.uint32)
+        top_k = min(sp.top_k, 0x7FFFFFFF)  # any k >= the vocabulary keeps every token: one int32 holds it
+        words = np.array([flags, top_k, seed & 0xFFFFFFFF, seed >> 32], np.uint32)
         i[b] = words.view(np.int32)
     return f, i
 

@@ -173,13 +173,11 @@ def _stop_ids(value: Any, vocab: int) -> frozenset:
     if value is None:
         return frozenset()
     items = [value] if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
-    try:
-        ids = [int(t) for t in items if not isinstance(t, bool) and isinstance(t, (int, np.integer))]
-    except TypeError:
-        ids = []
-    if len(ids) != len(items) or any(not 0 <= t < vocab for t in ids):
+    if isinstance(items, (str, bytes)) or not isinstance(items, (Sequence, set, frozenset, np.ndarray)) \
+            or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab
+                       for t in items):
         raise RequestError(f"stop_token_ids must be token ids in [0, {vocab}), got {value!r:.60}")
-    return frozenset(ids)
+    return frozenset(int(t) for t in items)
 
 
 def eos_ids(model) -> frozenset:
@@ -219,9 +217,14 @@ class Generation:
         from core.session import RequestError
 
         self.session = session
+        if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, (Sequence, np.ndarray)) \
+                or (isinstance(input_ids, np.ndarray) and input_ids.ndim == 0):
+            raise RequestError(f"input_ids must be a list of token-id lists, got {type(input_ids).__name__}")
+        if progress is not None and not callable(progress):
+            raise RequestError(f"progress must be a callable (step, total), got {type(progress).__name__}")
         batch = len(input_ids)
         news = [_max_new(m) for m in _per_row("max_new_tokens", max_new_tokens, batch, (int, np.integer))]
-        session.check_prompts(input_ids, max(news) if news else 0)
+        session.check_prompts(input_ids, news)  # each row against its own prompt
         self.sampling = session.check_sampling(sampling)
         stops = self._per_row_stops(stop, batch)
         vocab = session.model.config.vocab_size
@@ -240,7 +243,12 @@ class Generation:
         for r in self.rows:
             r.detok = self._detokenizer(r)
         self.progress = progress
+        #: the prompts a prefill still has to run (None once it ran): a request whose rows all
+        #: ask for 0 tokens runs none, and an extend() of it prefills them first
         self._input_ids: list[list[int]] | None = [list(r.prompt_ids) for r in self.rows]
+        self._extended = False
+        #: the session's request_id this generation drives (None before its prefill)
+        self._request: int | None = None
         self._pending = True
         self._last: np.ndarray | None = None
 
@@ -264,19 +272,22 @@ class Generation:
             return
         self._pending = False
         s = self.session
-        if self._input_ids is not None:  # a new request: prefill
-            ids, self._input_ids = self._input_ids, None
+        if self._input_ids is not None and not self._extended:  # a new request
             for b, r in enumerate(self.rows):
                 if r.max_new_tokens == 0:
                     r.finish_reason = "length"
                     yield Delta(b, [], "", "length")
             if all(r.finish_reason is not None for r in self.rows):
-                return
+                return  # no prefill: the prompts stay in _input_ids for an extend()
+        if self._input_ids is not None:  # the prefill (of a continued 0-token turn too)
+            ids, self._input_ids = self._input_ids, None
             if self.progress is not None:  # the prefill starts: (0, total)
                 self.progress(0, max(r.max_new_tokens for r in self.rows))
             out = s.prefill(ids, self.sampling)
+            self._request = s.request_id
         else:  # a continuation: the first forced step
-            out = s.step(force_tokens=self._forced())
+            self._check_current()
+            out = self._step()
         step = 0
         queued: list = []  # steps queued ahead (Session.run_ahead) and not read, oldest first
         try:
@@ -285,18 +296,49 @@ class Generation:
                 while self._may_queue(len(queued)):  # the device runs them while the caller reads
                     queued.append(s.step_async())
                 yield from deltas
+                self._check_current()  # the caller may have started another request meanwhile
                 step += 1
                 if self.progress is not None:
                     self.progress(step, max(r.max_new_tokens for r in self.rows))
                 if all(r.finish_reason is not None for r in self.rows):
                     return
-                if queued and queued[0].discarded:  # the caller used the session during the yield
+                if queued and queued[0].discarded:  # the caller stepped the session during the yield
                     queued.clear()
-                out = queued.pop(0).result() if queued else s.step(force_tokens=self._forced())
+                out = queued.pop(0).result() if queued else self._step()
         finally:  # ended (or abandoned) with steps queued for rows that are done: undo them
             unread = [q for q in queued if not q.discarded and not q.read]  # the caller may have read one
             if unread:
                 s.discard(unread[0])
+
+    def _step(self) -> Any:
+        """One synchronous decode step. Rows that ended keep stepping with the batch, but
+        when the next step would pass the KV limit they are cut back to their own history
+        first (their positions past it hold nothing anyone reads), so each row needs only
+        its own prompt + max_new_tokens - 1 positions (what :meth:`Session.check_prompts`
+        checks per row)."""
+        s = self.session
+        lengths = np.asarray(s.lengths, np.int64)
+        if int(lengths.max()) + 1 > s.state.kv.limit:
+            own = [len(r.prompt_ids) + max(len(r.output_ids) - 1, 0) if r.finish_reason is not None else int(n)
+                   for r, n in zip(self.rows, lengths)]
+            s.rewind([min(o, int(n)) for o, n in zip(own, lengths)])
+            self._request = s.request_id
+        return s.step(force_tokens=self._forced())
+
+    def _check_current(self) -> None:
+        """Refuse to step the session for this generation once another request (a prefill or
+        a continuation) started on it: its KV cache no longer holds these rows.
+
+        Raises:
+            core.session.StaleGenerationError: another request started since.
+        """
+        from core.session import StaleGenerationError
+
+        if self._request is not None and self.session.request_id != self._request:
+            raise StaleGenerationError(
+                "another request started on this session after this generation (a prefill, a "
+                "stream or an extend); the session's KV cache no longer holds its rows, so it cannot "
+                "go on. Give concurrent requests their own Session")
 
     def _may_queue(self, ahead: int) -> bool:
         """Whether to queue the step after the ``ahead`` steps already queued past the one just
@@ -406,13 +448,17 @@ class Generation:
                 KV cache keeps (:attr:`core.runtime.kv.KVCache.rewind_limit`). Checked before
                 any kernel runs.
         """
-        from core.session import RequestError
+        from core.session import RequestError, token_row
 
         s = self.session
         if self._pending or any(r.finish_reason is None for r in self.rows):
             raise RequestError("extend() continues a finished generation; iterate it to the end first")
+        prefill_pending = self._input_ids is not None  # a 0-token turn: its prompts were never run
+        if not prefill_pending:
+            self._check_current()
         batch = len(self.rows)
-        if len(new_tokens) != batch:
+        if isinstance(new_tokens, (str, bytes)) or not isinstance(new_tokens, (Sequence, np.ndarray)) \
+                or len(new_tokens) != batch:
             raise RequestError(f"extend needs {batch} rows of tokens (None for a row that stays ended)")
         news = [_max_new(m) for m in _per_row("max_new_tokens", max_new_tokens, batch, (int, np.integer))]
         vocab = s.model.config.vocab_size
@@ -426,7 +472,7 @@ class Generation:
             if new is None:
                 plans.append(None)
                 continue
-            extra = [int(t) for t in new]
+            extra = token_row(b, new).tolist() if len(new) else []
             if r.finish_reason == "error":
                 raise RequestError(f"row {b} ended with non-finite logits; it cannot be continued")
             if any(not 0 <= t < vocab for t in extra):
@@ -447,6 +493,13 @@ class Generation:
         if all(p is None for p in plans):
             raise RequestError("extend() got no row to continue")
         rows = s.check_sampling(sampling) if sampling is not None else self.sampling
+        # everything is validated: the session changes first (it validates too), the rows after
+        if prefill_pending:  # the rows' KV is what the prefill will hold: every row's prompt so far
+            self._input_ids = [list(r.prompt_ids) for r in self.rows]
+        else:
+            s.rewind(lengths)
+            self._request = s.request_id
+            s.set_sampling(rows, [r.history[:lengths[b]] for b, r in enumerate(self.rows)])
         # the longest feed sets how many forced steps the batch runs; a row finished meanwhile idles
         for b, (r, plan) in enumerate(zip(self.rows, plans)):
             if plan is None:
@@ -459,9 +512,8 @@ class Generation:
             r.detok = self._detokenizer(r)
             if news[b] == 0:
                 r.finish_reason, r.forced = "length", []
-        s.rewind(lengths)
-        s.set_sampling(rows, [r.prompt_ids[:lengths[b]] for b, r in enumerate(self.rows)])
         self.sampling = rows
+        self._extended = True
         self._pending = any(r.finish_reason is None for r in self.rows)
         return self
 

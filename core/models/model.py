@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
 import onnx
 from onnx import external_data_helper, numpy_helper
+
+from core.models import validate
 
 
 class ModelError(ValueError):
@@ -89,13 +92,19 @@ class Tokenizer:
         cfg_path = folder / "tokenizer_config.json"
         try:
             cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        except ValueError as exc:
+        except (ValueError, OSError) as exc:  # OSError: a folder of that name, unreadable
             raise ModelError(f"cannot read {cfg_path}: {exc}") from exc
         if not isinstance(cfg, dict):
             raise ModelError(f"{cfg_path} must hold a JSON object")
-        template = cfg.get("chat_template")
+        for key in ("bos_token", "eos_token"):
+            tok = cfg.get(key)
+            if not (tok is None or isinstance(tok, str) or (isinstance(tok, dict)
+                                                              and isinstance(tok.get("content", ""), str))):
+                raise ModelError(f"{cfg_path}: {key} must be a token's text (or an object with 'content'), "
+                                 f"got {tok!r:.60}")
+        template = _default_template(cfg.get("chat_template"), cfg_path)
         jinja_path = folder / "chat_template.jinja"
-        if template is None and jinja_path.exists():
+        if template is None and jinja_path.is_file():
             template = jinja_path.read_text()
         self._template = None
         if template is not None:
@@ -136,14 +145,41 @@ class Tokenizer:
         """
         if not self.chat_template or self._template is None:
             raise ModelError("this model has no chat template; pass chat=False (CLI: --raw)")
-        return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=_token_text(self.bos_token), eos_token=_token_text(self.eos_token))
+        import jinja2
+
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=_token_text(self.bos_token), eos_token=_token_text(self.eos_token))
+        except ModelError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            raise ModelError(f"the model's chat template failed to render: {type(exc).__name__}: {exc}") from exc
 
     def token_id(self, token) -> int | None:
         """The id of a token given as text (or a tokenizer_config dict with "content"), or None."""
         text = _token_text(token)
         return self._tok.token_to_id(text) if text else None
+
+
+def _default_template(template: Any, path: Path) -> str | None:
+    """The chat template of tokenizer_config.json: a string, or from the list of named
+    templates Hugging Face writes (``[{"name": "default", "template": ...}, ...]``) the one
+    named "default" (as transformers picks it).
+
+    Raises:
+        ModelError: any other form, or a list without a "default" entry.
+    """
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                          and isinstance(t.get("template"), str) for t in template):
+        named = {t["name"]: t["template"] for t in template}
+        if "default" in named:
+            return named["default"]
+        raise ModelError(f"{path}: chat_template lists templates {sorted(named)} but none named 'default'")
+    raise ModelError(f"{path}: chat_template must be a string or a list of {{'name', 'template'}} objects, "
+                     f"got {template!r:.60}")
 
 
 def _environment():
@@ -207,11 +243,12 @@ def load_model(folder: str | Path) -> Model:
         raise ModelError(f"{folder} is not a builder model folder: genai_config.json is missing")
     try:
         data = json.loads(cfg_path.read_text())
+        validate.check_config_fields(data)
         config = ModelConfig.from_json(data)
     except KeyError as exc:  # a missing key: name it, as the builder writes it
         raise ModelError(f"{cfg_path} is malformed: it has no {exc.args[0]!r} entry where the ONNX Runtime "
                          "GenAI builder writes one (model, model.decoder, and their sizes)") from exc
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, OSError) as exc:
         raise ModelError(f"{cfg_path} is malformed: {exc}") from exc
     onnx_name = data["model"]["decoder"].get("filename", "model.onnx")
     onnx_path = folder / onnx_name
@@ -225,6 +262,8 @@ def load_model(folder: str | Path) -> Model:
         proto = onnx.load(str(onnx_path), load_external_data=False)
         graph = proto.graph
         check_graph(graph, config, data["model"]["decoder"], onnx_path)
+        validate.check_references(graph, onnx_path)
+        validate.check_rotary(graph, config.context_length, onnx_path, cfg_path)
         initializers = {t.name: tensor_array(t, onnx_path.parent) for t in graph.initializer}
     except ModelError:
         raise

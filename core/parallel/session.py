@@ -24,12 +24,15 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import sys
+import threading
 import time
+import types
 import weakref
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Sequence, cast
+from typing import Any, Iterator, Sequence, cast
 
 import attrs
 import numpy as np
@@ -130,6 +133,24 @@ def _stop(procs: list, ctrls: list, graceful: bool) -> None:
         conn.close()
 
 
+_MAIN_SWAP = threading.Lock()
+
+
+@contextlib.contextmanager
+def _own_main() -> Iterator[None]:
+    """While a rank process starts, ``__main__`` is a bare module: "spawn" re-runs the parent's
+    main module in the child (by path or name), which fails for ``<stdin>`` and is never wanted
+    here (the rank's target lives in core.parallel.worker, and a caller's script must not run
+    twice). The swap covers only ``Process.start`` (the preparation data is read there)."""
+    with _MAIN_SWAP:
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = main
+
+
 class TensorParallelSession(Session):
     """A :class:`~core.session.Session` sharded over ``tensor_parallel`` rank processes
     (module docstring). Arguments as :class:`~core.session.Session`, plus:
@@ -179,6 +200,7 @@ class TensorParallelSession(Session):
         self.all_logits, self.prefill_groups = False, prefill_groups
         self.kv_policy = kv_policy or ("growing" if capacity is None else "fixed")
         self.sampling = []
+        self.request_id = 0  # as Session.request_id
         self.counters = TensorParallelCounters(tensor_parallel=self.ranks)
         kwargs = dict(batch=batch, capacity=capacity, kv_layout=kv_layout, kv_policy=kv_policy, capture=capture,
                       max_capacity=max_capacity, weight_budget=weight_budget, device_budget=device_budget,
@@ -198,6 +220,9 @@ class TensorParallelSession(Session):
         self._stats: dict = {"lengths": np.zeros(self.batch, np.int64), "capacity": None, "started": False}
 
     def _spawn(self, folder: str, provider: str, kwargs: dict) -> tuple[list, list[Connection]]:
+        """Start the ranks. They run :func:`~core.parallel.worker.rank_main` and import nothing
+        of the caller's main module (:func:`_own_main`), so a script read from standard input,
+        ``python -c`` or a notebook starts them like any file."""
         ctx = multiprocessing.get_context("spawn")
         size = self.ranks
         peers: list[dict[int, Connection]] = [{} for _ in range(size)]
@@ -211,7 +236,8 @@ class TensorParallelSession(Session):
             mine, theirs = ctx.Pipe(duplex=True)
             p = ctx.Process(target=rank_main, name=f"lockstep-tp-rank{r}", daemon=True,
                             args=(r, size, folder, provider, kwargs, theirs, peers[r], self.timeout))
-            p.start()
+            with _own_main():
+                p.start()
             procs.append(p)
             ctrls.append(mine)
             child_ends.append(theirs)
@@ -344,7 +370,7 @@ class TensorParallelSession(Session):
         """Process id of every rank, in rank order."""
         return [int(p.pid) for p in self._procs]
 
-    def check_prompts(self, input_ids: Sequence[Sequence[int]], max_new_tokens: int = 1) -> None:
+    def check_prompts(self, input_ids: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 1) -> None:
         """As :meth:`core.session.Session.check_prompts` (rank 0 checks)."""
         self._call("check_prompts", input_ids, max_new_tokens, targets=[0])
 
@@ -365,11 +391,13 @@ class TensorParallelSession(Session):
     def rewind(self, lengths: Sequence[int], history: Sequence[Sequence[int]] | None = None) -> None:
         """As :meth:`core.session.Session.rewind`, on every rank."""
         self._call("rewind", list(lengths), history)
+        self.request_id += 1
         self._stats = {**self._stats, "lengths": np.asarray(lengths, np.int64)}
 
     def prefill(self, input_ids: Sequence[Sequence[int]], sampling: Any = None) -> StepOutput:
         """As :meth:`core.session.Session.prefill`, every rank on its shard; greedy only."""
         self.check_sampling(sampling)
+        self.request_id += 1
         return self._stepped(self._call("prefill", input_ids, sampling))
 
     def step(self, force_tokens: Sequence[int] | None = None) -> StepOutput:

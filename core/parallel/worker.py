@@ -45,14 +45,18 @@ def rank_main(rank: int, size: int, folder: str, provider: str, session_kwargs: 
             (:class:`~core.parallel.comm.HostCommunicator`); timeout: its receive timeout (s).
     """
     os.environ.update(MULTICAST_OFF)  # before any library that could start NCCL or NVSHMEM
-    from core.errors import USER_ERRORS
-    from core.models.model import load_model
-    from core.parallel.comm import CommError, HostCommunicator
-    from core.parallel.provider import TensorParallelProvider
-    from core.parallel.shard import plan_shards
-    from core.plugins import get_provider
-    from core.session import Session
-
+    try:  # a failure at start, imports included, reaches the coordinator as this rank's own error
+        from core.errors import USER_ERRORS
+        from core.models.model import load_model
+        from core.parallel.comm import CommError, HostCommunicator
+        from core.parallel.provider import TensorParallelProvider
+        from core.parallel.shard import plan_shards
+        from core.plugins import get_provider
+        from core.session import Session
+    except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, then exit
+        ctrl.send(("fatal", f"rank {rank} failed to start: {type(exc).__name__}: {exc}\n"
+                            f"{traceback.format_exc(limit=6)}"))
+        return
     comm = HostCommunicator(rank, size, peers, timeout)
     try:
         model = load_model(folder)
@@ -66,7 +70,8 @@ def rank_main(rank: int, size: int, folder: str, provider: str, session_kwargs: 
         ctrl.send(("error", _portable(exc)))
         return
     except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, then exit
-        ctrl.send(("fatal", f"rank {rank} failed to start: {type(exc).__name__}: {exc}"))
+        ctrl.send(("fatal", f"rank {rank} failed to start: {type(exc).__name__}: {exc}\n"
+                            f"{traceback.format_exc(limit=6)}"))
         return
 
     def stats() -> dict:

@@ -13,7 +13,8 @@ capacity: the live prefix is copied, the suffix zeroed).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -264,69 +265,102 @@ class KVCache:
         return [t for pair in self.layers for t in pair]
 
     def _allocate(self, capacity: int) -> None:
+        """The first buffers (the cache is built with them or not at all)."""
+        self._switch(capacity, *self._build(capacity))
+
+    def _build(self, capacity: int) -> tuple[KVGeometry, list, list]:
+        """New buffers for ``capacity`` positions (the stride geometry, each layer's geometry, each
+        layer's K and V buffers), charged to the runner's budget (the bytes
+        beyond the current buffers', which they replace); on any failure (a budget refusal, an
+        out-of-memory error, Ctrl-C) the charge is given back and nothing of the cache changed."""
         layout, batch, heads, head_size, itemsize = self._shape
-        self.capacity = capacity
         stride = self.max_capacity if self.vmm else capacity
-        self.geometry = KVGeometry(layout, batch, heads, stride, head_size, itemsize)
+        geometry = KVGeometry(layout, batch, heads, stride, head_size, itemsize)
         from core.runtime import ring
 
-        self.layer_geometries = [ring.layer_geometry(self.geometry, w) for w in self.windows]
-        if not self.vmm:
-            self._charge(self.nbytes - self.device_bytes)
+        geos = [ring.layer_geometry(geometry, w) for w in self.windows]
+        nbytes = 2 * sum(g.nbytes for g in geos)
+        charge = 0 if self.vmm else nbytes - self.device_bytes
+        self._charge(charge)
         p = self.provider
-        if self.vmm:
-            def new(geo):
-                return p.reserve(geo.shape, self.dtype)
-        else:
-            def new(geo):
-                return p.allocate(geo.shape, self.dtype, zero=True)
-        self.layers = [(new(g), new(g)) for g in self.layer_geometries]
+        try:
+            if self.vmm:
+                layers = [(p.reserve(g.shape, self.dtype), p.reserve(g.shape, self.dtype)) for g in geos]
+            else:
+                layers = [(p.allocate(g.shape, self.dtype, zero=True), p.allocate(g.shape, self.dtype, zero=True))
+                          for g in geos]
+        except BaseException:
+            self._charge(-charge)
+            raise
+        return geometry, geos, layers
+
+    def _switch(self, capacity: int, geometry: KVGeometry, geos: list, layers: list) -> None:
+        """Make built buffers the cache's (nothing here can fail): the old ones are released."""
+        self.capacity, self.geometry, self.layer_geometries, self.layers = capacity, geometry, geos, layers
+        if not self.vmm:
+            self.device_bytes = self.nbytes  # charged by _build
         self._committed_len = 0  # positions of every row backed through kv_commit
         self.counters.kv_committed_bytes = 0  # a gauge of the current buffers
         self.counters.kv_bytes = self.nbytes
 
-    def reserve_positions(self, needed: int, lengths: Sequence[int] | np.ndarray) -> bool:
+    def reserve_positions(self, needed: int, lengths: Sequence[int] | np.ndarray,
+                          prepare: Callable[[KVGeometry], Any] | None = None) -> Any:
         """Make room for ``needed`` positions in every row and back them before a kernel writes.
+
+        Growth is a transaction: the new buffers are allocated and filled (and ``prepare``
+        run) while the old ones still serve; only then does the cache switch to them. When
+        anything on the way fails, the cache is as before (its capacity, buffers, charge) and
+        the error propagates.
 
         Args:
             needed: positions each row's buffer must hold (the longest row after the next write).
             lengths: each row's live length now (the prefix copied if the buffers move).
+            prepare: called with the new geometry before the switch when the buffers move (the
+                decode state builds its new mask there); its value is returned.
 
         Returns:
-            True when the buffers were reallocated (pointers changed: rebind, recapture).
+            None when the buffers stayed; else True, or what ``prepare`` returned (pointers
+            changed: rebind, recapture).
 
         Raises:
             KVFullError: ``needed`` exceeds the limit (fixed capacity or max_capacity).
         """
-        moved = False
+        moved: Any = None
         if needed > self.capacity:
             if needed > self.limit:
                 what = "capacity" if self.policy == "fixed" else "maximum capacity"
                 raise KVFullError(f"KV cache full: a step needs {needed} positions, the {what} is {self.limit}")
-            moved = self._grow(needed, lengths)
+            moved = self._grow(needed, lengths, prepare)
         self._commit(needed)
         return moved
 
-    def _grow(self, needed: int, lengths: Sequence[int] | np.ndarray) -> bool:
+    def _grow(self, needed: int, lengths: Sequence[int] | np.ndarray,
+              prepare: Callable[[KVGeometry], Any] | None) -> Any:
         new_cap = round_capacity(max(needed, 2 * self.capacity), self.max_capacity, multiple=16)
-        self.counters.growth_events += 1
         if self.vmm:
+            self.counters.growth_events += 1
             self.capacity = new_cap
-            return False
+            return None
         from core.runtime import ring
 
-        old, old_geos = self.layers, self.layer_geometries
         lens = [int(x) for x in lengths]
         full = growth_copies(self.geometry, new_cap, lens)
-        self._allocate(new_cap)
-        moved = 0
-        for old_pair, new_pair, w, src_geo, dst_geo in zip(old, self.layers, self.windows, old_geos,
-                                                           self.layer_geometries):
-            copies = ring.row_copies(src_geo, dst_geo, [(b, b, n) for b, n in enumerate(lens)]) if w else full
-            for src, dst in zip(old_pair, new_pair):
-                moved += self.provider.copy_bytes(dst, src, copies)
+        geometry, geos, layers = self._build(new_cap)
+        try:
+            moved = 0
+            for old_pair, new_pair, w, src_geo, dst_geo in zip(self.layers, layers, self.windows,
+                                                               self.layer_geometries, geos):
+                copies = ring.row_copies(src_geo, dst_geo, [(b, b, n) for b, n in enumerate(lens)]) if w else full
+                for src, dst in zip(old_pair, new_pair):
+                    moved += self.provider.copy_bytes(dst, src, copies)
+            extra = prepare(geometry) if prepare is not None else True
+        except BaseException:
+            self._charge(self.device_bytes - 2 * sum(g.nbytes for g in geos))
+            raise
+        self._switch(new_cap, geometry, geos, layers)
+        self.counters.growth_events += 1
         self.counters.kv_bytes_moved += moved
-        return True
+        return extra
 
     def commit_needed(self, upto: int) -> bool:
         """Whether backing positions ``[0, upto)`` would commit a new page (:meth:`reserve_positions`)."""
@@ -347,16 +381,28 @@ class KVCache:
         layer_reqs = [[KVRequest(o, n) for o, n in commit_requests(
             lg, [min(self._committed_len, lg.capacity)] * g.batch, [min(new, lg.capacity)] * g.batch,
             page=self.page)] for lg in self.layer_geometries]
-        committed = 2 * sum(r.nbytes for reqs in layer_reqs for r in reqs)
-        if self.vmm and committed:
-            self._charge(committed)
-        for reqs, pair in zip(layer_reqs, self.layers):
-            if reqs:
-                self.counters.kv_committed_bytes += sum(self.provider.kv_commit(t, reqs) for t in pair)
+        charge = 2 * sum(r.nbytes for reqs in layer_reqs for r in reqs) if self.vmm else 0
+        if any(layer_reqs):
+            self._charge(charge)
+            self.device_bytes += charge
+            try:
+                done = sum(self.provider.kv_commit(t, reqs) for reqs, pair in zip(layer_reqs, self.layers)
+                           if reqs for t in pair)
+            except BaseException:  # a commit that failed part way is retried whole on the next step
+                self._charge(-charge)
+                self.device_bytes -= charge
+                raise
+            self.counters.kv_committed_bytes += done
         self._committed_len = new
 
     def _charge(self, delta: int) -> None:
+        """Account ``delta`` bytes with the runner (its elastic budget may refuse an increase:
+        then nothing is charged)."""
         reason = self._reserve_bytes(delta)
-        self.device_bytes += delta
         if reason:
             self.replan_reasons.append(reason)
+
+    def release(self) -> None:
+        """Give every charged byte back to the runner (a cache that is dropped)."""
+        self._charge(-self.device_bytes)
+        self.device_bytes = 0

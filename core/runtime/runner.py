@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,17 @@ class Runner:
             plan changes (more weights stream); graphs captured under the old plan are
             invalidated with the reason, and the request goes on.
 
+    Thread safety: one Runner may serve sessions on several threads. Every call that runs the
+    plan or changes the runner's state (a session's prefill, step, read, discard, rewind,
+    close; the pool; the KV accounting) holds :attr:`lock`, so calls from two threads run one
+    after the other, never interleaved, and each request gets the bits it gets alone
+    (docs/reliability.md). A single owner thread driving the runner takes the same lock
+    uncontended.
+
     Attributes:
         model, provider, kv_layout, plan: what the runner was made of.
+        lock: the re-entrant lock that serialises the calls above (``with runner.lock:`` to
+            make several calls one atomic unit).
         weight_bytes: bytes of the resident constants (weights and folded values).
         residency: the :class:`~core.runtime.residency.ResidencyPlan` (what streams).
         weight_upload_bytes: bytes the provider uploaded while the runner planned the graph.
@@ -80,6 +90,9 @@ class Runner:
         self.kv_layout = kv_layout
         #: per layer, the window of its ring KV cache or 0 (core.runtime.ring, docs/kv-geometry.md)
         self.kv_windows = ring.layer_windows(self.model.graph, self.model.config)
+        #: serialises every call that steps, reads or changes a decode state of this Runner
+        #: (docs/reliability.md): threads may share it
+        self.lock = threading.RLock()
         self._free: list = []
         #: The decode state whose prefill or step ran the plan last: the plan's output buffers
         #: (the logits among them) hold its values (Session.last_logits checks it).
@@ -197,6 +210,10 @@ class Runner:
             core.runtime.residency.BudgetError: weights and KV cannot share the device budget
                 even with the most weights streamed.
         """
+        with self.lock:
+            return self._reserve_kv(extra)
+
+    def _reserve_kv(self, extra: int) -> str | None:
         self.kv_device_bytes += extra
         if self.device_budget is None or extra <= 0:
             return None
@@ -247,24 +264,40 @@ class Runner:
         from core.runtime.state import DecodeState
 
         key = (batch, capacity if policy == "fixed" else None, max_capacity, policy, capture)
-        for i, state in enumerate(self._free):
-            if state.pool_key == key:
-                del self._free[i]
-                state.attach(counters)
-                return state
-        return DecodeState(self, batch, capacity, max_capacity, policy, capture, counters, key)
+        with self.lock:
+            for i, state in enumerate(self._free):
+                if state.pool_key == key:
+                    del self._free[i]
+                    state.attach(counters)
+                    return state
+            # a state that fails to build has given back what it charged (KVCache, DecodeState)
+            return DecodeState(self, batch, capacity, max_capacity, policy, capture, counters, key)
 
     def release_states(self) -> None:
         """Drop every pooled free decode state (their KV and buffers go back to the provider),
         e.g. between the points of a sweep, where no later session has the same shape."""
-        for dropped in self._free:
-            self.kv_device_bytes -= dropped.kv.device_bytes
-        self._free.clear()
+        with self.lock:
+            for dropped in self._free:
+                self._drop(dropped)
+            self._free.clear()
 
     def release_state(self, state) -> None:
-        """Return a decode state to the pool (the oldest free one is dropped past POOL_SIZE)."""
-        if state not in self._free:
+        """Return a decode state to the pool (the oldest free one is dropped past POOL_SIZE).
+        A state a fault left unusable (:attr:`~core.runtime.state.DecodeState.broken`) is
+        dropped, never pooled."""
+        with self.lock:
+            if state in self._free:
+                return
+            if state.broken:
+                self._drop(state)
+                return
             self._free.append(state)
             for dropped in self._free[:-self.POOL_SIZE]:
-                self.kv_device_bytes -= dropped.kv.device_bytes
+                self._drop(dropped)
             del self._free[:-self.POOL_SIZE]
+
+    def _drop(self, state) -> None:
+        """Stop accounting a dropped state's KV; the plan's outputs no longer belong to it."""
+        state.kv.release()
+        if self.outputs_owner is state:
+            self.outputs_owner = None

@@ -47,16 +47,23 @@ class DecodeState:
         p, cfg = runner.provider, runner.model.config
         self.runner, self.batch, self.pool_key = runner, batch, pool_key
         self.counters = counters
+        #: True once a fault left this state's device buffers in a state the host cannot
+        #: describe (a failed recovery): the runner drops it instead of pooling it.
+        self.broken = False
         self.kv = KVCache(p, runner.kv_layout, batch, cfg.num_kv_heads, cfg.head_size, cfg.num_layers,
                           runner.model.io_dtype, capacity, max_capacity, policy, counters,
                           reserve_bytes=runner.reserve_kv, windows=runner.kv_windows)
-        self.input_ids = p.allocate((batch, 1), np.int64, zero=True)
-        self.result = p.allocate((batch, 2), np.int32, zero=True)
-        self.positions = p.allocate((batch,), np.int32, zero=True)
-        self.lengths_dev = p.allocate((batch,), np.int32, zero=True)
-        self.lengths = np.zeros(batch, np.int64)
-        self.binding = p.io_binding(runner.plan)
-        self._bind_kv()
+        try:
+            self.input_ids = p.allocate((batch, 1), np.int64, zero=True)
+            self.result = p.allocate((batch, 2), np.int32, zero=True)
+            self.positions = p.allocate((batch,), np.int32, zero=True)
+            self.lengths_dev = p.allocate((batch,), np.int32, zero=True)
+            self.lengths = np.zeros(batch, np.int64)
+            self.binding = p.io_binding(runner.plan)
+            self._bind_kv(p.allocate((batch, self.kv.geometry.capacity), np.int64, zero=True))
+        except BaseException:  # the runner must not go on counting a cache nobody holds
+            self.kv.release()
+            raise
         self.logits = None
         self._prompt_logits = None
         self.started = False
@@ -103,9 +110,15 @@ class DecodeState:
         return (self.batch, self.kv.geometry.capacity, self.runner.kv_layout, id(self.runner.plan),
                 id(self.runner.residency), tuple(id(b) for b in buffers))
 
-    def _bind_kv(self) -> None:
-        p, cfg = self.runner.provider, self.runner.model.config
-        self.attention_mask = p.allocate((self.batch, self.kv.geometry.capacity), np.int64, zero=True)
+    def _new_mask(self, geometry) -> object:
+        """A mask of the width of ``geometry`` written from the host lengths (before a switch)."""
+        mask = self.runner.provider.allocate((self.batch, geometry.capacity), np.int64, zero=True)
+        self._write_mask(mask)
+        return mask
+
+    def _bind_kv(self, mask) -> None:
+        cfg = self.runner.model.config
+        self.attention_mask = mask
         self.bind_persistent()
         for i, (k, v) in enumerate(self.kv.layers):
             self.binding.bind_input(cfg.past_key % i, k)
@@ -121,26 +134,30 @@ class DecodeState:
     def reserve(self, needed: int) -> None:
         """Room and backed pages for ``needed`` positions per row (KVCache.reserve_positions);
         when growth reallocated the buffers: a new mask, rebinding, and the graph invalidated.
+        Transactional: the new KV buffers and mask are made and filled before the state
+        switches to them; a failure on the way leaves the state as it was.
 
         Raises:
             core.runtime.kv.KVFullError: beyond the cache's limit.
         """
-        moved = self.kv.reserve_positions(needed, self.lengths)  # lengths are read only on growth
+        mask = self.kv.reserve_positions(needed, self.lengths, self._new_mask)  # lengths read only on growth
         for reason in self.kv.replan_reasons:
             self.counters.replans += 1
             self.counters.set_residency(self.runner.residency.summary(), self.runner.weight_bytes)
             self.capture.invalidate(reason, self.counters)
         self.kv.replan_reasons.clear()
-        if moved:
-            self._bind_kv()
-            self.write_mask()
+        if mask is not None:
+            self._bind_kv(mask)
             self.capture.invalidate("KV buffers reallocated by growth", self.counters)
 
     def write_mask(self) -> None:
         """Write the persistent mask from the host lengths: ones over each row's live prefix."""
-        width = self.kv.geometry.capacity
-        mask = (np.arange(width)[None, :] < self.lengths[:, None]).astype(np.int64)
-        self.runner.provider.write(self.attention_mask, mask)
+        self._write_mask(self.attention_mask)
+
+    def _write_mask(self, mask) -> None:
+        width = int(mask.shape[1])
+        host = (np.arange(width)[None, :] < self.lengths[:, None]).astype(np.int64)
+        self.runner.provider.write(mask, host)
 
     def set_lengths(self, lengths: np.ndarray) -> None:
         """Set every row's live length (after prefill): host mirror, device copy and mask."""
