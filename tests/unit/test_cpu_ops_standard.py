@@ -264,6 +264,13 @@ def _every_op() -> dict:
         "MatMul": ("", {}, (x, rng.standard_normal((4, 5)).astype(np.float32)), 1),
         "SimplifiedLayerNormalization": ("", {"axis": -1}, (x, y), 2),
         "RotaryEmbedding": ("com.microsoft", {"num_heads": 2}, rotary, 1),
+        # the router ops of LFM2-MoE (docs/moe.md)
+        "Exp": ("", {}, (x,), 1), "Log": ("", {}, (np.abs(x) + 1,), 1), "Reciprocal": ("", {}, (y + 3,), 1),
+        "Clip": ("", {}, (x, np.array(-0.5, np.float32), np.array(0.5, np.float32)), 1),
+        "ConstantOfShape": ("", {"value": np.array([1.5], np.float32)}, (i64(2, 3),), 1),
+        "TopK": ("", {"axis": -1}, (x, i64(2)), 2),
+        "GatherElements": ("", {"axis": 2}, (x, np.zeros((2, 3, 2), np.int64) + i64(3, 1)), 1),
+        "ScatterElements": ("", {"axis": 2}, (x, np.zeros((2, 3, 1), np.int64) + 2, x[:, :, :1] * 7), 1),
     }
 
 
