@@ -287,7 +287,7 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
         per_row = news if len(news) == len(input_ids) else [max(news)] * len(input_ids)  # a mismatch: refused below
         need = max(len(r) + max(n - 1, 0) for r, n in zip(input_ids, per_row))  # each row its own (Generation._step)
         if need > model.config.context_length:
-            raise RequestError(_too_long(input_ids, news, model.config.context_length))
+            raise RequestError(_too_long(input_ids, per_row, model.config.context_length))
         capacity = kvgeo.round_capacity(need, model.config.context_length)
     if tensor_parallel != 1 and not isinstance(tensor_parallel, bool):  # refuse sampling before ranks start
         from core.parallel.session import check_greedy

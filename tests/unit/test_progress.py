@@ -25,7 +25,10 @@ def _fake_build(monkeypatch, tmp_path):
     monkeypatch.setenv("LOCKSTEP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(prep, "_check_tools", lambda gguf: None)
     monkeypatch.setattr(prep, "_named_gguf", lambda model, root, progress: tmp_path / "x.gguf")
-    monkeypatch.setattr(prep, "_gguf_to_hf", lambda gguf, out, progress: tmp_path / "hf")
+    hf = tmp_path / "hf"
+    hf.mkdir(exist_ok=True)
+    (hf / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')  # checked before the build
+    monkeypatch.setattr(prep, "_gguf_to_hf", lambda gguf, out, progress: hf)
 
     def builder(hf, tmp, variant, root, progress):
         prep._status(progress, "builder: Reading decoder layer 0")
