@@ -82,7 +82,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "Llama, SmolLM2", "MistralForCausalLM": "Mistral", "Qwen2ForCausalLM": "Qwen2",
     "Qwen3ForCausalLM": "Qwen3", "Phi3ForCausalLM": "Phi-3", "Gemma2ForCausalLM": "Gemma 2",
     "Gemma3ForCausalLM": "Gemma 3", "SmolLM3ForCausalLM": "SmolLM3", "GraniteForCausalLM": "Granite",
-    "OlmoForCausalLM": "OLMo",
+    "OlmoForCausalLM": "OLMo", "GptOssForCausalLM": "gpt-oss (MoE)", "Lfm2MoeForCausalLM": "LFM2-MoE",
 }
 #: Builder options Lockstep always passes (module docstring).
 BUILDER_OPTIONS = ("windowed_kv_cache=false",)

@@ -112,4 +112,4 @@ def test_cli_run_json_and_error_exit(fp32_model_dir):
     assert data["counters"]["decode_steps"] >= 1
     bad = subprocess.run(cmd[:4] + ["--prompt", "", "--provider", "cpu_reference"],
                          capture_output=True, text=True)
-    assert bad.returncode == 2 and "prompt 0 is empty" in bad.stderr
+    assert bad.returncode == 2 and "the prompt is empty" in bad.stderr
