@@ -17,11 +17,12 @@ for free, so a new provider writes only its memory primitives and its kernels.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from core.protocol import ARGMAX_ERROR, ARGMAX_TOKEN, Capabilities, KVRequest, NodeInfo, SamplingTensors
+from core.ops import OpTable
+from core.protocol import ARGMAX_ERROR, ARGMAX_TOKEN, Capabilities, Kernel, KVRequest, NodeInfo, SamplingTensors
 
 
 class ReadyDownload:
@@ -44,15 +45,25 @@ class ProviderBase:
         downloaded_bytes: bytes copied device -> host by :meth:`download`.
         committed_bytes: bytes backed through :meth:`kv_commit`.
 
-    Subclasses must set ``name`` and implement ``capabilities``, ``supports``, ``kernel``,
-    ``_allocate(shape, dtype, zero)``, ``_upload(array)``, ``_download(tensor)``,
-    ``device_argmax`` and ``synchronize``. ``_write``, ``_fill`` and ``_copy_bytes`` have
+    Subclasses must set ``name`` and implement ``capabilities``, ``_allocate(shape, dtype,
+    zero)``, ``_upload(array)``, ``_download(tensor)``, ``device_argmax`` and ``synchronize``.
+    ``supports``, ``kernel``, ``support_reason`` and ``prepare`` answer from the op table the
+    provider owns (``ops``, given to ``__init__``); a provider without one overrides
+    ``supports`` and ``kernel``. ``_write``, ``_fill`` and ``_copy_bytes`` have
     array-indexing defaults.
+
+    Args:
+        ops: the provider's op table (:class:`core.ops.OpTable`: one module per op), or None.
+
+    Attributes:
+        ops: that table, or None. The core's host fallback runs a host provider's table
+            (:class:`core.executor.host.HostFallback`).
     """
 
     name = "provider"
 
-    def __init__(self) -> None:
+    def __init__(self, ops: OpTable | None = None) -> None:
+        self.ops = ops
         self.uploaded_bytes = 0
         self.downloaded_bytes = 0
         self.committed_bytes = 0
@@ -63,12 +74,28 @@ class ProviderBase:
         raise NotImplementedError
 
     def supports(self, node: NodeInfo) -> bool:
-        """True when :meth:`kernel` can run ``node``."""
-        raise NotImplementedError
+        """True when :meth:`kernel` can run ``node``: by default, when the op table has a
+        kernel for it (:meth:`core.ops.OpTable.supports`).
 
-    def kernel(self, node: NodeInfo):
-        """The callable that runs ``node`` (called once per node at plan time)."""
-        raise NotImplementedError
+        Raises:
+            NotImplementedError: the provider has no op table and does not override this.
+        """
+        return self._table().supports(node)
+
+    def kernel(self, node: NodeInfo) -> Kernel:
+        """The callable that runs ``node`` (called once per node at plan time): by default the
+        op table's (:meth:`core.ops.OpTable.kernel`).
+
+        Raises:
+            NotImplementedError: the provider has no op table and does not override this.
+        """
+        return self._table().kernel(node)
+
+    def _table(self) -> OpTable:
+        if self.ops is None:
+            raise NotImplementedError(f"provider {self.name!r} has no op table: it must implement supports "
+                                      "and kernel")
+        return self.ops
 
     def device_argmax(self, logits: Any, positions: Any, result: Any) -> None:
         """Greedy selection on the device (see :class:`core.protocol.ExecutionProvider`)."""
@@ -155,14 +182,15 @@ class ProviderBase:
 
     def support_reason(self, node: NodeInfo) -> str | None:
         """Why :meth:`supports` rejects ``node`` (an optional member: the parity kit adds it to
-        the message of a skipped case), or None: supported, or no reason to give (default).
-        A provider over a :class:`core.ops.OpTable` delegates to its ``support_reason``."""
-        return None
+        the message of a skipped case), or None: supported, or no reason to give. By default
+        the op table's answer (:meth:`core.ops.OpTable.support_reason`), None without one."""
+        return None if self.ops is None else self.ops.support_reason(node)
 
-    def prepare(self, node: NodeInfo):
+    def prepare(self, node: NodeInfo) -> Callable[..., dict | None] | None:
         """The plan-time weight hook of ``node``'s op, or None (see :mod:`core.ops`: a hook turns
-        constant inputs into the kernel's own form once, e.g. packed for the tensor cores)."""
-        return None
+        constant inputs into the kernel's own form once, e.g. packed for the tensor cores). By
+        default the op table's (:meth:`core.ops.OpTable.prepare`), None without one."""
+        return None if self.ops is None else self.ops.prepare(node)
 
     def io_binding(self, plan):
         """Persistent IO binding over a plan (the core's :class:`~core.executor.PlanBinding`)."""

@@ -21,7 +21,7 @@ def buffer(ctx, slot, shape, dtype) -> np.ndarray:
     """The host buffer of output ``slot``: ``ctx.output(slot, shape, dtype)``.
 
     The executor's host dispatch (a device provider's host nodes run on these kernels) gives
-    the kernel a host context (core.executor.host_memory): its buffers are numpy arrays too.
+    the kernel a host context (core.executor.host.HostFallback): its buffers are numpy arrays too.
     A context whose buffers are not host arrays (a device provider's context, in a direct
     call) gets a new host array instead.
     """
