@@ -37,6 +37,53 @@ class ReadyDownload:
         return self._array
 
 
+def _none(*_args: Any) -> None:
+    return None
+
+
+def _async_download(provider: Any) -> Callable[[Any], ReadyDownload]:
+    return lambda tensor: ReadyDownload(provider.download(tensor))
+
+
+#: The optional protocol members (:mod:`core.protocol`) and, for each, what makes the default a
+#: provider lacking it is given (:func:`with_defaults`): the same answer as
+#: :class:`ProviderBase`'s method. ``device_sample`` is not here: a provider without it cannot
+#: sample (the engine refuses such requests), which is an answer, not a default.
+OPTIONAL_DEFAULTS: dict[str, Callable[[Any], Callable[..., Any]]] = {
+    "support_reason": lambda p: _none,  # no reason to give
+    "prepare": lambda p: _none,  # no plan-time weight hook
+    "download_async": _async_download,  # a synchronous download, finished when returned
+    "peak_bytes": lambda p: _none,  # cannot tell
+    "reset_peak": lambda p: _none,  # nothing to reset
+    "workspace_bytes": lambda p: _none,
+    "device_bandwidth": lambda p: _none,
+    "host_to_device_bandwidth": lambda p: _none,
+    "device_used_bytes": lambda p: _none,
+    "free_device_bytes": lambda p: _none,  # unbounded or unknown
+    "node_timer": lambda p: _none,  # cannot time its nodes
+    "settings": lambda p: dict,  # no switches
+}
+
+
+def with_defaults(provider: Any) -> Any:
+    """``provider`` with every optional member it lacks set to its default
+    (:data:`OPTIONAL_DEFAULTS`), once, when the registry creates it, so the core calls the
+    optional members without probing for them. A :class:`ProviderBase` has them all already.
+
+    Raises:
+        TypeError: a member is missing and the object does not take attributes (``__slots__``).
+    """
+    for name, make in OPTIONAL_DEFAULTS.items():
+        if not hasattr(provider, name):
+            try:
+                setattr(provider, name, make(provider))
+            except AttributeError as exc:
+                raise TypeError(f"provider {getattr(provider, 'name', provider)!r} lacks the optional member "
+                                f"{name!r} and does not take its default (inherit core.provider.ProviderBase)"
+                                ) from exc
+    return provider
+
+
 class ProviderBase:
     """Validated protocol methods; subclasses implement the underscored primitives.
 

@@ -99,14 +99,13 @@ def select_branch(ctx: KernelContext, cond: Any) -> tuple:
 
 def unsupported_nodes(provider: ExecutionProvider, nodes: list[NodeInfo]) -> list[str]:
     """One line per node ``provider`` does not support: its domain, op type, name and why
-    (the provider's ``support_reason`` when it has one, else its input dtypes and
+    (the provider's ``support_reason`` when it gives one, else its input dtypes and
     attributes); graph-valued attributes are named, not printed."""
-    explain = getattr(provider, "support_reason", None)
     lines = []
     for n in nodes:
         if provider.supports(n):
             continue
-        reason = explain(n) if explain is not None else None
+        reason = provider.support_reason(n)
         if not reason:
             dtypes = ", ".join("-" if d is None else np.dtype(d).name for d in n.input_dtypes)
             attributes = ", ".join(f"{k}=<graph>" if isinstance(v, onnx.GraphProto) else f"{k}={v!r}"

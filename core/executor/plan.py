@@ -91,11 +91,8 @@ class Plan(Preparing):
         self._types = declared_types(graph)
         self.input_names = [i.name for i in graph.input]
         self.output_names = [o.name for o in graph.output]
-        reset = getattr(provider, "reset_peak", None)
-        peak = getattr(provider, "peak_bytes", None)
-        if reset is not None:
-            reset()  # cached pool blocks of earlier work: not this load's peak
-        base = peak() if peak is not None else None
+        provider.reset_peak()  # cached pool blocks of earlier work: not this load's peak
+        base = provider.peak_bytes()
         #: initializers are uploaded when first needed (:mod:`core.executor.prepare`, "Weight memory")
         self.constants: dict[str, Any] = dict(initializers)
         self._pending: set[str] = {name for name, a in initializers.items() if not is_host_constant(a)}
@@ -125,9 +122,9 @@ class Plan(Preparing):
         self.last_position_steps = self._last_position_program(lm, hidden)
         #: device bytes the provider held at the high-water mark of this plan's load above what
         #: it held before (``peak_bytes()``), or None when the provider cannot tell
-        self.load_peak_bytes: int | None = None if base is None or peak is None else int(peak()) - int(base)
-        if reset is not None:
-            reset()  # give the blocks freed while packing back to the device
+        peak = None if base is None else provider.peak_bytes()
+        self.load_peak_bytes: int | None = None if base is None or peak is None else int(peak) - int(base)
+        provider.reset_peak()  # give the blocks freed while packing back to the device
         for value in [*self.constants.values(), *self.last_position_constants.values()]:
             if isinstance(value, np.ndarray):
                 value.flags.writeable = False  # constants are shared by every step: never written

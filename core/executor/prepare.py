@@ -46,7 +46,6 @@ class Preparing(Folding):
         Raises:
             ValueError: a hook replaced an input that is not a constant.
         """
-        lookup = getattr(self.provider, "prepare", None)
         made: list[str] = []
         # per-step readers left of every constant: a replaced one goes as its last reader is done
         left: dict[str, int] = {}
@@ -61,7 +60,7 @@ class Preparing(Folding):
         sharing: list[tuple[list, list[str]]] = []  # (keys a hook added to shared, its node's constants)
         for i in self._prepare_order():
             node = self.nodes[i]
-            hook = None if lookup is None else lookup(node)
+            hook = self.provider.prepare(node)
             here = [x for x in dict.fromkeys(node.inputs) if x in left]
             if hook is not None and any(x in self.constants for x in node.inputs if x):
                 on_device = self.placer is None or self.placer.prepare_on_device(self.as_plan(), node)

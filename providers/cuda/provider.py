@@ -122,7 +122,7 @@ class CudaProvider(ProviderBase):
         self.stream.use()
         self._argmax_scratch: dict = {}
         from providers.cuda import ops
-        self._ops = OpTable(ops)
+        self.ops = OpTable(ops)  # supports, support_reason and prepare answer from it (ProviderBase)
         self._check_headers()
         # base pointer -> VmmArena; weak, so an arena is released with the last array over it
         self._arenas: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -155,21 +155,10 @@ class CudaProvider(ProviderBase):
     def capabilities(self) -> Capabilities:
         return self._capabilities
 
-    def supports(self, node: NodeInfo) -> bool:
-        return self._ops.supports(node)
-
-    def support_reason(self, node: NodeInfo) -> str | None:
-        """Why :meth:`supports` rejects ``node``, or None (:meth:`core.ops.OpTable.support_reason`)."""
-        return self._ops.support_reason(node)
-
-    def prepare(self, node: NodeInfo):
-        """The op module's plan-time ``prepare`` hook (packed / interleaved weights), or None."""
-        return self._ops.prepare(node)
-
     def kernel(self, node: NodeInfo):
         """The op's launcher, wrapped for eager launch replay unless the op module sets
         ``REPLAY = False`` (providers/cuda/replay.py)."""
-        module = self._ops.modules[(node.domain, node.op_type)]
+        module = self._table().modules[(node.domain, node.op_type)]
         if not self.eager_replay or not getattr(module, "REPLAY", True):
             return module.run
         return ReplayKernel(module.run, getattr(module, "replay_key", None))
