@@ -245,6 +245,8 @@ class CudaProvider(ProviderBase):
         """A tensor over a VMM arena: address range reserved, no page backed until
         :meth:`kv_commit` (only when ``capabilities().vmm``)."""
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if self._vmm is None:
+            raise RuntimeError("cuda: reserve needs VMM (capabilities().vmm is False on this device)")
         arena = self._vmm.VmmArena(nbytes)
         self._arenas[arena.ptr] = arena
         return arena.array(tuple(shape), dtype)

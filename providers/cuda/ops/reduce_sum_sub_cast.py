@@ -40,6 +40,8 @@ def run(ctx, data, axes, b):
     keepdims = bool(ctx.node.attrs.get("keepdims", 1))
     to = helper.tensor_dtype_to_np_dtype(int(ctx.node.attrs["to"]))
     red = reduce_axes(ctx.node, axes, data.ndim)  # empty axes: every axis, as ReduceSum
+    if red is None:
+        raise ValueError("ReduceSumSubCast (cuda): empty axes with noop_with_empty_axes=1 reduce nothing")
     shape = tuple(1 if i in red else d for i, d in enumerate(data.shape) if keepdims or i not in red)
     if (is_host(b) and data.dtype == np.int64 and data.ndim == 2 and red == (1,) and np.size(b) == 1
             and np.broadcast_shapes(shape, np.shape(b)) == shape and to == np.int32 and data.flags.c_contiguous):
