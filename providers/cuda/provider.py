@@ -11,9 +11,11 @@ from core.executor import PlanBinding
 from core.ops import OpTable
 from core.protocol import Capabilities, KVRequest, NodeInfo
 from core.provider import ProviderBase
-from providers.cuda import env
 from providers.cuda.replay import ReplayKernel
+from providers.cuda.tuning import Tuning
 
+#: (domain, op type) of the attention op, whose support depends on ``tuning.attn_ring``.
+_GQA = ("com.microsoft", "GroupQueryAttention")
 _MISSING_CUPY = ("the 'cuda' provider needs CuPy (and an NVIDIA GPU with its driver): from a checkout, "
                  "pip install -e \".[cuda13]\" (CUDA 13) or -e \".[cuda12]\" (CUDA 12); from an installed "
                  "lockstep, pip install \"lockstep[cuda13]\"")
@@ -109,13 +111,15 @@ class CudaProvider(ProviderBase):
     """
 
     name = "cuda"
-    #: Eager launch replay for plans made from now on (providers/cuda/replay.py); off with
-    #: LOCKSTEP_CUDA_REPLAY=0 (every node then runs its Python launcher every step).
-    eager_replay: bool = env.switch("LOCKSTEP_CUDA_REPLAY")
 
-    def __init__(self):
+    def __init__(self, tuning: Tuning | None = None):
         super().__init__()
-        env.check_all()  # a bad switch is named before anything else can fail
+        #: the switches (:class:`~providers.cuda.tuning.Tuning`): given, or read from the
+        #: environment once, here, so a bad switch is named before anything else can fail
+        self.tuning = Tuning.from_env() if tuning is None else tuning
+        #: eager launch replay for plans made from now on (providers/cuda/replay.py); off with
+        #: ``tuning.replay`` False (every node then runs its Python launcher every step)
+        self.eager_replay = self.tuning.replay
         cupy = _import_cupy()
         self.cupy = cupy
         self.stream = _shared_stream(cupy)
@@ -154,6 +158,23 @@ class CudaProvider(ProviderBase):
     # -- protocol -------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
         return self._capabilities
+
+    def supports(self, node: NodeInfo) -> bool:
+        """The op table's answer; GroupQueryAttention's under ``tuning.attn_ring``."""
+        if (node.domain, node.op_type) == _GQA:
+            from providers.cuda.ops import group_query_attention
+
+            return group_query_attention.supports(node, ring=self.tuning.attn_ring)
+        return ProviderBase.supports(self, node)
+
+    def support_reason(self, node: NodeInfo) -> str | None:
+        """Why :meth:`supports` refuses ``node``, or None (GroupQueryAttention's under
+        ``tuning.attn_ring``)."""
+        if (node.domain, node.op_type) == _GQA:
+            from providers.cuda.ops import group_query_attention
+
+            return group_query_attention.support_reason(node, ring=self.tuning.attn_ring)
+        return ProviderBase.support_reason(self, node)
 
     def kernel(self, node: NodeInfo):
         """The op's launcher, wrapped for eager launch replay unless the op module sets
@@ -288,16 +309,12 @@ class CudaProvider(ProviderBase):
         and its rows, the GEMM schedule (PIPE), tiled kernels, split-K and token tiles per block, the
         attention's hinted prologue and compile-time head size, eager launch replay."""
         from providers.cuda import replay
-        from providers.cuda.ops import _mma_schedule, group_query_attention
 
         on = ("off", "on")
-        return {"pdl": on[replay.pdl_enabled()],
-                "pdl_rows": env.switch("LOCKSTEP_CUDA_PDL_ROWS"),
-                "gemm_pipeline": _mma_schedule.PIPELINE, "gemm_wide": _mma_schedule.WIDE,
-                "gemm_split": _mma_schedule.SPLIT, "gemm_token_tiles": _mma_schedule.TOKEN_TILES,
-                "attn_hint": on[group_query_attention.HINT],
-                "attn_static_head": on[group_query_attention.STATIC_HEAD],
-                "attn_ring": on[group_query_attention.RING], "eager_replay": on[self.eager_replay]}
+        out = self.tuning.settings()
+        del out["replay"]
+        out.update(pdl=on[replay.pdl_enabled()], eager_replay=on[self.eager_replay])  # what runs
+        return out
 
     def node_timer(self):
         """CUDA events recorded on the provider stream around each node (``lockstep profile
