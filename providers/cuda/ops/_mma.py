@@ -12,13 +12,14 @@ from providers.cuda.module import ctype, function
 from providers.cuda.ops import _mma_layout as layout
 from providers.cuda.ops import _mma_schedule as schedule
 from providers.cuda.ops import row_slices, rows_of
+from providers.cuda.paths import PATHS
 from providers.cuda.tuning import Tuning
 
 #: The split-K workspace, one per device and process (allocated on the first split launch, kept
 #: for the process's life: captured graphs hold its pointers; zeroed tickets, and every launch
 #: leaves them at zero).
 _split_workspace: dict[int, tuple] = {}
-_counts = {"split_launches": 0}
+PATHS.declare("mma", ("split_launches",))
 #: Dynamic shared memory above this needs the kernel's opt-in attribute.
 _DEFAULT_SHARED = 48 * 1024
 _opted: dict = {}
@@ -36,7 +37,7 @@ def stats() -> dict:
     """A copy of the launcher counters: ``split_launches``, calls of the int4 launcher that
     split K (a captured graph's replays and eager launch replay do not pass the launcher and are
     not counted)."""
-    return dict(_counts)
+    return PATHS.stats("mma")
 
 
 def _split_args(grid: tuple, spb: int, null) -> tuple:
@@ -52,7 +53,7 @@ def _split_args(grid: tuple, spb: int, null) -> tuple:
     if ws is None:
         ws = _split_workspace[device] = (cupy.empty(schedule.SPLIT_BYTES // 4, np.float32),
                                          cupy.zeros(schedule.SPLIT_TICKETS, np.int32))
-    _counts["split_launches"] += 1
+    PATHS.add("mma", "split_launches")
     return (*ws, np.int32(spb))
 
 

@@ -36,6 +36,7 @@ from providers.cuda import replay
 from providers.cuda.module import ctype, function, multiprocessors
 from providers.cuda.ops import MAX_GRID_Y, NULL, device_array
 from providers.cuda.ops._linear import i32
+from providers.cuda.paths import PATHS
 
 OP_TYPE = "GroupQueryAttention"
 DOMAIN = "com.microsoft"
@@ -48,8 +49,8 @@ CH = 64  # positions per KV chunk (the kernel's CH)
 #: block size (:func:`decode_threads`), "decode_hinted" those that took the hinted prologue and
 #: "decode_static_head" those that ran the compile-time head size (:func:`static_head`), "ring"
 #: the runs on a sliding_window_cache ring (:func:`ring_rows`).
-_counts = {"qk_norm": 0, "plain": 0, "decode_128": 0, "decode_256": 0, "decode_hinted": 0,
-           "decode_static_head": 0, "ring": 0}
+PATHS.declare("gqa", ("qk_norm", "plain", "decode_128", "decode_256", "decode_hinted", "decode_static_head",
+                      "ring"))
 #: ``gqa_decode`` may take its hinted prologue (:func:`hinted`) where the provider's tuning says
 #: so (``tuning.attn_hint``, :class:`~providers.cuda.tuning.Tuning`). Either way every output bit
 #: is the same. The most rows of a decode step that takes the hint: past 8 rows the attention
@@ -63,8 +64,8 @@ HINT_SHIFT = 0
 
 
 def stats() -> dict:
-    """A copy of the launcher-run counters (:data:`_counts`)."""
-    return dict(_counts)
+    """A copy of the launcher-run counters (the ``gqa`` group of :data:`providers.cuda.paths.PATHS`)."""
+    return PATHS.stats("gqa")
 
 
 def supports(node, ring: bool = True) -> bool:
@@ -187,8 +188,8 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
     qeps, keps = np.float32(attrs.get("q_norm_epsilon", eps)), np.float32(attrs.get("k_norm_epsilon", eps))
     qnw = q_norm_weight if norm else NULL
     knw = k_norm_weight if norm else NULL
-    _counts["qk_norm" if norm else "plain"] += 1
-    _counts["ring"] += bool(ring)
+    PATHS.add("gqa", "qk_norm" if norm else "plain")
+    PATHS.add("gqa", "ring", int(bool(ring)))
     scale = float(attrs.get("scale", 0.0)) or 1.0 / math.sqrt(h)
     out = ctx.output(0, (bsz, s_len, nq * h), dtype)
 
@@ -209,15 +210,15 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         group = nq // nkv
         part, tickets = _workspace(ctx, bsz, nq, nkv, chunks, h)
         threads = decode_threads(bsz, nkv)
-        _counts[f"decode_{threads}"] += 1
+        PATHS.add("gqa", f"decode_{threads}")
         tuning = ctx.provider.tuning
         use_hint = tuning.attn_hint and bsz <= HINT_ROWS and not ring  # a ring's chunks follow the position
         if use_hint and not norm and hinted(group, h, threads):
-            _counts["decode_hinted"] += 1
+            PATHS.add("gqa", "decode_hinted")
         hint = NULL if not use_hint else seqlens if HINT_SHIFT == 0 else _shifted(ctx, seqlens, HINT_SHIFT)
         hc = static_head(h, tuning.attn_static_head)
         if hc:
-            _counts["decode_static_head"] += 1
+            PATHS.add("gqa", "decode_static_head")
         kern = function("group_query_attention", f"gqa_decode<{t}, {threads}, {hc}>", _exprs(t))
         tiles = 2 * CH * _decode_tile_stride(h, dtype) * dtype.itemsize
         shared = tiles + (group * h + group * CH + 2 * group + 1 + h) * 4
