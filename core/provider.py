@@ -91,6 +91,7 @@ class ProviderBase:
         uploaded_bytes: bytes copied host -> device by :meth:`upload` and :meth:`write`.
         downloaded_bytes: bytes copied device -> host by :meth:`download`.
         committed_bytes: bytes backed through :meth:`kv_commit`.
+        staged_bytes: bytes of host copies made by :meth:`stage`.
 
     Subclasses must set ``name`` and implement ``capabilities``, ``_allocate(shape, dtype,
     zero)``, ``_upload(array)``, ``_download(tensor)``, ``device_argmax`` and ``synchronize``.
@@ -112,6 +113,7 @@ class ProviderBase:
     def __init__(self, ops: OpTable | None = None) -> None:
         self.ops = ops
         self.uploaded_bytes = 0
+        self.staged_bytes = 0
         self.downloaded_bytes = 0
         self.committed_bytes = 0
 
@@ -300,7 +302,7 @@ class ProviderBase:
         """The host copy a streamed or mapped weight lives in, made once (pinned memory on a
         GPU, so copies from it are asynchronous and kernels may read it): a new C-contiguous
         array of ``array``'s shape and dtype. Counted in ``staged_bytes``."""
-        self.staged_bytes = getattr(self, "staged_bytes", 0) + int(array.nbytes)
+        self.staged_bytes += int(array.nbytes)
         return np.array(array, order="C", copy=True)
 
     def map_host(self, staged: np.ndarray) -> Any:
@@ -403,9 +405,8 @@ class WeightStream:
 
     def stage(self, array: np.ndarray) -> Any:
         """The host copy a weight is streamed from (pinned memory on a GPU), made once
-        (the provider's ``stage`` when it has one)."""
-        stage = getattr(self.provider, "stage", None)
-        return stage(array) if stage is not None else np.ascontiguousarray(array).copy()
+        (:meth:`ProviderBase.stage`)."""
+        return self.provider.stage(array)
 
     def view(self, slot: int, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
         """Bytes ``offset...`` of slot ``slot`` seen as a tensor of ``shape`` / ``dtype`` (what

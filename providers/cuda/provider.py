@@ -372,7 +372,7 @@ class CudaProvider(ProviderBase):
         step = max(1, (64 << 20) // max(host.itemsize, 1))
         for i in range(0, flat_in.size, step):
             flat_out[i:i + step] = flat_in[i:i + step]
-        self.staged_bytes = getattr(self, "staged_bytes", 0) + int(host.nbytes)
+        self.staged_bytes += int(host.nbytes)
         return pinned
 
     def map_host(self, staged: np.ndarray):
