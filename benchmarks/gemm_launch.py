@@ -52,6 +52,7 @@ def main() -> None:
 
     from providers.cuda.ops import NULL, _mma, _mma_layout, _mma_schedule
     from providers.cuda.provider import CudaProvider
+    from providers.cuda.tuning import Tuning
 
     stream = CudaProvider().stream
     _mma_schedule.WIDE_ROWS = 1
@@ -71,13 +72,14 @@ def main() -> None:
             # row kernel; tiled (64-token blocks); one token warp (17 to 32 rows only)
             modes = (("off", 1e9), ("dense", 1e9)) + ((("dense", 0.0),) if 16 < m <= 32 else ())
             for mode, fill in modes:
-                _mma_schedule.WIDE, _mma_schedule.WIDE32_FILL = mode, fill
-                times.append(graph_us(stream, functools.partial(_mma.dense, a, wp, None, y, m, n, k, NULL, glu=glu)))
+                _mma_schedule.WIDE32_FILL = fill
+                times.append(graph_us(stream, functools.partial(_mma.dense, a, wp, None, y, m, n, k, NULL, glu=glu,
+                                                                tuning=Tuning(gemm_wide=mode))))
                 outs.append(y.get().view(np.uint16).copy())
             same = "" if all(np.array_equal(outs[0], o) for o in outs) else " (bits differ!)"
             cells.append(" / ".join(f"{t:6.1f}" for t in times) + same)
         print(f"{name:16s} " + "  ".join(f"{c:>26s}" for c in cells), flush=True)
-    _mma_schedule.WIDE, _mma_schedule.WIDE32_FILL = "dense", 1.5
+    _mma_schedule.WIDE32_FILL = 1.5
 
 
 if __name__ == "__main__":

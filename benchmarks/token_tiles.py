@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 
+import attrs
 import numpy as np
 
 # (K, N, GLU) per projection; GLU: N is the gate (= up) width
@@ -38,9 +39,10 @@ def main() -> None:
 
     from providers.cuda.ops import NULL, _mma, _mma_layout, _mma_schedule
     from providers.cuda.provider import CudaProvider
+    from providers.cuda.tuning import Tuning
 
     stream = CudaProvider().stream
-    _mma_schedule.WIDE = "off"
+    base = Tuning(gemm_wide="off")
     rng = np.random.default_rng(0)
     print("us per launch; fp16 columns NJ 1 / 2 / 2 PIPE / 4 / auto, int4 NJ 1 / 2 / 4 / auto (PIPE always);"
           " auto's NJ in brackets, P: on the PIPE schedule")
@@ -65,12 +67,13 @@ def main() -> None:
                     fn = functools.partial(_mma.nbits4, a, w4, None, y, m, NULL, glu_out=n if glu else 0)
                 times, outs = [], []
                 for nj, pipeline in CONFIGS[kind]:
-                    _mma_schedule.TOKEN_TILES, _mma_schedule.PIPELINE = nj, pipeline
-                    times.append(graph_us(stream, fn))
+                    tuning = attrs.evolve(base, gemm_token_tiles=nj, gemm_pipeline=pipeline)
+                    times.append(graph_us(stream, functools.partial(fn, tuning=tuning)))
                     outs.append(y.get().view(np.uint16).copy())
                 same = "" if all(np.array_equal(outs[0], o) for o in outs) else " (bits differ!)"
-                chosen = _mma_schedule.row_nj(m, rows, kind == "int4")
-                pipe = "P" if kind == "fp16" and chosen > 1 and _mma_schedule.pipelined(rows, False, m) else ""
+                chosen = _mma_schedule.row_nj(m, rows, kind == "int4", tuning=base)
+                piped = _mma_schedule.pipelined(rows, False, m, tuning=base)
+                pipe = "P" if kind == "fp16" and chosen > 1 and piped else ""
                 cells.append("/".join(f"{t:.1f}" for t in times) + f" [{chosen}{pipe}]" + same)
             print(f"{name:18s} {kind:5s} " + "  ".join(f"{c:>30s}" for c in cells), flush=True)
 

@@ -24,7 +24,7 @@ values have no other consumer and are not graph outputs.
   start of every decode step; 3 nodes -> 1 (on cuda, one launch instead of four CuPy ones).
 
 Beside these passes, :func:`last_position_nodes` builds the nodes of a plan's last-position
-program (:class:`core.executor.Plan`, "Last-position program"): prefill gathers each row's last
+program (:class:`core.executor.Plan`; :mod:`core.executor.folding`): prefill gathers each row's last
 prompt position before the lm_head projection, so logits are ``[B, 1, V]``, not ``[B, S, V]``.
 """
 

@@ -228,8 +228,7 @@ def totals(rows: list[KernelRow], bandwidth: float | None, tensor_flops: float |
 
 
 def _timer(provider) -> Any:
-    make = getattr(provider, "node_timer", None)
-    return make() if make is not None else None
+    return provider.node_timer()
 
 
 def profile_kernels(model_dir, provider, batches: list[int], args, progress=None) -> list[dict]:

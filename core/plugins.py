@@ -20,6 +20,7 @@ import pluggy
 
 from core import hookspecs
 from core.protocol import PROTOCOL_VERSION, missing_members
+from core.provider import with_defaults
 
 BUILTIN = {"cpu_reference": "providers.cpu_reference", "cuda": "providers.cuda"}
 
@@ -162,7 +163,7 @@ class Registry:
             raise ProviderError(
                 f"{where} implements protocol version {caps.protocol_version}; this Lockstep "
                 f"supports version {PROTOCOL_VERSION}")
-        return provider
+        return with_defaults(provider)
 
 
 _registry: Registry | None = None

@@ -110,10 +110,9 @@ class ProfileRow:
 
 
 def provider_settings(provider) -> dict[str, str]:
-    """``provider.settings()`` (the switches that change how it runs) as strings, or {} for a
-    provider without the member."""
-    get = getattr(provider, "settings", None)
-    return {str(k): str(v) for k, v in get().items()} if callable(get) else {}
+    """``provider.settings()`` (the switches that change how it runs) as strings ({} by
+    default: :class:`core.provider.ProviderBase`)."""
+    return {str(k): str(v) for k, v in provider.settings().items()}
 
 
 def settings_text(settings: dict[str, str]) -> str:
@@ -279,7 +278,7 @@ def _does_not_fit(model, provider, batch: int, capacity: int) -> str:
 
     cfg = model.config
     need = cache_bytes(cfg, batch, capacity, np.dtype(model.io_dtype).itemsize) + batch * cfg.vocab_size * 4
-    free = getattr(provider, "free_device_bytes", lambda: None)()
+    free = provider.free_device_bytes()
     where = f"{getattr(provider, 'name', 'the provider')} has" if free is not None else "the host has"
     if free is None:
         free = residency.available_host_bytes()

@@ -11,16 +11,20 @@ download, write, fill, copy_bytes) and reads ``.shape``, ``.dtype`` and ``.nbyte
 indexes a provider tensor. :class:`core.provider.ProviderBase` implements the protocol over a
 few private primitives: inheriting it is the short way to write a provider.
 
-Optional members (``reserve`` for VMM providers, ``peak_bytes``, ``reset_peak``,
-``device_bandwidth``, the capture trio) are declared through :class:`Capabilities` and have
-defaults in the base class, so the core never probes for them with ``hasattr``. Three more
-optional members are looked up by name where a provider need not inherit the base class:
-``prepare(node)`` (plan-time weight hooks, :mod:`core.executor`),
+Optional members have documented defaults, so the core calls them without probing (no
+``hasattr``): :class:`core.provider.ProviderBase` implements each, and the provider registry
+gives a provider that does not inherit it the same defaults when it creates it
+(:func:`core.provider.with_defaults`, :data:`core.provider.OPTIONAL_DEFAULTS`). They are
+``prepare(node)`` (plan-time weight hooks, :mod:`core.executor.prepare`; default None),
 ``support_reason(node) -> str | None`` (why ``supports`` rejects a node; the parity kit puts it
-in a skipped case's message), and ``download_async(tensor)`` (a handle whose ``wait()`` returns
-the tensor as it was when the work queued before the call had run; without it the core downloads
-synchronously, and a session cannot queue a decode step before it reads the last one's tokens).
-``device_sample`` (sampling on the device, :class:`SamplingTensors`)
+in a skipped case's message; default None), ``download_async(tensor)`` (a handle whose
+``wait()`` returns the tensor as it was when the work queued before the call had run; default a
+synchronous download, so a session cannot queue a decode step before it reads the last one's
+tokens), the measurements ``peak_bytes``, ``reset_peak``, ``workspace_bytes``,
+``device_bandwidth``, ``host_to_device_bandwidth``, ``device_used_bytes``,
+``free_device_bytes`` (default None: cannot tell), ``node_timer`` (default None) and
+``settings`` (default {}). ``reserve`` (VMM providers) and the capture trio are declared through
+:class:`Capabilities`. ``device_sample`` (sampling on the device, :class:`SamplingTensors`)
 is optional too: :class:`core.provider.ProviderBase` gives a host implementation, and a request
 that samples on a provider without the member is refused (docs/providers.md).
 
@@ -363,6 +367,47 @@ class ExecutionProvider(Protocol):
 
     def synchronize(self) -> None:
         """Wait for all queued device work."""
+
+    # -- optional members: each has a default (core.provider.OPTIONAL_DEFAULTS, the same
+    # answer as ProviderBase's method), given by the registry to a provider that lacks it
+    def support_reason(self, node: NodeInfo) -> str | None:
+        """Optional: why :meth:`supports` rejects ``node``, or None (default: None)."""
+
+    def prepare(self, node: NodeInfo) -> Callable[..., dict | None] | None:
+        """Optional: the plan-time weight hook of ``node``'s op (:mod:`core.ops`), or None
+        (default: None)."""
+
+    def download_async(self, tensor: Any) -> Any:
+        """Optional: a handle whose ``wait()`` returns ``tensor`` as the work queued before the
+        call left it (default: a synchronous download, :class:`core.provider.ReadyDownload`)."""
+
+    def peak_bytes(self) -> int | None:
+        """Optional: device bytes held at the high-water mark (default: None, cannot tell)."""
+
+    def reset_peak(self) -> None:
+        """Optional: start a new peak measurement (default: nothing)."""
+
+    def workspace_bytes(self) -> int | None:
+        """Optional: device bytes of the provider's shared kernel scratch (default: None)."""
+
+    def device_bandwidth(self) -> float | None:
+        """Optional: measured device memory bandwidth in bytes/s (default: None)."""
+
+    def host_to_device_bandwidth(self) -> float | None:
+        """Optional: measured pinned host-to-device bandwidth in bytes/s (default: None)."""
+
+    def device_used_bytes(self) -> int | None:
+        """Optional: device bytes in use by the driver's count (default: None)."""
+
+    def free_device_bytes(self) -> int | None:
+        """Optional: device bytes free now (default: None, unbounded or unknown)."""
+
+    def node_timer(self) -> Any:
+        """Optional: a node timer for ``lockstep profile --kernels`` (default: None)."""
+
+    def settings(self) -> dict[str, str]:
+        """Optional: the switches set outside the code that change how the provider runs
+        (default: {})."""
 
 
 #: Members every provider object must have (checked at load, named in the error).

@@ -17,11 +17,12 @@ for free, so a new provider writes only its memory primitives and its kernels.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from core.protocol import ARGMAX_ERROR, ARGMAX_TOKEN, Capabilities, KVRequest, NodeInfo, SamplingTensors
+from core.ops import OpTable
+from core.protocol import ARGMAX_ERROR, ARGMAX_TOKEN, Capabilities, Kernel, KVRequest, NodeInfo, SamplingTensors
 
 
 class ReadyDownload:
@@ -36,6 +37,53 @@ class ReadyDownload:
         return self._array
 
 
+def _none(*_args: Any) -> None:
+    return None
+
+
+def _async_download(provider: Any) -> Callable[[Any], ReadyDownload]:
+    return lambda tensor: ReadyDownload(provider.download(tensor))
+
+
+#: The optional protocol members (:mod:`core.protocol`) and, for each, what makes the default a
+#: provider lacking it is given (:func:`with_defaults`): the same answer as
+#: :class:`ProviderBase`'s method. ``device_sample`` is not here: a provider without it cannot
+#: sample (the engine refuses such requests), which is an answer, not a default.
+OPTIONAL_DEFAULTS: dict[str, Callable[[Any], Callable[..., Any]]] = {
+    "support_reason": lambda p: _none,  # no reason to give
+    "prepare": lambda p: _none,  # no plan-time weight hook
+    "download_async": _async_download,  # a synchronous download, finished when returned
+    "peak_bytes": lambda p: _none,  # cannot tell
+    "reset_peak": lambda p: _none,  # nothing to reset
+    "workspace_bytes": lambda p: _none,
+    "device_bandwidth": lambda p: _none,
+    "host_to_device_bandwidth": lambda p: _none,
+    "device_used_bytes": lambda p: _none,
+    "free_device_bytes": lambda p: _none,  # unbounded or unknown
+    "node_timer": lambda p: _none,  # cannot time its nodes
+    "settings": lambda p: dict,  # no switches
+}
+
+
+def with_defaults(provider: Any) -> Any:
+    """``provider`` with every optional member it lacks set to its default
+    (:data:`OPTIONAL_DEFAULTS`), once, when the registry creates it, so the core calls the
+    optional members without probing for them. A :class:`ProviderBase` has them all already.
+
+    Raises:
+        TypeError: a member is missing and the object does not take attributes (``__slots__``).
+    """
+    for name, make in OPTIONAL_DEFAULTS.items():
+        if not hasattr(provider, name):
+            try:
+                setattr(provider, name, make(provider))
+            except AttributeError as exc:
+                raise TypeError(f"provider {getattr(provider, 'name', provider)!r} lacks the optional member "
+                                f"{name!r} and does not take its default (inherit core.provider.ProviderBase)"
+                                ) from exc
+    return provider
+
+
 class ProviderBase:
     """Validated protocol methods; subclasses implement the underscored primitives.
 
@@ -43,17 +91,29 @@ class ProviderBase:
         uploaded_bytes: bytes copied host -> device by :meth:`upload` and :meth:`write`.
         downloaded_bytes: bytes copied device -> host by :meth:`download`.
         committed_bytes: bytes backed through :meth:`kv_commit`.
+        staged_bytes: bytes of host copies made by :meth:`stage`.
 
-    Subclasses must set ``name`` and implement ``capabilities``, ``supports``, ``kernel``,
-    ``_allocate(shape, dtype, zero)``, ``_upload(array)``, ``_download(tensor)``,
-    ``device_argmax`` and ``synchronize``. ``_write``, ``_fill`` and ``_copy_bytes`` have
+    Subclasses must set ``name`` and implement ``capabilities``, ``_allocate(shape, dtype,
+    zero)``, ``_upload(array)``, ``_download(tensor)``, ``device_argmax`` and ``synchronize``.
+    ``supports``, ``kernel``, ``support_reason`` and ``prepare`` answer from the op table the
+    provider owns (``ops``, given to ``__init__``); a provider without one overrides
+    ``supports`` and ``kernel``. ``_write``, ``_fill`` and ``_copy_bytes`` have
     array-indexing defaults.
+
+    Args:
+        ops: the provider's op table (:class:`core.ops.OpTable`: one module per op), or None.
+
+    Attributes:
+        ops: that table, or None. The core's host fallback runs a host provider's table
+            (:class:`core.executor.host.HostFallback`).
     """
 
     name = "provider"
 
-    def __init__(self) -> None:
+    def __init__(self, ops: OpTable | None = None) -> None:
+        self.ops = ops
         self.uploaded_bytes = 0
+        self.staged_bytes = 0
         self.downloaded_bytes = 0
         self.committed_bytes = 0
 
@@ -63,12 +123,28 @@ class ProviderBase:
         raise NotImplementedError
 
     def supports(self, node: NodeInfo) -> bool:
-        """True when :meth:`kernel` can run ``node``."""
-        raise NotImplementedError
+        """True when :meth:`kernel` can run ``node``: by default, when the op table has a
+        kernel for it (:meth:`core.ops.OpTable.supports`).
 
-    def kernel(self, node: NodeInfo):
-        """The callable that runs ``node`` (called once per node at plan time)."""
-        raise NotImplementedError
+        Raises:
+            NotImplementedError: the provider has no op table and does not override this.
+        """
+        return self._table().supports(node)
+
+    def kernel(self, node: NodeInfo) -> Kernel:
+        """The callable that runs ``node`` (called once per node at plan time): by default the
+        op table's (:meth:`core.ops.OpTable.kernel`).
+
+        Raises:
+            NotImplementedError: the provider has no op table and does not override this.
+        """
+        return self._table().kernel(node)
+
+    def _table(self) -> OpTable:
+        if self.ops is None:
+            raise NotImplementedError(f"provider {self.name!r} has no op table: it must implement supports "
+                                      "and kernel")
+        return self.ops
 
     def device_argmax(self, logits: Any, positions: Any, result: Any) -> None:
         """Greedy selection on the device (see :class:`core.protocol.ExecutionProvider`)."""
@@ -155,14 +231,15 @@ class ProviderBase:
 
     def support_reason(self, node: NodeInfo) -> str | None:
         """Why :meth:`supports` rejects ``node`` (an optional member: the parity kit adds it to
-        the message of a skipped case), or None: supported, or no reason to give (default).
-        A provider over a :class:`core.ops.OpTable` delegates to its ``support_reason``."""
-        return None
+        the message of a skipped case), or None: supported, or no reason to give. By default
+        the op table's answer (:meth:`core.ops.OpTable.support_reason`), None without one."""
+        return None if self.ops is None else self.ops.support_reason(node)
 
-    def prepare(self, node: NodeInfo):
+    def prepare(self, node: NodeInfo) -> Callable[..., dict | None] | None:
         """The plan-time weight hook of ``node``'s op, or None (see :mod:`core.ops`: a hook turns
-        constant inputs into the kernel's own form once, e.g. packed for the tensor cores)."""
-        return None
+        constant inputs into the kernel's own form once, e.g. packed for the tensor cores). By
+        default the op table's (:meth:`core.ops.OpTable.prepare`), None without one."""
+        return None if self.ops is None else self.ops.prepare(node)
 
     def io_binding(self, plan):
         """Persistent IO binding over a plan (the core's :class:`~core.executor.PlanBinding`)."""
@@ -225,7 +302,7 @@ class ProviderBase:
         """The host copy a streamed or mapped weight lives in, made once (pinned memory on a
         GPU, so copies from it are asynchronous and kernels may read it): a new C-contiguous
         array of ``array``'s shape and dtype. Counted in ``staged_bytes``."""
-        self.staged_bytes = getattr(self, "staged_bytes", 0) + int(array.nbytes)
+        self.staged_bytes += int(array.nbytes)
         return np.array(array, order="C", copy=True)
 
     def map_host(self, staged: np.ndarray) -> Any:
@@ -328,9 +405,8 @@ class WeightStream:
 
     def stage(self, array: np.ndarray) -> Any:
         """The host copy a weight is streamed from (pinned memory on a GPU), made once
-        (the provider's ``stage`` when it has one)."""
-        stage = getattr(self.provider, "stage", None)
-        return stage(array) if stage is not None else np.ascontiguousarray(array).copy()
+        (:meth:`ProviderBase.stage`)."""
+        return self.provider.stage(array)
 
     def view(self, slot: int, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
         """Bytes ``offset...`` of slot ``slot`` seen as a tensor of ``shape`` / ``dtype`` (what

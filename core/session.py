@@ -282,7 +282,7 @@ class Session:
         self.state = self.runner.acquire_state(batch, int(capacity), self.max_capacity, kv_policy, capture,
                                                self.counters)
         self._release = weakref.finalize(self, self.runner.release_state, self.state)
-        self._timer = self.provider.node_timer() if hasattr(self.provider, "node_timer") else None
+        self._timer = self.provider.node_timer()
         self._release_marks = getattr(self._timer, "release", None)  # optional: reuse read marks
         #: per-row sampling options of the current request (seeds resolved)
         self.sampling: list[SamplingParams] = []

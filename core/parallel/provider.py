@@ -56,15 +56,13 @@ class TensorParallelProvider:
         """None for the all-reduce, else the base provider's reason (if it gives one)."""
         if (node.domain, node.op_type) == ALL_REDUCE:
             return None
-        explain = getattr(self.base, "support_reason", None)
-        return explain(node) if explain is not None else None
+        return self.base.support_reason(node)
 
     def prepare(self, node: NodeInfo):
         """The base provider's plan-time hook for ``node`` (none for the all-reduce)."""
         if (node.domain, node.op_type) == ALL_REDUCE:
             return None
-        hook = getattr(self.base, "prepare", None)
-        return hook(node) if hook is not None else None
+        return self.base.prepare(node)
 
     def kernel(self, node: NodeInfo):
         """The all-reduce kernel for ``lockstep.AllReduce``, else the base provider's kernel."""

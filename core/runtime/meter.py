@@ -25,7 +25,7 @@ class DriverMeter:
     """
 
     def __init__(self, provider: Any, interval_s: float = 0.002):
-        self._read = getattr(provider, "device_used_bytes", lambda: None)
+        self._read = provider.device_used_bytes
         self._interval = interval_s
         self.baseline_bytes: int | None = self._read()
         self.peak_bytes: int | None = self.baseline_bytes

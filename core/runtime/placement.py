@@ -2,7 +2,7 @@
 prepares it, so the device never holds the whole model.
 
 The :class:`~core.executor.Plan` calls a placer (:class:`BudgetPlacer`) at three points of its
-load (module docstring of :mod:`core.executor`, "Placement"):
+load (:mod:`core.executor.weights`, "Placement"):
 
 - ``start(plan)`` once the graph is fused and folded, before any weight is prepared: the placer
   plans residency from the initializers' sizes (memory maps: nothing is read) with the same

@@ -128,7 +128,7 @@ class Runner:
             self.residency = self._plan_residency(budget)
         except residency.BudgetError as exc:
             raise self._budget_error(exc, weight_budget) from None
-        getattr(self.provider, "reset_peak", lambda: None)()  # blocks freed while loading go back
+        self.provider.reset_peak()  # blocks freed while loading go back
         #: seconds from planning the graph to the weights in place (the model files excluded)
         self.load_seconds = time.perf_counter() - start
         if self.auto_budget:
@@ -193,8 +193,7 @@ class Runner:
         decode ``state``, its step buffers). Their sum is what the runner holds; a provider's
         ``peak_bytes()`` can exceed it by pool blocks freed and cached since the last
         ``reset_peak()``."""
-        scratch = getattr(self.provider, "workspace_bytes", None)  # a plugin need not inherit ProviderBase
-        workspace = self.plan.activation_bytes(host=False) + int((scratch() if scratch else None) or 0)
+        workspace = self.plan.activation_bytes(host=False) + int(self.provider.workspace_bytes() or 0)
         if state is not None:
             workspace += state.buffer_bytes()
         return DeviceMemory(self.weight_bytes, self.residency.staging_bytes, self.kv_device_bytes, workspace)

@@ -15,7 +15,6 @@ import attrs
 import numpy as np
 
 from core.protocol import ARGMAX_ERROR, ARGMAX_TOKEN
-from core.provider import ReadyDownload
 from core.runtime import prompts
 
 
@@ -86,11 +85,9 @@ def select(state, positions, counter, fed) -> None:
 
 def start_read(state) -> Any:
     """Start downloading the ``[B, 2]`` result as the queued work leaves it: the provider's
-    ``download_async`` handle (``wait() -> int32 [B, 2]``), or a finished one from a
-    synchronous download when the provider has no such member."""
-    p = state.runner.provider
-    start = getattr(p, "download_async", None)
-    return start(state.result) if start is not None else ReadyDownload(p.download(state.result))
+    ``download_async`` handle (``wait() -> int32 [B, 2]``; by default a finished one from a
+    synchronous download, :class:`core.provider.ReadyDownload`)."""
+    return state.runner.provider.download_async(state.result)
 
 
 def step_output(res: np.ndarray) -> StepOutput:

@@ -62,7 +62,7 @@ def evict(plan, residency: ResidencyPlan) -> None:
         moved = True
     if moved:
         _unwrap(plan)  # wrapped kernels keep nothing, but the dispatch may have chosen by the old values
-        getattr(provider, "reset_peak", lambda: None)()
+        provider.reset_peak()
 
 
 def apply(plan, residency: ResidencyPlan, stream) -> None:

@@ -160,12 +160,7 @@ class FaultyProvider:
 
     def download_async(self, tensor: Any) -> Any:
         self._check("download")
-        start = getattr(self.inner, "download_async", None)
-        if start is None:
-            from core.provider import ReadyDownload
-
-            return _CheckedRead(self, ReadyDownload(self.inner.download(tensor)))
-        return _CheckedRead(self, start(tensor))
+        return _CheckedRead(self, self.inner.download_async(tensor))
 
     def kv_commit(self, arena: Any, requests: Any) -> int:
         self._check("commit")

@@ -114,11 +114,10 @@ def unfused_model(case: OpCase, inputs: dict, dtype: str) -> onnx.ModelProto:
 def support_message(provider: ExecutionProvider, node: NodeInfo) -> str | None:
     """None when ``provider.supports(node)``; else why not, naming the provider, the op and its
     domain, the input dtypes and the attributes, followed by the provider's own reason when it
-    has the optional member ``support_reason(node) -> str | None``."""
+    gives one (the optional member ``support_reason(node) -> str | None``)."""
     if provider.supports(node):
         return None
-    explain = getattr(provider, "support_reason", None)
-    reason = explain(node) if explain is not None else None
+    reason = provider.support_reason(node)
     dtypes = ", ".join("-" if d is None else np.dtype(d).name for d in node.input_dtypes)
     attributes = ", ".join(f"{k}={v!r}" for k, v in sorted(node.attrs.items()))
     return (f"provider {provider.name!r} does not support {node.domain or 'ai.onnx'}.{node.op_type} "
@@ -386,12 +385,10 @@ def run_decode_advance(provider: ExecutionProvider, reference: ExecutionProvider
 def run_download_async(provider: ExecutionProvider) -> CaseResult:
     """``download_async`` (optional): the handle returns the tensor as the queued work left it,
     although a write and a decode_advance queued after the call change the tensor before
-    ``wait()``; two handles in flight at once; a provider without the member passes (the core
-    then downloads synchronously)."""
+    ``wait()``; two handles in flight at once; the default (a synchronous download,
+    :class:`core.provider.ReadyDownload`) passes."""
     result = CaseResult("advance/download_async", poisoned=True)
-    start = getattr(provider, "download_async", None)
-    if start is None:
-        return result
+    start = provider.download_async
     first = np.array([[7, 0], [-1, 1], [3, 0]], np.int32)
     t = provider.upload(first.copy())
     a = start(t)

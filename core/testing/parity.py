@@ -374,14 +374,11 @@ def _row_identity(report, runner, rows, forced_all, steps, need, n_max) -> None:
 
 def _poison(report, runner, provider, rows, forced_all, big, steps, need, n_max) -> None:
     s = _session(runner, n_max, need)
-    if hasattr(provider, "fill"):
-        for t in s.state.kv.buffers():
-            provider.fill(t, np.nan)
-        run = _decode(s, rows, steps, forced_all, False)
-        report.gates.append(_bitwise("poison", run, big, what="NaN-filled KV vs clean") or Gate(
-            "poison", PASS, "NaN in every KV slot before the request changes no logit"))
-    else:
-        report.gates.append(Gate("poison", SKIP, "the provider has no fill() (core.provider.ProviderBase)"))
+    for t in s.state.kv.buffers():  # fill is a required member (core.protocol.REQUIRED_MEMBERS)
+        provider.fill(t, np.nan)
+    run = _decode(s, rows, steps, forced_all, False)
+    report.gates.append(_bitwise("poison", run, big, what="NaN-filled KV vs clean") or Gate(
+        "poison", PASS, "NaN in every KV slot before the request changes no logit"))
 
 
 def _layout(report, runner, caps, rows, forced_all, big, steps, need, n_max) -> None:
@@ -462,7 +459,7 @@ def check_memory(model: Model, provider: Any, batches: Sequence[int], steps: int
         raise RequestError(f"parity at batches up to {n_max} with {steps} steps keeps ~{(kept + session) / gib:,.1f} "
                            f"GiB of logits and KV cache in host memory; {host / gib:,.1f} GiB is available. "
                            "Use smaller --batch or --steps")
-    free = getattr(provider, "free_device_bytes", lambda: None)()
+    free = provider.free_device_bytes()
     if free is not None and session > free:
         raise RequestError(f"parity at batch {n_max} needs ~{session / gib:,.1f} GiB of device memory for the KV "
                            f"cache and logits; {provider.name} has {free / gib:,.1f} GiB free. Use a smaller --batch")

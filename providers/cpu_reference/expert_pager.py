@@ -38,15 +38,19 @@ class ExpertResidency:
     def _page_in(self, slot: int, source: Expert) -> Expert:
         """Copy ``source`` into ``slot`` (reusing its arrays when the shapes match)."""
         names = ("fc1", "fc2", "fc3", "b1", "b2", "b3")
-        src = [getattr(source, n) for n in names]
+        src: list[np.ndarray | None] = [getattr(source, n) for n in names]
         held = self._slots[slot]
-        dst = [None] * len(names) if held is None else [getattr(held, n) for n in names]
-        if any((s is None) != (d is None) or (s is not None and d.shape != s.shape) for s, d in zip(src, dst)):
+        dst: list[np.ndarray | None] = [None] * len(names) if held is None else [getattr(held, n) for n in names]
+        if any(s is None or d is None or d.shape != s.shape for s, d in zip(src, dst)
+               if s is not None or d is not None):
             dst = [None if s is None else np.empty_like(s) for s in src]
         for s, d in zip(src, dst):
-            if s is not None:
+            if s is not None and d is not None:
                 np.copyto(d, s)
-        held = Expert(*dst)
+        fc1, fc2 = dst[0], dst[1]
+        if fc1 is None or fc2 is None:
+            raise ValueError(f"expert slot {slot}: fc1 and fc2 are required")
+        held = Expert(fc1, fc2, *dst[2:])
         self._slots[slot] = held
         return held
 
@@ -73,10 +77,11 @@ class ExpertResidency:
                 c.hits += 1
                 continue
             slot = self.ring.lookup((node, e))
-            if slot is not None:  # still in the ring from an earlier call
+            held = None if slot is None else self._slots[slot]
+            if slot is not None and held is not None:  # still in the ring from an earlier call
                 c.hits += 1
                 pinned.add(slot)
-                wave.append((e, self._slots[slot]))
+                wave.append((e, held))
                 continue
             if len(pinned) == self.ring.slots:  # the ring is full of this wave: run it first
                 yield wave

@@ -8,7 +8,7 @@ import numpy as np
 
 from core.generation.sampling import sample_rows
 from core.ops import OpTable
-from core.protocol import Capabilities, NodeInfo
+from core.protocol import Capabilities
 from core.provider import ProviderBase
 from providers.cpu_reference import ops
 from providers.cpu_reference.argmax import argmax_rows
@@ -25,24 +25,13 @@ class CpuReferenceProvider(ProviderBase):
     name = "cpu_reference"
 
     def __init__(self):
-        super().__init__()
-        self._ops = OpTable(ops)
+        super().__init__(OpTable(ops))
         #: The MoE nodes' expert residency (providers.cpu_reference.expert_pager); None: every
         #: expert resident.
         self.expert_residency: Any = None
 
     def capabilities(self) -> Capabilities:
         return Capabilities(dtypes=("float32", "float16"), weight_streaming=True)
-
-    def supports(self, node: NodeInfo) -> bool:
-        return self._ops.supports(node)
-
-    def support_reason(self, node: NodeInfo) -> str | None:
-        """Why :meth:`supports` rejects ``node``, or None (:meth:`core.ops.OpTable.support_reason`)."""
-        return self._ops.support_reason(node)
-
-    def kernel(self, node: NodeInfo):
-        return self._ops.kernel(node)
 
     def node_timer(self):
         """The host clock (:class:`core.kernel_profile.HostNodeTimer`): the NumPy kernels have

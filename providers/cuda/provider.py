@@ -11,9 +11,11 @@ from core.executor import PlanBinding
 from core.ops import OpTable
 from core.protocol import Capabilities, KVRequest, NodeInfo
 from core.provider import ProviderBase
-from providers.cuda import env
 from providers.cuda.replay import ReplayKernel
+from providers.cuda.tuning import Tuning
 
+#: (domain, op type) of the attention op, whose support depends on ``tuning.attn_ring``.
+_GQA = ("com.microsoft", "GroupQueryAttention")
 _MISSING_CUPY = ("the 'cuda' provider needs CuPy (and an NVIDIA GPU with its driver): from a checkout, "
                  "pip install -e \".[cuda13]\" (CUDA 13) or -e \".[cuda12]\" (CUDA 12); from an installed "
                  "lockstep, pip install \"lockstep[cuda13]\"")
@@ -109,20 +111,22 @@ class CudaProvider(ProviderBase):
     """
 
     name = "cuda"
-    #: Eager launch replay for plans made from now on (providers/cuda/replay.py); off with
-    #: LOCKSTEP_CUDA_REPLAY=0 (every node then runs its Python launcher every step).
-    eager_replay: bool = env.switch("LOCKSTEP_CUDA_REPLAY")
 
-    def __init__(self):
+    def __init__(self, tuning: Tuning | None = None):
         super().__init__()
-        env.check_all()  # a bad switch is named before anything else can fail
+        #: the switches (:class:`~providers.cuda.tuning.Tuning`): given, or read from the
+        #: environment once, here, so a bad switch is named before anything else can fail
+        self.tuning = Tuning.from_env() if tuning is None else tuning
+        #: eager launch replay for plans made from now on (providers/cuda/replay.py); off with
+        #: ``tuning.replay`` False (every node then runs its Python launcher every step)
+        self.eager_replay = self.tuning.replay
         cupy = _import_cupy()
         self.cupy = cupy
         self.stream = _shared_stream(cupy)
         self.stream.use()
         self._argmax_scratch: dict = {}
         from providers.cuda import ops
-        self._ops = OpTable(ops)
+        self.ops = OpTable(ops)  # supports, support_reason and prepare answer from it (ProviderBase)
         self._check_headers()
         # base pointer -> VmmArena; weak, so an arena is released with the last array over it
         self._arenas: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -156,20 +160,26 @@ class CudaProvider(ProviderBase):
         return self._capabilities
 
     def supports(self, node: NodeInfo) -> bool:
-        return self._ops.supports(node)
+        """The op table's answer; GroupQueryAttention's under ``tuning.attn_ring``."""
+        if (node.domain, node.op_type) == _GQA:
+            from providers.cuda.ops import group_query_attention
+
+            return group_query_attention.supports(node, ring=self.tuning.attn_ring)
+        return ProviderBase.supports(self, node)
 
     def support_reason(self, node: NodeInfo) -> str | None:
-        """Why :meth:`supports` rejects ``node``, or None (:meth:`core.ops.OpTable.support_reason`)."""
-        return self._ops.support_reason(node)
+        """Why :meth:`supports` refuses ``node``, or None (GroupQueryAttention's under
+        ``tuning.attn_ring``)."""
+        if (node.domain, node.op_type) == _GQA:
+            from providers.cuda.ops import group_query_attention
 
-    def prepare(self, node: NodeInfo):
-        """The op module's plan-time ``prepare`` hook (packed / interleaved weights), or None."""
-        return self._ops.prepare(node)
+            return group_query_attention.support_reason(node, ring=self.tuning.attn_ring)
+        return ProviderBase.support_reason(self, node)
 
     def kernel(self, node: NodeInfo):
         """The op's launcher, wrapped for eager launch replay unless the op module sets
         ``REPLAY = False`` (providers/cuda/replay.py)."""
-        module = self._ops.modules[(node.domain, node.op_type)]
+        module = self._table().modules[(node.domain, node.op_type)]
         if not self.eager_replay or not getattr(module, "REPLAY", True):
             return module.run
         return ReplayKernel(module.run, getattr(module, "replay_key", None))
@@ -256,6 +266,8 @@ class CudaProvider(ProviderBase):
         """A tensor over a VMM arena: address range reserved, no page backed until
         :meth:`kv_commit` (only when ``capabilities().vmm``)."""
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if self._vmm is None:
+            raise RuntimeError("cuda: reserve needs VMM (capabilities().vmm is False on this device)")
         arena = self._vmm.VmmArena(nbytes)
         self._arenas[arena.ptr] = arena
         return arena.array(tuple(shape), dtype)
@@ -297,16 +309,12 @@ class CudaProvider(ProviderBase):
         and its rows, the GEMM schedule (PIPE), tiled kernels, split-K and token tiles per block, the
         attention's hinted prologue and compile-time head size, eager launch replay."""
         from providers.cuda import replay
-        from providers.cuda.ops import _mma_schedule, group_query_attention
 
         on = ("off", "on")
-        return {"pdl": on[replay.pdl_enabled()],
-                "pdl_rows": env.switch("LOCKSTEP_CUDA_PDL_ROWS"),
-                "gemm_pipeline": _mma_schedule.PIPELINE, "gemm_wide": _mma_schedule.WIDE,
-                "gemm_split": _mma_schedule.SPLIT, "gemm_token_tiles": _mma_schedule.TOKEN_TILES,
-                "attn_hint": on[group_query_attention.HINT],
-                "attn_static_head": on[group_query_attention.STATIC_HEAD],
-                "attn_ring": on[group_query_attention.RING], "eager_replay": on[self.eager_replay]}
+        out = self.tuning.settings()
+        del out["replay"]
+        out.update(pdl=on[replay.pdl_enabled()], eager_replay=on[self.eager_replay])  # what runs
+        return out
 
     def node_timer(self):
         """CUDA events recorded on the provider stream around each node (``lockstep profile
@@ -364,7 +372,7 @@ class CudaProvider(ProviderBase):
         step = max(1, (64 << 20) // max(host.itemsize, 1))
         for i in range(0, flat_in.size, step):
             flat_out[i:i + step] = flat_in[i:i + step]
-        self.staged_bytes = getattr(self, "staged_bytes", 0) + int(host.nbytes)
+        self.staged_bytes += int(host.nbytes)
         return pinned
 
     def map_host(self, staged: np.ndarray):

@@ -34,10 +34,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from providers.cuda.paths import PATHS
+
 #: Node calls since import: replayed (recorded launches fired), launched (the op's launcher
 #: ran), unreplayable (the launcher did device work outside Kernel); pdl_launches counts kernel
 #: launches made with programmatic dependent launch. Read with :func:`stats`.
-_counts = {"replayed": 0, "launched": 0, "unreplayable": 0, "pdl_launches": 0}
+PATHS.declare("replay", ("replayed", "launched", "unreplayable", "pdl_launches"))
 #: Launches recorded by the node being run (None: no recording in progress).
 _recording: list | None = None
 #: Set by :func:`not_replayable` during a recording.
@@ -51,8 +53,8 @@ _rows: int | None = None
 
 
 def stats() -> dict:
-    """A copy of the node-call counters (module docstring of :data:`_counts`)."""
-    return dict(_counts)
+    """A copy of the node-call counters (the ``replay`` group of :data:`providers.cuda.paths.PATHS`)."""
+    return PATHS.stats("replay")
 
 
 def not_replayable() -> None:
@@ -208,7 +210,7 @@ def _launch_ex(fn: int, config, params: int) -> None:
     (err,) = driver.cuLaunchKernelEx(config, handle, params, 0)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuLaunchKernelEx failed: {err!r}")
-    _counts["pdl_launches"] += 1
+    PATHS.add("replay", "pdl_launches")
 
 
 def _bindings_launch(fn, gx, gy, gz, bx, by, bz, shared, stream, params) -> None:
@@ -310,7 +312,7 @@ class ReplayKernel:
             stream = self._stream().ptr
             for launch in memo[2]:
                 launch.fire(stream)
-            _counts["replayed"] += 1
+            PATHS.add("replay", "replayed")
             return memo[1]
         outer, outer_spoiled = _recording, _spoiled
         _recording, _spoiled = [], False
@@ -319,9 +321,9 @@ class ReplayKernel:
             launches, spoiled = _recording, _spoiled
         finally:
             _recording, _spoiled = outer, outer_spoiled
-        _counts["launched"] += 1
+        PATHS.add("replay", "launched")
         if spoiled:
-            _counts["unreplayable"] += 1
+            PATHS.add("replay", "unreplayable")
             ctx.cache.pop("_replay", None)
         else:
             # the inputs stay referenced, so the ids in the key cannot be reused

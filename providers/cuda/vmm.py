@@ -17,7 +17,7 @@ import numpy as np
 try:  # cuda-bindings >= 12.6 / 13
     from cuda.bindings import driver
 except ImportError:  # older cuda-python layout
-    from cuda import cuda as driver  # type: ignore[no-redef]
+    from cuda import cuda as driver  # type: ignore[no-redef, unused-ignore]
 
 
 class VmmError(RuntimeError):
@@ -61,7 +61,7 @@ class VmmArena:
     """A reserved device address range of ``nbytes`` (rounded up to the page size).
 
     Attributes:
-        ptr: the base device address (never changes).
+        ptr: the base device address (never changes; the range is freed once, by :meth:`close`).
         size: reserved bytes.
         page: page size in bytes.
         committed: bytes currently backed by physical memory.
@@ -74,6 +74,7 @@ class VmmArena:
         self.page = granularity(self.device_id)
         self.size = -(-int(nbytes) // self.page) * self.page
         self.ptr = int(_check(driver.cuMemAddressReserve(self.size, 0, 0, 0)))
+        self._closed = False
         self._handles: dict[int, object] = {}  # page index -> physical allocation handle
         self._desc = driver.CUmemAccessDesc()
         self._desc.location = _prop(self.device_id).location
@@ -116,7 +117,7 @@ class VmmArena:
 
     def close(self) -> None:
         """Unmap and release every page, then free the range (synchronises the device)."""
-        if self.ptr is None:
+        if self._closed:
             return
         cp.cuda.Device(self.device_id).synchronize()
         for page, handle in self._handles.items():
@@ -124,7 +125,7 @@ class VmmArena:
             _check(driver.cuMemRelease(handle))
         self._handles.clear()
         _check(driver.cuMemAddressFree(self.ptr, self.size))
-        self.ptr = None
+        self._closed = True
 
     def __del__(self):
         # not contextlib.suppress: at interpreter shutdown the contextlib global may be gone already

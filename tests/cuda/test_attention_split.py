@@ -7,6 +7,7 @@ across a chunk boundary, a decode step gives the bits of a prefill over the same
 prefills far past the old 65,536-token launch limit run and match batch 1.
 """
 
+import attrs
 import numpy as np
 import pytest
 from _gpu import require_gpu
@@ -109,7 +110,7 @@ def test_a_compile_time_head_size_gives_the_same_bits(head_size, gpu, monkeypatc
     for rows in (_prompts([5, 70, 200]), _prompts([130])):
         runs = {}
         for static in (True, False):
-            monkeypatch.setattr(gqa, "STATIC_HEAD", static)
+            monkeypatch.setattr(gpu, "tuning", attrs.evolve(gpu.tuning, attn_static_head=static))
             before = gqa.stats()["decode_static_head"]
             runs[static] = decode(Session(model, gpu, batch=len(rows)), rows, 24, keep_logits=True)
             assert (gqa.stats()["decode_static_head"] > before) == static  # which kernel ran
@@ -129,14 +130,18 @@ def test_a_wrong_position_guess_gives_the_same_bits(long_model, gpu, monkeypatch
 
     rows = _prompts([5, 63, 64, 300])
     runs = {}
-    monkeypatch.setattr(gqa, "HINT", True)  # whatever LOCKSTEP_CUDA_ATTN_HINT says
+    monkeypatch.setattr(gpu, "tuning", attrs.evolve(gpu.tuning, attn_hint=True))  # whatever the environment says
     for shift in (0, -1, 1, -100000):
         monkeypatch.setattr(gqa, "HINT_SHIFT", shift)
         before = gqa.stats()["decode_hinted"]
         runs[shift] = decode(Session(long_model, gpu, batch=4, capture=shift == 0), rows, 24, keep_logits=True)
         assert gqa.stats()["decode_hinted"] > before  # the hinted prologue ran
     for off in ("rows", "switch"):  # more rows than HINT_ROWS, or LOCKSTEP_CUDA_ATTN_HINT=off
-        monkeypatch.setattr(gqa, *(("HINT_ROWS", 2) if off == "rows" else ("HINT", False)))
+        if off == "rows":
+            monkeypatch.setattr(gqa, "HINT_ROWS", 2)
+        else:
+            monkeypatch.setattr(gqa, "HINT_ROWS", 8)
+            monkeypatch.setattr(gpu, "tuning", attrs.evolve(gpu.tuning, attn_hint=False))
         before = gqa.stats()["decode_hinted"]
         runs[off] = decode(Session(long_model, gpu, batch=4, capture=True), rows, 24, keep_logits=True)
         assert gqa.stats()["decode_hinted"] == before  # the loads after the wait

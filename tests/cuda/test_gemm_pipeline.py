@@ -1,16 +1,16 @@
 """The opt-in GEMM schedules of kernels/linear_mma.cu on the GPU, each bitwise the default kernels
 and each seen to run:
 
-- PIPE (``sched.PIPELINE``, set to "all": whole segments of weights in flight, token-major grid) for dense,
+- PIPE (``Tuning.gemm_pipeline``, set to "all": whole segments of weights in flight, token-major grid) for dense,
   gate/up (GLU) and int4 kernels, at row counts of every token tiling (NJ = 1,
   2, 4) and K that end inside a segment, fill it, and take several segments per warp; the
   two-tile dense kernel also in blocks of 8, 4 and 2 warps (``sched.PIPE2_WARPS``);
-- mma_wide / mma_wide4 (``sched.WIDE``, set to "all": 64-token tiles staged in shared memory) for dense, GLU
+- mma_wide / mma_wide4 (``Tuning.gemm_wide``, set to "all": 64-token tiles staged in shared memory) for dense, GLU
   and int4 launches of 64 rows and more (int4: zero points absent or packed, fp16 and fp32 scales,
   quantisation blocks of 32 to 128), both feature widths (F = 1, 2), rows and features that do
   not fill a tile;
 
-- split-K (``sched.SPLIT``: a tile's K segments over several blocks, the last one folding the
+- split-K (``Tuning.gemm_split``: a tile's K segments over several blocks, the last one folding the
   partials from the workspace) for int4 and int4 gate/up launches of 1-8 rows, under both
   schedules, back to back (the tickets are left at zero), and captured in a CUDA graph and
   replayed, with programmatic dependent launch off and on;
@@ -20,11 +20,17 @@ and all agree with a float64 product within fp16 rounding."""
 import numpy as np
 import pytest
 from _gpu import require_gpu
+from attrs import evolve
 
 cupy = require_gpu()
 
 from providers.cuda.ops import NULL, _mma, _mma_layout  # noqa: E402
 from providers.cuda.ops import _mma_schedule as sched  # noqa: E402
+from providers.cuda.tuning import Tuning  # noqa: E402
+
+#: The switches the launches of the running test take (``TUNED["t"]``, a
+#: :class:`~providers.cuda.tuning.Tuning` each test constructs from the defaults).
+TUNED: dict[str, Tuning] = {"t": Tuning()}
 
 SHAPES = [(1, 64, 40), (3, 576, 72), (8, 2048, 48), (9, 2304, 32), (17, 4864, 16), (40, 8192, 24), (256, 1024, 80)]
 #: K that end inside a 64-wide chunk (the dense kernels' zero tails; int4 needs K % 16 == 0 and
@@ -33,12 +39,18 @@ DENSE_TAILS = [(5, 200, 24), (2, 40, 16), (130, 328, 40)]
 INT4_TAILS = [(5, 352, 24), (70, 352, 40)]
 
 
+@pytest.fixture(autouse=True)
+def _default_tuning():
+    """Every test starts from the default switches."""
+    TUNED["t"] = Tuning()
+
+
 @pytest.fixture
 def ran(monkeypatch):
     """Expressions of the tensor-core kernels launched, in order; the opt-in schedules start off
     whatever the environment says (each test turns on the one it checks)."""
-    monkeypatch.setattr(sched, "PIPELINE", "off")
-    monkeypatch.setattr(sched, "WIDE", "off")
+    TUNED["t"] = evolve(TUNED["t"], gemm_pipeline="off")
+    TUNED["t"] = evolve(TUNED["t"], gemm_wide="off")
     seen = []
     launch = _mma._launch
 
@@ -54,7 +66,7 @@ def _both(monkeypatch, ran, call):
     """``call()``'s result under the plain and the pipelined schedule, checking which ran."""
     out = []
     for pipe in (False, True):
-        monkeypatch.setattr(sched, "PIPELINE", "all" if pipe else "off")
+        TUNED["t"] = evolve(TUNED["t"], gemm_pipeline="all" if pipe else "off")
         del ran[:]
         out.append(call().get())
         assert ran and all(_pipe_of(e) == sched.BOOL[pipe] for e in ran)
@@ -78,7 +90,7 @@ def test_pipelined_dense_is_bitwise_the_plain_schedule(monkeypatch, ran, m, k, n
 
     def call():
         y = cupy.full((m, n), np.nan, np.float16)
-        _mma.dense(da, wp, None, y, m, n, k, NULL, glu=glu)
+        _mma.dense(da, wp, None, y, m, n, k, NULL, glu=glu, tuning=TUNED["t"])
         return y
 
     plain, piped = _both(monkeypatch, ran, call)
@@ -101,11 +113,11 @@ def test_token_tiles_and_schedules_of_the_row_kernel_are_bitwise_one_tile(monkey
     wp = cupy.asarray(_mma_layout.pack(np, w, up if glu else None))
     out = []
     for nj, pipeline in (("1", "off"), ("2", "off"), ("4", "off"), ("2", "all"), ("4", "all")):
-        monkeypatch.setattr(sched, "TOKEN_TILES", nj)
-        monkeypatch.setattr(sched, "PIPELINE", pipeline)
+        TUNED["t"] = evolve(TUNED["t"], gemm_token_tiles=nj)
+        TUNED["t"] = evolve(TUNED["t"], gemm_pipeline=pipeline)
         del ran[:]
         y = cupy.full((m, n), np.nan, np.float16)
-        _mma.dense(a, wp, None, y, m, n, k, NULL, glu=glu)
+        _mma.dense(a, wp, None, y, m, n, k, NULL, glu=glu, tuning=TUNED["t"])
         tiles = min(int(nj), 1 if m <= 8 else 2 if m <= 16 else 4)
         assert ran == [f"mma_dense<{tiles}, {sched.BOOL[glu]}, {sched.BOOL[pipeline == 'all']}>"]
         out.append(y.get().view(np.uint16))
@@ -124,7 +136,7 @@ def test_two_tile_pipe_blocks_of_fewer_warps_than_segments_are_bitwise_the_plain
     a = cupy.asarray(rng.standard_normal((m, k)).astype(np.float16))
     w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))
     wp = cupy.asarray(_mma_layout.pack(np, w, up if glu else None))
-    monkeypatch.setattr(sched, "TOKEN_TILES", "2")
+    TUNED["t"] = evolve(TUNED["t"], gemm_token_tiles="2")
     blocks, inner = [], _mma._launch
 
     def launch(expr, grid, block, args, shared):
@@ -134,11 +146,11 @@ def test_two_tile_pipe_blocks_of_fewer_warps_than_segments_are_bitwise_the_plain
     monkeypatch.setattr(_mma, "_launch", launch)
     nseg, out = -(-k // _mma_layout.SEG_K), []
     for pipeline, warps in (("off", 8), ("auto", 8), ("auto", 4), ("auto", 2)):
-        monkeypatch.setattr(sched, "PIPELINE", pipeline)
+        TUNED["t"] = evolve(TUNED["t"], gemm_pipeline=pipeline)
         monkeypatch.setattr(sched, "PIPE2_WARPS", (warps,))
         del ran[:], blocks[:]
         y = cupy.full((m, n), np.nan, np.float16)
-        _mma.dense(a, wp, None, y, m, n, k, NULL, glu=glu)
+        _mma.dense(a, wp, None, y, m, n, k, NULL, glu=glu, tuning=TUNED["t"])
         assert ran == [f"mma_dense<2, {sched.BOOL[glu]}, {sched.BOOL[pipeline == 'auto']}>"]
         assert blocks == [32 * min(nseg, warps)]
         out.append(y.get().view(np.uint16))
@@ -175,7 +187,7 @@ class Int4Case:
     def __call__(self):
         """y = a @ dequant(codes)^T through ``_mma.nbits4`` (fp16 [m, n], NaN-poisoned first)."""
         y = cupy.full((self.m, self.n), np.nan, np.float16)
-        _mma.nbits4(self.a, self.w, None, y, self.m, NULL)
+        _mma.nbits4(self.a, self.w, None, y, self.m, NULL, tuning=TUNED["t"])
         return y
 
     def close(self, y) -> bool:
@@ -202,7 +214,7 @@ def _rows_and_wide(monkeypatch, ran, f, call, wide_expr, row_prefix):
     out = []
     try:
         for wide in (False, True):
-            monkeypatch.setattr(sched, "WIDE", "all" if wide else "off")
+            TUNED["t"] = evolve(TUNED["t"], gemm_wide="all" if wide else "off")
             del ran[:]
             out.append(call().get())
             if wide:
@@ -235,7 +247,7 @@ def test_wide_kernel_is_bitwise_the_row_kernel(monkeypatch, ran, m, k, n, glu, b
 
     def call():
         y = cupy.full((m, n), np.nan, np.float16)
-        _mma.dense(da, wp, db, y, m, n, k, NULL, glu=glu)
+        _mma.dense(da, wp, db, y, m, n, k, NULL, glu=glu, tuning=TUNED["t"])
         return y
 
     out = _rows_and_wide(monkeypatch, ran, f, call, f"mma_wide<{f}, {sched.BOOL[glu]}, {tw}>", "mma_dense<")
@@ -267,7 +279,7 @@ def test_wide_int4_gate_up_and_bias_are_bitwise_the_row_kernel(monkeypatch, ran,
 
     def call():
         y = cupy.full((m, n), np.nan, np.float16)
-        _mma.nbits4(case.a, case.w, bias, y, m, NULL, glu_out=n if glu else 0)
+        _mma.nbits4(case.a, case.w, bias, y, m, NULL, glu_out=n if glu else 0, tuning=TUNED["t"])
         return y
 
     out = _rows_and_wide(monkeypatch, ran, f, call, f"mma_wide4<{f}, __half, {sched.BOOL[glu]}, true>", "mma_nbits4<")
@@ -285,7 +297,7 @@ def _split_and_unsplit(monkeypatch, ran, call):
     tickets the first left), checking that every launch with it on was split."""
     out = []
     for split in ("off", "auto", "auto"):
-        monkeypatch.setattr(sched, "SPLIT", split)
+        TUNED["t"] = evolve(TUNED["t"], gemm_split=split)
         before = _mma.stats()["split_launches"]
         del ran[:]
         out.append(call().get())
@@ -302,7 +314,7 @@ SPLIT_SHAPES = [(1, 2304, 40), (5, 4608, 24), (8, 8192, 16), (3, 4400, 24)]
 @pytest.mark.parametrize("zp", [0, 1])
 @pytest.mark.parametrize("m,k,n", SPLIT_SHAPES)
 def test_split_k_int4_is_bitwise_the_unsplit_kernel(monkeypatch, ran, m, k, n, zp, pipe):
-    monkeypatch.setattr(sched, "PIPELINE", "all" if pipe else "off")
+    TUNED["t"] = evolve(TUNED["t"], gemm_pipeline="all" if pipe else "off")
     case = Int4Case(np.random.default_rng(k * 5 + n), m, k, n, 32, np.float16, zp)
     outs = _split_and_unsplit(monkeypatch, ran, case)
     assert _bitwise(outs)
@@ -316,7 +328,7 @@ def test_split_k_int4_gate_up_is_bitwise_the_unsplit_kernel(monkeypatch, ran):
 
     def call():
         y = cupy.full((1, n), np.nan, np.float16)
-        _mma.nbits4(case.a, case.w, None, y, 1, NULL, glu_out=n)
+        _mma.nbits4(case.a, case.w, None, y, 1, NULL, glu_out=n, tuning=TUNED["t"])
         return y
 
     assert _bitwise(_split_and_unsplit(monkeypatch, ran, call))
@@ -333,12 +345,12 @@ def test_split_k_int4_captured_and_replayed_is_bitwise_the_unsplit_kernel(monkey
 
     n, k = 48, 8192
     case = Int4Case(np.random.default_rng(23), 1, k, n, 32, np.float16, 1)
-    monkeypatch.setattr(sched, "PIPELINE", "all")
+    TUNED["t"] = evolve(TUNED["t"], gemm_pipeline="all")
     stream = cupy.cuda.Stream(non_blocking=True)
     y = cupy.full((1, n), np.nan, np.float16)
 
     def launch():
-        _mma.nbits4(case.a, case.w, None, y, 1, NULL)
+        _mma.nbits4(case.a, case.w, None, y, 1, NULL, tuning=TUNED["t"])
 
     monkeypatch.setattr(replay, "_rows", 1)  # launches as a one-row node makes them (the PDL rows rule)
     before_pdl = replay.set_pdl(pdl)
@@ -346,10 +358,10 @@ def test_split_k_int4_captured_and_replayed_is_bitwise_the_unsplit_kernel(monkey
         if pdl and not replay.pdl_enabled():
             pytest.skip("programmatic dependent launch needs compute capability 9.0 and cuda-bindings")
         with stream:
-            monkeypatch.setattr(sched, "SPLIT", "off")
+            TUNED["t"] = evolve(TUNED["t"], gemm_split="off")
             launch()
             unsplit = y.get()
-            monkeypatch.setattr(sched, "SPLIT", "auto")
+            TUNED["t"] = evolve(TUNED["t"], gemm_split="auto")
             launch()  # the eager warm-up: allocates the workspace
             splits, pdl_launches = _mma.stats()["split_launches"], replay.stats()["pdl_launches"]
             stream.begin_capture()

@@ -9,6 +9,7 @@ bitwise its batch-1 run, and the tokens follow cpu_reference's.
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 from _gpu import require_gpu
@@ -21,7 +22,8 @@ from core.generation.loop import decode  # noqa: E402
 from core.models.model import load_model  # noqa: E402
 from core.session import Session  # noqa: E402
 from core.testing.families import prepared_family  # noqa: E402
-from providers.cuda.ops import _mma, _mma_schedule  # noqa: E402
+from providers.cuda.ops import _mma  # noqa: E402
+from providers.cuda.tuning import Tuning  # noqa: E402
 
 STEPS = 12
 PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 21)), [200, 7, 7, 31, 64, 128, 9, 250, 1, 33, 77, 12, 6]]
@@ -43,17 +45,18 @@ def _run(model, provider, rows, force=None):
 
 
 def test_split_steps_are_bitwise_the_unsplit_ones_and_rows_their_batch1_runs(model, monkeypatch):
-    monkeypatch.setattr(_mma_schedule, "SPLIT", "off")
+    from providers.cuda.provider import CudaProvider
+
+    tuning = Tuning.from_env()
     before = _mma.stats()["split_launches"]
-    off_tokens, off_logits, _ = _run(model, "cuda", PROMPTS)
+    off_tokens, off_logits, _ = _run(model, CudaProvider(attrs.evolve(tuning, gemm_split="off")), PROMPTS)
     assert _mma.stats()["split_launches"] == before
-    monkeypatch.setattr(_mma_schedule, "SPLIT", "auto")
-    tokens, logits, counters = _run(model, "cuda", PROMPTS)
+    tokens, logits, counters = _run(model, CudaProvider(attrs.evolve(tuning, gemm_split="auto")), PROMPTS)
     assert _mma.stats()["split_launches"] > before  # the split path ran (warm-up, capture)
     assert counters.replays > 0  # and the decode steps were captured graphs
     assert np.array_equal(tokens, off_tokens) and np.array_equal(logits, off_logits)
     for b, ids in enumerate(PROMPTS):
-        t1, l1, _ = _run(model, "cuda", [ids])
+        t1, l1, _ = _run(model, CudaProvider(attrs.evolve(tuning, gemm_split="auto")), [ids])
         assert np.array_equal(tokens[b], t1[0]) and np.array_equal(logits[b], l1[0]), f"row {b}"
 
 

@@ -73,9 +73,10 @@ def test_every_switch_is_documented_and_named_in_the_profile_titles():
     from types import SimpleNamespace
 
     from providers.cuda.provider import CudaProvider
+    from providers.cuda.tuning import Tuning
 
     table = (Path(__file__).parents[2] / "docs" / "cuda.md").read_text()
-    settings = CudaProvider.settings(SimpleNamespace(eager_replay=True))
+    settings = CudaProvider.settings(SimpleNamespace(eager_replay=True, tuning=Tuning()))
     for name in env.SWITCHES:
         assert f"| `{name}` |" in table, name
         key = name.removeprefix("LOCKSTEP_CUDA_").lower()

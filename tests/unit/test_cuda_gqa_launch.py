@@ -19,13 +19,12 @@ def test_decode_block_size_is_256_while_row_head_pairs_fit_the_multiprocessors(m
         f"gqa_decode<__half, {n}, {hc}>" for n in (128, 256) for hc in (0, *gqa.STATIC_HEADS)}
 
 
-def test_static_head_size_only_for_the_compiled_sizes(monkeypatch):
+def test_static_head_size_only_for_the_compiled_sizes():
     """gqa_decode's HC argument is the head size where it is compiled for it (64, 128) and the
-    switch is on; every other size, or the switch off, runs H at run time (HC = 0)."""
-    monkeypatch.setattr(gqa, "STATIC_HEAD", True)
-    assert [gqa.static_head(h) for h in (16, 32, 64, 80, 96, 128, 256)] == [0, 0, 64, 0, 0, 128, 0]
-    monkeypatch.setattr(gqa, "STATIC_HEAD", False)
-    assert [gqa.static_head(h) for h in (64, 128)] == [0, 0]
+    switch (tuning.attn_static_head) is on; every other size, or the switch off, runs H at run
+    time (HC = 0)."""
+    assert [gqa.static_head(h, True) for h in (16, 32, 64, 80, 96, 128, 256)] == [0, 0, 64, 0, 0, 128, 0]
+    assert [gqa.static_head(h, False) for h in (64, 128)] == [0, 0]
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
@@ -82,13 +81,21 @@ def test_cuda_runs_windowed_nodes_and_refuses_a_ring_without_a_window():
     assert "a ring needs a window > 0" in gqa.support_reason(node(sliding_window_cache=1, local_window_size=-1))
 
 
-def test_ring_switch_off_refuses_windowed_nodes_with_what_to_do(monkeypatch):
+def test_ring_switch_off_refuses_windowed_nodes_with_what_to_do():
     from types import SimpleNamespace
+
+    from providers.cuda.provider import CudaProvider  # importable without CuPy
+    from providers.cuda.tuning import Tuning
 
     ins = ("qkv", "", "", "pk", "pv", "s", "t", "cos", "sin")
     node = SimpleNamespace(attrs={"num_heads": 4, "kv_num_heads": 2, "do_rotary": 1, "sliding_window_cache": 1,
                                   "local_window_size": 24}, inputs=ins, outputs=("o", "pk", "pv"),
-                           input_dtypes=(np.float16,) * len(ins), name="attn")
+                           input_dtypes=(np.float16,) * len(ins), name="attn", domain=gqa.DOMAIN,
+                           op_type=gqa.OP_TYPE)
     assert gqa.supports(node)
-    monkeypatch.setattr(gqa, "RING", False)
-    assert not gqa.supports(node) and "windowed_kv_cache=false" in gqa.support_reason(node)
+    assert not gqa.supports(node, ring=False) and "windowed_kv_cache=false" in gqa.support_reason(node, ring=False)
+    # the provider answers under its tuning (no GPU here: its methods over a stand-in)
+    for ring in (True, False):
+        stand_in = SimpleNamespace(tuning=Tuning(attn_ring=ring))
+        assert CudaProvider.supports(stand_in, node) is ring
+        assert (CudaProvider.support_reason(stand_in, node) is None) is ring

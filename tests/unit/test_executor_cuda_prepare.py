@@ -5,23 +5,32 @@ launch the same kernel with the same (packed) arguments as the unprepared path. 
 
 import numpy as np
 import pytest
+from attrs import evolve
 
 from core.protocol import KernelContext, NodeInfo
 from providers.cuda.ops import _mma, _mma_layout, matmul, matmul_nbits, silu_gated_matmul, silu_gated_matmul_nbits
 from providers.cuda.ops import _mma_schedule as sched
+from providers.cuda.tuning import Tuning
+
+#: The default switches; a test that needs others constructs them (``evolve(DEFAULT, ...)``).
+DEFAULT = Tuning()
 
 
 class HostMemory:
-    """Just enough provider for KernelContext.output: zero-filled numpy buffers."""
+    """Just enough provider for KernelContext.output (zero-filled numpy buffers) and the
+    launchers (its ``tuning``)."""
+
+    def __init__(self, tuning: Tuning):
+        self.tuning = tuning
 
     def allocate(self, shape, dtype, zero=False):
         return np.zeros(shape, dtype)
 
 
-def _ctx(op, inputs, attrs=None, dtypes=()):
+def _ctx(op, inputs, attrs=None, dtypes=(), tuning=DEFAULT):
     node = NodeInfo(name=op, op_type=op, domain="", attrs=attrs or {}, inputs=tuple(inputs), outputs=("y",),
                     input_dtypes=tuple(dtypes))
-    return KernelContext(node, HostMemory(), "head_major")
+    return KernelContext(node, HostMemory(tuning), "head_major")
 
 
 @pytest.fixture
@@ -78,7 +87,8 @@ def test_prepared_gated_matmul_launches_what_the_unprepared_one_does(launches):
     assert set(changes) == {1, 2} and changes[2] is None
     assert np.array_equal(changes[1], _mma_layout.pack(np, wg, wu))
     silu_gated_matmul.run(ctx, x, changes[1], None)
-    assert launches[0][0] == f"mma_dense<1, true, {sched.BOOL[sched.pipelined(_mma_layout.glu_width(52), False, 3)]}>"
+    pipe = sched.pipelined(_mma_layout.glu_width(52), False, 3, tuning=DEFAULT)
+    assert launches[0][0] == f"mma_dense<1, true, {sched.BOOL[pipe]}>"
     _same_launch(launches[0], launches[1])
 
 
@@ -113,7 +123,7 @@ def test_prepared_gated_nbits_interleaves_once_and_launches_what_the_unprepared_
     assert ctx.cache[silu_gated_matmul_nbits.PREPARED] == (k, n, bs)
     prepared = [changes.get(j) for j in (1, 2, 3)]
     silu_gated_matmul_nbits.run(ctx, x, *prepared, None, None, None)
-    pipe = sched.BOOL[sched.pipelined(2 * n, True)]
+    pipe = sched.BOOL[sched.pipelined(2 * n, True, tuning=DEFAULT)]
     assert launches[0][0] == f"mma_nbits4<1, __half, true, {pipe}, {sched.BOOL[zp]}>"
     _same_launch(launches[0], launches[1])
 
@@ -158,17 +168,17 @@ def test_gated_nbits_prepare_leaves_fed_weights_and_fp32_activations_alone():
 
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_the_load_schedule_flag_picks_the_kernel_and_every_launch_is_compiled(launches, monkeypatch, pipeline):
-    monkeypatch.setattr(sched, "PIPELINE", "all" if pipeline else "off")
-    monkeypatch.setattr(sched, "TOKEN_TILES", "4")  # NJ by rows alone (these narrow grids would take 1)
+    t = evolve(DEFAULT, gemm_pipeline="all" if pipeline else "off")
+    t = evolve(t, gemm_token_tiles="4")  # NJ by rows alone (these narrow grids would take 1)
     rng = np.random.default_rng(4)
     for m in (1, 9, 40):  # NJ = 1, 2, 4
         a = rng.standard_normal((m, 96)).astype(np.float16)
-        matmul.run(_ctx("MatMul", ("a", "w")), a, rng.standard_normal((96, 48)).astype(np.float16))
+        matmul.run(_ctx("MatMul", ("a", "w"), tuning=t), a, rng.standard_normal((96, 48)).astype(np.float16))
         gate, up = _nbits(rng, 24, 128, 32, True), _nbits(rng, 24, 128, 32, True)
         attrs = {"K": 128, "N": 24, "bits": 4, "block_size": 32}
         x = rng.standard_normal((m, 128)).astype(np.float16)
         silu_gated_matmul_nbits.run(_ctx("SiluGatedMatMulNBits", ("x", "bg", "sg", "zg", "bu", "su", "zu"), attrs,
-                                         (np.float16,)), x, *gate, *up)
+                                         (np.float16,), tuning=t), x, *gate, *up)
     exprs = [launch[0] for launch in launches]
     assert len(exprs) == 6 and all(e in sched.EXPRS for e in exprs)
     # PIPE: mma_dense's last template argument, mma_nbits4's fourth (the zero-point flag is last)
@@ -182,14 +192,15 @@ def test_the_load_schedule_flag_picks_the_kernel_and_every_launch_is_compiled(la
 
 @pytest.mark.parametrize("glu", [False, True])
 def test_the_wide_flag_routes_launches_of_32_rows_and_more_to_the_tiled_kernel(launches, monkeypatch, glu):
-    monkeypatch.setattr(sched, "WIDE", "all")
+    t = evolve(DEFAULT, gemm_wide="all")
     monkeypatch.setattr(sched, "wide_worth", lambda m, blocks: True)
     sched.wide_config.cache_clear()
     rng = np.random.default_rng(5)
     w, up = (rng.standard_normal((96, 40)).astype(np.float16) for _ in range(2))
     wp = _mma_layout.pack(np, w, up if glu else None)
     for m in (31, 64, 300):
-        _mma.dense(np.zeros((m, 96), np.float16), wp, None, np.zeros((m, 40), np.float16), m, 40, 96, None, glu=glu)
+        _mma.dense(np.zeros((m, 96), np.float16), wp, None, np.zeros((m, 40), np.float16), m, 40, 96, None, glu=glu,
+                   tuning=t)
     (small, *_), wide64, wide300 = launches
     assert small.startswith("mma_dense<") and wide64[0] == wide300[0] == f"mma_wide<1, {sched.BOOL[glu]}, 2>"
     assert wide64[0] in sched.EXPRS
@@ -201,14 +212,14 @@ def test_the_wide_flag_routes_launches_of_32_rows_and_more_to_the_tiled_kernel(l
 
 
 def test_the_wide_flag_routes_int4_launches_that_fit_the_tiled_kernel(launches, monkeypatch):
-    monkeypatch.setattr(sched, "WIDE", "all")
+    t = evolve(DEFAULT, gemm_wide="all")
     monkeypatch.setattr(sched, "wide_worth", lambda m, blocks: True)
     sched.wide_config.cache_clear()
     rng = np.random.default_rng(6)
 
     def launch(m, k, bs, zp=False):
         w = _mma_layout.pack_int4(np, *_nbits(rng, 40, k, bs, zp), 40, k, bs)
-        _mma.nbits4(np.zeros((m, k), np.float16), w, None, np.zeros((m, 40), np.float16), m, None)
+        _mma.nbits4(np.zeros((m, k), np.float16), w, None, np.zeros((m, 40), np.float16), m, None, tuning=t)
         return launches[-1]
 
     assert launch(31, 128, 32)[0].startswith("mma_nbits4<")
@@ -240,31 +251,31 @@ def test_int4_tensor_core_kernels_take_integer_zero_points_and_blocks_of_32_or_m
 def test_the_default_switches_pick_the_measured_schedules(launches, monkeypatch):
     """The measured defaults: PIPE for int4 launches and one-tile dense ones, the tiled kernels
     for dense launches; "off" and "all" cover both."""
-    monkeypatch.setattr(sched, "PIPELINE", "auto")
-    monkeypatch.setattr(sched, "WIDE", "dense")
-    monkeypatch.setattr(sched, "TOKEN_TILES", "4")  # NJ by rows alone: the token-tile rule has its own test
+    t = evolve(DEFAULT, gemm_pipeline="auto")
+    t = evolve(t, gemm_wide="dense")
+    t = evolve(t, gemm_token_tiles="4")  # NJ by rows alone: the token-tile rule has its own test
     monkeypatch.setattr(sched, "wide_worth", lambda m, blocks: True)
     sched.wide_config.cache_clear()
     rng = np.random.default_rng(7)
     wp = _mma_layout.pack(np, rng.standard_normal((96, 40)).astype(np.float16))
     b, sc, _ = _nbits(rng, 40, 128, 32, False)
     for m in (8, 64):
-        _mma.dense(np.zeros((m, 96), np.float16), wp, None, np.zeros((m, 40), np.float16), m, 40, 96, None)
+        _mma.dense(np.zeros((m, 96), np.float16), wp, None, np.zeros((m, 40), np.float16), m, 40, 96, None, tuning=t)
         _mma.nbits4(np.zeros((m, 128), np.float16), _mma_layout.pack_int4(np, b, sc, None, 40, 128, 32), None,
-                    np.zeros((m, 40), np.float16), m, None)
+                    np.zeros((m, 40), np.float16), m, None, tuning=t)
     assert [launch[0] for launch in launches] == [
         "mma_dense<1, false, true>", "mma_nbits4<1, __half, false, true, false>",
         "mma_wide<1, false, 2>", "mma_nbits4<4, __half, false, true, false>"]
     for value, one_row, tiles4, int4 in (("off", False, False, False), ("all", True, True, True),
                                          ("auto", True, False, True)):
-        monkeypatch.setattr(sched, "PIPELINE", value)
-        assert (sched.pipelined(40, False, 8), sched.pipelined(40, False, 32),
-                sched.pipelined(40, True, 32)) == (one_row, tiles4, int4)
+        t = evolve(t, gemm_pipeline=value)
+        assert (sched.pipelined(40, False, 8, tuning=t), sched.pipelined(40, False, 32, tuning=t),
+                sched.pipelined(40, True, 32, tuning=t)) == (one_row, tiles4, int4)
     for value, dense, int4, int4_32 in (("off", False, False, False), ("all", True, True, True),
                                         ("dense", True, False, False), ("auto", True, True, False)):
-        monkeypatch.setattr(sched, "WIDE", value)
-        assert (sched.wide_dense_applies(64, 96), sched.wide_int4_applies(64, 128)) == (dense, int4)
-        assert sched.wide_int4_applies(32, 128) == int4_32  # int4 tiles from 32 rows under "all" only
+        t = evolve(t, gemm_wide=value)
+        assert (sched.wide_dense_applies(64, 96, tuning=t), sched.wide_int4_applies(64, 128, tuning=t)) == (dense, int4)
+        assert sched.wide_int4_applies(32, 128, tuning=t) == int4_32  # int4 tiles from 32 rows under "all" only
 
 
 
@@ -309,27 +320,27 @@ def test_the_launcher_sizes_shared_memory_with_the_kernel_constants():
     ("Llama o", 16, 2048, True, 2), ("Llama qkv", 8, 3072, True, 1)])
 def test_token_tiles_per_block_follow_the_measured_rule(monkeypatch, name, m, n, int4, nj):
     monkeypatch.setattr(sched, "multiprocessors", lambda: 132)
-    monkeypatch.setattr(sched, "TOKEN_TILES", "auto")
-    assert sched.row_nj(m, n, int4) == nj, name
-    monkeypatch.setattr(sched, "TOKEN_TILES", "1")  # the switch caps it
-    assert sched.row_nj(m, n, int4) == 1
+    t = evolve(DEFAULT, gemm_token_tiles="auto")
+    assert sched.row_nj(m, n, int4, tuning=t) == nj, name
+    t = evolve(t, gemm_token_tiles="1")  # the switch caps it
+    assert sched.row_nj(m, n, int4, tuning=t) == 1
 
 
 def test_split_k_cuts_long_k_of_few_rows_into_at_most_one_wave(monkeypatch):
     """The int4 launcher's rule (sched.split_count) on the H200's 132 multiprocessors."""
     monkeypatch.setattr(sched, "multiprocessors", lambda: 132)
-    monkeypatch.setattr(sched, "SPLIT", "auto")
+    t = evolve(DEFAULT, gemm_split="auto")
     # Llama-3.2-1B down at batch 1, the int4 kernel (4 blocks per multiprocessor): 4 x 128 blocks
-    grid, block, shared, spb = sched.config(1, 2048, 8192, 1, True, 4)
+    grid, block, shared, spb = sched.config(1, 2048, 8192, 1, True, 4, tuning=t)
     assert grid == (1, 128, 4) and block == (256,) and spb == 8 and shared == 0
-    assert sched.config(8, 2048, 8192, 1, True, 2)[:2] == ((1, 128, 2), (256,))  # 2 per SM: 2 splits
-    assert sched.config(1, 2048, 8192, 1, True, 1)[0] == (1, 128, 1)  # 1 per SM: a second wave, unsplit
-    assert sched.config(32, 2048, 8192, 2, True, 4)[0][2] == 1  # NJ > 1: unsplit (measured slower)
-    assert sched.config(1, 2048, 8192, 1, True)[0][2] == 1      # per_sm unknown (dense): unsplit
-    assert sched.config(1, 2048, 2048, 1, True, 4)[0][2] == 1   # 8 segments: one per warp already
-    assert sched.config(1, 896, 4864, 1, True, 4)[:2] == ((1, 56, 3), (224,))  # 19 segments: 7, 7, 5
-    monkeypatch.setattr(sched, "SPLIT", "off")
-    assert sched.config(1, 2048, 8192, 1, True, 4)[0][2] == 1
+    assert sched.config(8, 2048, 8192, 1, True, 2, tuning=t)[:2] == ((1, 128, 2), (256,))  # 2 per SM: 2 splits
+    assert sched.config(1, 2048, 8192, 1, True, 1, tuning=t)[0] == (1, 128, 1)  # 1 per SM: a second wave, unsplit
+    assert sched.config(32, 2048, 8192, 2, True, 4, tuning=t)[0][2] == 1  # NJ > 1: unsplit (measured slower)
+    assert sched.config(1, 2048, 8192, 1, True, tuning=t)[0][2] == 1      # per_sm unknown (dense): unsplit
+    assert sched.config(1, 2048, 2048, 1, True, 4, tuning=t)[0][2] == 1   # 8 segments: one per warp already
+    assert sched.config(1, 896, 4864, 1, True, 4, tuning=t)[:2] == ((1, 56, 3), (224,))  # 19 segments: 7, 7, 5
+    t = evolve(t, gemm_split="off")
+    assert sched.config(1, 2048, 8192, 1, True, 4, tuning=t)[0][2] == 1
 
 
 def test_two_token_tiles_take_the_pipe_schedule_where_the_grid_fits_one_wave(monkeypatch):
@@ -337,42 +348,46 @@ def test_two_token_tiles_take_the_pipe_schedule_where_the_grid_fits_one_wave(mon
     H200's 132 multiprocessors and 16 PIPE warps each: Llama-3.2-1B's down and o at 32 rows (256
     blocks) take PIPE in blocks of 8 warps, its qkv (384 blocks) in blocks of 4, and a grid that
     fits neither takes the plain schedule; one tile always takes PIPE, four tiles never."""
-    monkeypatch.setattr(sched, "PIPELINE", "auto")
-    monkeypatch.setattr(sched, "TOKEN_TILES", "auto")
+    t = evolve(DEFAULT, gemm_pipeline="auto")
+    t = evolve(t, gemm_token_tiles="auto")
     monkeypatch.setattr(sched, "multiprocessors", lambda: 132)
     monkeypatch.setattr(sched, "pipe2_per_multiprocessor", lambda threads=256: 512 // threads)
-    assert sched.row_nj(32, 2048) == 2 and sched.pipelined(2048, False, 32) and sched.pipe2_warps(2048, 32) == 8
-    assert sched.row_nj(32, 3072) == 2 and sched.pipelined(3072, False, 32) and sched.pipe2_warps(3072, 32) == 4
-    assert sched.row_nj(16, 9600) == 2 and not sched.pipelined(9600, False, 16)  # 600 blocks: 528 a wave at 4
+    assert sched.row_nj(32, 2048, tuning=t) == 2 and sched.pipelined(2048, False, 32, tuning=t)
+    assert sched.pipe2_warps(2048, 32) == 8
+    assert sched.row_nj(32, 3072, tuning=t) == 2 and sched.pipelined(3072, False, 32, tuning=t)
+    assert sched.pipe2_warps(3072, 32) == 4
+    assert sched.row_nj(16, 9600, tuning=t) == 2
+    assert not sched.pipelined(9600, False, 16, tuning=t)  # 600 blocks: 528 a wave at 4
     assert sched.pipe2_warps(9600, 16) == 0
-    assert sched.pipelined(3072, False, 8)                       # one tile
-    assert sched.row_nj(32, 16384) == 4 and not sched.pipelined(16384, False, 32)
+    assert sched.pipelined(3072, False, 8, tuning=t)                       # one tile
+    assert sched.row_nj(32, 16384, tuning=t) == 4 and not sched.pipelined(16384, False, 32, tuning=t)
     monkeypatch.setattr(sched, "PIPE2_WARPS", (8,))
-    assert not sched.pipelined(3072, False, 32) and sched.pipelined(2048, False, 32)
-    monkeypatch.setattr(sched, "PIPELINE", "off")
-    assert not sched.pipelined(2048, False, 32)
+    assert not sched.pipelined(3072, False, 32, tuning=t) and sched.pipelined(2048, False, 32, tuning=t)
+    t = evolve(t, gemm_pipeline="off")
+    assert not sched.pipelined(2048, False, 32, tuning=t)
 
 
 def test_a_two_tile_pipe_launch_takes_the_block_of_pipe2_warps(launches, monkeypatch):
     """The launch itself: Llama-3.2-1B's qkv shape at 32 rows gets blocks of pipe2_warps' 4
     warps (128 threads), its o projection 8; a K of fewer segments than warps, one warp each;
     PIPE forced on a grid that fits no block size, 8."""
-    monkeypatch.setattr(sched, "PIPELINE", "auto")
-    monkeypatch.setattr(sched, "TOKEN_TILES", "auto")
+    t = evolve(DEFAULT, gemm_pipeline="auto")
+    t = evolve(t, gemm_token_tiles="auto")
     monkeypatch.setattr(sched, "multiprocessors", lambda: 132)
     monkeypatch.setattr(sched, "pipe2_per_multiprocessor", lambda threads=256: 512 // threads)
     for k, n, threads in ((2048, 3072, 128), (2048, 2048, 256), (512, 3072, 64)):
         del launches[:]
         wp = _mma_layout.pack(np, np.zeros((k, n), np.float16))
-        _mma.dense(np.zeros((32, k), np.float16), wp, None, np.zeros((32, n), np.float16), 32, n, k, None)
+        _mma.dense(np.zeros((32, k), np.float16), wp, None, np.zeros((32, n), np.float16), 32, n, k, None, tuning=t)
         (expr, grid, block, args, shared), = launches
         assert expr == "mma_dense<2, false, true>" and block == (threads,), (k, n, block)
         assert grid == (2, n // 16, 1)
     # PIPE forced where no block size fits one wave (600 blocks at 16 rows): blocks of 8 warps
-    monkeypatch.setattr(sched, "PIPELINE", "all")
+    t = evolve(t, gemm_pipeline="all")
     del launches[:]
     wp = _mma_layout.pack(np, np.zeros((2048, 9600), np.float16))
-    _mma.dense(np.zeros((16, 2048), np.float16), wp, None, np.zeros((16, 9600), np.float16), 16, 9600, 2048, None)
+    _mma.dense(np.zeros((16, 2048), np.float16), wp, None, np.zeros((16, 9600), np.float16), 16, 9600, 2048, None,
+               tuning=t)
     (expr, grid, block, args, shared), = launches
     assert expr == "mma_dense<2, false, true>" and block == (256,)
 
@@ -382,28 +397,29 @@ def test_launches_of_17_to_32_rows_over_wide_projections_take_the_one_token_warp
     multiprocessors: only projections wide enough for 1.5 x 4 feature warps (16 features each) per
     multiprocessor (Llama-3.2-1B's gate/up, the lm_heads) with K >= 768 (not SmolLM2's 576), and
     only for 17 to 32 rows."""
-    monkeypatch.setattr(sched, "WIDE", "dense")
+    t = evolve(DEFAULT, gemm_wide="dense")
     monkeypatch.setattr(sched, "multiprocessors", lambda: 132)
     one, two = sched._WIDE32_STAGES * 16, sched._WIDE_STAGES * 16  # F = 1 has its own stage count
     fw = sched._WIDE32_FW  # feature warps of the F = 1 blocks
-    assert sched.wide32_config(32, 16384, 2048) == (1, (1, 1024 // fw), (32 * fw,), one * (fw * 128 + 32 * 72 // 8))
-    assert sched.wide32_config(17, 16384, 2048) == sched.wide32_config(32, 16384, 2048)
-    assert sched.wide32_config(32, 128256, 2048) == (2, (1, 1002), (128,), two * (8 * 128 + 32 * 72 // 8))
-    assert sched.wide32_config(32, 151936, 896) is not None
+    assert sched.wide32_config(32, 16384, 2048, tuning=t) == (1, (1, 1024 // fw), (32 * fw,),
+                                                            one * (fw * 128 + 32 * 72 // 8))
+    assert sched.wide32_config(17, 16384, 2048, tuning=t) == sched.wide32_config(32, 16384, 2048, tuning=t)
+    assert sched.wide32_config(32, 128256, 2048, tuning=t) == (2, (1, 1002), (128,), two * (8 * 128 + 32 * 72 // 8))
+    assert sched.wide32_config(32, 151936, 896, tuning=t) is not None
     for m, n, k in ((16, 16384, 2048), (33, 16384, 2048), (32, 9728, 896), (32, 3072, 2048), (8, 128256, 2048),
                     (32, 49152, 576), (32, 16384, 2052)):
-        assert sched.wide32_config(m, n, k) is None, (m, n, k)
-    monkeypatch.setattr(sched, "WIDE", "off")
-    assert sched.wide32_config(32, 16384, 2048) is None
+        assert sched.wide32_config(m, n, k, tuning=t) is None, (m, n, k)
+    t = evolve(t, gemm_wide="off")
+    assert sched.wide32_config(32, 16384, 2048, tuning=t) is None
 
 
 def test_a_wide32_launch_names_the_one_token_warp_kernel(launches, monkeypatch):
-    monkeypatch.setattr(sched, "WIDE", "dense")
+    t = evolve(DEFAULT, gemm_wide="dense")
     monkeypatch.setattr(sched, "WIDE32_FILL", 0)
     rng = np.random.default_rng(3)
     monkeypatch.setattr(sched, "WIDE32_MIN_K", 0)
     wp = _mma_layout.pack(np, rng.standard_normal((96, 40)).astype(np.float16))
-    _mma.dense(np.zeros((24, 96), np.float16), wp, None, np.zeros((24, 40), np.float16), 24, 40, 96, None)
+    _mma.dense(np.zeros((24, 96), np.float16), wp, None, np.zeros((24, 40), np.float16), 24, 40, 96, None, tuning=t)
     (expr, grid, block, args, shared), = launches
     assert expr == "mma_wide<1, false, 1>" and expr in sched.EXPRS
     assert grid == (1, 1) and block == (32 * sched._WIDE32_FW,) and [int(v) for v in args[4:]] == [24, 40, 96, 40]

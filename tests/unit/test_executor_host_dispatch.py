@@ -5,9 +5,10 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from onnx import TensorProto, helper
 
-from core.executor import Plan
+from core.executor import HostFallback, Plan, default_host_fallback
 from providers.cpu_reference.provider import CpuReferenceProvider
 
 
@@ -87,7 +88,7 @@ def test_the_choice_is_kept_for_later_runs_and_remade_for_other_feed_types():
 
 
 def test_host_kernels_write_into_persistent_host_buffers_of_their_contexts():
-    """The host contexts of a device provider allocate numpy buffers (core.executor.host_memory),
+    """The host contexts of a device provider allocate numpy buffers (the plan's HostFallback, core.executor.host),
     never device tensors: each host node's output is its context's buffer, the same every step."""
     provider = FakeDevice()
     plan = Plan(_graph(), INITS, provider)
@@ -121,3 +122,42 @@ def test_cuda_ops_import_no_other_provider():
             "print(sorted(m for m in sys.modules if m.startswith('providers.cpu_reference')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+class CountingMemory(CpuReferenceProvider):
+    """A host provider whose allocations are counted (an injected fallback's memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def allocate(self, shape, dtype, zero=False):
+        self.shapes.append(tuple(shape))
+        return super().allocate(shape, dtype, zero)
+
+
+def test_the_host_fallback_is_injected_and_its_kernels_and_memory_run_the_host_nodes():
+    memory = CountingMemory()
+    fallback = HostFallback.of(memory)
+    provider = FakeDevice()
+    plan = Plan(_graph(), INITS, provider, host_fallback=fallback)
+    assert plan.host_fallback is fallback
+    y = plan.run({"x": Dev(X)})["y"]
+    assert np.array_equal(y.a, X * 4) and plan.host_nodes() == ["gather", "cast"]
+    assert memory.shapes == [(), ()]  # the gather and cast outputs, in the injected memory
+    index = {n.name: i for i, n in enumerate(plan.nodes)}
+    assert plan._host_contexts[index["cast"]].provider is memory
+
+
+def test_the_default_host_fallback_is_the_registrys_cpu_reference():
+    fallback = default_host_fallback()
+    assert fallback.memory.name == "cpu_reference" and fallback.ops is fallback.memory.ops
+    assert Plan(_graph(), INITS, FakeDevice()).host_fallback is fallback
+    assert Plan(_graph(), INITS, CpuReferenceProvider()).host_fallback is None  # no host dispatch
+
+
+def test_a_host_fallback_needs_a_provider_with_an_op_table():
+    bare = CpuReferenceProvider()
+    bare.ops = None
+    with pytest.raises(ValueError, match="no op table"):
+        HostFallback.of(bare)

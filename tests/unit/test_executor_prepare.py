@@ -257,7 +257,7 @@ def test_a_folded_node_keeps_nothing_of_its_inputs(tmp_path):
 def test_storage_names_join_whole_contiguous_views_only():
     """Two constants get one storage name only when they show the same bytes in the same order:
     a reshape of a whole weight does; a slice or a transposed view of it does not."""
-    from core.executor import _bytes_key
+    from core.executor.weights import bytes_key as _bytes_key
 
     w = np.arange(48, dtype=np.float16).reshape(6, 8)
     assert _bytes_key(w.reshape(12, 4)) == _bytes_key(w) == _bytes_key(w.reshape(-1))

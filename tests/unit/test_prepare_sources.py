@@ -190,7 +190,7 @@ def test_if_with_constant_branches_selects_by_a_host_condition():
              helper.make_node("Add", ["picked", "picked"], ["out"], name="add")]
     graph = _graph(nodes, [n], [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2])], [limit])
     plan = Plan(graph, {"limit": np.array(4, np.int64)}, CpuReferenceProvider())
-    assert plan.kernels[1].__name__ == "_select_branch"
+    assert plan.kernels[1].__name__ == "select_branch"
     assert plan.run({"n": np.array(9, np.int64)})["out"].tolist() == [2.0, 4.0]
     assert plan.run({"n": np.array(4, np.int64)})["out"].tolist() == [6.0, 8.0]
 

@@ -71,8 +71,9 @@ def test_built_in_providers_delegate_to_their_op_table():
     assert cpu.support_reason(NBITS_BAD) == OpTable(ops).support_reason(NBITS_BAD)
     from providers.cuda.provider import CudaProvider  # importable without CuPy (tests/unit/test_no_cupy.py)
 
-    stand_in = types.SimpleNamespace(_ops=OpTable(ops))  # no GPU here: the method over another table
+    stand_in = types.SimpleNamespace(ops=OpTable(ops))  # no GPU here: the method over another table
     assert CudaProvider.support_reason(stand_in, NBITS_BAD) == OpTable(ops).support_reason(NBITS_BAD)
+    assert CudaProvider.prepare is ProviderBase.prepare  # the cuda provider answers from its op table
 
 
 def test_the_kit_message_carries_the_providers_reason():

@@ -21,7 +21,7 @@ _ERF = np.frompyfunc(math.erf, 1, 1)
 
 def gelu_exact(x: np.ndarray) -> np.ndarray:
     """0.5 x (1 + erf(x / sqrt 2)) of an fp32 array (erf in fp64, rounded to fp32)."""
-    erf = _ERF(x.astype(np.float64) / math.sqrt(2.0)).astype(np.float64).astype(np.float32)
+    erf = np.asarray(_ERF(x.astype(np.float64) / math.sqrt(2.0))).astype(np.float64).astype(np.float32)
     return (np.float32(0.5) * x * (np.float32(1.0) + erf)).astype(np.float32)
 
 

@@ -111,8 +111,10 @@ class Activation:
             g, lin = h[:, 0::2], h[:, 1::2]
         elif self.fusion == 2:
             g, lin = np.split(h, 2, axis=1)
-        else:
+        elif up is not None:
             g, lin = h, up
+        else:
+            raise ValueError("MoE SwiGLU with fusion 0 needs FC3's output (up)")
         if self.limit is not None:
             lim = np.float32(self.limit)
             g = np.minimum(g, lim)
@@ -187,10 +189,10 @@ def mix(x: np.ndarray, routing: Routing, experts: Experts, act: Activation, page
             h = _project(xe, w.fc1, w.b1)
             up = None if w.fc3 is None else _project(xe, w.fc3, w.b3)
             ys[rows, slots] = _project(act(h, up), w.fc2, w.b2)
-    w = routing.weights
-    out = w[:, 0, None] * ys[:, 0]
+    weights = routing.weights
+    out = weights[:, 0, None] * ys[:, 0]
     for j in range(1, k):  # rank order (module docstring)
-        out += w[:, j, None] * ys[:, j]
+        out += weights[:, j, None] * ys[:, j]
     return out
 
 

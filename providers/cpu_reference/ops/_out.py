@@ -21,7 +21,7 @@ def buffer(ctx, slot, shape, dtype) -> np.ndarray:
     """The host buffer of output ``slot``: ``ctx.output(slot, shape, dtype)``.
 
     The executor's host dispatch (a device provider's host nodes run on these kernels) gives
-    the kernel a host context (core.executor.host_memory): its buffers are numpy arrays too.
+    the kernel a host context (core.executor.host.HostFallback): its buffers are numpy arrays too.
     A context whose buffers are not host arrays (a device provider's context, in a direct
     call) gets a new host array instead.
     """
@@ -44,11 +44,11 @@ def write_elementwise(ctx, fn: Callable[..., np.ndarray], *xs) -> np.ndarray:
     output buffer 0 in the first input's dtype (the rounding of ``_util.elementwise``). A
     numpy ufunc computes straight into the buffer (its loop in the compute dtype, the result
     cast on output: the same rounding, no temporary)."""
-    xs = [np.asarray(x) for x in xs]
-    dtype = xs[0].dtype
+    arrays = [np.asarray(x) for x in xs]
+    dtype = arrays[0].dtype
     work = compute_dtype(dtype)
     if isinstance(fn, np.ufunc):
-        shape = xs[0].shape if all(x.shape == xs[0].shape for x in xs) else np.broadcast(*xs).shape
-        return fn(*xs, out=buffer(ctx, 0, shape, dtype), dtype=work, casting="unsafe")
-    args = [x.astype(work, copy=False) if x.dtype.kind == "f" else x for x in xs]
+        shape = arrays[0].shape if all(x.shape == arrays[0].shape for x in arrays) else np.broadcast(*arrays).shape
+        return fn(*arrays, out=buffer(ctx, 0, shape, dtype), dtype=work, casting="unsafe")
+    args = [x.astype(work, copy=False) if x.dtype.kind == "f" else x for x in arrays]
     return write(ctx, 0, fn(*args), dtype)

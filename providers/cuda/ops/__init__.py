@@ -11,7 +11,7 @@ Rules every launcher follows (docs/cuda.md "Stream capture"): outputs and scratc
 ``ctx.output``; no CuPy expression that allocates; no host sync; scalars passed as numpy
 int32/int64/float32; launches on the current (provider) stream. Nodes whose inputs are all
 host values (shape arithmetic on small integer constants) never reach these launchers: the
-core runs them on the host (core.executor, "Host nodes"); a launcher may still receive host
+core runs them on the host (core.executor.host); a launcher may still receive host
 values beside device ones (a host scalar operand, host axes). Host-only ops (Shape,
 Constant) are declared here so that ``supports`` answers for them. No module imports
 another provider: shared op rules are in :mod:`core.opdefs`.

@@ -1,17 +1,17 @@
 """Which kernel of kernels/linear_mma.cu a tensor-core launch takes, and its grid: the
-switches (``LOCKSTEP_CUDA_GEMM_*``, read once at import), the kernel set compiled, and the
-measured rules (token tiles, split-K, the tiled kernels, the pipelined schedule). Every choice
-computes the same arithmetic in the same order, so none changes an output bit.
+switches (``tuning``: the provider's :class:`~providers.cuda.tuning.Tuning`, passed in), the
+kernel set compiled, and the measured rules (token tiles, split-K, the tiled kernels, the
+pipelined schedule). Every choice computes the same arithmetic in the same order, so none changes an output bit.
 """
 
 from __future__ import annotations
 
 import functools
 
-from providers.cuda import env
 from providers.cuda.module import function, multiprocessors
 from providers.cuda.ops import MAX_GRID_Y
 from providers.cuda.ops._mma_layout import SEG_K
+from providers.cuda.tuning import Tuning
 
 #: A bool template argument as C++ spells it, by Python truth (``BOOL[flag]``).
 BOOL = ("false", "true")
@@ -37,23 +37,11 @@ MODULES = (_schedule_exprs("false"), _schedule_exprs("true"),
            + tuple(f"mma_wide4<{f}, {s}, {glu}, true>" for f in (1, 2) for s in ("__half", "float") for glu in BOOL))
 EXPRS = tuple(e for module in MODULES for e in module)
 MODULE_OF = {e: module for module in MODULES for e in module}
-#: Which launches take the PIPE weight-load schedule (kernels/linear_mma.cu ``PIPE``: a whole K
-#: segment of weights in flight per lane, the warp's next segment loaded while the current one's
-#: mmas issue, token-major grid; one-tile kernels also load the segment's activations up front):
-#: "auto" (default: every int4 launch, and dense launches of one token tile per block
-#: (:func:`row_nj`) or of two in one wave, :func:`pipelined`), "all" or
-#: "off" (``LOCKSTEP_CUDA_GEMM_PIPELINE``). The schedule never changes an output bit. "auto"
-#: because the whole segment in flight costs registers: it pays where latency bounds the launch
-#: (int4, one token tile, one wave) and loses on multi-tile dense kernels.
-PIPELINE = env.switch("LOCKSTEP_CUDA_GEMM_PIPELINE")
-#: Which projections take the tiled kernels for launches of at least :data:`WIDE_ROWS` rows
-#: (kernels/linear_mma.cu ``mma_wide`` for dense fp16, ``mma_wide4`` for int4: 64-token x
-#: 64/128-feature block tiles staged in shared memory), bitwise the row kernels' results:
-#: "auto" (default: dense launches, and int4 launches of at least :data:`WIDE4_ROWS` rows),
-#: "dense", "all" or "off" (``LOCKSTEP_CUDA_GEMM_WIDE``). A tile reads its weights once per 64
-#: rows instead of once per 8-32, which pays once the batch is large; int4 tiles start at 64
-#: rows, where they measured faster than ``mma_nbits4`` on the packed layout.
-WIDE = env.switch("LOCKSTEP_CUDA_GEMM_WIDE")
+#: The switches (PIPE, the tiled kernels, split-K, token tiles) come from the provider's
+#: :class:`~providers.cuda.tuning.Tuning` (``tuning``, passed in; its docstring says what each
+#: does). None of them changes an output bit.
+
+#: Fewest rows of a launch that takes the tiled kernels (``tuning.gemm_wide``).
 WIDE_ROWS = 32
 #: Fewest rows of an int4 launch that takes ``mma_wide4`` under "auto" (measured from 64).
 WIDE4_ROWS = 64
@@ -67,19 +55,10 @@ _WIDE_STAGES, _WIDE32_STAGES, _WIDE_XS, _WIDE_XS4 = 3, 4, 72, 80
 #: kernels/linear_mma.cu WIDE32_FW: feature warps of ``mma_wide<1, GLU, 1>`` (8: 128 features a
 #: block, 16 a warp); the other forms have 4.
 _WIDE32_FW = 8
-#: Split-K of the int4 row kernel (kernels/linear_mma.cu split_last): "auto" (default) or "off"
-#: (``LOCKSTEP_CUDA_GEMM_SPLIT``). Under "auto" a launch of at most 8 rows with more than 8 K
-#: segments (more than one per warp) is cut into as many blocks per tile as still run in one
-#: wave, at most ceil(nseg / 8) (:func:`split_count`): Llama-3.2-1B's down projection (K = 8192,
-#: 32 segments, 128 tiles) at batch 1-8 gets 512 blocks, one segment per warp, instead of 128.
-#: Split or not, every output bit is the same.
-SPLIT = env.switch("LOCKSTEP_CUDA_GEMM_SPLIT")
-#: n8 token tiles per block of the row kernels (``LOCKSTEP_CUDA_GEMM_TOKEN_TILES``): "auto"
-#: (default, :func:`row_nj`'s measured rule) or "1", "2", "4" (the most per block, each up to
-#: the rows' own 1 / 2 / 4). Fewer tiles per block means more blocks per weight tile, each reading
-#: the tile again (from L2 when the token blocks of a tile run together, the PIPE grid); token
-#: columns are independent, so this never changes a bit.
-TOKEN_TILES = env.switch("LOCKSTEP_CUDA_GEMM_TOKEN_TILES")
+#: Split-K (``tuning.gemm_split`` "auto"): a launch of at most 8 rows with more than 8 K
+#: segments is cut into as many blocks per tile as still run in one wave, at most ceil(nseg / 8)
+#: (:func:`split_count`): Llama-3.2-1B's down projection (K = 8192, 32 segments, 128 tiles) at
+#: batch 1-8 gets 512 blocks, one segment per warp, instead of 128.
 #: Blocks per multiprocessor a row launch must still fill before :func:`row_nj` puts more token
 #: tiles in a block, dense and int4 (an int4 block dequantises its weights again, so int4 needs
 #: more blocks before splitting pays; the values are the measured crossovers).
@@ -89,17 +68,17 @@ FILL = {False: 1.9, True: 5.0}
 SPLIT_BYTES, SPLIT_TICKETS = 4 << 20, 4096
 
 
-def split_count(blocks: int, nseg: int, nj: int, per_sm: int) -> int:
+def split_count(blocks: int, nseg: int, nj: int, per_sm: int, *, tuning: Tuning) -> int:
     """Blocks per (feature tile, token block) of an ``mma_nbits4`` launch of ``blocks`` such
     pairs over ``nseg`` K segments with NJ token tiles, of a kernel that fits ``per_sm`` blocks
-    on a multiprocessor (0: never split), under :data:`SPLIT`: for NJ = 1, the most blocks that
+    on a multiprocessor (0: never split), under ``tuning.gemm_split``: for NJ = 1, the most blocks that
     still run in one wave (per_sm x multiprocessors), at most ceil(nseg / 8) (one segment per
     warp), when that is at least 2 and the partials (nseg x 16 x 8 floats per pair) and tickets
     fit the workspace (:data:`SPLIT_BYTES`, :data:`SPLIT_TICKETS`); else 1.
 
     Only one token tile and int4: a long-K GEMV otherwise leaves most multiprocessors idle,
     while multi-tile and dense launches already fill the device and measured slower split."""
-    if SPLIT == "off" or nj != 1 or nseg <= 8 or per_sm < 1:
+    if tuning.gemm_split == "off" or nj != 1 or nseg <= 8 or per_sm < 1:
         return 1
     splits = min(-(-nseg // 8), per_sm * multiprocessors() // blocks)
     if splits < 2 or blocks > SPLIT_TICKETS or blocks * nseg * 16 * 8 * 4 > SPLIT_BYTES:
@@ -107,19 +86,19 @@ def split_count(blocks: int, nseg: int, nj: int, per_sm: int) -> int:
     return splits
 
 
-def row_nj(m: int, n: int, int4: bool = False) -> int:
+def row_nj(m: int, n: int, int4: bool = False, *, tuning: Tuning) -> int:
     """n8 token tiles per block (1, 2 or 4: 8, 16 or 32 rows) of a row-kernel launch of ``m``
     rows over ``n`` weight rows (``int4``: ``mma_nbits4``, else ``mma_dense``).
 
-    Under "auto" (:data:`TOKEN_TILES`): the most tiles the rows fill (1 up to 8 rows, 2 up to 16,
+    Under "auto" (``tuning.gemm_token_tiles``): the most tiles the rows fill (1 up to 8 rows, 2 up to 16,
     else 4) whose grid, ceil(n / 16) feature tiles x ceil(m / 8 NJ) token blocks, still has
     :data:`FILL` blocks per multiprocessor; where none has, 1 tile dense and 2 int4 (each int4
     block dequantises its weights again, a dense one only reads them again from L2). Why: narrow
     projections need more blocks to fill the device, wide ones read their weights fewer times
     with more tiles a block (``benchmarks/token_tiles.py`` measures the crossover)."""
     most = 1 if m <= 8 else 2 if m <= 16 else 4
-    if TOKEN_TILES != "auto":
-        return min(int(TOKEN_TILES), most)
+    if tuning.gemm_token_tiles != "auto":
+        return min(int(tuning.gemm_token_tiles), most)
     least = min(2 if int4 else 1, most)
     tiles, need = -(-n // 16), FILL[int4] * multiprocessors()
     for nj in (4, 2):
@@ -140,7 +119,7 @@ def per_multiprocessor(expr: str, threads: int = 256) -> int:
 
 
 def config(m: int, n: int, k: int, nj: int, pipe: bool = False, per_sm: int = 0,
-           warps: int = 8) -> tuple[tuple, tuple, int, int]:
+           warps: int = 8, *, tuning: Tuning) -> tuple[tuple, tuple, int, int]:
     """(grid, block, shared bytes, segments per block) of a ``mma_dense`` / ``mma_nbits4`` launch
     of ``m`` rows over ``n`` weight rows and ``k`` with ``nj`` token tiles per block
     (:func:`row_nj`); the grid is (feature tiles, token blocks, splits), or (token blocks,
@@ -148,11 +127,11 @@ def config(m: int, n: int, k: int, nj: int, pipe: bool = False, per_sm: int = 0,
     (``mma_nbits4`` only) from :func:`split_count` for a kernel that fits ``per_sm`` blocks per
     multiprocessor (0, the default: unsplit); a block has one warp per K segment, at most ``warps``
     (a warp walks segments w, w + warps, ...). A split launch keeps its partials in the workspace,
-    not shared memory. Not cached: it reads switches (:data:`SPLIT`) and the device that tests
+    not shared memory. Not cached: it reads ``tuning.gemm_split`` and the device that tests
     change, and the caller's kernel expression must name the same ``nj``."""
     nseg = -(-k // SEG_K)
     tiles, blocks = -(-n // 16), -(-m // (8 * nj))
-    splits = split_count(tiles * blocks, nseg, nj, per_sm)
+    splits = split_count(tiles * blocks, nseg, nj, per_sm, tuning=tuning)
     spb = -(-nseg // splits)
     grid = (blocks, tiles, splits) if pipe else (tiles, blocks, splits)
     return grid, (32 * min(spb, warps),), 0 if splits > 1 else nseg * 16 * 8 * nj * 4, spb
@@ -185,17 +164,17 @@ def wide_config(m: int, n: int, int4: bool = False) -> tuple[int, tuple, tuple, 
     return f, (tokens, features), (256,), _WIDE_STAGES * (weights + 64 * xs // 8) * 16
 
 
-def wide32_config(m: int, n: int, k: int) -> tuple[int, tuple, tuple, int] | None:
+def wide32_config(m: int, n: int, k: int, *, tuning: Tuning) -> tuple[int, tuple, tuple, int] | None:
     """(F, grid, block, shared bytes) of ``mma_wide<F, GLU, 1>`` (one token warp: 32 tokens x 16 F
     features a warp; F = 1 blocks have :data:`_WIDE32_FW` feature warps, F = 2 blocks 4) for a
     dense launch of m rows over n weight rows and K = k, or None where it does not apply:
-    :data:`WIDE` "off", m outside (:data:`WIDE32_MIN_ROWS`, 32], K under :data:`WIDE32_MIN_K` or
+    ``tuning.gemm_wide`` "off", m outside (:data:`WIDE32_MIN_ROWS`, 32], K under :data:`WIDE32_MIN_K` or
     not a multiple of 8, or fewer than :data:`WIDE32_FILL` x 4 feature warps per multiprocessor.
     F = 2 where that still gives 4 blocks per multiprocessor. Each block stages its 32 rows of
     activations once for all its features, where the row kernel's blocks read them once per 16.
     The K floor: under K = 768 the staging costs more than it saves (SmolLM2-135M's lm_head,
     K = 576, measured slower)."""
-    if WIDE == "off" or not WIDE32_MIN_ROWS < m <= 32 or k < WIDE32_MIN_K or k % 8:
+    if tuning.gemm_wide == "off" or not WIDE32_MIN_ROWS < m <= 32 or k < WIDE32_MIN_K or k % 8:
         return None
     sms = multiprocessors()
     f = 2 if -(-n // 128) >= 4 * sms else 1
@@ -207,34 +186,34 @@ def wide32_config(m: int, n: int, k: int) -> tuple[int, tuple, tuple, int] | Non
     return f, (1, features), (32 * fw,), stages * (fw * f * 128 + 32 * _WIDE_XS // 8) * 16
 
 
-def wide_dense_applies(m: int, k: int) -> bool:
-    """Whether a dense launch of m rows takes ``mma_wide``: :data:`WIDE` "auto", "dense" or "all", at
+def wide_dense_applies(m: int, k: int, *, tuning: Tuning) -> bool:
+    """Whether a dense launch of m rows takes ``mma_wide``: ``tuning.gemm_wide`` "auto", "dense" or "all", at
     least :data:`WIDE_ROWS` rows and K a multiple of 8."""
-    return WIDE != "off" and m >= WIDE_ROWS and k % 8 == 0
+    return tuning.gemm_wide != "off" and m >= WIDE_ROWS and k % 8 == 0
 
 
-def wide_int4_applies(m: int, k: int) -> bool:
+def wide_int4_applies(m: int, k: int, *, tuning: Tuning) -> bool:
     """Whether an int4 launch of m rows takes ``mma_wide4``: at least :data:`WIDE_ROWS` rows
-    under :data:`WIDE` "all", :data:`WIDE4_ROWS` under "auto", and K a multiple of 16 (the
+    under ``tuning.gemm_wide`` "all", :data:`WIDE4_ROWS` under "auto", and K a multiple of 16 (the
     packed codes are whole 16-row x 64-k chunks)."""
-    least = {"all": WIDE_ROWS, "auto": WIDE4_ROWS}.get(WIDE)
+    least = {"all": WIDE_ROWS, "auto": WIDE4_ROWS}.get(tuning.gemm_wide)
     return least is not None and m >= least and k % 16 == 0
 
 
-def pipelined(n: int, int4: bool, m: int = 1) -> bool:
+def pipelined(n: int, int4: bool, m: int = 1, *, tuning: Tuning) -> bool:
     """Whether a launch of ``m`` rows over ``n`` weight rows takes the PIPE schedule:
-    :data:`PIPELINE` covers it ("auto": int4; dense of one token tile per block
+    ``tuning.gemm_pipeline`` covers it ("auto": int4; dense of one token tile per block
     (:func:`row_nj`), or of two whose grid fits one wave of the PIPE kernel) and
     the feature tiles fit the grid's y (MAX_GRID_Y).
 
     Two tiles only in one wave: PIPE's registers halve the blocks a multiprocessor holds, so a
     grid that spills into a second wave loses more than the overlap gains (blocks of 4 warps,
     :func:`pipe2_warps`, keep more grids in one wave)."""
-    if PIPELINE == "off" or -(-n // 16) > MAX_GRID_Y:
+    if tuning.gemm_pipeline == "off" or -(-n // 16) > MAX_GRID_Y:
         return False
-    if PIPELINE == "all" or int4:
+    if tuning.gemm_pipeline == "all" or int4:
         return True
-    nj = row_nj(m, n)
+    nj = row_nj(m, n, tuning=tuning)
     if nj > 2:
         return False
     return nj == 1 or pipe2_warps(n, m) > 0

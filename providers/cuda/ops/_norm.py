@@ -9,6 +9,7 @@ import numpy as np
 
 from providers.cuda.module import ctype, function
 from providers.cuda.ops import NULL
+from providers.cuda.paths import PATHS
 
 _PAIRS = (("__half", "__half"), ("float", "float"), ("float", "__half"), ("__half", "float"))
 #: rms_norm_h8's pieces of 8 values per thread, by the most a row needs (a row of D values needs
@@ -17,8 +18,14 @@ _H8 = (1, 2, 4)
 EXPRS = tuple(f"rms_norm<{a}, {b}>" for a, b in _PAIRS) + tuple(f"rms_norm_h8<{v}>" for v in _H8)
 #: Whether fp16 rows may take rms_norm_h8 (tests turn it off to compare the two kernels).
 VECTOR = True
-#: Launches per kernel since import (eager launches; a captured graph's replays are not counted).
-counts = {"rms_norm_h8": 0, "rms_norm": 0}
+#: Launches per kernel since import (eager launches; a captured graph's replays are not counted):
+#: the ``norm`` group of :data:`providers.cuda.paths.PATHS`, read with :func:`stats`.
+PATHS.declare("norm", ("rms_norm_h8", "rms_norm"))
+
+
+def stats() -> dict[str, int]:
+    """A copy of the launch counters: kernel name -> launches."""
+    return PATHS.stats("norm")
 
 
 def _pieces(d: int, x, skip, gamma, *others) -> int:
@@ -51,8 +58,8 @@ def launch(x, skip, bias, gamma, y, sum_out, mean_out, inv_out, d: int, eps: flo
     v = _pieces(d, x, skip, gamma, bias, y, sum_out)
     if v:
         kern = function("rms_norm", f"rms_norm_h8<{v}>", EXPRS)
-        counts["rms_norm_h8"] += 1
+        PATHS.add("norm", "rms_norm_h8")
     else:
         kern = function("rms_norm", f"rms_norm<{ctype(x.dtype)}, {ctype(gamma.dtype)}>", EXPRS)
-        counts["rms_norm"] += 1
+        PATHS.add("norm", "rms_norm")
     kern((rows,), (256,), args, shared_mem=(32 + d) * 4)

@@ -32,10 +32,11 @@ import math
 import numpy as np
 
 from core.opdefs import gqa_unsupported
-from providers.cuda import env, replay
+from providers.cuda import replay
 from providers.cuda.module import ctype, function, multiprocessors
 from providers.cuda.ops import MAX_GRID_Y, NULL, device_array
 from providers.cuda.ops._linear import i32
+from providers.cuda.paths import PATHS
 
 OP_TYPE = "GroupQueryAttention"
 DOMAIN = "com.microsoft"
@@ -48,14 +49,13 @@ CH = 64  # positions per KV chunk (the kernel's CH)
 #: block size (:func:`decode_threads`), "decode_hinted" those that took the hinted prologue and
 #: "decode_static_head" those that ran the compile-time head size (:func:`static_head`), "ring"
 #: the runs on a sliding_window_cache ring (:func:`ring_rows`).
-_counts = {"qk_norm": 0, "plain": 0, "decode_128": 0, "decode_256": 0, "decode_hinted": 0,
-           "decode_static_head": 0, "ring": 0}
-#: Whether ``gqa_decode`` may take its hinted prologue (:func:`hinted`; ``LOCKSTEP_CUDA_ATTN_HINT``,
-#: default on). Either way every output bit is the same.
-HINT = env.switch("LOCKSTEP_CUDA_ATTN_HINT")
-#: The most rows of a decode step that takes the hint: past 8 rows the attention grid is large
-#: and the guess's extra read lengthens every block, the many that exit at once too (measured
-#: slower at 16 and 32 rows, faster at 1 and 8).
+PATHS.declare("gqa", ("qk_norm", "plain", "decode_128", "decode_256", "decode_hinted", "decode_static_head",
+                      "ring"))
+#: ``gqa_decode`` may take its hinted prologue (:func:`hinted`) where the provider's tuning says
+#: so (``tuning.attn_hint``, :class:`~providers.cuda.tuning.Tuning`). Either way every output bit
+#: is the same. The most rows of a decode step that takes the hint: past 8 rows the attention
+#: grid is large and the guess's extra read lengthens every block, the many that exit at once too
+#: (measured slower at 16 and 32 rows, faster at 1 and 8).
 HINT_ROWS = 8
 #: Added to the decode kernel's guess of each row's position (its ``hint`` argument,
 #: kernels/group_query_attention.cu QkvRound): 0, the seqlens array itself. Tests set it to make
@@ -64,22 +64,21 @@ HINT_SHIFT = 0
 
 
 def stats() -> dict:
-    """A copy of the launcher-run counters (:data:`_counts`)."""
-    return dict(_counts)
+    """A copy of the launcher-run counters (the ``gqa`` group of :data:`providers.cuda.paths.PATHS`)."""
+    return PATHS.stats("gqa")
 
 
-#: Whether sliding_window_cache=1 nodes run on their ring (``LOCKSTEP_CUDA_ATTN_RING``, default
-#: on); off, they are refused at load with what to do (core.opdefs.gqa_unsupported).
-RING = env.switch("LOCKSTEP_CUDA_ATTN_RING")
+def supports(node, ring: bool = True) -> bool:
+    """Whether the launcher runs ``node``; ``ring``: sliding_window_cache=1 nodes run on their
+    ring (the provider passes ``tuning.attn_ring``; off, they are refused at load with what to
+    do, core.opdefs.gqa_unsupported)."""
+    return not gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True, any_norm_dtype=False, ring=ring)
 
 
-def supports(node) -> bool:
-    return not gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True, any_norm_dtype=False, ring=RING)
-
-
-def support_reason(node) -> str | None:
+def support_reason(node, ring: bool = True) -> str | None:
+    """Why :func:`supports` refuses ``node`` (``ring`` as there), or None."""
     return "; ".join(gqa_unsupported(node, interleaved=False, bias=False, qk_norm=True, any_norm_dtype=False,
-                                     ring=RING)) or None
+                                     ring=ring)) or None
 
 
 def replay_key(ctx, *inputs) -> tuple:
@@ -98,11 +97,10 @@ def replay_key(ctx, *inputs) -> tuple:
 #: Head sizes ``gqa_decode`` is compiled for at compile time (its HC template argument); any other
 #: runs the kernel with H at run time (HC = 0).
 STATIC_HEADS = (64, 128)
-#: Whether decode launches use the compile-time head size where it is one of STATIC_HEADS
-#: (``LOCKSTEP_CUDA_ATTN_STATIC_HEAD``, default on: divisions by a known H become shifts on the
-#: kernel's latency-bound path). The same floating-point operations in the same order either
-#: way, so the same bits.
-STATIC_HEAD = env.switch("LOCKSTEP_CUDA_ATTN_STATIC_HEAD")
+#: Decode launches use the compile-time head size where it is one of STATIC_HEADS and
+#: ``tuning.attn_static_head`` is on (divisions by a known H become shifts on the kernel's
+#: latency-bound path). The same floating-point operations in the same order either way, so the
+#: same bits.
 
 
 def _exprs(t):
@@ -110,10 +108,10 @@ def _exprs(t):
     return (*decode, f"gqa_attn<{t}>", f"gqa_kv_write<{t}>", f"gqa_ring_store<{t}>")
 
 
-def static_head(h: int) -> int:
+def static_head(h: int, on: bool) -> int:
     """The HC template argument of ``gqa_decode`` for head size ``h``: ``h`` itself where it is
-    one of STATIC_HEADS and STATIC_HEAD is on, else 0 (H at run time)."""
-    return h if STATIC_HEAD and h in STATIC_HEADS else 0
+    one of STATIC_HEADS and ``on`` (``tuning.attn_static_head``), else 0 (H at run time)."""
+    return h if on and h in STATIC_HEADS else 0
 
 
 def decode_threads(bsz: int, nkv: int) -> int:
@@ -190,8 +188,8 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
     qeps, keps = np.float32(attrs.get("q_norm_epsilon", eps)), np.float32(attrs.get("k_norm_epsilon", eps))
     qnw = q_norm_weight if norm else NULL
     knw = k_norm_weight if norm else NULL
-    _counts["qk_norm" if norm else "plain"] += 1
-    _counts["ring"] += bool(ring)
+    PATHS.add("gqa", "qk_norm" if norm else "plain")
+    PATHS.add("gqa", "ring", int(bool(ring)))
     scale = float(attrs.get("scale", 0.0)) or 1.0 / math.sqrt(h)
     out = ctx.output(0, (bsz, s_len, nq * h), dtype)
 
@@ -212,14 +210,15 @@ def run(ctx, query, key=None, value=None, past_key=None, past_value=None, seqlen
         group = nq // nkv
         part, tickets = _workspace(ctx, bsz, nq, nkv, chunks, h)
         threads = decode_threads(bsz, nkv)
-        _counts[f"decode_{threads}"] += 1
-        use_hint = HINT and bsz <= HINT_ROWS and not ring  # a ring's chunks follow the position
+        PATHS.add("gqa", f"decode_{threads}")
+        tuning = ctx.provider.tuning
+        use_hint = tuning.attn_hint and bsz <= HINT_ROWS and not ring  # a ring's chunks follow the position
         if use_hint and not norm and hinted(group, h, threads):
-            _counts["decode_hinted"] += 1
+            PATHS.add("gqa", "decode_hinted")
         hint = NULL if not use_hint else seqlens if HINT_SHIFT == 0 else _shifted(ctx, seqlens, HINT_SHIFT)
-        hc = static_head(h)
+        hc = static_head(h, tuning.attn_static_head)
         if hc:
-            _counts["decode_static_head"] += 1
+            PATHS.add("gqa", "decode_static_head")
         kern = function("group_query_attention", f"gqa_decode<{t}, {threads}, {hc}>", _exprs(t))
         tiles = 2 * CH * _decode_tile_stride(h, dtype) * dtype.itemsize
         shared = tiles + (group * h + group * CH + 2 * group + 1 + h) * 4

@@ -42,7 +42,7 @@ def run(ctx, a, w):
             raise ValueError(f"MatMul (cuda): A {a.dtype}{a.shape} for a packed fp16 weight [{k}, {n}]")
         y = ctx.output(0, (*a.shape[:-1], n), a.dtype)
         if a.size:
-            _mma.dense(_mma.contiguous(ctx, a), w, None, y, a.size // k, n, k, NULL)
+            _mma.dense(_mma.contiguous(ctx, a), w, None, y, a.size // k, n, k, NULL, tuning=ctx.provider.tuning)
         return (y,)
     if w.ndim != 2 or a.shape[-1] != w.shape[0] or a.dtype != w.dtype:
         raise ValueError(f"MatMul: unsupported operands {a.dtype}{a.shape} @ {w.dtype}{w.shape} "
@@ -53,7 +53,7 @@ def run(ctx, a, w):
     if m == 0:
         return (y,)
     if uses_mma(a, k):
-        _mma.dense(a, _mma_layout.unprepared(ctx, w), None, y, m, n, k, NULL)
+        _mma.dense(a, _mma_layout.unprepared(ctx, w), None, y, m, n, k, NULL, tuning=ctx.provider.tuning)
     else:
         fma(a, w, y, m, n, k)
     return (y,)

@@ -45,7 +45,7 @@ def run(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
             raise ValueError("MatMulNBits: bias dtype must match A")
         if a.size:
             w = _mma_layout.Int4Weights(b, scales, zero_points, n, k, bs)
-            _mma.nbits4(_mma.contiguous(ctx, a), w, bias, y, a.size // k, NULL)
+            _mma.nbits4(_mma.contiguous(ctx, a), w, bias, y, a.size // k, NULL, tuning=ctx.provider.tuning)
         return (y,)
     launch(ctx, ctx.node.attrs, a, b, scales, zero_points, bias, y)
     return (y,)
@@ -147,7 +147,7 @@ def launch(ctx, attrs: dict, a, b, scales, zero_points, bias, y) -> None:
     t, s = ctype(a.dtype), ctype(scales.dtype)
     if mma_config(a.dtype, bits, k, bs, zp_mode):
         w = _mma_layout.unprepared_int4(ctx, b, scales, zero_points, n, k, bs)
-        _mma.nbits4(_mma.contiguous(ctx, a), w, bias, y, m, NULL)
+        _mma.nbits4(_mma.contiguous(ctx, a), w, bias, y, m, NULL, tuning=ctx.provider.tuning)
         return
     for r0, r1 in row_slices(m, 8):
         rt, grid, block, shared = config(r1 - r0, n, nb)

@@ -15,9 +15,10 @@ from core.opdefs import reduce_sum_sub_cast_supports as supports  # noqa: F401 -
 from providers.cuda import replay
 from providers.cuda.module import function
 from providers.cuda.ops import is_host
+from providers.cuda.paths import PATHS
 
 #: Launcher runs per path since import: "kernel" (rowsum_sub_i32) or "cupy" (the general path).
-_counts = {"kernel": 0, "cupy": 0}
+PATHS.declare("reduce_sum_sub_cast", ("kernel", "cupy"))
 
 #: Threads per row block of ``rowsum_sub_i32`` (kernels/mask.cu MASK_NT).
 THREADS = 128
@@ -29,7 +30,7 @@ DOMAIN = "lockstep"
 def stats() -> dict:
     """Launcher runs per path since import ({"kernel": n, "cupy": n}); tests read it to know
     which path a case took."""
-    return dict(_counts)
+    return PATHS.stats("reduce_sum_sub_cast")
 
 
 def run(ctx, data, axes, b):
@@ -40,17 +41,19 @@ def run(ctx, data, axes, b):
     keepdims = bool(ctx.node.attrs.get("keepdims", 1))
     to = helper.tensor_dtype_to_np_dtype(int(ctx.node.attrs["to"]))
     red = reduce_axes(ctx.node, axes, data.ndim)  # empty axes: every axis, as ReduceSum
+    if red is None:
+        raise ValueError("ReduceSumSubCast (cuda): empty axes with noop_with_empty_axes=1 reduce nothing")
     shape = tuple(1 if i in red else d for i, d in enumerate(data.shape) if keepdims or i not in red)
     if (is_host(b) and data.dtype == np.int64 and data.ndim == 2 and red == (1,) and np.size(b) == 1
             and np.broadcast_shapes(shape, np.shape(b)) == shape and to == np.int32 and data.flags.c_contiguous):
         out = ctx.output(0, shape, np.int32)
-        _counts["kernel"] += 1
+        PATHS.add("reduce_sum_sub_cast", "kernel")
         if data.shape[0]:
             kern = function("mask", "rowsum_sub_i32", ("rowsum_sub_i32",))
             shift = np.int64(np.asarray(b).reshape(-1)[0])
             kern((data.shape[0],), (THREADS,), (data, np.int64(data.shape[1]), shift, out))
         return (out,)
-    _counts["cupy"] += 1
+    PATHS.add("reduce_sum_sub_cast", "cupy")
     summed = cupy.sum(data, axis=red, keepdims=keepdims)
     bd = cupy.asarray(b)
     diff = summed - bd.astype(np.result_type(data.dtype, bd.dtype))

@@ -38,7 +38,8 @@ def run(ctx, x, w_gate, w_up):
                              f"[{k}, {n}]")
         y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
         if x.size:
-            _mma.dense(_mma.contiguous(ctx, x), w_gate, None, y, x.size // k, n, k, NULL, glu=True)
+            _mma.dense(_mma.contiguous(ctx, x), w_gate, None, y, x.size // k, n, k, NULL, glu=True,
+                       tuning=ctx.provider.tuning)
         return (y,)
     if (is_host(x) or is_host(w_gate) or is_host(w_up) or w_gate.ndim != 2 or w_up.shape != w_gate.shape
             or x.shape[-1] != w_gate.shape[0] or not x.dtype == w_gate.dtype == w_up.dtype):
@@ -51,7 +52,8 @@ def run(ctx, x, w_gate, w_up):
     if m == 0:
         return (y,)
     if matmul.uses_mma(x, k):
-        _mma.dense(x, _mma_layout.unprepared(ctx, w_gate, w_up), None, y, m, n, k, NULL, glu=True)
+        _mma.dense(x, _mma_layout.unprepared(ctx, w_gate, w_up), None, y, m, n, k, NULL, glu=True,
+                   tuning=ctx.provider.tuning)
         return (y,)
     gate, up = ctx.output("gate", y.shape, x.dtype), ctx.output("up", y.shape, x.dtype)
     matmul.fma(x, w_gate, gate, m, n, k)

@@ -95,7 +95,7 @@ def run(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
         y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
         if x.size:
             w = _mma_layout.Int4Weights(b_gate, scales_gate, zp_gate, _mma_layout.glu_width(n), k, bs)
-            _mma.nbits4(_mma.contiguous(ctx, x), w, None, y, x.size // k, NULL, glu_out=n)
+            _mma.nbits4(_mma.contiguous(ctx, x), w, None, y, x.size // k, NULL, glu_out=n, tuning=ctx.provider.tuning)
         return (y,)
     attrs = ctx.node.attrs
     k, n, bits, bs, nb = matmul_nbits.geometry(attrs, x, b_gate, scales_gate)
@@ -107,7 +107,7 @@ def run(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
         return (y,)
     if matmul_nbits.mma_config(x.dtype, bits, k, bs, zp_mode):  # a strided X is copied, as when prepared
         w = _unprepared(ctx, n, k, bs, (b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up))
-        _mma.nbits4(_mma.contiguous(ctx, x), w, None, y, m, NULL, glu_out=n)
+        _mma.nbits4(_mma.contiguous(ctx, x), w, None, y, m, NULL, glu_out=n, tuning=ctx.provider.tuning)
         return (y,)
     gate, up = ctx.output("gate", y.shape, x.dtype), ctx.output("up", y.shape, x.dtype)
     matmul_nbits.launch(ctx, attrs, x, b_gate, scales_gate, zp_gate, None, gate)
