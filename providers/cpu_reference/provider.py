@@ -10,6 +10,7 @@ from core.generation.sampling import sample_rows
 from core.ops import OpTable
 from core.protocol import Capabilities, NodeInfo
 from core.provider import ProviderBase
+from core.runtime import rowblocks
 from providers.cpu_reference import ops
 from providers.cpu_reference.argmax import argmax_rows
 
@@ -43,6 +44,12 @@ class CpuReferenceProvider(ProviderBase):
 
     def kernel(self, node: NodeInfo):
         return self._ops.kernel(node)
+
+    def row_blocks(self, node: NodeInfo, shape_of):
+        """The raw ONNX row split (:func:`core.runtime.rowblocks.onnx_rows`): the kernels' products
+        run in column chunks of ``ROW_ALIGN`` rows (``ops.rowwise_matmul``), so a block's
+        elements are bitwise the whole node's."""
+        return rowblocks.onnx_rows(node, shape_of)
 
     def node_timer(self):
         """The host clock (:class:`core.kernel_profile.HostNodeTimer`): the NumPy kernels have
