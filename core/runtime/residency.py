@@ -53,6 +53,7 @@ from typing import Sequence
 import attrs
 
 from core.runtime import rowblocks
+
 #: Tensors below this many bytes are always resident (policy rule 2).
 SMALL_BYTES = 256 * 1024
 #: Staging may take at most this fraction of the weight budget when the slot count is automatic.
@@ -385,7 +386,7 @@ def _admit(weights, order, candidates, budget: int, fixed: int, slots: int | Non
             raise BudgetError(
                 f"a weight budget of {_bytes(budget)} cannot hold the {_bytes(fixed)} that stay resident "
                 f"plus a staging ring of {n_slots} x {_bytes(slot_bytes)}")
-        resident = set()
+        resident: set[int] = set()
         for group in order:
             size = sum(page_bytes(page) for page in group)
             if size <= room:
@@ -418,7 +419,8 @@ def budget_for(weights: Sequence[Weight], fraction: float, slots: int | None = N
     while lo <= hi:
         mid = (lo + hi) // 2
         try:
-            ok = plan_residency(weights, mid, slots, mappable, splits, page_bytes).weight_bytes_streamed_per_step >= want
+            plan = plan_residency(weights, mid, slots, mappable, splits, page_bytes)
+            ok = plan.weight_bytes_streamed_per_step >= want
         except BudgetError:
             lo = mid + 1
             continue
