@@ -54,15 +54,16 @@ def evict(plan, residency: ResidencyPlan) -> None:
     host copies (:meth:`ProviderBase.stage`, made once), and give their device memory back,
     before anything new is allocated: a change of plan shrinks the device before it grows."""
     provider, staged = plan.provider, plan.staged_weights
-    moved = False
+    moved: set[str] = set()
     for name in (*residency.streamed_tensors, *residency.mapped):
         if name in staged:
             continue
         staged[name] = provider.stage(provider.download(plan.constants[name]))
         plan.constants[name] = staged[name]
-        moved = True
+        moved.add(name)
     if moved:
         _unwrap(plan)  # wrapped kernels keep nothing, but the dispatch may have chosen by the old values
+        forget(plan, moved)
         getattr(provider, "reset_peak", lambda: None)()
 
 
@@ -107,6 +108,7 @@ def apply(plan, residency: ResidencyPlan, stream, splits: dict | None = None) ->
             raise BudgetError(f"page {residency.pages[j]} is still read after page {residency.pages[j + slots]} "
                               f"needs its staging slot; use more staging slots than {slots}")
     _unwrap(plan)
+    was = dict(plan.constants)
     staged: dict = plan.staged_weights  # name -> staged host copy, kept for the plan's life
     mapped = set(residency.mapped)
     streaming = set(residency.streamed_tensors)
@@ -141,6 +143,7 @@ def apply(plan, residency: ResidencyPlan, stream, splits: dict | None = None) ->
     for name, views in blocked.items():
         plan.constants[name] = views[min(views)]  # what the node reads is a slot view (block 0's)
     plan.streamed_names = streaming
+    forget(plan, {name for name, value in plan.constants.items() if was.get(name) is not value})
     if pages:
         _wrap(plan, stream, items, readers, slots, first_device, _row_kernels(plan, blocked, splits or {}))
     provider.reset_peak()  # give the device copies of the streamed weights back to the device
@@ -161,6 +164,26 @@ def _row_kernels(plan, blocked: dict, splits: dict) -> dict[int, tuple]:
         views = [{k: blocked[x][r] for k, x in enumerate(node.inputs) if x in blocked} for r in ranges]
         out[pos] = (split, ranges, views)
     return out
+
+
+def forget(plan, names: set[str]) -> None:
+    """Empty the per-node caches (:attr:`core.protocol.KernelContext.cache`) of the nodes that
+    read a constant of ``names`` (one that moved: evicted, streamed, mapped or resident again).
+
+    Those caches hold what a kernel derived from its inputs, and the inputs themselves: the cuda
+    eager-replay memo keeps a node's last arguments (providers/cuda/replay.py), a dequantised or
+    converted weight keeps its source. Kept, they would hold a moved weight's old device copy
+    until the node next ran with other inputs, and the pool block after that: after a KV growth
+    re-plan the driver saw the evicted weights' bytes on top of the new plan (issue 38: 1.6 GiB
+    over an 8 GiB device budget at batch 32). Branch nodes (If) keep theirs: the executor
+    stores their constants there.
+    """
+    if not names:
+        return
+    branches = getattr(plan, "branches", {})
+    for i, node in enumerate(plan.nodes):
+        if i not in branches and any(x in names for x in node.inputs):
+            plan.contexts[i].cache.clear()
 
 
 def streamed(plan, name: str) -> bool:

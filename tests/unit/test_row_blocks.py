@@ -128,3 +128,29 @@ def test_the_page_size_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(rowblocks.PAGE_ENV, "lots")
     with pytest.raises(BudgetError, match="page size"):
         rowblocks.page_bytes()
+
+
+def _holds(value, target, depth=0) -> bool:
+    if value is target:
+        return True
+    if depth < 3 and isinstance(value, (tuple, list)):
+        return any(_holds(v, target, depth + 1) for v in value)
+    return False
+
+
+def test_a_replan_drops_what_node_caches_hold_of_the_weights_it_moves(tmp_path):
+    # fp16: each MatMul caches its fp32 conversion beside the weight it came from (as the cuda
+    # replay memo keeps a node's last arguments); a KV-growth re-plan must not leave those behind
+    folder = make_tiny_model(tmp_path / "m", dtype="float16", config=TinyConfig(layers=2, vocab=1024, tied=False),
+                             external=True)
+    weights = Runner(folder, CpuReferenceProvider()).plan.step_weight_bytes()
+    runner = Runner(folder, CpuReferenceProvider(), device_budget=2 * weights, page_bytes=4096)
+    assert not runner.residency.streams
+    tokens_and_logits(runner, ROWS[:2], steps=2)
+    before = dict(runner.plan.constants)
+    assert runner.reserve_kv(2 * weights - weights // 3) is not None  # the weights must give way
+    moved = {n for n in runner.residency.streamed_tensors if before.get(n) is not None}
+    assert moved
+    for name in moved:
+        for ctx in runner.plan.contexts:
+            assert not any(_holds(v, before[name]) for v in ctx.cache.values()), (name, ctx.node.name)
