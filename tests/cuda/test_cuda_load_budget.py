@@ -158,7 +158,8 @@ def test_row_block_pages_hold_the_budget_and_decode_bitwise(fp32_model, gpu):
     head_bytes = sum(w.nbytes for w in r.weights if w.node == head.node)
     load = meter.peak_bytes - meter.baseline_bytes
     print(f"fp32: smallest budget {budget / MIB:.1f} MiB with {page / MIB:.0f} MiB pages; {r.page_ins_per_step} "
-          f"pages per step, {r.row_block_pages} row blocks; slot {r.slot_bytes / MIB:.1f} MiB; load +{load / MIB:.1f} MiB")
+          f"pages per step, {r.row_block_pages} row blocks; slot {r.slot_bytes / MIB:.1f} MiB; "
+          f"load +{load / MIB:.1f} MiB")
     assert r.page_bytes == page and r.row_block_pages > 0 and len(pages) > 1  # the lm_head is cut
     # the slot is a page or an uncut node (a fused MLP), never the lm_head; the budget is below it
     assert r.slot_bytes < head_bytes / 2 and budget < head_bytes
