@@ -31,12 +31,14 @@ Admission policy (what stays resident, and why):
    would be several MLP pages) and keeps whichever of the two streams fewer bytes.
 
 Weights stream in pages: a page is the streamed weights one node reads (a fused MLP node reads
-four int4 tensors: gate and up codes and scales), copied together into one staging slot. The
+four int4 tensors: gate and up codes and scales), copied together into one staging slot, or a
+row block of a node the provider can cut (:mod:`core.runtime.rowblocks`: its output rows
+``a:b`` and those rows of its weights), so the page size, not the lm_head, sets the slot. The
 staging ring is ``slots`` device buffers of ``slot_bytes`` each (the largest page). Page j goes
 to slot ``j % slots``; its copy waits for the last reader of page ``j - slots``. The default
 ring holds one layer's streamed pages plus one (at least 2 slots), so copies run at least one
-layer ahead, capped so staging takes at most a quarter of the budget. Admission works on pages
-too: a node's weights are resident together or stream together.
+layer ahead, capped so staging takes at most a quarter of the budget. Admission works on nodes:
+a node's weights (all its row blocks) are resident together or stream together.
 
 Counters per step (:class:`ResidencyPlan` properties): ``weight_bytes_streamed_per_step``,
 ``page_ins_per_step`` (pages copied; once the ring is warm each copy also evicts the page the
