@@ -190,3 +190,27 @@ def test_fp16_and_int4_pages_are_row_blocks(big_model, gpu):
     budget = _smallest(big_model, gpu, 4 * MIB)
     runner = Runner(big_model, gpu, weight_budget=budget, page_bytes=4 * MIB)
     assert runner.residency.row_block_pages > 0
+
+
+def test_a_replan_gives_the_moved_weights_device_memory_back(big_model, gpu):
+    """KV growth under a device budget streams more weights: their device copies must go back at
+    once, though eager replay had kept every node's last arguments (providers/cuda/replay.py)."""
+    _free(gpu)
+    runner = Runner(big_model, gpu, device_budget=3 * Runner(big_model, gpu).weight_bytes)
+    _free(gpu)
+    total = runner.weight_bytes
+    assert not runner.residency.streams
+    _trace(runner, _rows(8, runner.model.config.vocab_size), 4, capture=False)  # replay memos filled
+    pool = gpu.cupy.get_default_memory_pool()
+    gc.collect()
+    before = pool.used_bytes()
+    assert runner.reserve_kv(3 * total - total // 2) is not None  # half the weights must give way
+    gc.collect()
+    r = runner.residency
+    moved = sum(w.nbytes for w in r.weights if w.name in set(r.streamed))
+    freed = before - pool.used_bytes()
+    print(f"re-plan: {moved / MIB:.0f} MiB streamed now, {freed / MIB:.0f} MiB given back, ring "
+          f"{r.staging_bytes / MIB:.0f} MiB")
+    assert moved > 0 and freed >= moved - r.staging_bytes - SLACK
+    del runner
+    _free(gpu)
