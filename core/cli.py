@@ -756,6 +756,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context", type=_positive_int, default=2048, help="KV tokens per row (default: %(default)s)")
     g.add_argument("--staging-slots", type=_positive_int, default=None, help="staging ring slots "
                    "(default: one layer's streamed pages plus one)")
+    g.add_argument("--page-size", default=None, metavar="BYTES", help="page size of streamed row blocks, "
+                   "bytes or a size (64MiB) (default: $LOCKSTEP_PAGE_BYTES, else the largest node that cannot "
+                   "be cut, at least 64 MiB)")
     g.add_argument("--h2d-gbps", type=float, default=None, help="host-to-device GB/s for the copy floor "
                    "(default: measured by the provider)")
     g.add_argument("--json", action="store_true", help="print the rows as JSON")

@@ -41,6 +41,8 @@ class Counters:
         weight_bytes_resident: per-step weights kept on the device.
         weight_bytes_streamed_per_step: host-to-device weight bytes one step copies.
         staging_bytes: device bytes of the staging ring.
+        page_bytes: the page size large nodes stream in (row blocks; 0: whole nodes only).
+        row_block_pages_per_step: pages per step that are row blocks of a node's output rows.
         htod_bytes: weight bytes copied host-to-device so far (prefill and decode).
         htod_bytes_per_token: decode-step weight bytes copied per generated token (per row).
         page_ins, page_ins_per_token: weight copies into staging slots (all; per decode token).
@@ -76,6 +78,8 @@ class Counters:
     weight_bytes_resident: int = 0
     weight_bytes_streamed_per_step: int = 0
     staging_bytes: int = 0
+    page_bytes: int = 0
+    row_block_pages_per_step: int = 0
     htod_bytes: int = 0
     htod_bytes_per_token: float = 0.0
     page_ins: int = 0
@@ -93,7 +97,7 @@ class Counters:
         self.weight_bytes = weight_bytes
         self.weight_budget = summary["weight_budget"]
         for name in ("weight_bytes_resident", "weight_bytes_streamed_per_step", "staging_bytes", "hit_rate",
-                     "byte_hit_rate"):
+                     "byte_hit_rate", "page_bytes", "row_block_pages_per_step"):
             setattr(self, name, summary[name])
 
     def add_streamed(self, nbytes: int, copies: int, slots: int, decode_tokens: int = 0) -> None:

@@ -26,7 +26,7 @@ from core import fusion
 from core.executor import GATHER_OPS, WeightRead, is_host_constant, node_infos
 from core.models.model import Model, load_model
 from core.opdefs import constant_supports, constant_value
-from core.runtime import residency
+from core.runtime import residency, rowblocks
 
 #: Ops whose folded output has the bytes of their first input.
 _VIEWS = ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")
@@ -62,7 +62,8 @@ class BatchPlan:
                 "weight_bytes_resident": r.weight_bytes_resident,
                 "weight_bytes_streamed_per_step": r.weight_bytes_streamed_per_step,
                 "weight_bytes_mapped": r.weight_bytes_mapped, "staging_slots": r.slots,
-                "slot_bytes": r.slot_bytes, "pages_per_step": r.page_ins_per_step,
+                "slot_bytes": r.slot_bytes, "pages_per_step": r.page_ins_per_step, "page_bytes": r.page_bytes,
+                "row_block_pages_per_step": r.row_block_pages,
                 "copy_floor_ms": None if self.copy_floor_s is None else self.copy_floor_s * 1e3,
                 "expected_tok_s": self.expected_tok_s}
 
@@ -140,6 +141,25 @@ def header_weights(model: Model, provider: Any = None) -> tuple[residency.Weight
     return (*weights, residency.Weight("(constants no step reads)", other, True, -1)) if other else weights
 
 
+def header_splits(model: Model, provider: Any = None) -> dict:
+    """The nodes of ``model`` that ``provider`` runs in row blocks
+    (:func:`core.runtime.rowblocks.node_splits`), from the header: the initializers' shapes."""
+    if provider is None:
+        from providers.cpu_reference.provider import CpuReferenceProvider
+
+        provider = CpuReferenceProvider()
+    from core.opdefs import is_host
+
+    header = _Header(model, provider.supports, not is_host(provider.allocate((1,), np.float32)))
+    inits = model.initializers
+
+    def shape_of(name: str) -> tuple[int, ...] | None:
+        value = inits.get(name)
+        return None if value is None else tuple(value.shape)
+
+    return rowblocks.node_splits(header.nodes, header.steps, provider.row_blocks, shape_of)
+
+
 def kv_bytes(model: Model, batch: int, context: int) -> int:
     """KV cache bytes of ``batch`` rows of ``context`` tokens (keys and values, every layer)."""
     c = model.config
@@ -167,7 +187,7 @@ def expected_rate(streamed: int, resident: int, batch: int, provider: Any = None
 def plan_model(model: Model | str, batches: Sequence[int], context: int, provider: Any = None,
                device_budget: int | str | None = None, weight_budget: int | float | str | None = None,
                slots: int | None = None, h2d: float | None = None,
-               device_bw: float | None = None) -> list[BatchPlan]:
+               device_bw: float | None = None, page_bytes: int | str | None = None) -> list[BatchPlan]:
     """The plan of each batch size (module docstring).
 
     Args:
@@ -179,6 +199,7 @@ def plan_model(model: Model | str, batches: Sequence[int], context: int, provide
             fraction of the weight bytes). Neither: everything resident.
         slots: staging slots (default: the planner's).
         h2d, device_bw: bandwidths in bytes/s replacing the provider's measurements.
+        page_bytes: the page size of row blocks (as the Runner's; default ``LOCKSTEP_PAGE_BYTES``).
 
     Returns:
         one :class:`BatchPlan` per batch size; one whose budget is too small carries the reason
@@ -190,6 +211,7 @@ def plan_model(model: Model | str, batches: Sequence[int], context: int, provide
     if not isinstance(model, Model):
         model = load_model(model)
     weights = header_weights(model, provider)
+    splits, page = header_splits(model, provider), rowblocks.page_bytes(page_bytes)
     total = sum(w.nbytes for w in weights)
     device = residency.parse_budget(device_budget, total, fractions=False)
     budget = residency.parse_budget(weight_budget, total)
@@ -208,7 +230,7 @@ def plan_model(model: Model | str, batches: Sequence[int], context: int, provide
                 out.append(BatchPlan(b, kv, None, error=f"the {kv:,} bytes of KV fill the device budget"))
                 continue
         try:
-            r = residency.plan_residency(weights, wb, slots, mappable)
+            r = residency.plan_residency(weights, wb, slots, mappable, splits, page)
         except residency.BudgetError as exc:
             out.append(BatchPlan(b, kv, None, error=str(exc)))
             continue
@@ -241,7 +263,7 @@ def main(a, console) -> int:
     h2d = a.h2d_gbps * 1e9 if a.h2d_gbps else None
     model = load_model(a.model)
     rows = plan_model(model, a.batch, a.context, provider, a.device_budget, a.weight_budget, a.staging_slots,
-                      h2d=h2d)
+                      h2d=h2d, page_bytes=a.page_size)
     if a.json:
         print(json.dumps({"model": str(model.folder), "provider": a.provider, "context": a.context,
                           "device_budget": a.device_budget, "weight_budget": a.weight_budget,
@@ -258,7 +280,7 @@ def main(a, console) -> int:
         if r is None:
             table.add_row(str(p.batch), f"{p.kv_bytes / gb:.2f}", *["-"] * 7)
             continue
-        ring = f"{r.slots} x {r.slot_bytes / 2**20:.0f} MiB" if r.slots else "-"
+        ring = f"{r.slots} x {r.slot_bytes / 2**20:.0f} MiB, {r.page_ins_per_step} pages" if r.slots else "-"
         table.add_row(str(p.batch), f"{p.kv_bytes / gb:.2f}", "-" if r.budget is None else f"{r.budget / gb:.2f}",
                       f"{r.weight_bytes_resident / gb:.2f}", f"{r.weight_bytes_mapped / gb:.2f}",
                       f"{r.weight_bytes_streamed_per_step / gb:.2f}", ring,

@@ -409,6 +409,11 @@ class ExecutionProvider(Protocol):
         """Optional: the switches set outside the code that change how the provider runs
         (default: {})."""
 
+    def row_blocks(self, node: NodeInfo, shape_of: Callable[[str], tuple[int, ...] | None]) -> Any:
+        """Optional: how ``node`` runs on a block of its output rows when its weights stream as
+        row-block pages (:class:`core.runtime.rowblocks.RowSplit`), or None: it streams whole
+        (default: None, no node splits)."""
+
 
 #: Members every provider object must have (checked at load, named in the error).
 REQUIRED_MEMBERS = (

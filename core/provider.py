@@ -62,6 +62,7 @@ OPTIONAL_DEFAULTS: dict[str, Callable[[Any], Callable[..., Any]]] = {
     "free_device_bytes": lambda p: _none,  # unbounded or unknown
     "node_timer": lambda p: _none,  # cannot time its nodes
     "settings": lambda p: dict,  # no switches
+    "row_blocks": lambda p: _none,  # every node streams whole
 }
 
 
@@ -309,6 +310,13 @@ class ProviderBase:
         """A tensor kernels read in place over a :meth:`stage` copy (a gathered table: a step
         reads B rows of it from host memory). On a host provider the copy itself."""
         return staged
+
+    def row_blocks(self, node: Any, shape_of: Any) -> Any:
+        """How ``node`` runs on a block of its output rows when its weights stream as row-block
+        pages (:class:`core.runtime.rowblocks.RowSplit`), or None: it streams whole (the
+        default). A provider declares it only for kernels that compute every output element of
+        a block bitwise as the whole node does (``shape_of``: constant name -> shape or None)."""
+        return None
 
     def weight_stream(self, slots: int, slot_bytes: int) -> WeightStream:
         """A staging ring of ``slots`` device buffers of ``slot_bytes`` for weight streaming

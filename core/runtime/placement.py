@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from core.opdefs import is_host
-from core.runtime import residency
+from core.runtime import residency, rowblocks
 
 #: Device bytes a prepare hook may hold per raw byte of its node's weights: the raw upload,
 #: the prepared form and one transient copy (a transpose of the padded weight).
@@ -47,6 +47,7 @@ class BudgetPlacer:
         budget: device bytes for the weights and the staging ring.
         slots: staging slots (None: the planner's default).
         mappable: gathered tables may be mapped from pinned host memory.
+        page_bytes: the page size of row blocks (:mod:`core.runtime.rowblocks`; None: default).
 
     Attributes:
         predicted: the residency plan from the raw sizes (set by :meth:`start`).
@@ -57,8 +58,8 @@ class BudgetPlacer:
         host_prepared: nodes whose prepare hook ran on the host arrays.
     """
 
-    def __init__(self, budget: int, slots: int | None = None, mappable: bool = False):
-        self.budget, self.slots, self.mappable = int(budget), slots, mappable
+    def __init__(self, budget: int, slots: int | None = None, mappable: bool = False, page_bytes: int | None = None):
+        self.budget, self.slots, self.mappable, self.page_bytes = int(budget), slots, mappable, page_bytes
         self.predicted: residency.ResidencyPlan | None = None
         self.decisions: dict[str, str] = {}
         self.resident_bytes = self.peak_bytes = 0
@@ -76,9 +77,11 @@ class BudgetPlacer:
                 plus a staging ring (the message names the smallest working budget).
         """
         weights = residency.weights_of(plan)
-        self.predicted = p = residency.plan_residency(weights, self.budget, self.slots, self.mappable)
+        splits = rowblocks.plan_splits(plan)
+        self.predicted = p = residency.plan_residency(weights, self.budget, self.slots, self.mappable, splits,
+                                                      self.page_bytes)
         streamed = set(p.streamed)
-        self._streamed_pages = {w.page for w in weights if w.name in streamed}
+        self._streamed_pages = {w.node or w.page for w in p.weights if w.name in streamed}
         self._mapped = set(p.mapped)
         self._pinned = {x for w in weights if residency._pinned(w) for x in (w.name, *w.aliases)} - self._mapped
         self._preloaded = {name for name in plan.constants if name not in plan._pending}

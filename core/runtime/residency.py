@@ -31,12 +31,14 @@ Admission policy (what stays resident, and why):
    would be several MLP pages) and keeps whichever of the two streams fewer bytes.
 
 Weights stream in pages: a page is the streamed weights one node reads (a fused MLP node reads
-four int4 tensors: gate and up codes and scales), copied together into one staging slot. The
+four int4 tensors: gate and up codes and scales), copied together into one staging slot, or a
+row block of a node the provider can cut (:mod:`core.runtime.rowblocks`: its output rows
+``a:b`` and those rows of its weights), so the page size, not the lm_head, sets the slot. The
 staging ring is ``slots`` device buffers of ``slot_bytes`` each (the largest page). Page j goes
 to slot ``j % slots``; its copy waits for the last reader of page ``j - slots``. The default
 ring holds one layer's streamed pages plus one (at least 2 slots), so copies run at least one
-layer ahead, capped so staging takes at most a quarter of the budget. Admission works on pages
-too: a node's weights are resident together or stream together.
+layer ahead, capped so staging takes at most a quarter of the budget. Admission works on nodes:
+a node's weights (all its row blocks) are resident together or stream together.
 
 Counters per step (:class:`ResidencyPlan` properties): ``weight_bytes_streamed_per_step``,
 ``page_ins_per_step`` (pages copied; once the ring is warm each copy also evicts the page the
@@ -51,6 +53,8 @@ import re
 from typing import Sequence
 
 import attrs
+
+from core.runtime import rowblocks
 
 #: Tensors below this many bytes are always resident (policy rule 2).
 SMALL_BYTES = 256 * 1024
@@ -79,6 +83,15 @@ class Weight:
     page: str = ""
     readers: int = 1
     aliases: tuple[str, ...] = ()
+    #: a row block (core.runtime.rowblocks): the whole constant, its rows of N and its node
+    source: str = ""
+    rows: tuple[int, int] | None = None
+    node: str = ""
+
+    @property
+    def tensor(self) -> str:
+        """The plan constant this weight is (a row block: the whole constant it is cut from)."""
+        return self.source or self.name
 
 
 def _aligned(n: int) -> int:
@@ -96,6 +109,8 @@ class ResidencyPlan:
         slots, slot_bytes: the staging ring (0 slots when nothing streams).
         mapped: gathered tables read from pinned host memory (policy rule 1): neither resident
             nor streamed.
+        page_bytes: the page size large nodes were cut to (row blocks, :mod:`core.runtime.rowblocks`);
+            0 when no node can be cut.
     """
 
     budget: int | None
@@ -104,6 +119,19 @@ class ResidencyPlan:
     slots: int = 0
     slot_bytes: int = 0
     mapped: tuple[str, ...] = ()
+    page_bytes: int = 0
+
+    @property
+    def streamed_tensors(self) -> tuple[str, ...]:
+        """The plan constants that stream (a row-blocked weight once), in execution order."""
+        tensor = {w.name: w.tensor for w in self.weights}
+        return tuple(dict.fromkeys(tensor[name] for name in self.streamed))
+
+    @property
+    def row_block_pages(self) -> int:
+        """Pages per step that are row blocks of a node (a part of its output rows)."""
+        rows = {w.name for w in self.weights if w.rows is not None}
+        return sum(1 for page in self.pages if page[0] in rows)
 
     @property
     def streamed(self) -> tuple[str, ...]:
@@ -175,6 +203,8 @@ class ResidencyPlan:
             "weight_bytes_mapped": self.weight_bytes_mapped,
             "staging_bytes": self.staging_bytes,
             "staging_slots": self.slots,
+            "page_bytes": self.page_bytes,
+            "row_block_pages_per_step": self.row_block_pages,
             "hit_rate": self.hit_rate,
             "byte_hit_rate": self.byte_hit_rate,
         }
@@ -253,7 +283,8 @@ def parse_budget(value, total: int, fractions: bool = True) -> int | None:
 
 
 def plan_residency(weights: Sequence[Weight], budget: int | None, slots: int | None = None,
-                   mappable: bool = False) -> ResidencyPlan:
+                   mappable: bool = False, splits: dict | None = None, page_bytes: int | None = None
+                   ) -> ResidencyPlan:
     """The residency plan for ``budget`` bytes of device weight memory (staging included).
 
     Args:
@@ -262,24 +293,35 @@ def plan_residency(weights: Sequence[Weight], budget: int | None, slots: int | N
         budget: bytes, or None for everything resident.
         slots: staging slots (>= 2), or None for the default (module docstring).
         mappable: the provider can read gathered tables from pinned host memory (rule 1).
+        splits: the nodes that can run in row blocks (:func:`core.runtime.rowblocks.node_splits`);
+            their weights above the page size stream as pages of ``page_bytes`` (None: the
+            default, :func:`core.runtime.rowblocks.default_page_bytes`).
 
     Raises:
         BudgetError: the budget cannot hold the always-resident weights plus a staging ring
             (the message gives the smallest budget that works), or ``slots`` < 2.
     """
+    weights, page = _split(weights, splits, page_bytes)
     try:
-        return _plan(tuple(weights), budget, slots, mappable)
+        return attrs.evolve(_plan(weights, budget, slots, mappable), page_bytes=page)
     except BudgetError as exc:
         if budget is None or "at least 2 slots" in str(exc):
             raise
-        smallest = _smallest(tuple(weights), slots, mappable)
+        smallest = _smallest(weights, slots, mappable)
         raise BudgetError(f"{exc}; the smallest working budget is {_bytes(smallest)}") from None
 
 
-def smallest_budget(weights: Sequence[Weight], slots: int | None = None, mappable: bool = False) -> int:
+def _split(weights: Sequence[Weight], splits: dict | None, page_bytes: int | None) -> tuple[tuple[Weight, ...], int]:
+    if not splits:
+        return tuple(weights), 0
+    return rowblocks.split_weights(weights, splits, page_bytes, _pinned)
+
+
+def smallest_budget(weights: Sequence[Weight], slots: int | None = None, mappable: bool = False,
+                    splits: dict | None = None, page_bytes: int | None = None) -> int:
     """The smallest weight budget :func:`plan_residency` finds a plan for (one byte less is
-    refused with this number)."""
-    return _smallest(tuple(weights), slots, mappable)
+    refused with this number); ``splits``, ``page_bytes``: as there."""
+    return _smallest(_split(weights, splits, page_bytes)[0], slots, mappable)
 
 
 def _plan(weights: Sequence[Weight], budget: int | None, slots: int | None = None,
@@ -303,12 +345,16 @@ def _plan(weights: Sequence[Weight], budget: int | None, slots: int | None = Non
         raise BudgetError(f"a budget of {_bytes(budget)} is below the {_bytes(fixed)} of weights that "
                           "must stay resident (gathered tables and small tensors)")
     candidates = list(pages.values())
+    units: dict[str, list] = {}  # a node's row blocks are admitted together: resident or all streamed
+    for key, page in pages.items():
+        units.setdefault(page[0].node or key, []).append(page)
+    groups = list(units.values())
     best = None
-    # two admission orders: execution order, and the largest page first (it sets the slot size:
+    # two admission orders: execution order, and the largest node first (it sets the slot size:
     # keeping the lm_head resident shrinks every slot); the one streaming fewer bytes wins
-    largest = max(candidates, key=lambda page: sum(w.nbytes for w in page))
+    largest = max(groups, key=lambda group: sum(w.nbytes for page in group for w in page))
     error: BudgetError | None = None
-    for order, keep in ((candidates, None), ([largest] + [p for p in candidates if p is not largest], largest)):
+    for order, keep in ((groups, None), ([largest] + [g for g in groups if g is not largest], largest)):
         try:
             plan = attrs.evolve(_admit(weights, order, candidates, budget, fixed, slots, keep), mapped=mapped)
         except BudgetError as exc:
@@ -323,15 +369,17 @@ def _plan(weights: Sequence[Weight], budget: int | None, slots: int | None = Non
 
 
 def _admit(weights, order, candidates, budget: int, fixed: int, slots: int | None, keep=None) -> ResidencyPlan:
-    """Admit pages in ``order`` while they fit; the rest stream (in execution order). ``keep``:
-    a page assumed resident when sizing the first ring (it must then fit)."""
+    """Admit nodes (``order``: lists of pages, a node's row blocks together) while they fit; the
+    rest stream (in execution order). ``keep``: a node assumed resident when sizing the first
+    ring (it must then fit)."""
     def page_bytes(page):
         return sum(w.nbytes for w in page)
 
     def slot_size(pages):
         return max((sum(_aligned(w.nbytes) for w in page) for page in pages), default=0)
 
-    slot_bytes = slot_size([p for p in candidates if p is not keep])
+    kept = {id(p) for p in keep or ()}
+    slot_bytes = slot_size([p for p in candidates if id(p) not in kept])
     streamed: list = []
     for _ in range(3):  # the ring size depends on what streams; later passes use the real one
         n_slots = slots or _default_slots(streamed or candidates, slot_bytes, budget)
@@ -340,11 +388,12 @@ def _admit(weights, order, candidates, budget: int, fixed: int, slots: int | Non
             raise BudgetError(
                 f"a weight budget of {_bytes(budget)} cannot hold the {_bytes(fixed)} that stay resident "
                 f"plus a staging ring of {n_slots} x {_bytes(slot_bytes)}")
-        resident = set()
-        for page in order:
-            if page_bytes(page) <= room:
-                room -= page_bytes(page)
-                resident.add(id(page))
+        resident: set[int] = set()
+        for group in order:
+            size = sum(page_bytes(page) for page in group)
+            if size <= room:
+                room -= size
+                resident.update(id(page) for page in group)
         streamed = [page for page in candidates if id(page) not in resident]
         if not streamed or slot_size(streamed) == slot_bytes:
             break
@@ -356,10 +405,11 @@ def _admit(weights, order, candidates, budget: int, fixed: int, slots: int | Non
                          max(n_slots, 1), slot_bytes)
 
 
-def budget_for(weights: Sequence[Weight], fraction: float, slots: int | None = None, mappable: bool = False) -> int:
+def budget_for(weights: Sequence[Weight], fraction: float, slots: int | None = None, mappable: bool = False,
+               splits: dict | None = None, page_bytes: int | None = None) -> int:
     """The largest budget whose plan streams at least ``fraction`` of the streamable bytes (the
     weights the admission policy does not pin), found by bisection over :func:`plan_residency`
-    (``mappable``: as there).
+    (``mappable``, ``splits``, ``page_bytes``: as there).
 
     Raises:
         BudgetError: no budget streams that much (the staging ring alone would not fit).
@@ -371,7 +421,8 @@ def budget_for(weights: Sequence[Weight], fraction: float, slots: int | None = N
     while lo <= hi:
         mid = (lo + hi) // 2
         try:
-            ok = plan_residency(weights, mid, slots, mappable).weight_bytes_streamed_per_step >= want
+            plan = plan_residency(weights, mid, slots, mappable, splits, page_bytes)
+            ok = plan.weight_bytes_streamed_per_step >= want
         except BudgetError:
             lo = mid + 1
             continue
@@ -403,7 +454,8 @@ def _smallest(weights: Sequence[Weight], slots: int | None, mappable: bool = Fal
 
 def _pinned(w: Weight) -> bool:
     # a weight other constants view stays: streaming it would leave the views' memory behind
-    return w.gathered or w.nbytes < SMALL_BYTES or w.readers > 1 or bool(w.aliases)
+    # a row block is as small as its page makes it: never pinned for its size
+    return w.gathered or (w.nbytes < SMALL_BYTES and w.rows is None) or w.readers > 1 or bool(w.aliases)
 
 
 def _mappable(w: Weight) -> bool:

@@ -25,7 +25,7 @@ from core.executor import Plan
 from core.models.model import Model, load_model
 from core.plugins import get_provider
 from core.runtime import kv as kvgeo
-from core.runtime import placement, residency, ring, streaming
+from core.runtime import placement, residency, ring, rowblocks, streaming
 
 log = logging.getLogger("lockstep")
 
@@ -50,6 +50,9 @@ class Runner:
             decode states allocate or commit KV, the weight budget shrinks and the residency
             plan changes (more weights stream); graphs captured under the old plan are
             invalidated with the reason, and the request goes on.
+        page_bytes: the page size of streamed row blocks (core.runtime.rowblocks): bytes or a
+            size ("64MiB"); default ``LOCKSTEP_PAGE_BYTES``, else the largest node that cannot
+            be cut, at least 64 MiB. The staging slot is this size, so no single node sets it.
 
     Thread safety: one Runner may serve sessions on several threads. Every call that runs the
     plan or changes the runner's state (a session's prefill, step, read, discard, rewind,
@@ -80,7 +83,8 @@ class Runner:
 
     def __init__(self, model: str | Path | Model, provider: Any = "cpu_reference",
                  kv_layout: str = "head_major", weight_budget: int | float | str | None = None,
-                 staging_slots: int | None = None, device_budget: int | str | None = None):
+                 staging_slots: int | None = None, device_budget: int | str | None = None,
+                 page_bytes: int | str | None = None):
         if kv_layout not in kvgeo.LAYOUTS:
             raise kvgeo.KVLayoutError(f"kv_layout must be one of {kvgeo.LAYOUTS}, got {kv_layout!r}")
         self.provider = get_provider(provider)
@@ -100,6 +104,8 @@ class Runner:
         self.weight_budget = weight_budget
         self.stream = None
         self._slots = staging_slots
+        #: the page size of row-blocked weights (None: core.runtime.rowblocks.default_page_bytes)
+        self.page_bytes = rowblocks.page_bytes(page_bytes)
         raw = self.model.weight_bytes()  # the initializers' sizes (memory maps: nothing read)
         self.device_budget = residency.parse_budget(device_budget, raw, fractions=False)
         self.kv_device_bytes = 0  # KV bytes held by this runner's decode states
@@ -112,7 +118,7 @@ class Runner:
         #: the load-time placement (core.runtime.placement), or None: every weight uploaded
         self.placer = None
         if budget is not None and budget < raw and self.provider.capabilities().weight_streaming:
-            self.placer = placement.BudgetPlacer(budget, staging_slots, mappable=True)
+            self.placer = placement.BudgetPlacer(budget, staging_slots, mappable=True, page_bytes=self.page_bytes)
         before = getattr(self.provider, "uploaded_bytes", 0)
         start = time.perf_counter()
         try:
@@ -121,6 +127,7 @@ class Runner:
             raise self._budget_error(exc, weight_budget) from None
         self.weight_upload_bytes = getattr(self.provider, "uploaded_bytes", 0) - before
         self._weights = residency.weights_of(self.plan)
+        self._splits = rowblocks.plan_splits(self.plan)
         total = sum(w.nbytes for w in self._weights)
         self._other_bytes = self.plan.weight_bytes() - total  # constants no step reads (folded inputs)
         self.replans = 0
@@ -164,7 +171,7 @@ class Runner:
         """Device bytes of resident constants (the staging ring not included)."""
         # the slot views of streamed weights and the host views of mapped tables stand in the
         # plan's constants: not resident bytes
-        return self.plan.weight_bytes(exclude=set(self.residency.streamed) | set(self.residency.mapped))
+        return self.plan.weight_bytes(exclude=set(self.residency.streamed_tensors) | set(self.residency.mapped))
 
     def _plan_residency(self, budget: int | None) -> residency.ResidencyPlan:
         """The residency plan for ``budget`` bytes (module core.runtime.residency), applied to
@@ -173,7 +180,7 @@ class Runner:
         other = residency.Weight("(constants no step reads)", self._other_bytes, True, -1)
         mappable = bool(self.provider.capabilities().weight_streaming)
         plan = residency.plan_residency((*self._weights, other) if self._other_bytes else self._weights,
-                                        budget, self._slots, mappable)
+                                        budget, self._slots, mappable, self._splits, self.page_bytes)
         if plan.streams and not self.provider.capabilities().weight_streaming:
             raise residency.BudgetError(f"provider {self.provider.name!r} cannot stream weights "
                                         "(capabilities().weight_streaming is False)")
@@ -183,7 +190,7 @@ class Runner:
             if self.stream is None or ring != (len(self.stream.slots), self.stream.slots[0].nbytes):
                 self.stream = None
                 self.stream = self.provider.weight_stream(*ring) if plan.streams else None
-            streaming.apply(self.plan, plan, self.stream)
+            streaming.apply(self.plan, plan, self.stream, self._splits)
         return plan
 
     def memory(self, state=None) -> DeviceMemory:

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from core.runtime import rowblocks
 from core.runtime.residency import BudgetError, ResidencyPlan
 
 
@@ -53,55 +54,67 @@ def evict(plan, residency: ResidencyPlan) -> None:
     host copies (:meth:`ProviderBase.stage`, made once), and give their device memory back,
     before anything new is allocated: a change of plan shrinks the device before it grows."""
     provider, staged = plan.provider, plan.staged_weights
-    moved = False
-    for name in (*residency.streamed, *residency.mapped):
+    moved: set[str] = set()
+    for name in (*residency.streamed_tensors, *residency.mapped):
         if name in staged:
             continue
         staged[name] = provider.stage(provider.download(plan.constants[name]))
         plan.constants[name] = staged[name]
-        moved = True
+        moved.add(name)
     if moved:
         _unwrap(plan)  # wrapped kernels keep nothing, but the dispatch may have chosen by the old values
+        forget(plan, moved)
         provider.reset_peak()
 
 
-def apply(plan, residency: ResidencyPlan, stream) -> None:
+def apply(plan, residency: ResidencyPlan, stream, splits: dict | None = None) -> None:
     """Stream ``residency.pages`` through ``stream`` on every run of ``plan`` and read the
     mapped tables in place from their staged host copies (again after a re-plan: weights kept
     in host memory that the plan keeps resident now are uploaded back, newly streamed ones
-    staged; :func:`evict` first gives the device copies of those back).
+    staged; :func:`evict` first gives the device copies of those back). A node whose weights
+    stream as row blocks runs once per block (:class:`core.runtime.rowblocks.RowBlockKernel`).
 
     Args:
         plan: a :class:`core.executor.Plan`.
         residency: what streams (:func:`core.runtime.residency.plan_residency`).
         stream: the provider's :class:`core.provider.WeightStream` (``slots`` slots), or None
             when nothing streams.
+        splits: the row splits the plan was made with (:func:`core.runtime.rowblocks.node_splits`).
 
     Raises:
         BudgetError: a page is read again after the page ``slots`` later needs its slot
             (a larger ring, or those weights resident, is needed).
     """
     provider, slots = plan.provider, residency.slots
+    weight = {w.name: w for w in residency.weights}
     page_of = {name: j for j, page in enumerate(residency.pages) for name in page}
-    readers = defaultdict(list)  # page -> positions (in plan.steps) of the nodes reading it
+    block_pages: defaultdict[str, list[int]] = defaultdict(list)  # row-blocked constant -> its pages
+    for name, j in page_of.items():
+        if weight[name].rows is not None:
+            block_pages[weight[name].source].append(j)
+    readers = defaultdict(list)  # page -> (position in plan.steps, block) of the nodes reading it
     first_device = None
     for pos, i in enumerate(plan.steps):
         for x in plan.nodes[i].inputs:
             if x in page_of:
-                readers[page_of[x]].append(pos)
+                readers[page_of[x]].append((pos, 0))
+            for k, j in enumerate(block_pages.get(x, ())):
+                readers[j].append((pos, k))
             if first_device is None and x in plan.constants and not isinstance(plan.constants[x], np.ndarray):
-                first_device = pos
+                first_device = (pos, 0)
     pages = len(residency.pages)
     for j in range(pages - slots):
         if max(readers[j]) >= min(readers[j + slots]):
             raise BudgetError(f"page {residency.pages[j]} is still read after page {residency.pages[j + slots]} "
                               f"needs its staging slot; use more staging slots than {slots}")
     _unwrap(plan)
+    was = dict(plan.constants)
     staged: dict = plan.staged_weights  # name -> staged host copy, kept for the plan's life
     mapped = set(residency.mapped)
+    streaming = set(residency.streamed_tensors)
     away = set(getattr(plan, "streamed_names", ())) | set(getattr(plan, "mapped_names", ()))
     away |= {name for name, host in staged.items() if plan.constants.get(name) is host}
-    for name in sorted(away - set(page_of) - mapped):
+    for name in sorted(away - streaming - mapped):
         plan.constants[name] = provider.upload(staged[name])  # resident again
     for name in sorted(mapped - set(getattr(plan, "mapped_names", ()))):
         if name not in staged:
@@ -110,18 +123,67 @@ def apply(plan, residency: ResidencyPlan, stream) -> None:
     plan.mapped_names = mapped
     place = residency.placement()
     items: list[list] = [[] for _ in range(pages)]
+    blocked: dict[str, dict[tuple[int, int], Any]] = defaultdict(dict)  # constant -> rows -> slot view
     for name, j in page_of.items():
-        value = plan.constants[name]
-        if name not in staged:
-            staged[name] = provider.stage(provider.download(value))
+        w = weight[name]
+        value = plan.constants[w.tensor]
+        if w.tensor not in staged:
+            staged[w.tensor] = provider.stage(provider.download(value))
+        host = staged[w.tensor]
+        if w.rows is not None:
+            n, axes = (splits or {})[w.node]
+            host = rowblocks.block_of(host, axes[w.source], n, *w.rows)
         slot, offset = place[name]
-        view = stream.view(slot, offset, tuple(value.shape), value.dtype)
-        items[j].append((staged[name], view))
-        plan.constants[name] = view
-    plan.streamed_names = set(page_of)
+        view = stream.view(slot, offset, tuple(host.shape), host.dtype)
+        items[j].append((host, view))
+        if w.rows is None:
+            plan.constants[name] = view
+        else:
+            blocked[w.source][w.rows] = view
+    for name, views in blocked.items():
+        plan.constants[name] = views[min(views)]  # what the node reads is a slot view (block 0's)
+    plan.streamed_names = streaming
+    forget(plan, {name for name, value in plan.constants.items() if was.get(name) is not value})
     if pages:
-        _wrap(plan, stream, items, readers, slots, first_device)
+        _wrap(plan, stream, items, readers, slots, first_device, _row_kernels(plan, blocked, splits or {}))
     provider.reset_peak()  # give the device copies of the streamed weights back to the device
+
+
+def _row_kernels(plan, blocked: dict, splits: dict) -> dict[int, tuple]:
+    """Position in ``plan.steps`` -> (RowSplit, ranges, per-block views by input position) of the
+    nodes that run in row blocks."""
+    out = {}
+    for pos, i in enumerate(plan.steps):
+        node = plan.nodes[i]
+        inputs = [x for x in node.inputs if x in blocked]
+        if not inputs:
+            continue
+        n, axes = splits[node.name]
+        ranges = sorted(blocked[inputs[0]])
+        split = rowblocks.RowSplit(n, {k: axes[x] for k, x in enumerate(node.inputs) if x in axes})
+        views = [{k: blocked[x][r] for k, x in enumerate(node.inputs) if x in blocked} for r in ranges]
+        out[pos] = (split, ranges, views)
+    return out
+
+
+def forget(plan, names: set[str]) -> None:
+    """Empty the per-node caches (:attr:`core.protocol.KernelContext.cache`) of the nodes that
+    read a constant of ``names`` (one that moved: evicted, streamed, mapped or resident again).
+
+    Those caches hold what a kernel derived from its inputs, and the inputs themselves: the cuda
+    eager-replay memo keeps a node's last arguments (providers/cuda/replay.py), a dequantised or
+    converted weight keeps its source. Kept, they would hold a moved weight's old device copy
+    until the node next ran with other inputs, and the pool block after that: after a KV growth
+    re-plan the driver saw the evicted weights' bytes on top of the new plan (issue 38: 1.6 GiB
+    over an 8 GiB device budget at batch 32). Branch nodes (If) keep theirs: the executor
+    stores their constants there.
+    """
+    if not names:
+        return
+    branches = getattr(plan, "branches", {})
+    for i, node in enumerate(plan.nodes):
+        if i not in branches and any(x in names for x in node.inputs):
+            plan.contexts[i].cache.clear()
 
 
 def streamed(plan, name: str) -> bool:
@@ -136,20 +198,21 @@ def mapped(plan, name: str) -> bool:
 
 def _unwrap(plan) -> None:
     for i, kernel in enumerate(plan.kernels):
-        if isinstance(kernel, StreamedKernel):
+        if isinstance(kernel, (StreamedKernel, rowblocks.RowBlockKernel)):
             plan.kernels[i] = kernel.run
     plan.reset_dispatch()
 
 
-def _wrap(plan, stream, items, readers, slots: int, first_device) -> None:
+def _wrap(plan, stream, items, readers, slots: int, first_device, row_kernels: dict[int, tuple]) -> None:
     pages = len(items)
 
     def copier(j: int) -> Callable[[], None]:
         return lambda: stream.copy(j % slots, items[j])
 
-    before: defaultdict[int, list[Callable[[], None]]] = defaultdict(list)
-    after: defaultdict[int, list[Callable[[], None]]] = defaultdict(list)
-    start = min(first_device if first_device is not None else 0, min(readers[0]))
+    # actions keyed by (position, block): a row-blocked node runs them around each block
+    before: defaultdict[tuple[int, int], list[Callable[[], None]]] = defaultdict(list)
+    after: defaultdict[tuple[int, int], list[Callable[[], None]]] = defaultdict(list)
+    start = min(first_device if first_device is not None else (0, 0), min(readers[0]))
     before[start].append(stream.begin)
     before[start].extend(copier(j) for j in range(min(slots, pages)))
     for j in range(pages):
@@ -159,7 +222,13 @@ def _wrap(plan, stream, items, readers, slots: int, first_device) -> None:
         if j + slots < pages:
             after[max(readers[j])].append(copier(j + slots))
     after[max(readers[pages - 1])].append(stream.end)
-    for pos in set(before) | set(after):
+    for pos in {p for p, _ in (*before, *after)}:
         i = plan.steps[pos]
-        plan.kernels[i] = StreamedKernel(plan.kernels[i], before[pos], after[pos])
+        if pos in row_kernels:
+            split, ranges, views = row_kernels[pos]
+            plan.kernels[i] = rowblocks.RowBlockKernel(plan.kernels[i], split, ranges, views,
+                                                       [before[(pos, k)] for k in range(len(ranges))],
+                                                       [after[(pos, k)] for k in range(len(ranges))])
+        else:
+            plan.kernels[i] = StreamedKernel(plan.kernels[i], before[(pos, 0)], after[(pos, 0)])
         plan.host_kernels[i] = None  # it reads a device weight: never a host node

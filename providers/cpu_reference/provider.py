@@ -8,8 +8,9 @@ import numpy as np
 
 from core.generation.sampling import sample_rows
 from core.ops import OpTable
-from core.protocol import Capabilities
+from core.protocol import Capabilities, NodeInfo
 from core.provider import ProviderBase
+from core.runtime import rowblocks
 from providers.cpu_reference import ops
 from providers.cpu_reference.argmax import argmax_rows
 
@@ -32,6 +33,12 @@ class CpuReferenceProvider(ProviderBase):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(dtypes=("float32", "float16"), weight_streaming=True)
+
+    def row_blocks(self, node: NodeInfo, shape_of):
+        """The raw ONNX row split (:func:`core.runtime.rowblocks.onnx_rows`): the kernels' products
+        run in column chunks of ``ROW_ALIGN`` rows (``ops.rowwise_matmul``), so a block's
+        elements are bitwise the whole node's."""
+        return rowblocks.onnx_rows(node, shape_of)
 
     def node_timer(self):
         """The host clock (:class:`core.kernel_profile.HostNodeTimer`): the NumPy kernels have

@@ -383,6 +383,13 @@ class CudaProvider(ProviderBase):
         mem = cp.cuda.UnownedMemory(staged.ctypes.data, max(staged.nbytes, 1), staged, cp.cuda.Device().id)
         return cp.ndarray(staged.shape, staged.dtype, cp.cuda.MemoryPointer(mem, 0))
 
+    def row_blocks(self, node, shape_of):
+        """The nodes whose kernels give a row block the whole node's bits
+        (:func:`providers.cuda.streaming.row_blocks`)."""
+        from providers.cuda.streaming import row_blocks
+
+        return row_blocks(node, shape_of)
+
     def weight_stream(self, slots: int, slot_bytes: int):
         """A staging ring with a copy stream and per-slot events (providers/cuda/streaming.py)."""
         from providers.cuda.streaming import CudaWeightStream

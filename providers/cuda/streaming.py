@@ -14,11 +14,32 @@ graph capture of the step contains the copies, every forked stream is joined bef
 capture ends, and no event recorded before the capture is waited on inside it (docs/cases.md
 19). Host weights live in pinned memory (``cupy.cuda.alloc_pinned_memory``), so the copies are
 asynchronous and capturable; no kernel reads host memory, and no managed memory is used.
+A row block of a ``[K, N]`` weight (:func:`row_blocks`) is K strided pieces of the pinned copy:
+one ``cudaMemcpy2DAsync``.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from core.provider import WeightStream
+from core.runtime import rowblocks
+
+
+def row_blocks(node, shape_of) -> rowblocks.RowSplit | None:
+    """Row blocks on cuda (:mod:`core.runtime.rowblocks`): an fp32 MatMul only. Its kernel
+    (kernels/linear.cu ``dense``) fixes every output element's reduction by K and the chunk
+    size alone, so a block of output rows gives the whole node's bits whatever N is. The fp16
+    tensor-core GEMMs (a packed weight, a split-K and tile schedule chosen by N,
+    ops/_mma_schedule.py) and the int4 ones do not declare row blocks: a page launch would need
+    the whole node's schedule passed in, which they do not take yet, so those nodes stream
+    whole."""
+    if (node.domain, node.op_type) != ("", "MatMul"):
+        return None
+    dtypes = [d for d in node.input_dtypes[:2] if d is not None]
+    if not dtypes or any(np.dtype(d) != np.float32 for d in dtypes):
+        return None
+    return rowblocks.onnx_rows(node, shape_of)
 
 
 class CudaWeightStream(WeightStream):
@@ -46,8 +67,13 @@ class CudaWeightStream(WeightStream):
         if self._released_this_step[slot]:
             self.copy_stream.wait_event(self.released[slot])
         for host, view in items:
-            rt.memcpyAsync(view.data.ptr, host.ctypes.data, host.nbytes, rt.memcpyHostToDevice,
-                           self.copy_stream.ptr)
+            if host.flags.c_contiguous:
+                rt.memcpyAsync(view.data.ptr, host.ctypes.data, host.nbytes, rt.memcpyHostToDevice,
+                               self.copy_stream.ptr)
+            else:  # a row block of a [K, N] weight: K pinned rows of its columns, one 2-D copy
+                width = host.shape[1] * host.itemsize
+                rt.memcpy2DAsync(view.data.ptr, width, host.ctypes.data, host.strides[0], width, host.shape[0],
+                                 rt.memcpyHostToDevice, self.copy_stream.ptr)
             self.bytes_copied += int(host.nbytes)
         self.copied[slot].record(self.copy_stream)
         self.copies += 1

@@ -17,16 +17,24 @@ from __future__ import annotations
 
 import numpy as np
 
+from core.runtime.rowblocks import ROW_ALIGN
+
 
 def rowwise_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``x @ w`` for x ``[..., K]`` and a 2-D ``w`` ``[K, N]`` with every row reduced alone.
 
     numpy's stacked matmul over ``[M, 1, K]`` runs one identical vector-matrix product per row,
-    so row i's result is the same bits whatever M is (checked in tests/unit). ``out``: a
-    C-contiguous ``[..., N]`` array of the product's dtype to write into (and return).
+    so row i's result is the same bits whatever M is (checked in tests/unit). The columns run
+    in fixed chunks of :data:`core.runtime.rowblocks.ROW_ALIGN` (BLAS blocks a product by N,
+    and its tail columns are reduced differently), so an element's bits do not depend on N
+    either: a row block of the weight (a streamed page) gives the whole product's bits.
+    ``out``: a C-contiguous ``[..., N]`` array of the product's dtype to write into (and return).
     """
     flat = x.reshape(-1, 1, x.shape[-1])
-    if out is not None:
-        np.matmul(flat, w, out=out.reshape(-1, 1, w.shape[-1]))
-        return out
-    return np.matmul(flat, w)[:, 0, :].reshape(*x.shape[:-1], w.shape[-1])
+    n = w.shape[-1]
+    if out is None:
+        out = np.empty((*x.shape[:-1], n), np.result_type(x, w))
+    dst = out.reshape(-1, 1, n)
+    for a in np.arange(0, n, ROW_ALIGN).tolist():  # not range: the Range op module shadows it here
+        np.matmul(flat, w[:, a:a + ROW_ALIGN], out=dst[..., a:a + ROW_ALIGN])
+    return out
