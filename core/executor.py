@@ -109,6 +109,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from core import fusion
+from core.errors import KernelOutputError, UnsupportedOpError  # noqa: F401 (re-exported)
 from core.opdefs import constant_supports, constant_value, is_host
 from core.ops import PREPARE_SHARED, STORAGE_NAMES, OpTable
 from core.protocol import ExecutionProvider, Kernel, KernelContext, NodeInfo
@@ -119,16 +120,6 @@ GATHER_OPS = ("Gather", "GatherBlockQuantized", "GatherColumns")
 REFERENCE_OPS = "providers.cpu_reference.ops"
 #: The module of the provider whose host buffers those kernels write into.
 REFERENCE_PROVIDER = "providers.cpu_reference.provider"
-
-
-class UnsupportedOpError(ValueError):
-    """The provider cannot run some nodes of the graph; the message lists op types and nodes."""
-
-
-class KernelOutputError(RuntimeError):
-    """A kernel returned something other than its node's declared outputs (not a tuple, a
-    wrong count, None for a used output, or a dtype / rank the graph does not declare); the
-    message names the node, its op type and the kernel."""
 
 
 class Placer(Protocol):

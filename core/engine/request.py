@@ -26,9 +26,10 @@ import attrs
 import numpy as np
 
 from core.engine.detok import WindowDetokenizer
+from core.errors import RequestError
 from core.generation import sampling as sampling_mod
 from core.generation.sampling import SamplingParams
-from core.session import RequestError, token_row
+from core.generation.tokens import token_row
 
 #: How a request can end.
 FINISH_REASONS = ("stop", "length", "abort", "error")
