@@ -7,11 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import core.engine.engine as engine_mod
 from core.engine import Engine
 from core.engine.logprobs import chosen
 from core.runtime.runner import Runner
-from core.session import Session
+from core.testing.engine_twins import engine_rows, session_rows
 from core.testing.tiny_model import make_tiny_model, write_byte_tokenizer
 
 CAPACITY = 64
@@ -22,43 +21,6 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
     return Runner(write_byte_tokenizer(make_tiny_model(tmp_path_factory.mktemp("logprobs"))), "cpu_reference")
-
-
-def session_rows(runner, sampling=None) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens int64 [B, MAX_TOKENS] and fp32 logits [B, MAX_TOKENS, V] of PROMPTS as one fixed batch."""
-    s = Session(runner, batch=len(PROMPTS), capacity=CAPACITY, kv_policy="fixed")
-    out = s.prefill(PROMPTS, sampling)
-    tokens, logits = [out.tokens], [s.last_logits()]
-    for _ in range(MAX_TOKENS - 1):
-        tokens.append(s.step().tokens)
-        logits.append(s.last_logits())
-    return np.stack(tokens, 1), np.stack(logits, 1)
-
-
-def engine_rows(runner, monkeypatch, sampling=None) -> tuple[list, list, list]:
-    """Per request: its tokens, the logits (fp32 [V]) the engine chose each from, its logprobs."""
-    last: list = [None]
-
-    def recording(logits, token):
-        last[0] = np.asarray(logits).reshape(-1).astype(np.float32)
-        return chosen(logits, token)
-
-    monkeypatch.setattr(engine_mod, "chosen", recording)
-    engine = Engine(runner, max_batch=4, capacity=CAPACITY)
-    handles = [engine.submit(ids, max_tokens=MAX_TOKENS, sampling=sampling[i] if sampling else None, logprobs=True)
-               for i, ids in enumerate(PROMPTS)]
-    logits_of: list[list[np.ndarray]] = [[] for _ in PROMPTS]
-    for i, h in enumerate(handles):  # the engine computes a row's logprob just before it feeds it
-        def fed(token, error, logprob=None, i=i, feed=h.request.feed):
-            if logprob is not None:
-                logits_of[i].append(last[0])
-            return feed(token, error, logprob)
-        h.request.feed = fed  # type: ignore[method-assign]
-    engine.run_until_idle()
-    events = [list(h) for h in handles]
-    tokens = [[t for e in ev for t in e.token_ids] for ev in events]
-    logprobs = [[lp for e in ev for lp in (e.logprobs or [])] for ev in events]
-    return tokens, logits_of, logprobs
 
 
 def test_chosen_is_the_fp32_log_softmax():
@@ -72,11 +34,11 @@ def test_chosen_is_the_fp32_log_softmax():
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-def test_session_and_engine_give_bitwise_equal_tokens_and_logits(runner, monkeypatch, sampled):
+def test_session_and_engine_give_bitwise_equal_tokens_and_logits(runner, sampled):
     sampling = [{"do_sample": True, "temperature": 0.8, "top_k": 20, "seed": 100 + i} for i in range(len(PROMPTS))] \
         if sampled else None
-    s_tokens, s_logits = session_rows(runner, sampling)
-    e_tokens, e_logits, e_logprobs = engine_rows(runner, monkeypatch, sampling)
+    s_tokens, s_logits = session_rows(runner, PROMPTS, MAX_TOKENS, CAPACITY, sampling)
+    e_tokens, e_logits, e_logprobs = engine_rows(runner, PROMPTS, MAX_TOKENS, CAPACITY, sampling)
     for b in range(len(PROMPTS)):
         n = len(e_tokens[b])
         assert n == MAX_TOKENS and e_tokens[b] == s_tokens[b, :n].tolist()
