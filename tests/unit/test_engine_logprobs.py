@@ -9,6 +9,7 @@ import pytest
 
 from core.engine import Engine
 from core.engine.logprobs import chosen
+from core.errors import RequestError
 from core.runtime.runner import Runner
 from core.testing.engine_twins import engine_rows, session_rows
 from core.testing.tiny_model import make_tiny_model, write_byte_tokenizer
@@ -56,5 +57,5 @@ def test_requests_without_logprobs_carry_none(runner):
     engine.run_until_idle()
     assert all(e.logprobs is None for e in without)
     assert all(len(e.logprobs or []) == len(e.token_ids) for e in with_lp)
-    with pytest.raises(Exception, match="logprobs must be true or false"):
+    with pytest.raises(RequestError, match="logprobs must be true or false"):
         engine.request(PROMPTS[0], 3, logprobs=1)
