@@ -580,6 +580,10 @@ def cmd_profile(a) -> int:
     if not a.kernels:
         check_outputs(a)  # --plot, --json and --anchor too
     a.model = _resolve_model(a.model, a.provider)
+    if a.kernels:  # the CLI dispatches --kernels: core.profile does not import core.kernel_profile
+        from core.kernel_profile import kernels_main
+
+        return kernels_main(a, console, _table_console())
     return profile_main(a, console, _table_console())
 
 

@@ -19,14 +19,11 @@ import attrs
 import pluggy
 
 from core import hookspecs
+from core.errors import ProviderError  # noqa: F401 (re-exported)
 from core.protocol import PROTOCOL_VERSION, missing_members
 from core.provider import with_defaults
 
 BUILTIN = {"cpu_reference": "providers.cpu_reference", "cuda": "providers.cuda"}
-
-
-class ProviderError(RuntimeError):
-    """A provider cannot be found or created; the message says why and what is available."""
 
 
 @attrs.frozen

@@ -452,10 +452,6 @@ def profile_main(args, console, table_console) -> int:
 
     from rich.progress import Progress
 
-    if getattr(args, "kernels", False):
-        from core.kernel_profile import kernels_main
-
-        return kernels_main(args, console, table_console)
     anchor = check_outputs(args)
     batches = list(args.batch_sweep)
     title = (f"{args.model} on {args.provider}, {args.layout}, "

@@ -26,8 +26,10 @@ import numpy as np
 
 from core import compiling
 from core.counters import Counters
+from core.errors import RequestError, StaleGenerationError  # noqa: F401 (re-exported)
 from core.generation import sampling as sampling_mod
 from core.generation.sampling import SamplingParams
+from core.generation.tokens import _short, token_row
 from core.models.model import Model
 from core.runtime import kv as kvgeo
 from core.runtime import step as steps
@@ -38,16 +40,6 @@ from core.runtime.step import StepOutput
 
 __all__ = ["MAX_UNREAD", "PendingStep", "RequestError", "Session", "StaleGenerationError", "StepOutput",
            "token_row"]
-
-
-class RequestError(ValueError):
-    """A request the session refuses before any kernel runs; the session stays usable."""
-
-
-class StaleGenerationError(RequestError):
-    """A generation was resumed (iterated or extended) after another request started on its
-    session: the session's KV cache no longer holds its rows. Nothing ran; the session and
-    the newer request are unharmed."""
 
 
 _P = ParamSpec("_P")
@@ -66,42 +58,6 @@ def serialised(method: Callable[_P, _T]) -> Callable[_P, _T]:
         with runner.lock:
             return method(*args, **kwargs)
     return locked
-
-
-def _short(value: Any) -> str:
-    """``repr(value)`` cut to 60 characters, for error messages."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def token_row(index: int, row: Any) -> np.ndarray:
-    """Prompt ``index`` as int64 ``[T]``, T >= 1.
-
-    Raises:
-        RequestError: the row is not a flat, non-empty sequence of integers (a nested list,
-            None, a float, a bool or a string in it; the message says which).
-    """
-    if isinstance(row, (str, bytes)) or not isinstance(row, Sequence | np.ndarray) \
-            or (isinstance(row, np.ndarray) and row.ndim != 1):
-        raise RequestError(f"prompt {index} must be a list of integer token ids, got {_short(row)}")
-    if len(row) == 0:
-        raise RequestError(f"prompt {index} is empty; every row needs at least one token")
-    if isinstance(row, np.ndarray) and row.dtype.kind in "iu":
-        if row.dtype.kind == "u" and int(row.max()) >= 1 << 63:
-            raise RequestError(f"prompt {index} has token ids beyond int64: {int(row.max())}")
-        return row.astype(np.int64)
-    for i, tok in enumerate(row):
-        if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)):
-            if tok is None:
-                what = "None"
-            elif isinstance(tok, Sequence | np.ndarray) and not isinstance(tok, str):
-                what = "a nested list"
-            else:
-                what = f"{type(tok).__name__} {_short(tok)}"
-            raise RequestError(f"prompt {index} must be a list of integer token ids; token {i} is {what}")
-        if not -(1 << 63) <= tok < 1 << 63:  # an int64 cannot hold it (NumPy would raise OverflowError)
-            raise RequestError(f"prompt {index}: token {i} ({_short(tok)}) is not a token id")
-    return np.asarray(row, dtype=np.int64)
 
 
 def _positive_int(name: str, value: Any) -> int:

@@ -32,12 +32,13 @@ import threading
 from typing import Any, Iterator
 
 from core.counters import Counters
+from core.engine.logprobs import chosen
 from core.engine.request import Event, Request, Sink, make_request
 from core.engine.scheduler import Scheduler
 from core.engine.slots import SlotState
+from core.errors import RequestError
 from core.runtime.kv import round_capacity
 from core.runtime.step import step_output
-from core.session import RequestError
 
 log = logging.getLogger("lockstep")
 
@@ -110,7 +111,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._next: tuple | None = None  # a command the idle loop woke up on
         self.run_ahead = bool(run_ahead)
-        self._queued_steps: list[tuple[dict[int, Request], Any]] = []  # (rows at queue time, download)
+        # (rows at queue time, the result's download, the logits' download or None)
+        self._queued_steps: list[tuple[dict[int, Request], Any, Any]] = []
 
     # -- any thread ---------------------------------------------------------------------------
     @property
@@ -119,14 +121,17 @@ class Engine:
         return self.runner.model
 
     def request(self, prompt_ids: Any, max_tokens: Any = 16, sampling: Any = None, stop: Any = None,
-                stop_token_ids: Any = None, sink: Sink | None = None, request_id: str | None = None) -> Request:
+                stop_token_ids: Any = None, sink: Sink | None = None, request_id: str | None = None,
+                logprobs: Any = False) -> Request:
         """A validated request (:func:`core.engine.request.make_request`); :meth:`add` queues it.
+        With ``logprobs`` True its events carry each token's log-probability
+        (:func:`core.engine.logprobs.chosen`, from the step's logits).
 
         Raises:
             RequestError: a bad option (named in the message).
         """
         return make_request(self.model, prompt_ids, max_tokens, sampling, stop, stop_token_ids, self.capacity,
-                            sink, request_id, self.slots.can_sample)
+                            sink, request_id, self.slots.can_sample, logprobs)
 
     def add(self, request: Request) -> None:
         """Queue ``request``; its events go to ``request.sink`` from the owner's thread.
@@ -292,8 +297,10 @@ class Engine:
         self.scheduler.waiting.clear()
         with self._lock:
             self._queued = 0
-        for _, download in self._queued_steps:  # their device work runs anyway; read to free the copies
+        for _, download, logits in self._queued_steps:  # their device work runs anyway; read to free the copies
             download.wait()
+            if logits is not None:
+                logits.wait()
         self._queued_steps.clear()
         self.slots.close()
 
@@ -305,7 +312,9 @@ class Engine:
             self.scheduler.release(slot)
             events.append((req, req.finish("error", error=f"prefill failed: {exc}")))
             return
-        self._feed(req, slot, int(out.tokens[0]), bool(out.errors[0]), events)
+        token, error = int(out.tokens[0]), bool(out.errors[0])
+        lp = chosen(self.slots.row_logits(slot), token) if req.logprobs and not error else None
+        self._feed(req, slot, token, error, events, lp)
 
     def _decode(self, events: list) -> None:
         """Queue a step (and, running ahead, the next one), read the oldest queued step and feed
@@ -315,8 +324,9 @@ class Engine:
                 self._queue_step()
             if self.run_ahead and len(self._queued_steps) < 2:
                 self._queue_step()
-            rows, download = self._queued_steps.pop(0)
+            rows, download, logits_download = self._queued_steps.pop(0)
             out = step_output(download.wait())
+            logits = logits_download.wait() if logits_download is not None else None
         except Exception as exc:  # noqa: BLE001 - the rows fail, the engine serves on
             log.exception("decode step failed")
             self._queued_steps.clear()
@@ -327,16 +337,21 @@ class Engine:
         for slot, req in rows.items():
             if self.scheduler.running.get(slot) is not req:
                 continue  # ended (or aborted) after this step was queued: the slot's token is dropped
-            self._feed(req, slot, int(out.tokens[slot]), bool(out.errors[slot]), events)
+            token, error = int(out.tokens[slot]), bool(out.errors[slot])
+            lp = chosen(logits[slot], token) if req.logprobs and logits is not None and not error else None
+            self._feed(req, slot, token, error, events, lp)
 
     def _queue_step(self) -> None:
         running = dict(self.scheduler.running)
         if self._queued_steps:
             self.counters.run_ahead_steps += 1
-        self._queued_steps.append((running, self.slots.decode(self.scheduler.bucket(), set(running))))
+        bucket = self.scheduler.bucket()
+        download = self.slots.decode(bucket, set(running))
+        logits = self.slots.start_logits(bucket) if any(r.logprobs for r in running.values()) else None
+        self._queued_steps.append((running, download, logits))
 
-    def _feed(self, req: Request, slot: int, token: int, error: bool, events: list) -> None:
-        event = req.feed(token, error)
+    def _feed(self, req: Request, slot: int, token: int, error: bool, events: list, logprob: Any = None) -> None:
+        event = req.feed(token, error, logprob)
         if event.finish_reason is not None:
             self.scheduler.release(slot)
         events.append((req, event))

@@ -26,9 +26,11 @@ import attrs
 import numpy as np
 
 from core.engine.detok import WindowDetokenizer
+from core.engine.logprobs import Logprob
+from core.errors import RequestError
 from core.generation import sampling as sampling_mod
 from core.generation.sampling import SamplingParams
-from core.session import RequestError, token_row
+from core.generation.tokens import token_row
 
 #: How a request can end.
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -61,6 +63,8 @@ class Event:
         finish_reason: None while the request runs, then one of :data:`FINISH_REASONS`.
         usage: the token counts, on the finishing event only.
         error: what went wrong, for finish_reason "error" (or an abort's reason).
+        logprobs: one :class:`~core.engine.logprobs.Logprob` per token of ``token_ids`` when the
+            request asked for them (``logprobs=True``), else None.
     """
 
     request_id: str
@@ -69,6 +73,7 @@ class Event:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    logprobs: list[Logprob] | None = None
 
 
 Sink = Callable[[Event], None]
@@ -114,16 +119,17 @@ class Request:
         output_ids: tokens generated so far (the stop or EOS token included).
         text: the released text so far; the whole text once finished.
         finish_reason: None while waiting or running, then one of :data:`FINISH_REASONS`.
+        logprobs: whether each event carries its tokens' :class:`~core.engine.logprobs.Logprob`.
         arrived, first_token_at, finished_at: ``time.perf_counter()`` seconds (None until then).
     """
 
     def __init__(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop_strings: tuple[str, ...],
                  stop_token_ids: frozenset, eos_ids: frozenset, tokenizer: Any, sink: Sink | None = None,
-                 request_id: str | None = None):
+                 request_id: str | None = None, logprobs: bool = False):
         self.id = request_id or f"req-{next(_ids)}"
         self.prompt_ids, self.max_tokens, self.sampling = prompt_ids, max_tokens, sampling
         self.stop_strings, self.stop_token_ids, self.eos_ids = stop_strings, stop_token_ids, eos_ids
-        self.sink = sink
+        self.sink, self.logprobs = sink, logprobs
         hold = max((len(s) for s in stop_strings), default=1) - 1
         self.detok = WindowDetokenizer(tokenizer, hold)
         self.output_ids: list[int] = []
@@ -144,37 +150,40 @@ class Request:
         """Token counts so far."""
         return Usage(len(self.prompt_ids), len(self.output_ids))
 
-    def feed(self, token: int, error: bool) -> Event:
-        """Record the token the model chose (or non-finite logits, ``error``); returns the event,
-        finishing the request when a stop rule says so."""
+    def feed(self, token: int, error: bool, logprob: Logprob | None = None) -> Event:
+        """Record the token the model chose (or non-finite logits, ``error``) and, when the
+        request asked for logprobs, its ``logprob``; returns the event, finishing the request
+        when a stop rule says so."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         if error:
             return self.finish("error", error="the model's logits held NaN or infinity")
         tok = int(token)
+        lps = [logprob] if logprob is not None else None
         self.output_ids.append(tok)
         self.detok.add(tok)
         if tok in self.eos_ids or tok in self.stop_token_ids:
             self.stop = tok
-            return self.finish("stop", [tok])
+            return self.finish("stop", [tok], logprobs=lps)
         cut = self._stop_at()
         if cut is not None:
-            return self.finish("stop", [tok], cut)
+            return self.finish("stop", [tok], cut, logprobs=lps)
         if len(self.output_ids) >= self.max_tokens:
-            return self.finish("length", [tok])
+            return self.finish("length", [tok], logprobs=lps)
         text = self.detok.release()
         self.text += text
-        return Event(self.id, [tok], text)
+        return Event(self.id, [tok], text, logprobs=lps)
 
     def finish(self, reason: str, token_ids: Sequence[int] = (), cut: int | None = None,
-               error: str | None = None) -> Event:
+               error: str | None = None, logprobs: list[Logprob] | None = None) -> Event:
         """End the request with ``reason``: the rest of the text is released (cut at ``cut``
-        characters, a stop string's start); returns the finishing event."""
+        characters, a stop string's start); returns the finishing event (with ``logprobs``,
+        those of ``token_ids``)."""
         text = self.detok.finish(cut)
         self.text += text
         self.finish_reason = reason
         self.finished_at = time.perf_counter()
-        return Event(self.id, list(token_ids), text, reason, self.usage, error)
+        return Event(self.id, list(token_ids), text, reason, self.usage, error, logprobs)
 
     def _stop_at(self) -> int | None:
         text = self.detok.text
@@ -187,7 +196,7 @@ class Request:
 
 def make_request(model: Any, prompt_ids: Any, max_tokens: Any, sampling: Any, stop: Any, stop_token_ids: Any,
                  capacity: int, sink: Sink | None = None, request_id: str | None = None,
-                 can_sample: bool = True) -> Request:
+                 can_sample: bool = True, logprobs: Any = False) -> Request:
     """A validated :class:`Request` for ``model`` on an engine of ``capacity`` positions a slot.
 
     Args:
@@ -201,6 +210,7 @@ def make_request(model: Any, prompt_ids: Any, max_tokens: Any, sampling: Any, st
         sink: called with every :class:`Event` of the request, from the engine's thread.
         request_id: the request's id (default ``req-N``).
         can_sample: the provider has ``device_sample``.
+        logprobs: True to have each event carry its tokens' log-probabilities.
 
     Raises:
         RequestError: any option out of range (the message names it); nothing is queued then.
@@ -222,7 +232,9 @@ def make_request(model: Any, prompt_ids: Any, max_tokens: Any, sampling: Any, st
         params = sampling_mod.make_params(sampling, sampling_mod.search_defaults(model.config.search)).with_seed()
     except sampling_mod.SamplingError as exc:
         raise RequestError(str(exc)) from None
+    if not isinstance(logprobs, bool):
+        raise RequestError(f"logprobs must be true or false, got {logprobs!r:.60}")
     if not params.greedy_plain and not can_sample:
         raise RequestError("this provider has no device_sample; it decodes greedily only")
     return Request([int(t) for t in ids], n, params, stops, _stop_ids(stop_token_ids, vocab), eos_ids(model),
-                   model.tokenizer, sink, request_id)
+                   model.tokenizer, sink, request_id, logprobs)

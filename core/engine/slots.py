@@ -169,6 +169,20 @@ class SlotState:
         self.counters.decode_steps += 1
         return steps.start_read(bucket)
 
+    def start_logits(self, batch: int) -> Any:
+        """Start downloading the logits of the decode step of bucket ``batch`` queued last (call
+        it right after :meth:`decode`, before the next step is queued): a handle whose
+        ``wait()`` gives ``[batch, 1, V]`` in the model's logits dtype."""
+        bucket = self._buckets[batch]
+        start = getattr(self.provider, "download_async", None)
+        if start is None:
+            return steps.ReadyDownload(self.provider.download(bucket.logits))
+        return start(bucket.logits)
+
+    def row_logits(self, slot: int) -> np.ndarray:
+        """The logits of the prefill of ``slot`` that ran last, ``[1, 1, V]`` on the host."""
+        return self.provider.download(self._rows[slot].logits)
+
     def _set_length(self, slot: int, n: int) -> None:
         row, p = self._rows[slot], self.provider
         p.write(row.lengths_dev, np.array([n], np.int32))

@@ -12,11 +12,13 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
+from core.errors import RequestError
 from core.generation.stream import Generation, RowState
+from core.generation.tokens import token_row
 from core.models.model import Model, load_model
 from core.runtime import kv as kvgeo
 from core.runtime.runner import Runner
-from core.session import RequestError, Session, token_row
+from core.session import Session
 
 
 @attrs.frozen

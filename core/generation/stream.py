@@ -34,6 +34,9 @@ from typing import Any, Iterator, Sequence
 import attrs
 import numpy as np
 
+from core.errors import RequestError, StaleGenerationError
+from core.generation.tokens import token_row
+
 #: finish reasons: an EOS id, a stop token id or stop string, max_new_tokens, non-finite logits,
 #: or the caller stopped the generation between steps (:meth:`Generation.interrupt`, Ctrl-C)
 FINISH_REASONS = ("eos", "stop", "length", "error", "interrupted")
@@ -137,8 +140,6 @@ class RowState:
 
 
 def _per_row(name: str, value: Any, batch: int, scalar_types: tuple) -> list:
-    from core.session import RequestError
-
     if value is None or isinstance(value, scalar_types):
         return [value] * batch
     if isinstance(value, Sequence) and len(value) == batch:
@@ -147,16 +148,12 @@ def _per_row(name: str, value: Any, batch: int, scalar_types: tuple) -> list:
 
 
 def _max_new(value: Any) -> int:
-    from core.session import RequestError
-
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise RequestError(f"max_new_tokens must be a non-negative integer, got {value!r}")
     return int(value)
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
-    from core.session import RequestError
-
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
@@ -168,8 +165,6 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
 
 
 def _stop_ids(value: Any, vocab: int) -> frozenset:
-    from core.session import RequestError
-
     if value is None:
         return frozenset()
     items = [value] if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
@@ -214,8 +209,6 @@ class Generation:
 
     def __init__(self, session, input_ids: Sequence[Sequence[int]], max_new_tokens: Any = 64,
                  sampling: Any = None, stop: Any = None, stop_token_ids: Any = None, progress=None):
-        from core.session import RequestError
-
         self.session = session
         if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, (Sequence, np.ndarray)) \
                 or (isinstance(input_ids, np.ndarray) and input_ids.ndim == 0):
@@ -254,8 +247,6 @@ class Generation:
 
     @staticmethod
     def _per_row_stops(stop: Any, batch: int) -> list[tuple[str, ...]]:
-        from core.session import RequestError
-
         if isinstance(stop, (list, tuple)) and stop and all(isinstance(x, (list, tuple)) or x is None for x in stop):
             if len(stop) != batch:
                 raise RequestError(f"stop has {len(stop)} lists for {batch} rows")
@@ -332,8 +323,6 @@ class Generation:
         Raises:
             core.session.StaleGenerationError: another request started since.
         """
-        from core.session import StaleGenerationError
-
         if self._request is not None and self.session.request_id != self._request:
             raise StaleGenerationError(
                 "another request started on this session after this generation (a prefill, a "
@@ -417,8 +406,6 @@ class Generation:
             core.session.RequestError: the prefill has not run, or a row is still being fed its
                 new tokens (its KV cache would not hold the history it records); nothing changes.
         """
-        from core.session import RequestError
-
         if self._input_ids is not None or any(r.forced for r in self.rows if r.finish_reason is None):
             raise RequestError("interrupt() stops rows between decode steps, after the prefill and the fed "
                                "tokens; iterate until a row yields a token first")
@@ -448,8 +435,6 @@ class Generation:
                 KV cache keeps (:attr:`core.runtime.kv.KVCache.rewind_limit`). Checked before
                 any kernel runs.
         """
-        from core.session import RequestError, token_row
-
         s = self.session
         if self._pending or any(r.finish_reason is None for r in self.rows):
             raise RequestError("extend() continues a finished generation; iterate it to the end first")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import attrs
 
+from core.errors import CacheError  # noqa: F401 (re-exported)
 from core.models.prepare import MODELS, RECIPE, STAMP, cache_dir, model_lock
 
 #: Entry kinds, in listing order; the intermediates are what ``lockstep cache clean`` removes.
@@ -96,10 +97,6 @@ def entries(root: Path | None = None) -> list[Entry]:
         if p.name not in known:
             out.append(Entry("other", p.name, p, _size(p)))
     return out
-
-
-class CacheError(ValueError):
-    """A ``clean`` target that names nothing in the cache (the message lists what is there)."""
 
 
 def select(items: list[Entry], names: list[str]) -> list[Entry]:

@@ -15,11 +15,8 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, numpy_helper
 
+from core.errors import ModelError  # noqa: F401 (re-exported)
 from core.models import validate
-
-
-class ModelError(ValueError):
-    """The model folder is missing, incomplete or malformed; the message names the file."""
 
 
 @attrs.frozen

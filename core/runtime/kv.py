@@ -19,12 +19,10 @@ from typing import Any
 import attrs
 import numpy as np
 
+from core.errors import KVFullError, KVLayoutError  # noqa: F401 (re-exported)
+
 LAYOUTS = ("head_major", "seq_major")
 POLICIES = ("fixed", "growing")
-
-
-class KVLayoutError(ValueError):
-    """A layout/policy/batch combination that cannot work (named in the message)."""
 
 
 @attrs.frozen
@@ -178,10 +176,6 @@ def cache_bytes(config, batch: int, capacity: int, itemsize: int) -> int:
 def round_capacity(needed: int, context_length: int, multiple: int = 64) -> int:
     """Capacity for ``needed`` tokens: rounded up to ``multiple``, at most the model context."""
     return min(context_length, -(-needed // multiple) * multiple)
-
-
-class KVFullError(ValueError):
-    """A step needs more KV positions than the cache may hold (its limit is in the message)."""
 
 
 class KVCache:

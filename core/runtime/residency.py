@@ -54,6 +54,7 @@ from typing import Sequence
 
 import attrs
 
+from core.errors import BudgetError  # noqa: F401 (re-exported)
 from core.runtime import rowblocks
 
 #: Tensors below this many bytes are always resident (policy rule 2).
@@ -63,11 +64,6 @@ STAGING_SHARE = 0.25
 _LAYER = re.compile(r"layers[./_](\d+)")
 #: Byte alignment of a tensor inside a staging slot.
 ALIGN = 256
-
-
-class BudgetError(ValueError):
-    """A weight budget that cannot work (too small for the always-resident weights plus the
-    staging ring, or malformed); the message gives the bytes needed."""
 
 
 @attrs.frozen

@@ -26,10 +26,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from core.engine import Engine, EngineClosedError, Event, QueueFullError
 from core.engine.request import Request as EngineRequest
+from core.errors import RequestError
 from core.models.model import ModelError
 from core.serve import openai_api as api
 from core.serve.metrics import Metrics
-from core.session import RequestError
 
 log = logging.getLogger("lockstep")
 
@@ -140,7 +140,8 @@ def _engine_request(server: Server, engine: Engine, parsed: api.Parsed, chat: bo
             ids = parsed.prompt
         room = engine.capacity - len(ids)
         max_tokens = parsed.max_tokens if parsed.max_tokens is not None else (max(room, 1) if chat else 16)
-        return engine.request(ids, max_tokens, parsed.sampling, parsed.stop, sink=sink)
+        return engine.request(ids, max_tokens, parsed.sampling, parsed.stop, sink=sink,
+                              logprobs=parsed.logprobs is not None)
     except (RequestError, ModelError) as exc:
         raise api.APIError(str(exc), param="messages" if chat else "prompt") from None
 
@@ -173,9 +174,21 @@ async def _complete(server: Server, request: Request, chat: bool) -> Response:
         return _error(exc)
     rid = api.new_id(chat)
     if parsed.stream:
-        return StreamingResponse(_stream(server, engine, req, sink.events, rid, chat, parsed.include_usage),
+        return StreamingResponse(_stream(server, engine, req, sink.events, rid, chat, parsed),
                                  media_type="text/event-stream")
-    return await _whole(server, engine, request, req, sink.events, rid, chat)
+    return await _whole(server, engine, request, req, sink.events, rid, chat, parsed.logprobs)
+
+
+def _logprobs(engine: Engine, chat: bool, top: int | None, entries: list, offset: int = 0) -> dict | None:
+    """The OpenAI ``logprobs`` object of ``entries`` (None when the request did not ask)."""
+    if top is None:
+        return None
+    tok = engine.model.tokenizer
+
+    def text(t: int) -> str:
+        return tok.decode([t]) if tok is not None else str(t)
+    return api.logprobs_body(chat, top, entries, [text(e.token) for e in entries], [text(e.top_token) for e in entries],
+                             offset)
 
 
 class _Sink:
@@ -195,7 +208,8 @@ class _Sink:
 
 
 async def _whole(server: Server, engine: Engine, request: Request, req: EngineRequest, events: asyncio.Queue,
-                 rid: str, chat: bool) -> Response:
+                 rid: str, chat: bool, top: int | None) -> Response:
+    entries: list = []
     try:
         while True:
             try:
@@ -205,6 +219,7 @@ async def _whole(server: Server, engine: Engine, request: Request, req: EngineRe
                     engine.abort(req.id)
                     return Response(status_code=499)
                 continue
+            entries += event.logprobs or []
             if event.finish_reason is not None:
                 break
     except asyncio.CancelledError:
@@ -212,7 +227,8 @@ async def _whole(server: Server, engine: Engine, request: Request, req: EngineRe
         raise
     if event.finish_reason == "error":
         return _error(api.APIError(event.error or "the request failed", status=500, kind="server_error"))
-    return JSONResponse(api.response(rid, server.served, chat, req.text, event.finish_reason, req.usage))
+    return JSONResponse(api.response(rid, server.served, chat, req.text, event.finish_reason, req.usage,
+                                     _logprobs(engine, chat, top, entries)))
 
 
 def _sse(body: dict) -> str:
@@ -220,9 +236,11 @@ def _sse(body: dict) -> str:
 
 
 async def _stream(server: Server, engine: Engine, req: EngineRequest, events: asyncio.Queue, rid: str,
-                  chat: bool, include_usage: bool) -> AsyncIterator[str]:
+                  chat: bool, parsed: api.Parsed) -> AsyncIterator[str]:
     first = True
     done = False
+    entries: list = []  # logprobs of the tokens not yet sent (their text may still be held back)
+    offset = 0
     try:
         if chat:  # the role first, as OpenAI does
             yield _sse(api.chunk(rid, server.served, chat, "", None, first=True))
@@ -230,11 +248,16 @@ async def _stream(server: Server, engine: Engine, req: EngineRequest, events: as
         while not done:
             event = await events.get()
             done = event.finish_reason is not None
+            entries += event.logprobs or []
             if event.text or done:
+                lp = _logprobs(engine, chat, parsed.logprobs, entries, offset)
+                if lp is not None and not chat:
+                    offset += sum(len(t) for t in lp["tokens"])
+                entries = []
                 yield _sse(api.chunk(rid, server.served, chat, event.text if event.text or not chat else None,
-                                     event.finish_reason, first=first))
+                                     event.finish_reason, first=first, logprobs=lp))
                 first = False
-        if include_usage:
+        if parsed.include_usage:
             yield _sse(api.chunk(rid, server.served, chat, None, None, usage=req.usage))
         yield "data: [DONE]\n\n"
     finally:

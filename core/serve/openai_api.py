@@ -6,8 +6,15 @@ ids), ``messages`` (chat: ``{"role", "content"}`` with string contents), ``max_t
 (``max_completion_tokens`` for chat), ``stop`` (a string or up to 4), ``temperature``
 (0: greedy; > 0: sampled; absent: the model's defaults), ``top_p``, ``top_k``, ``seed``,
 ``n`` (1 only), ``stream``, ``stream_options.include_usage``, and ``user``,
-``presence_penalty`` / ``frequency_penalty`` at 0, ``logprobs`` off. Anything else is
-refused with an OpenAI-style 400 body naming the field.
+``presence_penalty`` / ``frequency_penalty`` at 0. Anything else is refused with an
+OpenAI-style 400 body naming the field.
+
+**Logprobs** of the chosen token (:mod:`core.engine.logprobs`): completions take ``logprobs``
+0 or 1 (1 adds the most likely token in ``top_logprobs``; more is refused, naming the limit),
+chat takes ``logprobs: true`` with ``top_logprobs`` 0 (or absent). The bodies follow OpenAI's:
+completions ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``, chat ``{"content":
+[{"token", "logprob", "bytes", "top_logprobs"}]}``; a token's string is the tokenizer's
+decoding of that token alone.
 """
 
 from __future__ import annotations
@@ -20,6 +27,10 @@ from typing import Any
 import attrs
 
 from core.engine import Usage
+from core.engine.logprobs import Logprob
+
+#: The most ``logprobs`` (completions) / ``top_logprobs`` (chat) a request may ask for.
+MAX_TOP_LOGPROBS = {False: 1, True: 0}
 
 
 class APIError(Exception):
@@ -54,6 +65,7 @@ class Parsed:
     stop: list[str] | None
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # None: off; else how many top tokens each entry lists (0 or 1)
 
 
 def _number(body: dict, name: str, low: float, high: float, integer: bool = False) -> Any:
@@ -88,8 +100,7 @@ def parse(body: Any, fields: set, served: str, chat: bool) -> Parsed:
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0, 0) not in (None, 0):
             raise APIError(f"{name} is not supported (0 only)", param=name)
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise APIError("logprobs are not supported", param="logprobs")
+    logprobs = _logprobs(body, chat)
     if body.get("echo") or body.get("best_of") not in (None, 1):
         raise APIError("echo and best_of are not supported", param="echo")
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
@@ -122,7 +133,45 @@ def parse(body: Any, fields: set, served: str, chat: bool) -> Parsed:
         raise APIError("stream_options takes include_usage only", param="stream_options")
     include_usage = bool((options or {}).get("include_usage", False))
     prompt = _messages(body) if chat else _prompt(body)
-    return Parsed(prompt, max_tokens, sampling or None, stop or None, stream, include_usage)
+    return Parsed(prompt, max_tokens, sampling or None, stop or None, stream, include_usage, logprobs)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many top tokens each logprob entry lists (None: no logprobs), OpenAI's conventions."""
+    limit = MAX_TOP_LOGPROBS[chat]
+    value, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if value is not None and not isinstance(value, bool):
+            raise APIError(f"logprobs must be true or false, got {value!r:.60}", param="logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= limit):
+            raise APIError(f"top_logprobs must be 0 (at most {limit}: this server returns the chosen token's "
+                           f"logprob only), got {top!r:.20}", param="top_logprobs")
+        if top is not None and not value:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return 0 if value else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise APIError(f"logprobs must be an integer in [0, {limit}] (the chosen token's logprob, and with 1 the "
+                       f"most likely token's), got {value!r:.20}", param="logprobs")
+    return value
+
+
+def logprobs_body(chat: bool, top: int, entries: list[Logprob], strings: list[str], tops: list[str],
+                  offset: int = 0) -> dict:
+    """OpenAI's ``logprobs`` object of ``entries`` (one per token; ``strings`` their token
+    strings, ``tops`` the most likely tokens' strings; ``offset`` the text offset of the first
+    token, for completions)."""
+    if chat:
+        return {"content": [{"token": s, "logprob": e.logprob, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
+                            for e, s in zip(entries, strings)]}
+    offsets = []
+    for s in strings:
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": strings, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t: e.top_logprob} for e, t in zip(entries, tops)] if top else None,
+            "text_offset": offsets}
 
 
 def _prompt(body: dict) -> Any:
@@ -159,9 +208,10 @@ def usage_body(usage: Usage) -> dict:
             "total_tokens": usage.total_tokens}
 
 
-def response(rid: str, model: str, chat: bool, text: str, reason: str | None, usage: Usage) -> dict:
-    """A whole (non-streamed) completion or chat completion."""
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
+def response(rid: str, model: str, chat: bool, text: str, reason: str | None, usage: Usage,
+             logprobs: dict | None = None) -> dict:
+    """A whole (non-streamed) completion or chat completion (``logprobs``: :func:`logprobs_body`)."""
+    choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": reason}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -171,15 +221,16 @@ def response(rid: str, model: str, chat: bool, text: str, reason: str | None, us
 
 
 def chunk(rid: str, model: str, chat: bool, text: str | None, reason: str | None, first: bool = False,
-          usage: Usage | None = None) -> dict:
-    """One streamed chunk; with ``usage`` the last one (no choices), as include_usage asks."""
+          usage: Usage | None = None, logprobs: dict | None = None) -> dict:
+    """One streamed chunk; with ``usage`` the last one (no choices), as include_usage asks;
+    ``logprobs`` (:func:`logprobs_body`) those of the tokens since the last chunk."""
     body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                             "created": int(time.time()), "model": model}
     if usage is not None:
         body["choices"] = []
         body["usage"] = usage_body(usage)
         return body
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
+    choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": reason}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:

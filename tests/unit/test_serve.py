@@ -256,3 +256,46 @@ def test_metrics_count_what_was_served(folder, server, client):
         assert metric(server, name) > 0, name
     assert metric(server, "lockstep_queue_depth") == 0 and metric(server, "lockstep_slot_usage") == 0
     assert metric(server, 'lockstep_requests_total{finish_reason="length"}') > 0
+
+
+def test_logprobs_with_the_openai_client(folder, client):
+    """Completions logprobs=1 and chat logprobs=true, whole and streamed: one entry per token,
+    each the fp32 log-softmax of the solo run's logits (greedy: the top token is the chosen one)."""
+    from core.engine.logprobs import chosen
+
+    body = {"prompt": "The quick brown fox", "max_tokens": 6}
+    session = Session(Runner(folder, "cpu_reference"), batch=1, capacity=CAPACITY, kv_policy="fixed")
+    out = session.prefill([list(b"The quick brown fox")])
+    want = []
+    for _ in range(6):
+        want.append(chosen(session.last_logits()[0], int(out.tokens[0])).logprob)
+        out = session.step()
+    whole = client.completions.create(model=folder.name, logprobs=1, **body)
+    lp = whole.choices[0].logprobs
+    assert lp.token_logprobs == want[:whole.usage.completion_tokens] and len(lp.tokens) == len(want)
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]
+    assert lp.text_offset == list(range(len(lp.tokens)))  # one byte a token
+    streamed = list(client.completions.create(model=folder.name, logprobs=0, stream=True, **body))
+    assert [v for c in streamed if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == want
+    chat = {"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 5}
+    answer = client.chat.completions.create(model=folder.name, logprobs=True, top_logprobs=0, **chat)
+    entries = answer.choices[0].logprobs.content
+    assert len(entries) == answer.usage.completion_tokens and all(e.logprob <= 0 for e in entries)
+    assert all(e.bytes == list(e.token.encode()) and e.top_logprobs == [] for e in entries)
+    chunks = list(client.chat.completions.create(model=folder.name, logprobs=True, stream=True, **chat))
+    assert [e.logprob for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content] \
+        == [e.logprob for e in entries]
+    assert client.completions.create(model=folder.name, **body).choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("path, extra, word", [
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs must be an integer in [0, 1]"),
+    ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs must be an integer"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3},
+     "top_logprobs must be 0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0},
+     "needs logprobs: true"),
+])
+def test_logprobs_beyond_the_limit_are_a_400(folder, server, path, extra, word):
+    status, _, answer = post(server, path, json.dumps(dict(extra, model=folder.name)).encode())
+    assert status == 400 and word in answer["error"]["message"]

@@ -1,0 +1,62 @@
+"""The same rows through the fixed-batch :class:`~core.session.Session` and through the
+:class:`~core.engine.Engine`, with the logits each token was chosen from (for the tests that
+hold them bitwise equal: tests/unit/test_engine_logprobs.py and its cuda twin)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+from unittest import mock
+
+import numpy as np
+
+import core.engine.engine as engine_mod
+from core.engine import Engine
+from core.engine.logprobs import chosen
+from core.session import Session
+
+
+def session_rows(runner, prompts: Sequence[list[int]], max_tokens: int, capacity: int,
+                 sampling: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens int64 ``[B, max_tokens]`` and fp32 logits ``[B, max_tokens, V]`` of ``prompts``
+    decoded as one fixed batch (a ``kv_policy="fixed"`` Session of ``capacity`` positions)."""
+    s = Session(runner, batch=len(prompts), capacity=capacity, kv_policy="fixed")
+    out = s.prefill([list(p) for p in prompts], sampling)
+    tokens, logits = [out.tokens], [s.last_logits()]
+    for _ in range(max_tokens - 1):
+        tokens.append(s.step().tokens)
+        logits.append(s.last_logits())
+    return np.stack(tokens, 1), np.stack(logits, 1)
+
+
+def engine_rows(runner, prompts: Sequence[list[int]], max_tokens: int, capacity: int, sampling: Any = None,
+                max_batch: int = 4) -> tuple[list[list[int]], list[list[np.ndarray]], list[list[Any]]]:
+    """Per request of ``prompts`` submitted together to an engine (``logprobs=True``): its
+    tokens, the fp32 logits ``[V]`` it chose each from, and its events' logprobs.
+
+    The logits are those :func:`core.engine.logprobs.chosen` is given, recorded by wrapping it
+    (the engine computes a row's logprob just before it feeds the row its token)."""
+    last: list = [None]
+
+    def recording(logits, token):
+        last[0] = np.asarray(logits).reshape(-1).astype(np.float32)
+        return chosen(logits, token)
+
+    engine = Engine(runner, max_batch=max_batch, capacity=capacity)
+    handles = [engine.submit(list(ids), max_tokens=max_tokens, sampling=sampling[i] if sampling else None,
+                             logprobs=True) for i, ids in enumerate(prompts)]
+    logits_of: list[list[np.ndarray]] = [[] for _ in prompts]
+    for i, h in enumerate(handles):
+        assert h.request is not None
+
+        def fed(token, error, logprob=None, i=i, feed=h.request.feed):
+            if logprob is not None:
+                logits_of[i].append(last[0])
+            return feed(token, error, logprob)
+        h.request.feed = fed  # type: ignore[method-assign]
+    with mock.patch.object(engine_mod, "chosen", recording):
+        engine.run_until_idle()
+    engine.shutdown()
+    events = [list(h) for h in handles]
+    tokens = [[t for e in ev for t in e.token_ids] for ev in events]
+    logprobs = [[lp for e in ev for lp in (e.logprobs or [])] for ev in events]
+    return tokens, logits_of, logprobs
