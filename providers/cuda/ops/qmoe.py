@@ -52,3 +52,22 @@ def run(ctx, x, router_probs, fc1, s1, b1=None, fc2=None, s2=None, b2=None, fc3=
     return _moe.run(ctx, x, router_probs, _moe.Projection(fc1, b1_bits, s1, z1, b1),
                     _moe.Projection(fc2, b2_bits, s2, z2, b2),
                     None if fc3 is None else _moe.Projection(fc3, b3_bits, s3, z3, b3), block)
+
+
+def prepare(ctx, x, router_probs, fc1, s1, b1=None, fc2=None, *rest):
+    """Plan-time check (core.ops): constant expert codes must be in the raw [E, N, K*bits/8]
+    layout the builder writes for the CPU, read against fc2's hidden size. Prepares nothing.
+
+    Raises:
+        ValueError: codes in another layout, e.g. the builder's CUDA int4 build, which stores
+            fc1 as [E, H, F*I*bits/8] (packed along the outputs, ONNX Runtime's CUDA layout).
+    """
+    if fc1 is None or fc2 is None or getattr(fc1, "ndim", 0) != 3 or getattr(fc2, "ndim", 0) != 3:
+        return None
+    b1_bits, _, _ = _bits(ctx.node.attrs)
+    hidden = int(fc2.shape[1])
+    if int(fc1.shape[2]) * 8 // b1_bits != hidden:
+        raise ValueError(f"QMoE {ctx.node.name!r} (cuda): fc1_experts_weights {tuple(fc1.shape)} is not "
+                         f"[E, F*I, {hidden}*{b1_bits}/8] for fc2's hidden size {hidden}; cuda runs the CPU "
+                         "build's raw layout (an int4 build with --target cpu), not ONNX Runtime's CUDA layout")
+    return None
