@@ -6,8 +6,9 @@ MoE kernels (kernels/moe.cu) route on the device and run each (row, expert) prod
 so each row of a batch of 8 is bitwise its batch-1 run, eager and captured; the captured step
 replays with the eager bits; and the teacher-forced logits follow cpu_reference's on the same
 folder within fp16 tolerance. The int4 CUDA build stores its experts in ONNX Runtime's CUDA
-layout, which neither provider reads: it is refused as the plan is made. LFM2-MoE's CUDA build computes its router in the graph with ops
-the cuda provider does not run yet (TopK, ScatterElements, ...): it is refused at load, naming them.
+layout, which neither provider reads: it is refused as the plan is made. LFM2-MoE's CUDA build
+computes its router in the graph with ops the cuda provider does not run yet (TopK,
+ScatterElements, ...): it is refused at load, naming them.
 
     pytest -q tests/cuda/test_moe_cuda.py            # builds 3 tiny folders (~20 s each)
 """
