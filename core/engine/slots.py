@@ -173,11 +173,7 @@ class SlotState:
         """Start downloading the logits of the decode step of bucket ``batch`` queued last (call
         it right after :meth:`decode`, before the next step is queued): a handle whose
         ``wait()`` gives ``[batch, 1, V]`` in the model's logits dtype."""
-        bucket = self._buckets[batch]
-        start = getattr(self.provider, "download_async", None)
-        if start is None:
-            return steps.ReadyDownload(self.provider.download(bucket.logits))
-        return start(bucket.logits)
+        return self.provider.download_async(self._buckets[batch].logits)
 
     def row_logits(self, slot: int) -> np.ndarray:
         """The logits of the prefill of ``slot`` that ran last, ``[1, 1, V]`` on the host."""
