@@ -39,6 +39,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -51,6 +52,29 @@ PREPARE_SHARED = "prepare_shared"
 #: of one weight read under two names (the builder's tied int4 table and its reshaped view) key
 #: it by :func:`storage_name`.
 STORAGE_NAMES = "storage_names"
+#: ``ctx.cache`` key of a node's run memos (:func:`memo`): a dict of what its kernel derived
+#: from the arguments of a call, kept with those arguments (the cuda eager replay's launches, a
+#: converted or dequantised weight). A re-plan that moves a weight drops it for the nodes
+#: reading that weight (:func:`core.runtime.streaming.forget`), so the old copy is freed; the
+#: rest of a node's cache (what its prepare hook recorded of the weight's layout) stays.
+RUN_MEMO = "run_memo"
+
+
+def run_memos(ctx) -> dict:
+    """The node's run memos (:data:`RUN_MEMO`): key -> (arguments, what was derived from them)."""
+    return ctx.cache.setdefault(RUN_MEMO, {})
+
+
+def memo(ctx, key: str, args: tuple, make: Callable[[], Any]) -> Any:
+    """``make()``, kept in the node's run memos under ``key`` while the same ``args`` come back
+    (by identity; the memo holds them, so their ids stay unique; never by device pointer)."""
+    memos = run_memos(ctx)
+    hit = memos.get(key)
+    if hit is not None and len(hit[0]) == len(args) and all(a is b for a, b in zip(hit[0], args)):
+        return hit[1]
+    out = make()
+    memos[key] = (args, out)
+    return out
 
 
 def storage_name(ctx, name: str) -> str:

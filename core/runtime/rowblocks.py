@@ -152,6 +152,10 @@ class PageContext:
         return getattr(self.parent, name)
 
 
+#: ``ctx.cache`` key of a row-blocked node's per-block contexts (:class:`PageContext`).
+CONTEXTS = "row_block_contexts"
+
+
 class RowBlockKernel:
     """A node run once per row block (module docstring): block ``p`` gets the staged weights'
     slot views ``views[p]`` (input position -> view) and the other N-indexed inputs cut to its
@@ -175,9 +179,9 @@ class RowBlockKernel:
         self.launches = 0
 
     def __call__(self, ctx, *args):
-        contexts = ctx.cache.get("_row_blocks")
+        contexts = ctx.cache.get(CONTEXTS)
         if contexts is None or len(contexts) != len(self.ranges):
-            contexts = ctx.cache["_row_blocks"] = [PageContext(ctx, p, b - a) for p, (a, b) in enumerate(self.ranges)]
+            contexts = ctx.cache[CONTEXTS] = [PageContext(ctx, p, b - a) for p, (a, b) in enumerate(self.ranges)]
         n, full = self.split.n, None
         for p, (a, b) in enumerate(self.ranges):
             for action in self.before[p]:

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from core.ops import RUN_MEMO
 from core.runtime import rowblocks
 from core.runtime.residency import BudgetError, ResidencyPlan
 
@@ -167,23 +168,24 @@ def _row_kernels(plan, blocked: dict, splits: dict) -> dict[int, tuple]:
 
 
 def forget(plan, names: set[str]) -> None:
-    """Empty the per-node caches (:attr:`core.protocol.KernelContext.cache`) of the nodes that
-    read a constant of ``names`` (one that moved: evicted, streamed, mapped or resident again).
+    """Drop the run memos (:data:`core.ops.RUN_MEMO`, and the row-block contexts, whose caches
+    hold their own) of the nodes that read a constant of ``names`` (one that moved: evicted,
+    streamed, mapped or resident again).
 
-    Those caches hold what a kernel derived from its inputs, and the inputs themselves: the cuda
-    eager-replay memo keeps a node's last arguments (providers/cuda/replay.py), a dequantised or
-    converted weight keeps its source. Kept, they would hold a moved weight's old device copy
-    until the node next ran with other inputs, and the pool block after that: after a KV growth
-    re-plan the driver saw the evicted weights' bytes on top of the new plan (issue 38: 1.6 GiB
-    over an 8 GiB device budget at batch 32). Branch nodes (If) keep theirs: the executor
-    stores their constants there.
+    A memo keeps a node's last arguments: the cuda eager replay's (providers/cuda/replay.py)
+    would hold a moved weight's old device copy until the node next ran with other inputs, and
+    the pool block after that: after a KV growth re-plan the driver saw the evicted weights'
+    bytes on top of the new plan (1.6 GiB over an 8 GiB device budget at batch 32). The rest of
+    a node's cache stays: its prepare hook's record of the weight's layout (a packed fp16 or
+    int4 weight's geometry) describes the streamed copy too.
     """
     if not names:
         return
-    branches = getattr(plan, "branches", {})
     for i, node in enumerate(plan.nodes):
-        if i not in branches and any(x in names for x in node.inputs):
-            plan.contexts[i].cache.clear()
+        if any(x in names for x in node.inputs):
+            cache = plan.contexts[i].cache
+            cache.pop(RUN_MEMO, None)
+            cache.pop(rowblocks.CONTEXTS, None)
 
 
 def streamed(plan, name: str) -> bool:

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from core.ops import run_memos
 from providers.cuda.paths import PATHS
 
 #: Node calls since import: replayed (recorded launches fired), launched (the op's launcher
@@ -307,7 +308,7 @@ class ReplayKernel:
         if ctx.frozen or ctx.transient:  # capture pins buffers; a transient run's buffers die with it
             return self.run(ctx, *inputs)
         key = self._key(ctx, inputs)
-        memo = ctx.cache.get("_replay")
+        memo = run_memos(ctx).get("replay")
         if memo is not None and memo[0] == key:
             stream = self._stream().ptr
             for launch in memo[2]:
@@ -324,8 +325,8 @@ class ReplayKernel:
         PATHS.add("replay", "launched")
         if spoiled:
             PATHS.add("replay", "unreplayable")
-            ctx.cache.pop("_replay", None)
+            run_memos(ctx).pop("replay", None)
         else:
             # the inputs stay referenced, so the ids in the key cannot be reused
-            ctx.cache["_replay"] = (key, outs, launches, inputs)
+            run_memos(ctx)["replay"] = (key, outs, launches, inputs)
         return outs

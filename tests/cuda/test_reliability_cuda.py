@@ -48,9 +48,13 @@ def same(a, b):
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
-@pytest.mark.parametrize("site", ["copy", "allocate"])
+@pytest.mark.parametrize("site", ["copy", "allocate", "commit"])
 def test_a_fault_during_kv_growth_changes_nothing(faulty, clean, site):
     prov, runner = faulty
+    # with VMM the cache grows in place (kv_commit backs more pages of its reserved range);
+    # without, growth allocates a larger cache and copies the old one into it
+    if (site == "commit") != bool(prov.capabilities().vmm):
+        pytest.skip(f"KV growth on this GPU does not pass the {site!r} site (vmm={prov.capabilities().vmm})")
     kw = dict(capacity=16, kv_policy="growing", max_capacity=64, capture=False, run_ahead=False)
     want = trace(Session(clean, batch=2, **kw), PROMPTS, 24)
     s = Session(runner, batch=2, **kw)

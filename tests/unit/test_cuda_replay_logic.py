@@ -100,12 +100,12 @@ def test_transient_runs_neither_replay_nor_replace_the_decode_record(fake_cupy):
     run, _ = make_op(calls)
     kernel, ctx, x = replay.ReplayKernel(run), Ctx(), FakeArray(0xA000)
     kernel(ctx, x)  # a decode step: recorded
-    record = ctx.cache["_replay"]
+    record = replay.run_memos(ctx)["replay"]
     ctx.transient = True  # a prefill: its buffers die after the run, so nothing may hold them
     prompt = FakeArray(0xC000)
     kernel(ctx, prompt)
     kernel(ctx, x)  # even the decode step's inputs: the launcher runs
-    assert len(calls) == 3 and fake_cupy == [] and ctx.cache["_replay"] is record
+    assert len(calls) == 3 and fake_cupy == [] and replay.run_memos(ctx)["replay"] is record
     ctx.transient = False
     kernel(ctx, x)  # the next decode step replays the decode record
     assert len(calls) == 3 and len(fake_cupy) == 1

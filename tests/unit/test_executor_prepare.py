@@ -227,7 +227,7 @@ def test_prepare_hooks_see_a_view_named_by_the_constant_it_views(tmp_path):
 
 class MemoizingReshape(ViewingReshape):
     """ViewingReshape whose Reshape also keeps its input in its context and writes a buffer, as
-    the cuda provider's eager replay memo (``ctx.cache["_replay"]``) and ``ctx.output`` do."""
+    the cuda provider's eager replay memo (``ctx.cache[core.ops.RUN_MEMO]``) and ``ctx.output`` do."""
 
     def kernel(self, node):
         view = super().kernel(node)

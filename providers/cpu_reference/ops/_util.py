@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from core.opdefs import int_list, int_scalar, normalize_axis  # noqa: F401 - re-exported
+from core.ops import memo
 
 
 def compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -24,7 +25,7 @@ def compute_dtype(dtype: np.dtype) -> np.dtype:
 
 def as_compute(ctx, x: np.ndarray, slot: str) -> np.ndarray:
     """``x`` in :func:`compute_dtype`. A read-only fp16 ``x`` (a plan constant: the executor
-    freezes host constants) is converted once and cached in ``ctx.cache[slot]`` while the same
+    freezes host constants) is converted once and kept (:func:`core.ops.memo` under ``slot``) while the same
     array object comes back; converting the [576, 49152] fp16 LM head on every call cost 10x the
     product itself."""
     work = compute_dtype(x.dtype)
@@ -32,12 +33,7 @@ def as_compute(ctx, x: np.ndarray, slot: str) -> np.ndarray:
         return x
     if x.flags.writeable:
         return x.astype(work)
-    hit = ctx.cache.get(slot)
-    if hit is not None and hit[0] is x:
-        return hit[1]
-    out = x.astype(work)
-    ctx.cache[slot] = (x, out)
-    return out
+    return memo(ctx, slot, (x,), lambda: x.astype(work))
 
 
 def elementwise(fn: Callable[..., np.ndarray], *xs: np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ contrib_ops/cpu/quantization/matmul_nbits.cc, matmul_nbits_impl.cc.
 import numpy as np
 
 from core.opdefs import matmul_nbits_supports
+from core.ops import run_memos
 from providers.cpu_reference.ops import rowwise_matmul
 from providers.cpu_reference.ops._out import buffer, write
 from providers.cpu_reference.ops._quant import unpack
@@ -63,12 +64,12 @@ def _weight(ctx, b, scales, zero_points, k: int, n: int) -> np.ndarray:
     attrs = ctx.node.attrs
     parts = (b, scales, zero_points)
     constant = all(x is None or (isinstance(x, np.ndarray) and not x.flags.writeable) for x in parts)
-    hit = ctx.cache.get("weight")
+    hit = run_memos(ctx).get("weight")
     if constant and hit is not None and all(x is y for x, y in zip(hit[0], parts)):
         return hit[1]
     w = dequantize(b, scales, zero_points, k, n, int(attrs.get("bits", 4)), int(attrs["block_size"]))
     if constant:
-        ctx.cache["weight"] = (parts, w)
+        run_memos(ctx)["weight"] = (parts, w)
     return w
 
 

@@ -16,6 +16,7 @@ contrib op schema (onnxruntime 1.32).
 import numpy as np
 
 from core.opdefs import moe_unsupported
+from core.ops import run_memos
 from providers.cpu_reference.ops._moe import Activation, Experts, expert_bias, mix, route, token_rows
 from providers.cpu_reference.ops._out import write
 
@@ -46,7 +47,7 @@ def experts_of(ctx, fc1, b1, fc2, b2, fc3, b3, hidden: int) -> Experts:
     """
     parts = (fc1, b1, fc2, b2, fc3, b3)
     constant = all(x is None or (isinstance(x, np.ndarray) and not x.flags.writeable) for x in parts)
-    hit = ctx.cache.get("experts")
+    hit = run_memos(ctx).get("experts")
     if constant and hit is not None and all(x is y for x, y in zip(hit[0], parts)):
         return hit[1]
     w1 = _transposed(fc1, "fc1_experts_weights", (None, None, hidden))
@@ -60,7 +61,7 @@ def experts_of(ctx, fc1, b1, fc2, b2, fc3, b3, hidden: int) -> Experts:
                       expert_bias(b2, "fc2_experts_bias", (e, hidden)),
                       expert_bias(b3, "fc3_experts_bias", (e, inter)))
     if constant:
-        ctx.cache["experts"] = (parts, experts)
+        run_memos(ctx)["experts"] = (parts, experts)
     return experts
 
 

@@ -22,6 +22,7 @@ contrib op schema (onnxruntime 1.32).
 import numpy as np
 
 from core.opdefs import moe_unsupported
+from core.ops import run_memos
 from providers.cpu_reference.ops import matmul_nbits
 from providers.cpu_reference.ops._moe import Activation, Experts, expert_bias, mix, route, token_rows
 from providers.cpu_reference.ops._out import write
@@ -73,7 +74,7 @@ def experts_of(ctx, hidden: int, fc1, s1, b1, fc2, s2, b2, fc3, s3, b3, z1, z2, 
     attrs = ctx.node.attrs
     parts = (fc1, s1, b1, fc2, s2, b2, fc3, s3, b3, z1, z2, z3)
     constant = all(x is None or (isinstance(x, np.ndarray) and not x.flags.writeable) for x in parts)
-    hit = ctx.cache.get("experts")
+    hit = run_memos(ctx).get("experts")
     if constant and hit is not None and all(x is y for x, y in zip(hit[0], parts)):
         return hit[1]
     bits = int(attrs.get("expert_weight_bits", 4))
@@ -95,7 +96,7 @@ def experts_of(ctx, hidden: int, fc1, s1, b1, fc2, s2, b2, fc3, s3, b3, z1, z2, 
                       expert_bias(b2, "fc2_experts_bias", (e, hidden)),
                       expert_bias(b3, "fc3_experts_bias", (e, inter)))
     if constant:
-        ctx.cache["experts"] = (parts, experts)
+        run_memos(ctx)["experts"] = (parts, experts)
     return experts
 
 

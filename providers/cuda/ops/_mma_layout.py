@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from core.ops import PREPARE_SHARED, storage_name
+from core.ops import PREPARE_SHARED, memo, storage_name
 from providers.cuda.ops import array_module
 
 #: K segment of the tensor-core kernels (kernels/linear_mma.cu SEG_K): each output's partial
@@ -142,15 +142,9 @@ def packed_offset(xp, k, n, k_total: int):
 
 def per_call(ctx, key: str, weights: tuple, make):
     """``make()``, the kernel's form of raw weights passed to it (no prepare: direct calls, fed
-    weights), kept in ctx.cache[key] while the same objects come back: by identity, with
-    references held so the ids stay unique; never by device pointer. A plan prepares its
+    weights), kept (:func:`core.ops.memo` under ``key``) while the same objects come back. A plan prepares its
     constant weights, so streamed weights never come here."""
-    hit = ctx.cache.get(key)
-    if hit is not None and len(hit[0]) == len(weights) and all(a is b for a, b in zip(hit[0], weights)):
-        return hit[1]
-    out = make()
-    ctx.cache[key] = (weights, out)
-    return out
+    return memo(ctx, key, weights, make)
 
 
 def unprepared(ctx, w, up=None):
