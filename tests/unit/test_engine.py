@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -116,7 +117,12 @@ def test_thread_owner_shutdown_aborts_the_rest(runner):
     events = list(done)
     assert events[-1].finish_reason == "length" and events[-1].usage.completion_tokens == 4
     started = threading.Event()
-    long = engine.request([9], max_tokens=60, sink=lambda e: started.set())
+
+    def slow(event):  # 60 tokens take at least 0.6 s: shutdown comes long before the last
+        started.set()
+        time.sleep(0.01)
+
+    long = engine.request([9], max_tokens=60, sink=slow)
     engine.add(long)
     assert started.wait(10)
     engine.shutdown(timeout=10)
