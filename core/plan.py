@@ -23,7 +23,8 @@ import attrs
 import numpy as np
 
 from core import fusion
-from core.executor import GATHER_OPS, WeightRead, is_host_constant, node_infos
+from core.executor import WeightRead, is_host_constant, node_infos
+from core.executor.weights import collect_reads
 from core.models.model import Model, load_model
 from core.opdefs import constant_supports, constant_value
 from core.runtime import residency, rowblocks
@@ -96,25 +97,7 @@ class _Header:
 
     def weight_reads(self) -> list[WeightRead]:
         """As :meth:`core.executor.Plan.weight_reads`, over the header's sizes."""
-        reads: list[WeightRead] = []
-        first: dict[str, int] = {}
-        for pos, i in enumerate(self.steps):
-            node = self.nodes[i]
-            for j, x in enumerate(node.inputs):
-                if not x or x not in self._root:
-                    continue
-                gathered = node.op_type in GATHER_OPS and j != 1
-                key = self._root[x]
-                k = first.get(key)
-                if k is None:
-                    first[key] = len(reads)
-                    reads.append(WeightRead(pos, node.name, x, self._nbytes[key], gathered))
-                    continue
-                r = reads[k]
-                if x != r.constant and x not in r.aliases:
-                    r = r._replace(aliases=(*r.aliases, x))
-                reads[k] = r._replace(gathered=r.gathered and gathered)
-        return reads
+        return collect_reads(self.nodes, self.steps, self._root.get, lambda x: self._nbytes[self._root[x]])
 
     def other_bytes(self) -> int:
         """Bytes of the initializers no per-step node reads (inputs of folded nodes), which the

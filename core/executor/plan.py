@@ -24,7 +24,7 @@ from core.executor.checks import Step
 from core.executor.graph import check_supported, constant_branches, declared_types, node_infos, select_branch
 from core.executor.host import HostFallback, default_host_fallback
 from core.executor.prepare import Preparing
-from core.executor.weights import GATHER_OPS, Placer, WeightRead, is_host_constant, storage
+from core.executor.weights import Placer, WeightRead, collect_reads, is_host_constant, storage
 from core.opdefs import is_host
 from core.protocol import ExecutionProvider, KernelContext
 
@@ -190,26 +190,10 @@ class Plan(Preparing):
         original does not. Constants over one storage (a view of another, e.g. the reshaped
         int4 codes of a tied embedding) are one entry, named by the first read, the others in
         its ``aliases``; it is gathered only when every reader of every name gathers."""
-        reads: list[WeightRead] = []
-        first: dict[int, int] = {}  # id of the storage -> index in reads
-        for pos, i in enumerate(self.steps):
-            node = self.nodes[i]
-            for j, x in enumerate(node.inputs):
-                if not x or x not in self.constants:
-                    continue
-                value = self.constants[x]
-                gathered = node.op_type in GATHER_OPS and j != 1  # input 1 is the indices
-                key = id(storage(value))
-                k = first.get(key)
-                if k is None:
-                    first[key] = len(reads)
-                    reads.append(WeightRead(pos, node.name, x, self._weight_nbytes(x, value), gathered))
-                    continue
-                r = reads[k]
-                if x != r.constant and x not in r.aliases:
-                    r = r._replace(aliases=(*r.aliases, x))
-                reads[k] = r._replace(gathered=r.gathered and gathered)
-        return reads
+        constants = self.constants
+        return collect_reads(self.nodes, self.steps,
+                             lambda x: id(storage(constants[x])) if x in constants else None,
+                             lambda x: self._weight_nbytes(x, constants[x]))
 
     def step_weight_bytes(self) -> int:
         """Bytes of constants one decode step reads in full: each constant input of a per-step

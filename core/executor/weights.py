@@ -13,7 +13,7 @@ one node's scratch, never the whole model (:mod:`core.runtime.placement`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -91,6 +91,33 @@ class WeightRead(NamedTuple):
     nbytes: int
     gathered: bool
     aliases: tuple[str, ...] = ()
+
+
+def collect_reads(nodes: Any, steps: Any, key_of: Callable[[str], Any], nbytes_of: Callable[[str], int]
+                  ) -> list[WeightRead]:
+    """The constants the per-step nodes read, each storage once at its first reader
+    (:class:`WeightRead`), the other names over it in ``aliases``; gathered only when every
+    reader of every name gathers. ``key_of(name)``: the constant's storage key (None: not a
+    constant); ``nbytes_of(name)``: its bytes."""
+    reads: list[WeightRead] = []
+    first: dict[Any, int] = {}  # storage key -> index in reads
+    for pos, i in enumerate(steps):
+        node = nodes[i]
+        for j, x in enumerate(node.inputs):
+            key = key_of(x) if x else None
+            if key is None:
+                continue
+            gathered = node.op_type in GATHER_OPS and j != 1  # input 1 is the indices
+            k = first.get(key)
+            if k is None:
+                first[key] = len(reads)
+                reads.append(WeightRead(pos, node.name, x, nbytes_of(x), gathered))
+                continue
+            r = reads[k]
+            if x != r.constant and x not in r.aliases:
+                r = r._replace(aliases=(*r.aliases, x))
+            reads[k] = r._replace(gathered=r.gathered and gathered)
+    return reads
 
 
 def is_host_constant(array: np.ndarray) -> bool:
