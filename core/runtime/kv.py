@@ -331,7 +331,8 @@ class KVCache:
     def _grow(self, needed: int, lengths: Sequence[int] | np.ndarray,
               prepare: Callable[[KVGeometry], Any] | None) -> Any:
         new_cap = round_capacity(max(needed, 2 * self.capacity), self.max_capacity, multiple=16)
-        if self.vmm:
+        if self.vmm:  # the range is reserved: back the pages first, so a failed commit changes nothing
+            self._commit(needed)
             self.counters.growth_events += 1
             self.capacity = new_cap
             return None

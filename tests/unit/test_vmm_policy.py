@@ -79,3 +79,29 @@ def test_growth_commits_pages_instead_of_moving(model_dir):
             assert pages <= prov.pages[id(t)]
         assert len(prov.pages[id(t)]) < -(-t.nbytes // PAGE), "committed everything up front"
     assert c.kv_committed_bytes > 0
+
+
+def test_a_failed_commit_during_growth_leaves_the_cache_as_it_was(model_dir):
+    # with VMM the cache grows in place: a kv_commit that fails (the device has no page left)
+    # must leave the capacity and the charge as they were, and the run must go on bitwise
+    from core.runtime.runner import Runner
+    from core.testing.faults import FaultyProvider
+
+    rows = [[5, 6, 7], [8, 9]]
+    kw = dict(batch=2, capacity=16, kv_policy="growing", max_capacity=64, capture=False)
+    want = decode(Session(model_dir, HostArena(), **kw), rows, 30).tokens
+    prov = FaultyProvider(HostArena())
+    runner = Runner(model_dir, prov)
+    s = Session(runner, **kw)
+    toks = [s.prefill(rows).tokens]
+    while s.lengths.max() < 16:
+        toks.append(s.step().tokens)
+    held, growths = runner.kv_device_bytes, s.counters.growth_events
+    prov.arm("commit", error=MemoryError)
+    with pytest.raises(MemoryError):
+        s.step()
+    assert prov.fired == 1 and s.capacity == 16 and runner.kv_device_bytes == held
+    assert s.counters.growth_events == growths
+    while len(toks) < 31:
+        toks.append(s.step().tokens)
+    assert s.capacity > 16 and np.array_equal(np.array(toks), want)
