@@ -154,3 +154,44 @@ def test_a_replan_drops_what_node_caches_hold_of_the_weights_it_moves(tmp_path):
     for name in moved:
         for ctx in runner.plan.contexts:
             assert not any(_holds(v, before[name]) for v in ctx.cache.values()), (name, ctx.node.name)
+
+
+class _PackingProvider(CpuReferenceProvider):
+    """cpu_reference whose MatMul weights are prepared as W^T and say so in ``ctx.cache`` (as the
+    cuda hooks record a packed weight's geometry there): a kernel that lost that record would
+    read the streamed copy in the wrong layout."""
+
+    def prepare(self, node):
+        if node.op_type != "MatMul":
+            return super().prepare(node)
+
+        def hook(ctx, a, w):
+            if w is None:
+                return None
+            ctx.cache["transposed"] = True
+            return {1: np.ascontiguousarray(w.T)}
+        return hook
+
+    def kernel(self, node):
+        run = super().kernel(node)
+        if node.op_type != "MatMul":
+            return run
+        return lambda ctx, a, w: run(ctx, a, np.ascontiguousarray(w.T) if ctx.cache.get("transposed") else w)
+
+    def row_blocks(self, node, shape_of):
+        return None  # a transposed weight's output rows are its first axis: not the ONNX split
+
+
+def test_a_replan_keeps_what_prepare_hooks_recorded(tmp_path):
+    folder = make_tiny_model(tmp_path / "m", config=TinyConfig(layers=2, vocab=1024, tied=False), external=True)
+    want = tokens_and_logits(Runner(folder, _PackingProvider()), ROWS[:2], steps=8)
+    weights = Runner(folder, _PackingProvider()).plan.step_weight_bytes()
+    runner = Runner(folder, _PackingProvider(), device_budget=2 * weights)
+    assert not runner.residency.streams
+    least = residency.smallest_budget(runner._weights, mappable=True)
+    assert least < weights
+    # KV takes all but a weight budget between the smallest and the whole: the re-plan streams
+    assert runner.reserve_kv(2 * weights - (least + weights) // 2) is not None
+    assert runner.residency.streams and any(ctx.cache.get("transposed") for ctx in runner.plan.contexts)
+    got = tokens_and_logits(runner, ROWS[:2], steps=8)
+    assert np.array_equal(want[0], got[0]) and np.array_equal(want[1], got[1])
