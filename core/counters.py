@@ -32,7 +32,10 @@ class Counters:
         fallbacks: reasons a decode step ran eagerly although capture was asked for.
         invalidations: captured graphs dropped (each with a reason in ``invalidation_reasons``).
         growth_events: KV reallocations (growing policy).
-        kv_bytes_moved: bytes copied by KV growth (0 with a VMM arena).
+        kv_bytes_moved: bytes copied by KV growth (0 with a VMM arena) and by the engine's
+            row moves.
+        rows_moved: running rows the engine moved to a lower slot so that its decode steps
+            run a smaller bucket (:meth:`core.engine.scheduler.Scheduler.compaction`).
         kv_bytes: bytes reserved for the KV cache (all layers, K and V).
         kv_committed_bytes: bytes of the current KV buffers backed through ``kv_commit`` (a
             gauge: growth that reallocates starts it again from the copied prefix).
@@ -71,6 +74,7 @@ class Counters:
     invalidation_reasons: list = attrs.Factory(list)
     growth_events: int = 0
     kv_bytes_moved: int = 0
+    rows_moved: int = 0
     kv_bytes: int = 0
     kv_committed_bytes: int = 0
     weight_bytes: int = 0

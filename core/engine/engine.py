@@ -13,7 +13,9 @@ command queue (add, abort, shutdown). Each iteration of the loop:
    request its token (:meth:`~core.engine.request.Request.feed`); a request that ends frees
    its slot at once, so the next iteration can admit into it. Running ahead (the default), the
    next step is queued before this one is read, so the device never waits for the host; a
-   step's tokens go only to rows that held their slot when it was queued and still hold it;
+   step's tokens go only to rows that still run, each read from the slot it held when the step
+   was queued. Before a step is queued, rows left above the smallest bucket that holds them
+   move down into free slots (compaction: a copy of each row's state on the device);
 4. publishes the events to each request's sink (a prefill's first token before the decode
    step, so the time to first token does not include it).
 
@@ -85,13 +87,16 @@ class Engine:
         run_ahead: queue the next decode step before reading the last one's tokens, so the
             device runs while the host feeds the requests (a row that ended meanwhile computes
             one more step, whose token is dropped).
+        compact: move running rows down into slots freed below them, so decode steps run the
+            smallest bucket that holds them (:meth:`~core.engine.scheduler.Scheduler.compaction`).
 
     Raises:
         RequestError: a bad ``max_batch``, ``capacity`` or ``max_waiting``.
     """
 
     def __init__(self, runner, max_batch: int = 8, capacity: int | None = None, max_waiting: int = 256,
-                 prefill_tokens: int = 2048, capture: bool | None = None, run_ahead: bool = True):
+                 prefill_tokens: int = 2048, capture: bool | None = None, run_ahead: bool = True,
+                 compact: bool = True):
         context = runner.model.config.context_length
         for name, value in (("max_batch", max_batch), ("max_waiting", max_waiting), ("prefill_tokens", prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -111,6 +116,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._next: tuple | None = None  # a command the idle loop woke up on
         self.run_ahead = bool(run_ahead)
+        self.compact = bool(compact)
         # (rows at queue time, the result's download, the logits' download or None)
         self._queued_steps: list[tuple[dict[int, Request], Any, Any]] = []
 
@@ -318,7 +324,8 @@ class Engine:
 
     def _decode(self, events: list) -> None:
         """Queue a step (and, running ahead, the next one), read the oldest queued step and feed
-        the rows that held their slot when it was queued and still hold it."""
+        the rows it ran that still run (each its token from the slot it held when the step was
+        queued; it may have moved since)."""
         try:
             if not self._queued_steps:
                 self._queue_step()
@@ -334,14 +341,18 @@ class Engine:
                 self.scheduler.release(slot)
                 events.append((failed, failed.finish("error", error=f"decode step failed: {exc}")))
             return
-        for slot, req in rows.items():
-            if self.scheduler.running.get(slot) is not req:
+        for slot, req in rows.items():  # the slot each row held when the step was queued
+            if req.finish_reason is not None:
                 continue  # ended (or aborted) after this step was queued: the slot's token is dropped
+            slot_now = self.scheduler.slot_of(req)
             token, error = int(out.tokens[slot]), bool(out.errors[slot])
             lp = chosen(logits[slot], token) if req.logprobs and logits is not None and not error else None
-            self._feed(req, slot, token, error, events, lp)
+            self._feed(req, slot_now, token, error, events, lp)
 
     def _queue_step(self) -> None:
+        if self.compact:
+            for old, new in self.scheduler.compaction():
+                self.slots.move(old, new)
         running = dict(self.scheduler.running)
         if self._queued_steps:
             self.counters.run_ahead_steps += 1

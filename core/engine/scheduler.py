@@ -9,6 +9,10 @@ code, so it is unit-tested and fuzzed on its own.
   It takes the lowest free slot, which keeps the running rows packed at the low slots.
 - **Buckets.** A decode step runs the rows of slots ``[0, bucket)``: the smallest of
   :func:`buckets` that covers the highest occupied slot. Free slots below it are padded lanes.
+- **Compaction.** When rows below end first, the rows left may sit above the smallest bucket
+  that could hold them all: :meth:`Scheduler.compaction` moves the highest occupied slot to
+  the lowest free one until they fit that bucket (the engine copies each row's state), so
+  fewer padded lanes compute.
 - **Prefill budget.** At most ``prefill_tokens`` prompt tokens are admitted per engine
   iteration (at least one request), so a burst of arrivals delays the running rows' next
   decode step by a bounded amount.
@@ -97,9 +101,35 @@ class Scheduler:
                 return "running", req, slot
         return None
 
+    def slot_of(self, request: Any) -> int:
+        """The slot ``request`` runs in (it may have moved since a step was queued).
+
+        Raises:
+            KeyError: it is not running.
+        """
+        for slot, req in self.running.items():
+            if req is request:
+                return slot
+        raise KeyError(request.id)
+
     def remove_waiting(self, request: Any) -> None:
         """Drop a waiting request (aborted before it got a slot)."""
         self.waiting.remove(request)
+
+    def compaction(self) -> list[tuple[int, int]]:
+        """Move running rows down so they fit the smallest bucket that holds their number: the
+        highest occupied slot to the lowest free one, while a row sits at or above that bucket.
+        Returns the ``(from_slot, to_slot)`` moves made (the caller copies each row's state)."""
+        moves: list[tuple[int, int]] = []
+        if not self.running:
+            return moves
+        target = self.buckets[bisect.bisect_left(self.buckets, len(self.running))]
+        while max(self.running) >= target:
+            old, new = max(self.running), self._free.pop(0)  # fewer than target rows below it: new < target
+            self.running[new] = self.running.pop(old)
+            bisect.insort(self._free, old)
+            moves.append((old, new))
+        return moves
 
     def bucket(self) -> int:
         """The decode batch: the smallest bucket covering every occupied slot (0 if none)."""

@@ -169,6 +169,25 @@ class SlotState:
         self.counters.decode_steps += 1
         return steps.start_read(bucket)
 
+    def move(self, old: int, new: int) -> int:
+        """Copy the state of row ``old`` into free row ``new``: its KV (every layer, K and V),
+        last token, input, length, mask, positions and sampling rows, queued on the provider's
+        stream behind the steps already queued (a step in flight still reads and writes row
+        ``old``; the copy takes what it leaves). Returns the bytes copied."""
+        st, p = self.state, self.provider
+        buffers = [st.input_ids, st.attention_mask, st.result, st.positions, st.lengths_dev]
+        if st.sampling is not None:
+            buffers += [st.sampling.params, st.sampling.options, st.sampling.history]
+        buffers += [t for pair in st.kv.layers for t in pair]
+        moved = 0
+        for buf in buffers:  # every slot buffer is row-major along the batch axis (module docstring)
+            row = buf.nbytes // self.slots
+            moved += p.copy_bytes(buf, buf, [(old * row, new * row, row)])
+        self.lane_len[new] = self.lane_len[old]
+        self.counters.rows_moved += 1
+        self.counters.kv_bytes_moved += moved
+        return moved
+
     def start_logits(self, batch: int) -> Any:
         """Start downloading the logits of the decode step of bucket ``batch`` queued last (call
         it right after :meth:`decode`, before the next step is queued): a handle whose

@@ -30,6 +30,7 @@ class FuzzReport:
         max_running: the most requests that held a slot at once.
         aborted, sampled, stopped: requests aborted, sampling, ended by a stop rule.
         captures, replays: decode graphs the engine captured and replayed (a provider that captures).
+        rows_moved: rows the engine moved down to a lower slot (compaction).
     """
 
     requests: int = 0
@@ -41,6 +42,7 @@ class FuzzReport:
     stopped: int = 0
     captures: int = 0
     replays: int = 0
+    rows_moved: int = 0
 
 
 def _draw(rng: np.random.Generator, vocab: int, capacity: int, text: bool, longest: int) -> dict[str, Any]:
@@ -82,7 +84,7 @@ def expected_events(engine: Engine, request: Request, tokens: list[int]) -> list
 
 def fuzz_arrivals(runner, seed: int, requests: int = 300, max_batch: int = 8, capacity: int = 48,
                   arrival_span: int | None = None, abort_rate: float = 0.1, longest: int | None = None,
-                  run_ahead: bool = True) -> FuzzReport:
+                  run_ahead: bool = True, compact: bool = True) -> FuzzReport:
     """Run ``requests`` random requests on an engine and compare each with its solo run.
 
     Args:
@@ -93,12 +95,13 @@ def fuzz_arrivals(runner, seed: int, requests: int = 300, max_batch: int = 8, ca
         abort_rate: the share of requests aborted after a random number of iterations.
         longest: the most ``max_tokens`` drawn (default: what the capacity allows).
         run_ahead: the engine's ``run_ahead``.
+        compact: the engine's ``compact``.
     """
     from core.session import Session
 
     rng = np.random.default_rng(seed)
     engine = Engine(runner, max_batch=max_batch, capacity=capacity, max_waiting=requests, capture=None,
-                    run_ahead=run_ahead)
+                    run_ahead=run_ahead, compact=compact)
     vocab = runner.model.config.vocab_size
     text = runner.model.tokenizer is not None
     span = arrival_span or max(1, requests * capacity // (3 * max_batch))
@@ -132,6 +135,7 @@ def fuzz_arrivals(runner, seed: int, requests: int = 300, max_batch: int = 8, ca
         it += 1
     engine.shutdown()
     report.captures, report.replays = engine.counters.captures, engine.counters.replays
+    report.rows_moved = engine.counters.rows_moved
     session = Session(runner, batch=1, capacity=capacity, kv_policy="fixed")
     try:
         for req in made:

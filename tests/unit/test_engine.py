@@ -48,6 +48,32 @@ def test_scheduler_lowest_free_slot_and_bucket():
     assert s.find("late")[:2] == ("running", s.running[0])
 
 
+def test_compaction_moves_the_highest_rows_into_the_lowest_free_slots():
+    s = Scheduler(slots=8, prefill_tokens=100)
+    for i in range(8):
+        s.submit(_Req(f"r{i}"))
+    s.admit()
+    for slot in (0, 1, 2, 4, 5):
+        s.release(slot)
+    assert s.bucket() == 8 and s.compaction() == [(7, 0), (6, 1)]
+    assert sorted(s.running) == [0, 1, 3] and s.bucket() == 4
+    assert [r.id for r in (s.running[0], s.running[1], s.running[3])] == ["r7", "r6", "r3"]
+    assert s.compaction() == []  # three rows need bucket 4: nothing above it is left
+    s.release(3)
+    assert s.compaction() == [] and s.bucket() == 2
+
+
+def test_a_row_left_alone_in_a_high_slot_decodes_at_bucket_one(runner):
+    engine = Engine(runner, max_batch=8, capacity=48)
+    short = [engine.submit([3 + i, 4], max_tokens=2) for i in range(7)]
+    long = engine.submit([9, 8, 7], max_tokens=24)
+    engine.run_until_idle()
+    assert all(list(h)[-1].finish_reason == "length" for h in short)
+    tokens = [t for e in long for t in e.token_ids]
+    assert engine.counters.rows_moved == 1 and 1 in engine.slots._buckets  # slot 7 -> 0, then bucket 1
+    assert tokens == solo_tokens(Session(runner, batch=1, capacity=48, kv_policy="fixed"), long.request)
+
+
 def test_scheduler_prefill_budget_admits_at_least_one():
     s = Scheduler(slots=4, prefill_tokens=10)
     for i, n in enumerate((30, 4, 4, 4)):
