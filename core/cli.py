@@ -65,15 +65,22 @@ def _status(text: str):
         yield lambda line: console.print(line, markup=False)
 
 
+def _int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _int(text, "a positive integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _int(text, "0 or more")
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
@@ -562,6 +569,7 @@ def cmd_parity(a) -> int:
 def cmd_plan(a) -> int:
     from core.plan import main as plan_main
 
+    _check_budgets(a)
     return plan_main(a, console)
 
 

@@ -210,7 +210,10 @@ def plan_model(model: Model | str, batches: Sequence[int], context: int, provide
         if device is not None:
             wb = min(budget if budget is not None else device, device - kv)
             if wb <= 0:
-                out.append(BatchPlan(b, kv, None, error=f"the {kv:,} bytes of KV fill the device budget"))
+                need = kv + residency.smallest_budget(weights, slots, mappable, splits, page)
+                out.append(BatchPlan(b, kv, None, error=f"the {kv:,} bytes of KV fill the device budget of {device:,} "
+                                                        f"bytes; this batch needs a device budget of at least {need:,} "
+                                                        "bytes (its KV plus the smallest working weight budget)"))
                 continue
         try:
             r = residency.plan_residency(weights, wb, slots, mappable, splits, page)
@@ -257,7 +260,7 @@ def main(a, console) -> int:
     title = (f"{model.folder.name}: {model.weight_bytes() / gb:.2f} GB of weights, {a.context} tokens of KV per row"
              + (f" ({note})" if note else ""))
     table = Table("batch", "KV GB", "weight budget GB", "resident GB", "mapped GB", "streamed GB/step",
-                  "ring", "copy floor ms", "expected tok/s", title=title)
+                  "ring", "copy floor ms", "expected tok/s", title=escape(title))
     for p in rows:
         r = p.residency
         if r is None:

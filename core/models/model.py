@@ -237,7 +237,8 @@ def load_model(folder: str | Path) -> Model:
         raise ModelError(f"model folder not found: {folder}")
     cfg_path = folder / "genai_config.json"
     if not cfg_path.exists():
-        raise ModelError(f"{folder} is not a builder model folder: genai_config.json is missing")
+        raise ModelError(f"{folder} is not a builder model folder: genai_config.json is missing (make one with "
+                         "`lockstep prepare NAME`, or give the folder the ONNX Runtime GenAI builder wrote)")
     try:
         data = json.loads(cfg_path.read_text())
         validate.check_config_fields(data)

@@ -271,7 +271,7 @@ def parse_budget(value, total: int, fractions: bool = True) -> int | None:
             raise BudgetError("a device budget takes bytes (4294967296) or a size (4GiB), not a fraction: "
                               f"got {given!r}")
         if not 0 < value <= 1:
-            raise BudgetError(f"a fractional budget must be in (0, 1], got {value}")
+            raise BudgetError(f"a fractional budget must be in (0, 1] (up to 100%), got {given!r}")
         return int(value * total)
     if value <= 0:
         raise BudgetError(f"a budget must be positive, got {value}")

@@ -66,6 +66,7 @@ def test_unknown_provider_is_reported_before_any_model_work(capsys, monkeypatch)
     (["--tokens", "0"], "positive integer"),
     (["--batch-sweep", "1,x"], "comma-separated"),
     (["--batch-sweep", "1,,2"], "comma-separated"),  # an empty item is a typo, not a skip
+    (["--threads", "banana"], "--threads: must be a positive integer, got 'banana'"),
 ])
 def test_profile_rejects_bad_numbers_before_the_sweep(tmp_path, capsys, argv, message):
     folder = make_tiny_model(tmp_path / "m")
@@ -607,3 +608,12 @@ def test_sampling_options_without_do_sample_say_they_change_nothing(capsys, word
 def test_bare_lockstep_lists_the_commands(capsys):
     code, out = run(capsys)
     assert code == 2 and all(name in out.err for name in ("run", "chat", "prepare", "parity", "profile"))
+
+
+def test_plan_prints_its_title_verbatim_and_names_the_budget_a_batch_needs(tmp_path, capsys):
+    folder = make_tiny_model(tmp_path / "m[cuda13]")  # brackets Rich would take as markup
+    code, out = run(capsys, "plan", str(folder), "--provider", "cpu_reference", "--device-budget", "1024")
+    assert code == 0 and "m[cuda13]" in out.err  # the table goes to stderr, with the progress lines
+    assert "needs a device budget of at least" in out.err
+    code, out = run(capsys, "plan", str(folder), "--weight-budget", "150%")
+    assert code != 0 and "--weight-budget" in out.err and "'150%'" in out.err
