@@ -570,7 +570,7 @@ def cmd_plan(a) -> int:
     from core.plan import main as plan_main
 
     _check_budgets(a)
-    return plan_main(a, console)
+    return plan_main(a, _table_console())  # the plan is the command's output: stdout, full width
 
 
 def cmd_profile(a) -> int:

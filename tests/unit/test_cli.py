@@ -613,7 +613,7 @@ def test_bare_lockstep_lists_the_commands(capsys):
 def test_plan_prints_its_title_verbatim_and_names_the_budget_a_batch_needs(tmp_path, capsys):
     folder = make_tiny_model(tmp_path / "m[cuda13]")  # brackets Rich would take as markup
     code, out = run(capsys, "plan", str(folder), "--provider", "cpu_reference", "--device-budget", "1024")
-    assert code == 0 and "m[cuda13]" in out.err  # the table goes to stderr, with the progress lines
-    assert "needs a device budget of at least" in out.err
+    assert code == 0 and "m[cuda13]" in out.out
+    assert "needs a device budget of at least" in out.out and "expected tok/s" in out.out  # not cut to 80 columns
     code, out = run(capsys, "plan", str(folder), "--weight-budget", "150%")
     assert code != 0 and "--weight-budget" in out.err and "'150%'" in out.err
