@@ -58,6 +58,7 @@ SWITCHES: dict[str, tuple] = {
     "LOCKSTEP_CUDA_GEMM_WIDE": ("auto", ("auto", "dense", "all", "off")),
     "LOCKSTEP_CUDA_GEMM_SPLIT": ("auto", ("auto", "off")),
     "LOCKSTEP_CUDA_GEMM_TOKEN_TILES": ("auto", ("auto", "1", "2", "4")),
+    "LOCKSTEP_CUDA_GEMM_GEMV": (False, None),
     "LOCKSTEP_CUDA_ATTN_HINT": (True, None),
     "LOCKSTEP_CUDA_ATTN_STATIC_HEAD": (True, None),
     "LOCKSTEP_CUDA_ATTN_RING": (True, None),

@@ -20,11 +20,17 @@ from providers.cuda import replay
 KERNELS = Path(__file__).parent / "kernels"
 
 
+#: Kernel files compiled after another file of kernels/ whose device functions they call:
+#: ``linear_gemv4.cu`` runs ``linear_mma.cu``'s int4 arithmetic (its instantiations only are compiled).
+AFTER = {"linear_gemv4": "linear_mma"}
+
+
 def source(name: str) -> str:
     """The CUDA C source compiled for ``kernels/<name>.cu``: kernels/pdl.cuh (the PDL_ENTER macros
-    every kernel uses), then the file. Prepended rather than included, so the source text CuPy
-    keys its disk cache on covers it."""
-    return (KERNELS / "pdl.cuh").read_text() + (KERNELS / f"{name}.cu").read_text()
+    every kernel uses), then the file named in :data:`AFTER` for it, if any, then the file.
+    Prepended rather than included, so the source text CuPy keys its disk cache on covers it."""
+    before = [KERNELS / "pdl.cuh"] + ([KERNELS / f"{AFTER[name]}.cu"] if name in AFTER else [])
+    return "".join(p.read_text() for p in (*before, KERNELS / f"{name}.cu"))
 
 
 def cache_dir() -> Path:

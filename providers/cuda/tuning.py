@@ -49,6 +49,8 @@ class Tuning:
         gemm_split: split-K of the int4 row kernel for long K at few rows: "auto" or "off".
         gemm_token_tiles: n8 token tiles per row-kernel block: "auto" (the measured rule,
             :func:`providers.cuda.ops._mma_schedule.row_nj`) or "1", "2", "4" (the most).
+        gemm_gemv: int4 launches of 1-8 rows take ``gemv4`` (kernels/linear_gemv4.cu, bitwise
+            ``mma_nbits4``; :mod:`providers.cuda.ops._gemv4`). Off until measured.
         attn_hint: ``gqa_decode`` may take its hinted prologue (up to 8 rows).
         attn_static_head: decode launches use the compile-time head size where it is 64 or 128.
         attn_ring: sliding_window_cache=1 nodes run on their ring (off: refused at load).
@@ -64,6 +66,7 @@ class Tuning:
     gemm_wide: str = attrs.field(default=_default("gemm_wide"), validator=_choices("gemm_wide"))
     gemm_split: str = attrs.field(default=_default("gemm_split"), validator=_choices("gemm_split"))
     gemm_token_tiles: str = attrs.field(default=_default("gemm_token_tiles"), validator=_choices("gemm_token_tiles"))
+    gemm_gemv: bool = _default("gemm_gemv")
     attn_hint: bool = _default("attn_hint")
     attn_static_head: bool = _default("attn_static_head")
     attn_ring: bool = _default("attn_ring")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from providers.cuda.module import ctype, function
+from providers.cuda.ops import _gemv4 as gemv4
 from providers.cuda.ops import _mma_layout as layout
 from providers.cuda.ops import _mma_schedule as schedule
 from providers.cuda.ops import row_slices, rows_of
@@ -103,7 +104,11 @@ def nbits4(a, w: layout.Int4Weights, bias, y, m, null, glu_out: int = 0, *, tuni
     """y = a @ dequant(w)^T (+ bias) for packed int4 weights ``w`` (:func:`_mma_layout.pack_int4`).
     ``glu_out`` > 0: w holds gate/up rows in :func:`_mma_layout.glu_rows` order and
     y [m, glu_out] = silu_mul(gate, up). a: fp16 [m, K] contiguous; y: fp16 [m, N or glu_out].
-    ``tuning``: the provider's switches (:class:`~providers.cuda.tuning.Tuning`)."""
+    ``tuning``: the provider's switches (:class:`~providers.cuda.tuning.Tuning`); with
+    ``tuning.gemm_gemv`` on, 1-8 rows take ``gemv4`` (:mod:`providers.cuda.ops._gemv4`, the same bits)."""
+    if gemv4.applies(m, tuning=tuning):
+        gemv4.launch(a, w, bias, y, m, null, glu_out)
+        return
     n, k = w.n, w.k
     s_type, zp = ctype(w.scales.dtype), schedule.BOOL[w.zq is not None]
     blocks = (np.int32(layout.int4_blocks(k, w.bs)), np.int32(w.bs.bit_length() - 1))
