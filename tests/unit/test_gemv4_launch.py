@@ -48,7 +48,8 @@ def test_the_launcher_takes_gemv4_only_when_on_and_for_one_to_eight_rows():
 def test_default_shapes_fill_the_device_and_fit_shared_memory(monkeypatch, n, k, tb):
     monkeypatch.setattr(_gemv4, "multiprocessors", lambda: 132)
     grid, block, shared, got = _gemv4.config(n, k)
-    assert got == tb and grid == (-(-(-(-n // 16)) // tb),)
+    tiles = -(-n // 16)
+    assert got == tb and grid == (-(-tiles // tb),)
     assert block == (32 * min(8, -(-k // 256)),) and shared == _gemv4.shared_bytes(tb, k) <= _gemv4.SHARED_DEFAULT
 
 
