@@ -62,3 +62,18 @@ def test_launch_shapes_out_of_range_are_named():
         _gemv4.launch(None, w, None, None, 9, 0)
     with pytest.raises(ValueError, match="3 units"):
         _gemv4.launch(None, w, None, None, 1, 0, units=3)
+
+
+def test_a_grid_past_one_wave_takes_half_the_warps_where_that_fits_it(monkeypatch):
+    """Two blocks of 8 warps or four of 4 a multiprocessor (the two-unit kernel's registers):
+    the packed qkv's 384 blocks fit one wave only in blocks of 4 warps; the o projection's 256
+    keep 8; a grid that fits no wave either way keeps 8."""
+    monkeypatch.setattr(_gemv4, "multiprocessors", lambda: 132)
+
+    def resident(threads):
+        return 2 * 256 // threads
+
+    assert _gemv4.config(6144, 4096, resident=resident)[1] == (128,)
+    assert _gemv4.config(4096, 4096, resident=resident)[1] == (256,)
+    assert _gemv4.config(14336, 4096, resident=resident)[1] == (256,)
+    assert _gemv4.config(6144, 4096)[1] == (256,)  # no count known: the default

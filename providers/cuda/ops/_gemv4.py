@@ -11,6 +11,8 @@ above. The launch shape (warps, tiles per block, units in flight) changes no bit
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from providers.cuda.module import ctype, function, multiprocessors
@@ -55,28 +57,38 @@ def shared_bytes(tb: int, k: int) -> int:
     return tb * -(-k // SEG_K) * 16 * 8 * 4
 
 
-def config(n: int, k: int, warps: int | None = None, tb: int | None = None) -> tuple[tuple, tuple, int, int]:
+def config(n: int, k: int, warps: int | None = None, tb: int | None = None,
+           resident: Callable[[int], int] | None = None) -> tuple[tuple, tuple, int, int]:
     """(grid, block, shared bytes, tiles per block) of a launch over ``n`` weight rows and K = ``k``.
 
-    Defaults: :data:`WARPS` warps (fewer where K has fewer segments), and the most tiles per block
-    of (8, 4, 2) whose partials fit :data:`SHARED_DEFAULT` and whose grid still has :data:`FILL`
-    blocks per multiprocessor, else 1 (more tiles a block keep a segment's activations in registers
-    for longer and each warp's weight stream longer; fewer keep the multiprocessors evenly loaded).
+    Defaults: the most tiles per block of (8, 4, 2) whose partials fit :data:`SHARED_DEFAULT` and
+    whose grid still has :data:`FILL` blocks per multiprocessor, else 1 (more tiles a block keep a
+    segment's activations in registers for longer and each warp's weight stream longer; fewer keep
+    the multiprocessors evenly loaded); :data:`WARPS` warps (fewer where K has fewer segments), or
+    half as many where only the smaller blocks run the grid in one wave (``resident(threads)``:
+    blocks of that many threads a multiprocessor holds, the compiled kernel's count; None: no
+    such rule). A grid of few blocks that spills into a second wave runs two round trips of
+    weight loads instead of one (Llama-3.1-8B's packed qkv: 384 blocks).
 
     Raises:
         ValueError: ``warps`` outside 1..:data:`MAX_WARPS`, ``tb`` < 1, or partials past
             :data:`SHARED_MAX`.
     """
     nseg, tiles = -(-k // SEG_K), -(-n // 16)
-    if warps is None:
-        warps = min(WARPS, nseg)
     if tb is None:
         tb = next((t for t in (8, 4, 2) if shared_bytes(t, k) <= SHARED_DEFAULT
                    and -(-tiles // t) >= FILL * multiprocessors()), 1)
+    blocks = -(-tiles // max(tb, 1))
+    if warps is None:
+        warps = min(WARPS, nseg)
+        half = max(1, warps // 2)
+        if resident is not None and blocks > resident(32 * warps) * multiprocessors() \
+                and blocks <= resident(32 * half) * multiprocessors():
+            warps = half
     if not 1 <= warps <= MAX_WARPS or tb < 1 or shared_bytes(tb, k) > SHARED_MAX:
         raise ValueError(f"gemv4: {warps} warps (1..{MAX_WARPS}), {tb} tiles a block with K={k} "
                          f"({shared_bytes(tb, k)} bytes of partials, at most {SHARED_MAX})")
-    return (-(-tiles // tb),), (32 * warps,), shared_bytes(tb, k), tb
+    return (blocks,), (32 * warps,), shared_bytes(tb, k), tb
 
 
 def launch(a, w: layout.Int4Weights, bias, y, m: int, null, glu_out: int = 0, *,
@@ -96,9 +108,9 @@ def launch(a, w: layout.Int4Weights, bias, y, m: int, null, glu_out: int = 0, *,
     if units is None:
         units = 1 if w.zq is not None and w.scales.dtype == np.float32 else UNITS
     n, k = w.n, w.k
-    grid, block, shared, tb = config(n, k, warps, tb)
     expr = f"gemv4<{ctype(w.scales.dtype)}, {BOOL[glu_out > 0]}, {BOOL[w.zq is not None]}, {units}>"
     kern = function("linear_gemv4", expr, EXPRS)
+    grid, block, shared, tb = config(n, k, warps, tb, kern.blocks_per_multiprocessor)
     if shared > SHARED_DEFAULT and _opted.get(expr, 0) < shared:
         kern.max_dynamic_shared_size_bytes = shared
         _opted[expr] = shared
