@@ -113,6 +113,8 @@ def _measure(cp, stream, rng, tunings: dict, label: str, geometry: tuple, weight
             row[key] = us
         _launch(a, w, y, m, n, glu, tuning, shape)
         outs[key] = y.get().view(np.uint16).copy()
+    expr, (grid, block, _, tb) = _gemv4.shape(w, n if glu else 0)
+    row["gemv4_shape"] = f"{expr} grid {grid[0]} block {block[0]} tb {tb}"
     row["bitwise"] = all(np.array_equal(outs["default"], o) for o in outs.values())
     if m == 1 and not glu:  # the arithmetic against a float64 product, first REF_ROWS features
         c = codes[:REF_ROWS].get()
@@ -165,6 +167,7 @@ def main() -> None:
                   f"default {cells[0]} | gemv4 {cells[1]} | fastest {fastest[0]} {fastest[1]:.1f} us | "
                   f"bitwise {'yes' if row['bitwise'] else 'NO'}"
                   + (f" | rel err {row['max_rel_err']:.1e}" if "max_rel_err" in row else ""), flush=True)
+            print(f"{'':16s}gemv4 default: {row['gemv4_shape']}")
             for cfg, us in sorted(row["sweep"].items(), key=lambda kv: kv[1])[:5]:
                 print(f"{'':16s}{cfg:16s} {us:7.1f} us {100 * row['floor_us'] / us:3.0f}%")
         del codes, scales, w, ws

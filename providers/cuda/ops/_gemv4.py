@@ -91,13 +91,24 @@ def config(n: int, k: int, warps: int | None = None, tb: int | None = None,
     return (blocks,), (32 * warps,), shared_bytes(tb, k), tb
 
 
+def shape(w: layout.Int4Weights, glu_out: int = 0, warps: int | None = None, tb: int | None = None,
+          units: int | None = None) -> tuple[str, tuple[tuple, tuple, int, int]]:
+    """(kernel expression, :func:`config`) of a launch over ``w`` (compiles the kernel: its
+    resident count picks the warps). ``units`` None: :data:`UNITS`, 1 for fp32 scales with zero
+    points (whose two-unit form spills registers on sm_90)."""
+    if units is None:
+        units = 1 if w.zq is not None and w.scales.dtype == np.float32 else UNITS
+    expr = f"gemv4<{ctype(w.scales.dtype)}, {BOOL[glu_out > 0]}, {BOOL[w.zq is not None]}, {units}>"
+    kern = function("linear_gemv4", expr, EXPRS)
+    return expr, config(w.n, w.k, warps, tb, kern.blocks_per_multiprocessor)
+
+
 def launch(a, w: layout.Int4Weights, bias, y, m: int, null, glu_out: int = 0, *,
            warps: int | None = None, tb: int | None = None, units: int | None = None) -> None:
     """y = a @ dequant(w)^T (+ bias), or with ``glu_out`` > 0 y = silu_mul(gate, up) of a
     gate/up pair in ``_mma_layout.glu_rows`` order, as :func:`providers.cuda.ops._mma.nbits4`.
     a: fp16 [m, K] contiguous; y: fp16 [m, N or glu_out]. ``warps``, ``tb`` (:func:`config`) and
-    ``units`` (1 or 2 in flight per warp; default :data:`UNITS`, 1 for fp32 scales with zero
-    points, whose two-unit form spills registers on sm_90) pick the launch shape, never a bit.
+    ``units`` (1 or 2 in flight per warp, :func:`shape`) pick the launch shape, never a bit.
 
     Raises:
         ValueError: m outside 1..:data:`MAX_ROWS`, ``units`` not 1 or 2, or a shape
@@ -105,12 +116,9 @@ def launch(a, w: layout.Int4Weights, bias, y, m: int, null, glu_out: int = 0, *,
     """
     if not 1 <= m <= MAX_ROWS or units not in (None, 1, 2):
         raise ValueError(f"gemv4: {m} rows (1..{MAX_ROWS}), {units} units in flight (1 or 2)")
-    if units is None:
-        units = 1 if w.zq is not None and w.scales.dtype == np.float32 else UNITS
     n, k = w.n, w.k
-    expr = f"gemv4<{ctype(w.scales.dtype)}, {BOOL[glu_out > 0]}, {BOOL[w.zq is not None]}, {units}>"
+    expr, (grid, block, shared, tb) = shape(w, glu_out, warps, tb, units)
     kern = function("linear_gemv4", expr, EXPRS)
-    grid, block, shared, tb = config(n, k, warps, tb, kern.blocks_per_multiprocessor)
     if shared > SHARED_DEFAULT and _opted.get(expr, 0) < shared:
         kern.max_dynamic_shared_size_bytes = shared
         _opted[expr] = shared
