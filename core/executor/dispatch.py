@@ -137,13 +137,12 @@ class Dispatch:
                 action()
             return results
         ctx, n, full = step.ctx, hooks.n, None
-        for context, launch in zip(page_contexts(ctx, hooks), hooks.launches):
+        for context, launch, (a, b) in zip(page_contexts(ctx, hooks), hooks.launches, hooks.ranges):
             for action in launch.before:
                 action()
             (part,) = step.kernel(context, *block_args(args, hooks, launch))
             if full is None:
                 full = ctx.output(0, (*part.shape[:-1], n), part.dtype)
-            a, b = launch.rows  # type: ignore[misc]
             full[..., a:b] = part
             hooks.count += 1
             for action in launch.after:
