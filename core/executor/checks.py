@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from core.executor.errors import KernelOutputError
+from core.executor.hooks import NodeHooks
 from core.protocol import Kernel, KernelContext, NodeInfo
 
 
@@ -33,12 +34,14 @@ def kernel_name(kernel: Any) -> str:
 
 
 class Step:
-    """One node of a run program: the kernel chosen for it and its last (checked) result."""
+    """One node of a run program: the kernel chosen for it, the hooks run around it
+    (:class:`core.executor.hooks.NodeHooks`, or None) and its last (checked) result."""
 
-    __slots__ = ("ctx", "host", "index", "inputs", "kernel", "last", "outputs")
+    __slots__ = ("ctx", "hooks", "host", "index", "inputs", "kernel", "last", "outputs")
 
-    def __init__(self, index: int, kernel: Kernel, ctx: KernelContext, node: NodeInfo, host: bool):
-        self.index, self.kernel, self.ctx, self.host = index, kernel, ctx, host
+    def __init__(self, index: int, kernel: Kernel, ctx: KernelContext, node: NodeInfo, host: bool,
+                 hooks: NodeHooks | None = None):
+        self.index, self.kernel, self.ctx, self.host, self.hooks = index, kernel, ctx, host, hooks
         self.inputs, self.outputs = node.inputs, node.outputs
         self.last = None
 

@@ -23,6 +23,12 @@ how many bytes the run's node buffers held at once.
 
 Observer. :attr:`Plan.observer`, when set, is told about every node of a run (``begin(node)``,
 ``end(node, args, results)``; :class:`core.kernel_profile.NodeObserver` counts and times them).
+
+Hooks. A node with declared hooks (:attr:`Plan.hooks`, :mod:`core.executor.hooks`) runs them
+around its kernel, once per launch (a row-blocked node: once per block), inside the observer's
+``begin`` and ``end``; such a node always runs its provider kernel, never a host one. Dispatch
+is the one place a per-step kernel is called: hooks hold no kernel and ``kernels`` is never
+replaced.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import numpy as np
 
 from core import fusion
 from core.executor.checks import Step, check_outputs
+from core.executor.hooks import NodeHooks, block_args, page_contexts
 from core.opdefs import is_host
 from core.protocol import ExecutionProvider, Kernel, KernelContext, NodeInfo
 
@@ -66,6 +73,7 @@ class Dispatch:
     _live: int
     transient_peak_bytes: int
     observer: Any
+    hooks: dict[int, NodeHooks]
 
     def as_plan(self) -> Plan:
         """This object as the :class:`~core.executor.plan.Plan` it is part of (for typing)."""
@@ -74,12 +82,13 @@ class Dispatch:
     def _step(self, i: int, args: list, node: NodeInfo | None = None) -> Step:
         """Node ``i``'s step for these argument values: its host kernel when it has one and
         every argument is a host value, else the provider's kernel. ``node``: the node's
-        inputs and outputs when they differ from ``nodes[i]`` (the last-position program)."""
+        inputs and outputs when they differ from ``nodes[i]`` (the last-position program).
+        A node with hooks (:attr:`hooks`) always takes the provider's kernel."""
         node = self.nodes[i] if node is None else node
-        kernel, ctx = self.host_kernels[i], self._host_contexts[i]
-        if kernel is not None and ctx is not None and all(map(is_host, args)):
+        kernel, ctx, hooks = self.host_kernels[i], self._host_contexts[i], self.hooks.get(i)
+        if kernel is not None and ctx is not None and hooks is None and all(map(is_host, args)):
             return Step(i, kernel, ctx, node, True)
-        return Step(i, self.kernels[i], self.contexts[i], node, False)
+        return Step(i, self.kernels[i], self.contexts[i], node, False, hooks)
 
     def _check_outputs(self, step: Step, results: Any) -> None:
         """Check a result that is not ``step.last`` (:mod:`core.executor.checks`).
@@ -104,6 +113,41 @@ class Dispatch:
         """Drop the kernel contexts' buffers that no captured graph uses (KernelContext.release);
         returns the bytes dropped."""
         return sum(ctx.release() for ctx in self._every_context())
+
+    def set_hooks(self, hooks: dict[int, NodeHooks]) -> None:
+        """Declare the hooks of the plan's nodes (node index -> :class:`NodeHooks`), replacing
+        every earlier declaration (``{}`` clears them); the next run chooses its kernels again
+        (:meth:`reset_dispatch`)."""
+        self.hooks = dict(hooks)
+        self.reset_dispatch()
+
+    def _call_hooked(self, step: Step, args: list) -> Any:
+        """Run ``step``'s kernel with its hooks (:mod:`core.executor.hooks`): per launch, its
+        ``before`` actions, the kernel, its ``after`` actions; a row-blocked node's blocks
+        write rows ``a:b`` of its ``[..., N]`` output."""
+        hooks = step.hooks
+        assert hooks is not None
+        if hooks.n is None:
+            (launch,) = hooks.launches
+            for action in launch.before:
+                action()
+            results = step.kernel(step.ctx, *args)
+            hooks.count += 1
+            for action in launch.after:
+                action()
+            return results
+        ctx, n, full = step.ctx, hooks.n, None
+        for context, launch, (a, b) in zip(page_contexts(ctx, hooks), hooks.launches, hooks.ranges):
+            for action in launch.before:
+                action()
+            (part,) = step.kernel(context, *block_args(args, hooks, launch))
+            if full is None:
+                full = ctx.output(0, (*part.shape[:-1], n), part.dtype)
+            full[..., a:b] = part
+            hooks.count += 1
+            for action in launch.after:
+                action()
+        return (full,)
 
     def reset_dispatch(self) -> None:
         """Forget the host/device kernel choices (:mod:`core.executor.host`): the next run
@@ -220,7 +264,8 @@ class Dispatch:
         observer = self.observer
         if observer is None and deaths is None:  # the decode step: nothing but the kernels
             for step in program:
-                results = step.kernel(step.ctx, *[values[x] if x else None for x in step.inputs])
+                args = [values[x] if x else None for x in step.inputs]
+                results = step.kernel(step.ctx, *args) if step.hooks is None else self._call_hooked(step, args)
                 if results is not step.last:
                     self._check_outputs(step, results)
                 for name, value in zip(step.outputs, results):
@@ -231,7 +276,7 @@ class Dispatch:
             args = [values[x] if x else None for x in step.inputs]
             if observer is not None:
                 observer.begin(self.nodes[step.index])
-            results = step.kernel(step.ctx, *args)
+            results = step.kernel(step.ctx, *args) if step.hooks is None else self._call_hooked(step, args)
             if observer is not None:
                 observer.end(self.nodes[step.index], args, results)
             del args
@@ -256,7 +301,7 @@ class Dispatch:
             step = self._step(i, args, node)
             if observer is not None:
                 observer.begin(self.nodes[i])
-            results = step.kernel(step.ctx, *args)
+            results = step.kernel(step.ctx, *args) if step.hooks is None else self._call_hooked(step, args)
             if observer is not None:
                 observer.end(self.nodes[i], args, results)
             del args

@@ -22,6 +22,7 @@ import onnx
 from core import fusion
 from core.executor.checks import Step
 from core.executor.graph import check_supported, constant_branches, declared_types, node_infos, select_branch
+from core.executor.hooks import NodeHooks
 from core.executor.host import HostFallback, default_host_fallback
 from core.executor.prepare import Preparing
 from core.executor.weights import Placer, WeightRead, collect_reads, is_host_constant, storage
@@ -51,6 +52,8 @@ class Plan(Preparing):
         nodes, contexts, kernels: per node (after fusion): its NodeInfo, context, kernel.
         host_kernels: per node, the cpu_reference kernel used when all its inputs are host
             values (None: never; always None without host dispatch).
+        hooks: node index -> the :class:`~core.executor.hooks.NodeHooks` run around its kernel
+            (:meth:`set_hooks`; weight streaming's copy schedule).
         constants: name -> value (initializers, folded values, prepared weights).
         steps: indices into ``nodes`` of the nodes run per step, in execution order.
         last_position_steps: the last-position program, ``(node index, node)`` pairs in
@@ -70,6 +73,9 @@ class Plan(Preparing):
                  host_fallback: HostFallback | None = None):
         self.provider = provider
         self.kv_layout = kv_layout
+        #: node index -> the hooks run around its kernel (:mod:`core.executor.hooks`; set with
+        #: :meth:`set_hooks`, by weight streaming)
+        self.hooks: dict[int, NodeHooks] = {}
         self.nodes = fusion.apply(node_infos(graph), {o.name for o in graph.output}, provider.supports,
                                   set(initializers))
         branches = {i: constant_branches(n) for i, n in enumerate(self.nodes) if n.op_type == "If" and not n.domain}

@@ -22,6 +22,8 @@ whose products run in fixed column chunks of that many rows (cpu_reference's
 provider declaring row blocks must pass the whole node's GEMM schedule to each page launch.
 
 A provider says which of its nodes split through ``ProviderBase.row_blocks`` (None: none).
+The executor runs a split node once per block through the hooks the streaming schedule
+declares (:mod:`core.executor.hooks`, :mod:`core.runtime.streaming`).
 """
 
 from __future__ import annotations
@@ -96,16 +98,6 @@ def blocks(n: int, rows: int) -> list[tuple[int, int]]:
     return [(a, min(a + rows, n)) for a in range(0, n, rows)]
 
 
-def block_of(value: Any, axis: int, n: int, a: int, b: int) -> Any:
-    """Rows ``a:b`` of N of ``value`` (a NumPy or CuPy array, a view where it can be): along
-    ``axis`` when that axis has N entries, else (a flat ``[N * r]`` tensor) elements
-    ``a*r : b*r``."""
-    if value.shape[axis] == n:
-        return value[a:b] if axis == 0 else value[:, a:b]
-    r = value.shape[0] // n
-    return value[a * r:b * r]
-
-
 def page_bytes(value: Any = None) -> int | None:
     """The page size in bytes from ``value`` (an int, a size string "64MiB"), else from
     :data:`PAGE_ENV`, else None (the planner's default, :func:`default_page_bytes`).
@@ -128,78 +120,6 @@ def default_page_bytes(unsplittable: Sequence[int]) -> int:
     """The default page size: the largest page that cannot split (it sets the slot anyway), at
     least :data:`DEFAULT_PAGE_BYTES`."""
     return max([DEFAULT_PAGE_BYTES, *unsplittable])
-
-
-class PageContext:
-    """The context one row block of a node runs on: the node as the kernel sees it with
-    ``N = b - a`` (``node``), a cache of its own, and outputs in scratch slots of the node's
-    context (``output(slot, ...)`` is ``parent.output(("rows", p, slot), ...)``), so the block
-    writes into persistent buffers of the node (frozen during capture, poisoned by the kit)."""
-
-    __slots__ = ("cache", "index", "node", "parent")
-
-    def __init__(self, parent: Any, index: int, rows: int):
-        self.parent, self.index = parent, index
-        node = parent.node
-        self.node = attrs.evolve(node, attrs={**node.attrs, "N": rows}) if "N" in node.attrs else node
-        self.cache: dict = {}
-
-    def output(self, slot: Any, shape: Sequence[int], dtype: Any) -> Any:
-        """The node's persistent buffer for scratch slot ``("rows", index, slot)``."""
-        return self.parent.output(("rows", self.index, slot), shape, dtype)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.parent, name)
-
-
-#: ``ctx.cache`` key of a row-blocked node's per-block contexts (:class:`PageContext`).
-CONTEXTS = "row_block_contexts"
-
-
-class RowBlockKernel:
-    """A node run once per row block (module docstring): block ``p`` gets the staged weights'
-    slot views ``views[p]`` (input position -> view) and the other N-indexed inputs cut to its
-    rows, writes its ``[..., b - a]`` output into a scratch buffer, which is copied into rows
-    ``a:b`` of the node's output (``ctx.output(0, [..., N])``). ``before[p]`` / ``after[p]``:
-    the streaming actions around block p (:mod:`core.runtime.streaming`).
-
-    Attributes:
-        run: the wrapped kernel.
-        split: the node's :class:`RowSplit`.
-        ranges: the blocks' ``(start, stop)`` rows.
-        launches: blocks run so far (a counter the tests read).
-    """
-
-    def __init__(self, kernel: Any, split: RowSplit, ranges: Sequence[tuple[int, int]],
-                 views: Sequence[dict[int, Any]], before: Sequence[Sequence[Callable[[], None]]],
-                 after: Sequence[Sequence[Callable[[], None]]]):
-        self.run, self.split, self.ranges = kernel, split, tuple(ranges)
-        self.views = tuple(views)
-        self.before, self.after = tuple(map(tuple, before)), tuple(map(tuple, after))
-        self.launches = 0
-
-    def __call__(self, ctx, *args):
-        contexts = ctx.cache.get(CONTEXTS)
-        if contexts is None or len(contexts) != len(self.ranges):
-            contexts = ctx.cache[CONTEXTS] = [PageContext(ctx, p, b - a) for p, (a, b) in enumerate(self.ranges)]
-        n, full = self.split.n, None
-        for p, (a, b) in enumerate(self.ranges):
-            for action in self.before[p]:
-                action()
-            block = list(args)
-            for i, axis in self.split.axes.items():
-                if i in self.views[p]:
-                    block[i] = self.views[p][i]
-                elif i < len(block) and block[i] is not None:
-                    block[i] = block_of(block[i], axis, n, a, b)
-            (part,) = self.run(contexts[p], *block)
-            if full is None:
-                full = ctx.output(0, (*part.shape[:-1], n), part.dtype)
-            full[..., a:b] = part
-            self.launches += 1
-            for action in self.after[p]:
-                action()
-        return (full,)
 
 
 def node_splits(nodes: Sequence[Any], steps: Sequence[int], row_blocks: Callable[..., RowSplit | None] | None,

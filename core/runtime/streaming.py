@@ -2,8 +2,9 @@
 
 :func:`apply` moves every streamed weight to the provider's staged host memory (pinned on a
 GPU) and replaces the plan's constant by a view of its staging slot, so a kernel reads the
-slot as if it were the weight. It then wraps the kernels of the nodes that must act around
-their launch (:class:`StreamedKernel`), in execution order over ``plan.steps``:
+slot as if it were the weight. It then declares the plan's hooks
+(:meth:`core.executor.Plan.set_hooks`, :mod:`core.executor.hooks`): the actions the executor
+runs around the launches of the nodes that must act, in execution order over ``plan.steps``:
 
 - the first node that reads a device weight starts the step: ``stream.begin()`` and the
   copies of the first ``slots`` streamed pages;
@@ -15,7 +16,10 @@ their launch (:class:`StreamedKernel`), in execution order over ``plan.steps``:
 The schedule is static, so every prefill and decode step copies the same bytes in the same
 order, and a captured step records the copies with the kernels. A copy is always issued
 before the ``ready`` that waits for it: :func:`apply` checks that the last reader of page j
-comes before the first reader of page ``j + slots``.
+comes before the first reader of page ``j + slots``. A node whose weights stream as row
+blocks has one launch per block, each with its own actions (``(position, block)`` above).
+The kernels stay the provider's: a re-plan (:func:`evict`, :func:`apply` again) replaces the
+hooks, and nothing else of the plan's dispatch.
 """
 
 from __future__ import annotations
@@ -26,28 +30,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from core.executor.hooks import CONTEXTS, Launch, NodeHooks, block_of
 from core.ops import RUN_MEMO
 from core.runtime import rowblocks
 from core.runtime.residency import BudgetError, ResidencyPlan
-
-
-class StreamedKernel:
-    """A kernel with streaming actions before and after it (module docstring).
-
-    Attributes:
-        run: the wrapped kernel (named in error messages).
-    """
-
-    def __init__(self, kernel: Any, before: list[Callable[[], None]], after: list[Callable[[], None]]):
-        self.run, self.before, self.after = kernel, tuple(before), tuple(after)
-
-    def __call__(self, ctx, *args):
-        for action in self.before:
-            action()
-        results = self.run(ctx, *args)
-        for action in self.after:
-            action()
-        return results
 
 
 def evict(plan, residency: ResidencyPlan) -> None:
@@ -63,7 +49,7 @@ def evict(plan, residency: ResidencyPlan) -> None:
         plan.constants[name] = staged[name]
         moved.add(name)
     if moved:
-        _unwrap(plan)  # wrapped kernels keep nothing, but the dispatch may have chosen by the old values
+        plan.set_hooks({})  # the hooks keep nothing, but the dispatch may have chosen by the old values
         forget(plan, moved)
         provider.reset_peak()
 
@@ -73,7 +59,7 @@ def apply(plan, residency: ResidencyPlan, stream, splits: dict | None = None) ->
     mapped tables in place from their staged host copies (again after a re-plan: weights kept
     in host memory that the plan keeps resident now are uploaded back, newly streamed ones
     staged; :func:`evict` first gives the device copies of those back). A node whose weights
-    stream as row blocks runs once per block (:class:`core.runtime.rowblocks.RowBlockKernel`).
+    stream as row blocks runs once per block (:mod:`core.executor.hooks`).
 
     Args:
         plan: a :class:`core.executor.Plan`.
@@ -108,7 +94,7 @@ def apply(plan, residency: ResidencyPlan, stream, splits: dict | None = None) ->
         if max(readers[j]) >= min(readers[j + slots]):
             raise BudgetError(f"page {residency.pages[j]} is still read after page {residency.pages[j + slots]} "
                               f"needs its staging slot; use more staging slots than {slots}")
-    _unwrap(plan)
+    plan.set_hooks({})
     was = dict(plan.constants)
     staged: dict = plan.staged_weights  # name -> staged host copy, kept for the plan's life
     mapped = set(residency.mapped)
@@ -133,7 +119,7 @@ def apply(plan, residency: ResidencyPlan, stream, splits: dict | None = None) ->
         host = staged[w.tensor]
         if w.rows is not None:
             n, axes = (splits or {})[w.node]
-            host = rowblocks.block_of(host, axes[w.source], n, *w.rows)
+            host = block_of(host, axes[w.source], n, *w.rows)
         slot, offset = place[name]
         view = stream.view(slot, offset, tuple(host.shape), host.dtype)
         items[j].append((host, view))
@@ -146,11 +132,12 @@ def apply(plan, residency: ResidencyPlan, stream, splits: dict | None = None) ->
     plan.streamed_names = streaming
     forget(plan, {name for name, value in plan.constants.items() if was.get(name) is not value})
     if pages:
-        _wrap(plan, stream, items, readers, slots, first_device, _row_kernels(plan, blocked, splits or {}))
+        plan.set_hooks(_hooks(plan, stream, items, readers, slots, first_device,
+                              _row_blocks(plan, blocked, splits or {})))
     provider.reset_peak()  # give the device copies of the streamed weights back to the device
 
 
-def _row_kernels(plan, blocked: dict, splits: dict) -> dict[int, tuple]:
+def _row_blocks(plan, blocked: dict, splits: dict) -> dict[int, tuple]:
     """Position in ``plan.steps`` -> (RowSplit, ranges, per-block views by input position) of the
     nodes that run in row blocks."""
     out = {}
@@ -185,7 +172,7 @@ def forget(plan, names: set[str]) -> None:
         if any(x in names for x in node.inputs):
             cache = plan.contexts[i].cache
             cache.pop(RUN_MEMO, None)
-            cache.pop(rowblocks.CONTEXTS, None)
+            cache.pop(CONTEXTS, None)
 
 
 def streamed(plan, name: str) -> bool:
@@ -198,14 +185,10 @@ def mapped(plan, name: str) -> bool:
     return name in getattr(plan, "mapped_names", ())
 
 
-def _unwrap(plan) -> None:
-    for i, kernel in enumerate(plan.kernels):
-        if isinstance(kernel, (StreamedKernel, rowblocks.RowBlockKernel)):
-            plan.kernels[i] = kernel.run
-    plan.reset_dispatch()
-
-
-def _wrap(plan, stream, items, readers, slots: int, first_device, row_kernels: dict[int, tuple]) -> None:
+def _hooks(plan, stream, items, readers, slots: int, first_device,
+           row_blocks: dict[int, tuple]) -> dict[int, NodeHooks]:
+    """Node index -> its :class:`NodeHooks`: the schedule of the module docstring, as actions
+    around the launches of the nodes that act (per row block for those in ``row_blocks``)."""
     pages = len(items)
 
     def copier(j: int) -> Callable[[], None]:
@@ -224,13 +207,14 @@ def _wrap(plan, stream, items, readers, slots: int, first_device, row_kernels: d
         if j + slots < pages:
             after[max(readers[j])].append(copier(j + slots))
     after[max(readers[pages - 1])].append(stream.end)
+    hooks = {}
     for pos in {p for p, _ in (*before, *after)}:
         i = plan.steps[pos]
-        if pos in row_kernels:
-            split, ranges, views = row_kernels[pos]
-            plan.kernels[i] = rowblocks.RowBlockKernel(plan.kernels[i], split, ranges, views,
-                                                       [before[(pos, k)] for k in range(len(ranges))],
-                                                       [after[(pos, k)] for k in range(len(ranges))])
+        if pos in row_blocks:
+            split, ranges, views = row_blocks[pos]
+            launches = [Launch(tuple(before[(pos, k)]), tuple(after[(pos, k)]), rows, views[k])
+                        for k, rows in enumerate(ranges)]
+            hooks[i] = NodeHooks(launches, split.n, split.axes)
         else:
-            plan.kernels[i] = StreamedKernel(plan.kernels[i], before[(pos, 0)], after[(pos, 0)])
-        plan.host_kernels[i] = None  # it reads a device weight: never a host node
+            hooks[i] = NodeHooks([Launch(tuple(before[(pos, 0)]), tuple(after[(pos, 0)]))])
+    return hooks

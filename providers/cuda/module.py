@@ -54,8 +54,8 @@ def _module(name: str, expressions: tuple[str, ...]):
 
 class Kernel:
     """A compiled kernel. Calling it, ``kernel(grid, block, args, shared_mem=0)``, launches on
-    the current stream (with programmatic dependent launch where
-    :func:`providers.cuda.replay.pdl_enabled`, else through CuPy) and, while a node is being
+    the current stream (with programmatic dependent launch where the launching provider has it
+    on, :data:`providers.cuda.replay._pdl_rows`, else through CuPy) and, while a node is being
     recorded, also keeps the launch for eager replay (:mod:`providers.cuda.replay`).
 
     Attributes:
@@ -69,7 +69,7 @@ class Kernel:
         self.ptr = raw.kernel.ptr
 
     def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
-        if replay.pdl_enabled():
+        if replay._pdl_rows is not None:
             try:
                 launch = replay.Launch(self.ptr, grid, block, args, shared_mem)
             except TypeError:  # an argument without a fixed C layout: CuPy launches it

@@ -11,6 +11,7 @@ from core.executor import PlanBinding
 from core.ops import OpTable
 from core.protocol import Capabilities, KVRequest, NodeInfo
 from core.provider import ProviderBase
+from providers.cuda import replay
 from providers.cuda.replay import ReplayKernel
 from providers.cuda.tuning import Tuning
 
@@ -121,6 +122,9 @@ class CudaProvider(ProviderBase):
         #: ``tuning.replay`` False (every node then runs its Python launcher every step)
         self.eager_replay = self.tuning.replay
         cupy = _import_cupy()
+        #: the PDL rule of this provider's launches (:func:`providers.cuda.replay.pdl_rows`:
+        #: ``tuning.pdl`` and ``pdl_rows`` where the device can; None: off)
+        self.pdl_rows = replay.pdl_rows(self.tuning)
         self.cupy = cupy
         self.stream = _shared_stream(cupy)
         self.stream.use()
@@ -182,7 +186,7 @@ class CudaProvider(ProviderBase):
         module = self._table().modules[(node.domain, node.op_type)]
         if not self.eager_replay or not getattr(module, "REPLAY", True):
             return module.run
-        return ReplayKernel(module.run, getattr(module, "replay_key", None))
+        return ReplayKernel(module.run, getattr(module, "replay_key", None), self.pdl_rows)
 
     def _allocate(self, shape, dtype, zero):
         cp = self.cupy
@@ -258,7 +262,9 @@ class CudaProvider(ProviderBase):
         Kernels and CuPy expressions launch on the current stream, while copies, events and
         replays use the provider stream; a ``with other_stream:`` block around a call (which
         leaves the null stream current on exit) would otherwise split one step over two
-        unordered streams and let a queued result copy overtake its kernels."""
+        unordered streams and let a queued result copy overtake its kernels. Also makes this
+        provider's PDL rule the launches' (:func:`providers.cuda.replay.use_pdl`)."""
+        replay.use_pdl(self.pdl_rows)
         if self.cupy.cuda.get_current_stream().ptr != self.stream.ptr:
             self.stream.use()
 
@@ -308,12 +314,10 @@ class CudaProvider(ProviderBase):
         """The cuda provider's switches (docs/cuda.md): programmatic dependent launch
         and its rows, the GEMM schedule (PIPE), tiled kernels, split-K and token tiles per block, the
         attention's hinted prologue and compile-time head size, eager launch replay."""
-        from providers.cuda import replay
-
         on = ("off", "on")
         out = self.tuning.settings()
         del out["replay"]
-        out.update(pdl=on[replay.pdl_enabled()], eager_replay=on[self.eager_replay])  # what runs
+        out.update(pdl=on[self.pdl_rows is not None], eager_replay=on[self.eager_replay])  # what runs
         return out
 
     def node_timer(self):

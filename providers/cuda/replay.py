@@ -25,17 +25,25 @@ executor frees as soon as their last reader has run) is neither replayed nor rec
 would hold those buffers, and the decode step's record stays for the next step.
 
 The recording state is process-global: plans of one process run nodes one at a time (the
-cuda provider launches on one process-wide stream), as they do today.
+cuda provider launches on one process-wide stream), as they do today. So is the PDL rule of the
+launches being made (:data:`_pdl_rows`), but it is each provider's own: decided from its
+:class:`~providers.cuda.tuning.Tuning` when it is made (:func:`pdl_rows`) and made current by its
+nodes and runs, so two providers of one process may differ. Launches outside any run (a
+``prepare`` hook's packing at load) take the rule of the provider that launched last; PDL
+changes no bit either way.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from core.ops import run_memos
 from providers.cuda.paths import PATHS
+
+if TYPE_CHECKING:
+    from providers.cuda.tuning import Tuning
 
 #: Node calls since import: replayed (recorded launches fired), launched (the op's launcher
 #: ran), unreplayable (the launcher did device work outside Kernel); pdl_launches counts kernel
@@ -45,11 +53,11 @@ PATHS.declare("replay", ("replayed", "launched", "unreplayable", "pdl_launches")
 _recording: list | None = None
 #: Set by :func:`not_replayable` during a recording.
 _spoiled = False
-#: Rows of the node whose launches are being made, while PDL is on (:class:`ReplayKernel` sets it
-#: from the node's first device input: its elements over its last dimension; a decode step's
-#: nodes have one row per sequence). It stays set after the node, so the provider's own launches
-#: that follow the lm_head (argmax, decode_advance) take the step's rows; None before any node.
-#: Kept by each :class:`Launch` for the PDL rows rule.
+#: Rows of the node whose launches are being made, while PDL is on for its provider
+#: (:class:`ReplayKernel` sets it from the node's first device input: its elements over its last
+#: dimension; a decode step's nodes have one row per sequence). It stays set after the node, so
+#: the provider's own launches that follow the lm_head (argmax, decode_advance) take the step's
+#: rows; None before any node. Read by each :class:`Launch` for the PDL rows rule.
 _rows: int | None = None
 
 
@@ -79,7 +87,7 @@ class Launch:
             would choose its width); the caller then does not record the node.
     """
 
-    __slots__ = ("fn", "dims", "rows", "shared", "params", "_keep", "_config")
+    __slots__ = ("fn", "dims", "pdl", "shared", "params", "_keep", "_config")
 
     def __init__(self, fn: int, grid: tuple, block: tuple, args: tuple, shared: int):
         import cupy
@@ -95,7 +103,8 @@ class Launch:
         g, b = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
         self.fn = fn
         self.dims = (int(g[0]), int(g[1]), int(g[2]), int(b[0]), int(b[1]), int(b[2]))
-        self.rows = _rows  # of the node that made it (the rule of pdl_max_rows)
+        # the PDL rule of the provider whose node made it, for that node's rows (pdl_rows)
+        self.pdl = _pdl_rows is not None and _rows is not None and _rows <= _pdl_rows
         self.shared = int(shared)
         pointers = np.array([v.ctypes.data for v in values], np.uint64)
         self.params = int(pointers.ctypes.data) if len(values) else 0
@@ -105,15 +114,15 @@ class Launch:
         self._config: tuple | None = None
 
     def fire(self, stream: int) -> None:
-        """Launch on ``stream`` (a CUstream handle): with programmatic dependent launch where
-        :func:`pdl_enabled` and the launch was made by a node of at most :func:`pdl_max_rows`
-        rows (``cuLaunchKernelEx``, the launch config built once per stream), else one plain
-        ``cuLaunchKernel``.
+        """Launch on ``stream`` (a CUstream handle): with programmatic dependent launch where the
+        launch was made under PDL by a node of at most the provider's PDL rows (``pdl``, from
+        :data:`_pdl_rows` when it was made: ``cuLaunchKernelEx``, the launch config built once per
+        stream), else one plain ``cuLaunchKernel``.
 
         Raises:
             RuntimeError: the driver refused the launch (the CUresult is named).
         """
-        if pdl_enabled() and self.rows is not None and self.rows <= _pdl_max_rows:
+        if self.pdl:
             config = self._config
             if config is None or config[0] != stream:
                 config = self._config = (stream, _pdl_config(self.dims, self.shared, stream))
@@ -123,10 +132,13 @@ class Launch:
         _launch(self.fn, d[0], d[1], d[2], d[3], d[4], d[5], self.shared, stream, self.params)
 
 
-#: Programmatic dependent launch (module docstring of kernels/pdl.cuh): None until first asked.
-_pdl: bool | None = None
-#: The most rows of a node whose launches take the attribute while PDL is on (:func:`pdl_max_rows`).
-_pdl_max_rows = 16
+#: The PDL rule of the provider whose launches are being made: the most rows of a node whose
+#: launches take the programmatic attribute, None when PDL is off for it (:func:`pdl_rows` of
+#: its :class:`~providers.cuda.tuning.Tuning`). Set per node by :class:`ReplayKernel` and at the
+#: start of each of the provider's runs (:func:`use_pdl`, ``CudaProvider.own_stream``); like
+#: :data:`_rows` it stays set after the node, so the provider's own launches that follow take it.
+#: Not a switch: nothing here reads the environment (``LOCKSTEP_CUDA_PDL`` is read into the Tuning).
+_pdl_rows: int | None = None
 _functions: dict = {}
 
 
@@ -143,47 +155,27 @@ def _pdl_capable() -> bool:
         return False
 
 
-def pdl_enabled() -> bool:
-    """Whether kernels launch with the programmatic stream-serialization attribute: the device
-    can (:func:`_pdl_capable`) and ``LOCKSTEP_CUDA_PDL`` is on (the default; ``0`` turns it off;
-    only launches of nodes of at most :func:`pdl_max_rows` rows take the attribute). On by default
-    because it hides each launch behind the previous kernel's tail: small decode steps measured
-    faster on every folder (docs/performance.md). Decided once per process (:func:`set_pdl`
-    changes it)."""
-    global _pdl
-    if _pdl is None:
-        from providers.cuda import env
-
-        _pdl = env.switch("LOCKSTEP_CUDA_PDL") and _pdl_capable()
-        pdl_max_rows()
-    return _pdl
-
-
-def pdl_max_rows() -> int:
-    """The most rows a node may have for its launches to take the programmatic attribute while
-    PDL is on: ``LOCKSTEP_CUDA_PDL_ROWS`` (default 16; "all": no limit). A node's rows are its
-    first device input's elements over its last dimension (:class:`ReplayKernel`): the batch of a
-    decode step, batch x length for a prompt; launches before any node never take it. Capped
-    because large steps are long enough to hide their own launches, and waiting blocks then only
-    take room (measured slower on Llama-3.2-1B from 32 rows). Read with :func:`pdl_enabled` and
-    by :func:`set_pdl`; a recorded launch keeps its node's rows."""
-    global _pdl_max_rows
-    from providers.cuda import env
-
-    rows = env.switch("LOCKSTEP_CUDA_PDL_ROWS")
-    _pdl_max_rows = 1 << 62 if rows == "all" else int(rows)
-    return _pdl_max_rows
+def pdl_rows(tuning: Tuning, capable: bool | None = None) -> int | None:
+    """The most rows a node may have for its launches to take the programmatic stream-serialization
+    attribute under ``tuning``, or None when PDL is off: ``tuning.pdl`` off, or the device cannot
+    (``capable``; None: :func:`_pdl_capable` is asked). The limit is ``tuning.pdl_rows`` (``"all"``:
+    no limit). A node's rows are its first device input's elements over its last dimension
+    (:class:`ReplayKernel`): the batch of a decode step, batch x length for a prompt; launches
+    before any node never take it. On by default because it hides each launch behind the
+    previous kernel's tail (small decode steps measured faster on every folder,
+    docs/performance.md); capped because large steps are long enough to hide their own launches
+    and waiting blocks then only take room (measured slower on Llama-3.2-1B from 32 rows)."""
+    if not tuning.pdl or not (_pdl_capable() if capable is None else capable):
+        return None
+    return 1 << 62 if tuning.pdl_rows == "all" else int(tuning.pdl_rows)
 
 
-def set_pdl(on: bool) -> bool:
-    """Turn programmatic dependent launch on or off for launches from now on, whatever
-    ``LOCKSTEP_CUDA_PDL`` says (a launch already captured in a CUDA graph keeps its edges);
-    returns the previous setting. Turning it on where the device or cuda-bindings cannot do it
-    leaves it off."""
-    global _pdl
-    before = pdl_enabled()
-    _pdl = bool(on) and _pdl_capable()
-    pdl_max_rows()
+def use_pdl(rows: int | None) -> int | None:
+    """Make ``rows`` (:func:`pdl_rows`; None: off) the PDL rule of the launches made from now on,
+    by the provider about to launch; returns the rule before. A recorded launch keeps the rule it
+    was made under (a launch already captured in a CUDA graph keeps its edges)."""
+    global _pdl_rows
+    before, _pdl_rows = _pdl_rows, rows
     return before
 
 
@@ -281,15 +273,18 @@ class ReplayKernel:
         run: the op's ``run(ctx, *inputs)``.
         host_facts: the op module's ``replay_key(ctx, *inputs)`` (optional): what the launcher
             uses of its host inputs; default: the host inputs' values.
+        pdl_rows: the PDL rule of the provider whose kernel this is (:func:`pdl_rows`; None:
+            off), made the launches' rule whenever the node runs (:func:`use_pdl`).
     """
 
-    __slots__ = ("run", "host_facts", "_ndarray", "_stream")
+    __slots__ = ("run", "host_facts", "pdl_rows", "_ndarray", "_stream")
 
-    def __init__(self, run: Callable, host_facts: Callable | None = None):
+    def __init__(self, run: Callable, host_facts: Callable | None = None, pdl_rows: int | None = None):
         import cupy
 
         self.run = run
         self.host_facts = host_facts
+        self.pdl_rows = pdl_rows
         self._ndarray = cupy.ndarray
         self._stream = cupy.cuda.get_current_stream
 
@@ -301,8 +296,9 @@ class ReplayKernel:
         return tuple(id(x) if isinstance(x, nd) else (None if x is None else _host_tag(x)) for x in inputs)
 
     def __call__(self, ctx, *inputs):
-        global _recording, _spoiled, _rows
-        if pdl_enabled():  # only the PDL rows rule reads it: no work per node on the default path
+        global _recording, _spoiled, _rows, _pdl_rows
+        _pdl_rows = self.pdl_rows
+        if _pdl_rows is not None:  # only the PDL rows rule reads it: no work per node without PDL
             first = next((x for x in inputs if isinstance(x, self._ndarray)), None)
             _rows = None if first is None or not first.shape else _prod(first.shape[:-1])
         if ctx.frozen or ctx.transient:  # capture pins buffers; a transient run's buffers die with it

@@ -353,10 +353,11 @@ def test_split_k_int4_captured_and_replayed_is_bitwise_the_unsplit_kernel(monkey
         _mma.nbits4(case.a, case.w, None, y, 1, NULL, tuning=TUNED["t"])
 
     monkeypatch.setattr(replay, "_rows", 1)  # launches as a one-row node makes them (the PDL rows rule)
-    before_pdl = replay.set_pdl(pdl)
+    rule = replay.pdl_rows(evolve(TUNED["t"], pdl=pdl))  # the launching provider's rule under that Tuning
+    if pdl and rule is None:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 and cuda-bindings")
+    before_pdl = replay.use_pdl(rule)
     try:
-        if pdl and not replay.pdl_enabled():
-            pytest.skip("programmatic dependent launch needs compute capability 9.0 and cuda-bindings")
         with stream:
             TUNED["t"] = evolve(TUNED["t"], gemm_split="off")
             launch()
@@ -375,6 +376,6 @@ def test_split_k_int4_captured_and_replayed_is_bitwise_the_unsplit_kernel(monkey
                 graph.launch(stream)
                 replays.append(y.get())
     finally:
-        replay.set_pdl(before_pdl)
+        replay.use_pdl(before_pdl)
     assert _bitwise([unsplit, *replays])
     assert case.close(unsplit)

@@ -10,6 +10,7 @@ require_gpu()
 from core.session import Session  # noqa: E402
 from providers.cuda import replay  # noqa: E402
 from providers.cuda.provider import CudaProvider  # noqa: E402
+from providers.cuda.tuning import Tuning  # noqa: E402
 
 
 def _decode(model_dir, provider, steps=40, **kw):
@@ -61,25 +62,25 @@ def test_every_provider_uses_one_stream():
 
 
 def test_programmatic_dependent_launch_is_bitwise_the_plain_launch(model_dir):
-    """With LOCKSTEP_CUDA_PDL's path on (replay.set_pdl(True)), every kernel goes out through
-    cuLaunchKernelEx with the programmatic attribute (counted), and tokens and logits are
-    bitwise the plain launches'."""
-    before = replay.set_pdl(True)
-    try:
-        if not replay.pdl_enabled():
-            pytest.skip("programmatic dependent launch needs compute capability 9.0 and cuda-bindings")
+    """Two providers in one process, made with Tuning(pdl=True) and Tuning(pdl=False): the
+    first one's decode steps go out through cuLaunchKernelEx with the programmatic attribute
+    (counted), the second one's never, also after the first one ran, and tokens and logits are
+    bitwise the same."""
+    on, off = CudaProvider(tuning=Tuning(pdl=True)), CudaProvider(tuning=Tuning(pdl=False))
+    if on.pdl_rows is None:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 and cuda-bindings")
+    assert on.settings()["pdl"] == "on" and off.settings()["pdl"] == "off"  # what lockstep profile reports
+    runs = {}
+    for name, provider in (("on", on), ("off", off), ("on again", on), ("off again", off)):
+        session = Session(model_dir, provider, batch=3, capacity=64, capture=False)
+        session.prefill([[5, 6, 7], [8], [9, 10]])
         start = replay.stats()["pdl_launches"]
-        provider = CudaProvider()
-        assert provider.settings()["pdl"] == "on"  # what lockstep profile reports
-        with_pdl = _decode(model_dir, provider, steps=12)
-        assert replay.stats()["pdl_launches"] > start
-    finally:
-        replay.set_pdl(before)
-    replay.set_pdl(False)
-    try:
-        provider = CudaProvider()
-        assert provider.settings()["pdl"] == "off"
-        plain = _decode(model_dir, provider, steps=12)
-    finally:
-        replay.set_pdl(before)
-    assert np.array_equal(with_pdl[0], plain[0]) and np.array_equal(with_pdl[1], plain[1])
+        tokens, logits = [], []
+        for _ in range(8):
+            tokens.append(session.step().tokens)
+            logits.append(session.last_logits())
+        runs[name] = (np.stack(tokens), np.stack(logits), replay.stats()["pdl_launches"] - start)
+    assert runs["on"][2] > 0 and runs["on again"][2] > 0
+    assert runs["off"][2] == 0 and runs["off again"][2] == 0
+    for name in ("off", "on again", "off again"):
+        assert np.array_equal(runs["on"][0], runs[name][0]) and np.array_equal(runs["on"][1], runs[name][1]), name

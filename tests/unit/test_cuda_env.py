@@ -76,11 +76,28 @@ def test_every_switch_is_documented_and_named_in_the_profile_titles():
     from providers.cuda.tuning import Tuning
 
     table = (Path(__file__).parents[2] / "docs" / "cuda.md").read_text()
-    settings = CudaProvider.settings(SimpleNamespace(eager_replay=True, tuning=Tuning()))
+    settings = CudaProvider.settings(SimpleNamespace(eager_replay=True, tuning=Tuning(), pdl_rows=16))
     for name in env.SWITCHES:
         assert f"| `{name}` |" in table, name
         key = name.removeprefix("LOCKSTEP_CUDA_").lower()
         assert {"replay": "eager_replay"}.get(key, key) in settings, name
+
+
+@pytest.mark.parametrize("tuning,capable,pdl", [(dict(), True, "on"), (dict(pdl=False), True, "off"),
+                                                (dict(), False, "off"), (dict(pdl_rows="all"), True, "on")])
+def test_the_profile_shows_the_pdl_of_the_providers_tuning(tuning, capable, pdl):
+    """``settings()`` (the titles of ``lockstep profile``) reports PDL as the provider runs it:
+    its Tuning's switch where the device can, and the Tuning's rows."""
+    from types import SimpleNamespace
+
+    from providers.cuda import replay
+    from providers.cuda.provider import CudaProvider
+    from providers.cuda.tuning import Tuning
+
+    t = Tuning(**tuning)
+    settings = CudaProvider.settings(SimpleNamespace(eager_replay=True, tuning=t,
+                                                     pdl_rows=replay.pdl_rows(t, capable=capable)))
+    assert settings["pdl"] == pdl and settings["pdl_rows"] == t.pdl_rows
 
 
 def test_pdl_is_on_unless_turned_off(monkeypatch):

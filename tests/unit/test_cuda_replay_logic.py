@@ -12,6 +12,7 @@ import pytest
 
 from providers.cuda import replay
 from providers.cuda.ops import group_query_attention as gqa
+from providers.cuda.tuning import Tuning
 
 
 class FakeArray:
@@ -30,7 +31,8 @@ def fake_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     fired = []
     monkeypatch.setattr(replay, "_launch", lambda *args: fired.append(args))
-    monkeypatch.setattr(replay, "_pdl", False)
+    monkeypatch.setattr(replay, "_pdl_rows", None)  # no provider with PDL has launched yet
+    monkeypatch.setattr(replay, "_rows", None)
     return fired
 
 
@@ -140,7 +142,7 @@ def test_gqa_replay_key_ignores_the_growing_total_but_not_the_phase_or_capacity(
 def test_pdl_launch_builds_its_config_once_per_stream(fake_cupy, monkeypatch):
     """With programmatic dependent launch on, a prepared launch goes through cuLaunchKernelEx
     (here a recorder) with a launch config built once per stream, never through cuLaunchKernel."""
-    monkeypatch.setattr(replay, "_pdl", True)
+    monkeypatch.setattr(replay, "_pdl_rows", replay.pdl_rows(Tuning(), capable=True))  # a provider with PDL
     monkeypatch.setattr(replay, "_rows", 1)  # made as a one-row node makes it (the PDL rows rule)
     configs, ex = [], []
     monkeypatch.setattr(replay, "_pdl_config", lambda dims, shared, stream: configs.append((dims, shared, stream))
@@ -159,51 +161,57 @@ def test_pdl_launch_builds_its_config_once_per_stream(fake_cupy, monkeypatch):
 @pytest.mark.parametrize("limit,pdl_rows", [("16", [1, 8, 16]), ("8", [1, 8]), ("all", [1, 8, 16, 17, 4096])])
 def test_pdl_takes_only_the_launches_of_nodes_of_few_rows(fake_cupy, monkeypatch, limit, pdl_rows):
     """With PDL on, a node's launches take cuLaunchKernelEx only when its first device input has
-    at most LOCKSTEP_CUDA_PDL_ROWS rows (elements over the last dimension); a recorded launch
+    at most ``Tuning.pdl_rows`` rows (elements over the last dimension); a recorded launch
     keeps that choice when it is replayed, and a launch made before any node never takes it."""
-    monkeypatch.setenv("LOCKSTEP_CUDA_PDL_ROWS", limit)
-    monkeypatch.setattr(replay, "_pdl_max_rows", replay._pdl_max_rows)  # restored after the test
-    monkeypatch.setattr(replay, "_pdl_capable", lambda: True)
     monkeypatch.setattr(replay, "_pdl_config", lambda dims, shared, stream: "cfg")
     ex = []
     monkeypatch.setattr(replay, "_launch_ex", lambda fn, cfg, params: ex.append(fn))
-    before, took = replay.set_pdl(True), []
-    try:
-        for rows in (1, 8, 16, 17, 4096):
-            run, _ = make_op([])
-            kernel, ctx = replay.ReplayKernel(run), Ctx()
-            shape = (rows // 8, 8, 64) if rows % 8 == 0 and rows > 8 else (rows, 64)  # rows over leading dims
-            x = FakeArray(0xA000, shape)
-            kernel(ctx, x)  # the launcher records its launch
-            ex.clear()
-            kernel(ctx, x)  # same inputs: the recorded launch is fired
-            if ex:
-                took.append(rows)
-        plain = len(fake_cupy)
-        replay._rows = None
-        replay.Launch(0xF01, (1,), (32,), (np.int32(1),), 0).fire(0x5151)  # before any node
-        assert len(fake_cupy) == plain + 1
-    finally:
-        replay.set_pdl(before)
-        replay._rows = None
+    rule, took = replay.pdl_rows(Tuning(pdl_rows=limit), capable=True), []
+    for rows in (1, 8, 16, 17, 4096):
+        run, _ = make_op([])
+        kernel, ctx = replay.ReplayKernel(run, pdl_rows=rule), Ctx()
+        shape = (rows // 8, 8, 64) if rows % 8 == 0 and rows > 8 else (rows, 64)  # rows over leading dims
+        x = FakeArray(0xA000, shape)
+        kernel(ctx, x)  # the launcher records its launch
+        ex.clear()
+        kernel(ctx, x)  # same inputs: the recorded launch is fired
+        if ex:
+            took.append(rows)
     assert took == pdl_rows
+    plain = len(fake_cupy)
+    replay._rows = None
+    replay.Launch(0xF01, (1,), (32,), (np.int32(1),), 0).fire(0x5151)  # before any node
+    assert len(fake_cupy) == plain + 1
 
 
-def test_set_pdl_off_uses_the_plain_launch(fake_cupy, monkeypatch):
-    monkeypatch.setattr(replay, "_pdl", True)
-    assert replay.set_pdl(False) is True
-    replay.Launch(0xF00, (1,), (32,), (np.int32(1),), 0).fire(0x5151)
-    assert len(fake_cupy) == 1 and not replay.pdl_enabled()
+@pytest.mark.parametrize("tuning,capable,rule", [
+    (Tuning(), True, 16), (Tuning(pdl_rows="all"), True, 1 << 62), (Tuning(pdl_rows="8"), True, 8),
+    (Tuning(pdl=False), True, None), (Tuning(), False, None)])
+def test_the_pdl_rule_is_the_tunings_where_the_device_can(tuning, capable, rule):
+    assert replay.pdl_rows(tuning, capable=capable) == rule
 
 
-@pytest.mark.parametrize("capable", [True, False])
-def test_set_pdl_on_overrides_the_environment_where_the_device_can(fake_cupy, monkeypatch, capable):
-    """set_pdl(True) turns PDL on with LOCKSTEP_CUDA_PDL unset (it used to re-read the switch,
-    so the GPU test of PDL always skipped); a device that cannot leaves it off."""
-    monkeypatch.delenv("LOCKSTEP_CUDA_PDL", raising=False)
-    monkeypatch.setattr(replay, "_pdl_capable", lambda: capable)
-    assert replay.set_pdl(True) is False
-    assert replay.pdl_enabled() is capable
+def test_two_providers_in_one_process_keep_their_own_pdl_rule(fake_cupy, monkeypatch):
+    """Each node launches under its own provider's rule (its ReplayKernel's), whatever ran
+    before it: one with PDL on takes cuLaunchKernelEx, one with PDL off the plain launch; a
+    provider's own launches after a node take that node's rule."""
+    monkeypatch.setattr(replay, "_pdl_config", lambda dims, shared, stream: "cfg")
+    ex = []
+    monkeypatch.setattr(replay, "_launch_ex", lambda fn, cfg, params: ex.append(fn))
+    on, off = replay.pdl_rows(Tuning(), capable=True), replay.pdl_rows(Tuning(pdl=False), capable=True)
+    fired = {}
+    for name, rule in (("on", on), ("off", off), ("on again", on)):
+        run, _ = make_op([])
+        kernel, ctx, x = replay.ReplayKernel(run, pdl_rows=rule), Ctx(), FakeArray(0xA000, (1, 64))
+        kernel(ctx, x)
+        ex.clear()
+        plain = len(fake_cupy)
+        kernel(ctx, x)
+        fired[name] = (len(ex), len(fake_cupy) - plain)
+        replay.Launch(0xF01, (1,), (32,), (np.int32(1),), 0).fire(0x5151)  # the provider's own, after the node
+        fired[name] += (len(ex) - fired[name][0],)
+    assert fired == {"on": (1, 0, 1), "off": (0, 1, 0), "on again": (1, 0, 1)}
+    assert replay.use_pdl(None) == on and replay.use_pdl(off) is None
 
 
 @pytest.mark.parametrize("regs,threads,blocks", [(64, 256, 4), (124, 256, 2), (128, 256, 2), (136, 256, 1),
