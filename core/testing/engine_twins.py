@@ -29,9 +29,10 @@ def session_rows(runner, prompts: Sequence[list[int]], max_tokens: int, capacity
 
 
 def engine_rows(runner, prompts: Sequence[list[int]], max_tokens: int, capacity: int, sampling: Any = None,
-                max_batch: int = 4) -> tuple[list[list[int]], list[list[np.ndarray]], list[list[Any]]]:
+                max_batch: int = 4, prefill_chunk: int | None = None) -> tuple[list[list[int]], list[list[np.ndarray]], list[list[Any]]]:
     """Per request of ``prompts`` submitted together to an engine (``logprobs=True``): its
-    tokens, the fp32 logits ``[V]`` it chose each from, and its events' logprobs.
+    tokens, the fp32 logits ``[V]`` it chose each from, and its events' logprobs (prompts
+    prefilled in chunks of ``prefill_chunk`` positions; None: whole).
 
     The logits are those :func:`core.engine.logprobs.chosen` is given, recorded by wrapping it
     (the engine computes a row's logprob just before it feeds the row its token)."""
@@ -41,7 +42,7 @@ def engine_rows(runner, prompts: Sequence[list[int]], max_tokens: int, capacity:
         last[0] = np.asarray(logits).reshape(-1).astype(np.float32)
         return chosen(logits, token)
 
-    engine = Engine(runner, max_batch=max_batch, capacity=capacity)
+    engine = Engine(runner, max_batch=max_batch, capacity=capacity, prefill_chunk=prefill_chunk)
     handles = [engine.submit(list(ids), max_tokens=max_tokens, sampling=sampling[i] if sampling else None,
                              logprobs=True) for i, ids in enumerate(prompts)]
     logits_of: list[list[np.ndarray]] = [[] for _ in prompts]
