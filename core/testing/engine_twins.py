@@ -29,7 +29,8 @@ def session_rows(runner, prompts: Sequence[list[int]], max_tokens: int, capacity
 
 
 def engine_rows(runner, prompts: Sequence[list[int]], max_tokens: int, capacity: int, sampling: Any = None,
-                max_batch: int = 4, prefill_chunk: int | None = None) -> tuple[list[list[int]], list[list[np.ndarray]], list[list[Any]]]:
+                max_batch: int = 4, prefill_chunk: int | None = None
+                ) -> tuple[list[list[int]], list[list[np.ndarray]], list[list[Any]]]:
     """Per request of ``prompts`` submitted together to an engine (``logprobs=True``): its
     tokens, the fp32 logits ``[V]`` it chose each from, and its events' logprobs (prompts
     prefilled in chunks of ``prefill_chunk`` positions; None: whole).
