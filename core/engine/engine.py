@@ -7,8 +7,10 @@ command queue (add, abort, shutdown). Each iteration of the loop:
 1. drains the commands (queue new requests, abort requests: a waiting one leaves the queue,
    a running one frees its slot now, before the next step);
 2. admits waiting requests into free slots (:class:`~core.engine.scheduler.Scheduler`) and
-   prefills each alone into its slot (:meth:`~core.engine.slots.SlotState.prefill`), which
-   chooses its first token;
+   prefills each alone into its slot (:meth:`~core.engine.slots.SlotState.prefill`), in
+   chunks of ``prefill_chunk`` positions on a fixed grid of absolute positions (a long prompt
+   over several iterations, the running rows decoding between them); the last chunk chooses
+   its first token;
 3. runs one decode step of the smallest bucket covering the running rows and feeds each
    request its token (:meth:`~core.engine.request.Request.feed`); a request that ends frees
    its slot at once, so the next iteration can admit into it. Running ahead (the default), the
@@ -331,6 +333,7 @@ class Engine:
             req = self.scheduler.release(slot)
             events.append((req, req.finish("abort", error="the engine shut down")))
         self.scheduler.waiting.clear()
+        self._prefilling.clear()
         with self._lock:
             self._queued = 0
         for _, download, logits in self._queued_steps:  # their device work runs anyway; read to free the copies
