@@ -1,7 +1,9 @@
 """The main job: batch-N generation, as ``core.run``, ``core.stream`` and ``lockstep run``.
 
-Both drain a :class:`~core.generation.stream.Generation` (per-row stop rules, sampling and
-incremental text), so a streamed request and a plain one give the same rows.
+Both drain a :class:`Stream`: the rows as engine requests
+(:class:`~core.generation.engine_run.EngineStream`), or on the Session path a
+:class:`~core.generation.stream.Generation` (:func:`_on_engine` says which), so a streamed
+request and a plain one give the same rows.
 """
 
 from __future__ import annotations
@@ -413,6 +415,11 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
         stop: Any = None, stop_token_ids: Any = None, tensor_parallel: int = 1, **options) -> Result:
     """Run several prompts as one batch: greedy by default, sampled per row on request.
 
+    Each row is a request of the continuous-batching engine (:mod:`core.generation.engine_run`,
+    docs/engine.md: one decode path), bitwise the fixed-batch Session's row; tensor parallel,
+    a weight or device budget and a ``capacity`` below prompt plus ``max_new_tokens`` run on
+    the Session instead.
+
     Args:
         model: a builder model folder, a loaded Model, a Runner (weights already on the
             provider; ``provider`` is then ignored), a model name, a Hugging Face folder or a
@@ -429,8 +436,8 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
         system: the system prompt for ``prompts`` / ``messages`` rows without one (instead of
             the template's default).
         kv_layout: "head_major" or "seq_major" (default: the Runner's, else "head_major").
-        capacity: KV positions per row; default what the request needs, rounded up to 64,
-            at most the model context.
+        capacity: KV positions per row; default what the request needs (prompt plus
+            ``max_new_tokens``), rounded up to 64, at most the model context.
         capture: graph capture for decode steps (None = when the provider supports it).
         progress: optional callable(done, total): (0, total) as the prefill starts, then (tokens
             per row so far, total) after the prefill and after each decode step.
