@@ -44,6 +44,7 @@ from core.engine.scheduler import Scheduler
 from core.engine.slots import SlotState
 from core.errors import RequestError
 from core.runtime.kv import round_capacity
+from core.runtime.prompts import plan_groups
 from core.runtime.step import step_output
 
 log = logging.getLogger("lockstep")
@@ -351,6 +352,10 @@ class Engine:
         that ends a prompt chooses the first token; a failure fails its request only."""
         budget, ran = self.scheduler.prefill_tokens, False
         t0 = time.perf_counter()
+        for run in self._batched_runs(budget):
+            budget -= sum(len(r.prompt_ids) for _, r in run)
+            ran = True
+            self._prefill_rows(run, events)
         for req, done in list(self._prefilling.items()):
             n, chunk = len(req.prompt_ids), self.prefill_chunk
             while req.finish_reason is None:
@@ -378,6 +383,46 @@ class Engine:
                 break
         if ran:
             self.counters.prefill_s += max(time.perf_counter() - t0 - self._take_compile_s(), 0.0)
+
+    def _batched_runs(self, budget: int) -> list[list[tuple[int, Request]]]:
+        """Requests whose whole prompt is one chunk, not started, oldest first within
+        ``budget`` positions, grouped in runs of consecutive slots of similar prompt lengths
+        (:func:`core.runtime.prompts.plan_groups` finds no padding worth avoiding), two or more
+        to a run: each run is one padded prefill (a batch of requests arriving together, as
+        ``core.run`` submits them, prefills as a fixed-batch Session does)."""
+        chosen_rows: list[tuple[int, Request]] = []
+        for req, done in self._prefilling.items():
+            n = len(req.prompt_ids)
+            if done or (self.prefill_chunk is not None and n > self.prefill_chunk) or n > budget:
+                break
+            budget -= n
+            chosen_rows.append((self.scheduler.slot_of(req), req))
+        runs: list[list[tuple[int, Request]]] = []
+        for slot, req in sorted(chosen_rows, key=lambda x: x[0]):
+            if runs and runs[-1][-1][0] == slot - 1:
+                runs[-1].append((slot, req))
+            else:
+                runs.append([(slot, req)])
+        return [run for run in runs if len(run) > 1 and plan_groups([len(r.prompt_ids) for _, r in run]) is None]
+
+    def _prefill_rows(self, run: list[tuple[int, Request]], events: list) -> None:
+        """One padded prefill of whole prompts into consecutive slots (:meth:`_batched_runs`);
+        a failure fails those requests only."""
+        reqs = [req for _, req in run]
+        try:
+            out = self.slots.prefill_rows(run[0][0], [r.prompt_ids for r in reqs], [r.sampling for r in reqs])
+        except Exception as exc:  # noqa: BLE001 - the requests fail, the engine serves on
+            log.exception("prefill of %s failed", ", ".join(r.id for r in reqs))
+            for slot, req in run:
+                del self._prefilling[req]
+                self.scheduler.release(slot)
+                events.append((req, req.finish("error", error=f"prefill failed: {exc}")))
+            return
+        for b, (slot, req) in enumerate(run):
+            del self._prefilling[req]
+            token, error = int(out.tokens[b]), bool(out.errors[b])
+            lp = chosen(self.slots.row_logits(slot), token) if req.logprobs and not error else None
+            self._feed(req, slot, token, error, events, lp)
 
     def _decode(self, events: list) -> None:
         """Queue a step (and, running ahead, the next one), read the oldest queued step and feed

@@ -175,6 +175,38 @@ class SlotState:
         self._set_length(slot, n)
         return steps.step_output(p.download(row.result))
 
+    def prefill_rows(self, first: int, prompt_ids: list[list[int]], sampling: list[SamplingParams]) -> StepOutput:
+        """Run whole prompts into slots ``[first, first + n)`` in one padded run (as a
+        fixed-batch Session's prefill: every op computes each row alone, so each row's bits
+        are its batch-1 prefill's) and choose their first tokens; sets each row's sampling
+        options, history, length and mask. Returns the tokens (``[n]`` arrays).
+
+        Raises:
+            ValueError: the slots run past ``slots``.
+        """
+        n, p = len(prompt_ids), self.provider
+        if not 0 <= first < first + n <= self.slots:
+            raise ValueError(f"slots [{first}, {first + n}) of {self.slots}")
+        rows = _Rows(self, first, first + n)
+        if rows.sampling is not None:
+            f, i = sampling_mod.pack(sampling)
+            p.write(rows.sampling.params, f)
+            p.write(rows.sampling.options, i)
+            hist = np.zeros(rows.sampling.history.shape, np.uint8)
+            for b, ids in enumerate(prompt_ids):
+                hist[b, np.asarray(ids, np.int64)] = 1
+            p.write(rows.sampling.history, hist)
+        lens = np.array([len(ids) for ids in prompt_ids], np.int32)
+        rows.logits, positions = prompts.run_prompts(rows, prompt_ids, False, "off")
+        steps.select(rows, positions, p.upload(lens), None)
+        self.runner.outputs_owner = self
+        for b in range(n):
+            self.filled.pop(first + b, None)
+            self._rows[first + b].logits = rows.logits[b:b + 1]
+            self._set_length(first + b, int(lens[b]))
+        self.counters.prefill_tokens += int(lens.sum())
+        return steps.step_output(p.download(rows.result))
+
     def decode(self, batch: int, live: set[int]) -> Any:
         """Queue one decode step of rows ``[0, batch)`` (a bucket); ``live`` are the occupied
         slots (the others are padded lanes; a slot part-way through a chunked prefill steps as

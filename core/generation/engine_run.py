@@ -139,8 +139,11 @@ class EngineStream:
         live = [b for b, n in enumerate(news) if n > 0]
         self.total, self._done, self._shut = max(news), -1, False
         with runner.lock:
+            # the rows arrive together and nothing decodes yet: whole prompts, all in the first
+            # iteration, in one padded run where their lengths are alike (Engine._batched_runs)
+            prompt_tokens = sum(len(self.rows[b].prompt_ids) for b in live)
             self.engine = Engine(runner, max_batch=max(len(live), 1), capacity=capacity, max_waiting=max(len(live), 1),
-                                 capture=capture)
+                                 capture=capture, prefill_tokens=max(prompt_tokens, 1), prefill_chunk=None)
             self.counters = self.engine.counters
             self._requests: dict[int, Request] = {}
             for b in live:

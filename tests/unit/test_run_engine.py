@@ -39,6 +39,7 @@ def test_core_run_goes_through_the_engine_and_equals_the_session_path_bitwise(ru
     got = core.run(runner, input_ids=PROMPTS, max_new_tokens=NEWS, sampling=_sampling(sampled), stop_token_ids=[7])
     assert got.counters["engine_requests"] == len(PROMPTS)  # every row was an engine request
     assert got.counters["decode_steps"] > 0 and got.counters["prefill_tokens"] == sum(map(len, PROMPTS))
+    assert got.counters["prefill_runs"] == 1  # rows arriving together: one padded prefill, as the Session's
     session = Session(runner, batch=len(PROMPTS), capacity=64, kv_policy="fixed")
     want = session.stream(PROMPTS, NEWS, sampling=_sampling(sampled), stop_token_ids=[7]).run()
     session.close()
