@@ -133,7 +133,9 @@ class SlotState:
 
     def close(self) -> None:
         """Give the KV bytes back to the runner's accounting (the buffers go with this object)."""
-        self.runner.kv_device_bytes -= self.state.kv.device_bytes
+        self.state.kv.release()  # once: a second close gives back nothing more
+        if self.runner.outputs_owner is self:
+            self.runner.outputs_owner = None
         self._buckets.clear()
 
     def prefill(self, slot: int, prompt_ids: list[int], sampling: SamplingParams, start: int = 0,
