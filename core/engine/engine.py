@@ -431,7 +431,7 @@ class Engine:
         try:
             if not self._queued_steps:
                 self._queue_step()
-            if self.run_ahead and len(self._queued_steps) < 2:
+            if self.run_ahead and len(self._queued_steps) < 2 and self._ahead_needed():
                 self._queue_step()
             if not self._queued_steps:
                 return
@@ -452,6 +452,14 @@ class Engine:
             token, error = int(out.tokens[slot]), bool(out.errors[slot])
             lp = chosen(logits[slot], token) if req.logprobs and logits is not None and not error else None
             self._feed(req, slot_now, token, error, events, lp)
+
+    def _ahead_needed(self) -> bool:
+        """Whether a step queued behind the ones queued now could give some running row a token
+        it may still need (not past its ``max_tokens``): a batch whose rows all reach their
+        length limit with the steps queued runs no wasted step."""
+        queued = len(self._queued_steps)
+        return any(len(r.output_ids) + queued < r.max_tokens
+                   for r in self.scheduler.running.values() if r not in self._prefilling)
 
     def _queue_step(self) -> None:
         if self.compact:
