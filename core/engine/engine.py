@@ -102,6 +102,9 @@ class Engine:
             one more step, whose token is dropped).
         compact: move running rows down into slots freed below them, so decode steps run the
             smallest bucket that holds them (:meth:`~core.engine.scheduler.Scheduler.compaction`).
+        reraise: a failed prefill or decode step, or a sink that raises, raises out of
+            :meth:`run_once` (a batch client such as ``core.run``, whose caller sees the error)
+            instead of ending its requests with "error" while the engine serves on (a server).
 
     Raises:
         RequestError: a bad ``max_batch``, ``capacity``, ``max_waiting``, ``prefill_tokens`` or
@@ -110,7 +113,7 @@ class Engine:
 
     def __init__(self, runner, max_batch: int = 8, capacity: int | None = None, max_waiting: int = 256,
                  prefill_tokens: int = 2048, capture: bool | None = None, run_ahead: bool = True,
-                 compact: bool = True, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
+                 compact: bool = True, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, reraise: bool = False):
         context = runner.model.config.context_length
         checked = [("max_batch", max_batch), ("max_waiting", max_waiting), ("prefill_tokens", prefill_tokens)]
         for name, value in checked + ([("prefill_chunk", prefill_chunk)] if prefill_chunk is not None else []):
@@ -135,6 +138,7 @@ class Engine:
         self._next: tuple | None = None  # a command the idle loop woke up on
         self.run_ahead = bool(run_ahead)
         self.compact = bool(compact)
+        self.reraise = bool(reraise)
         # (rows at queue time, the result's download, the logits' download or None)
         self._queued_steps: list[tuple[dict[int, Request], Any, Any]] = []
         #: admitted requests whose prompt is not wholly prefilled yet -> positions done (oldest first)
@@ -367,6 +371,8 @@ class Engine:
                 try:
                     out = self.slots.prefill(slot, req.prompt_ids, req.sampling, done, stop)
                 except Exception as exc:  # noqa: BLE001 - the request fails, the engine serves on
+                    if self.reraise:
+                        raise
                     log.exception("prefill of %s failed", req.id)
                     self.scheduler.release(slot)
                     events.append((req, req.finish("error", error=f"prefill failed: {exc}")))
@@ -412,6 +418,8 @@ class Engine:
         try:
             out = self.slots.prefill_rows(run[0][0], [r.prompt_ids for r in reqs], [r.sampling for r in reqs])
         except Exception as exc:  # noqa: BLE001 - the requests fail, the engine serves on
+            if self.reraise:
+                raise
             log.exception("prefill of %s failed", ", ".join(r.id for r in reqs))
             for slot, req in run:
                 del self._prefilling[req]
@@ -439,6 +447,8 @@ class Engine:
             out = step_output(download.wait())
             logits = logits_download.wait() if logits_download is not None else None
         except Exception as exc:  # noqa: BLE001 - the rows fail, the engine serves on
+            if self.reraise:
+                raise
             log.exception("decode step failed")
             self._queued_steps.clear()
             for slot, failed in dict(self.scheduler.running).items():
@@ -489,6 +499,8 @@ class Engine:
             try:
                 req.sink(event)
             except Exception:  # noqa: BLE001 - a consumer's bug must not stop the other requests
+                if self.reraise:
+                    raise
                 log.exception("the event sink of %s raised; the request is aborted", req.id)
                 if event.finish_reason is None:
                     self.abort(req.id)

@@ -143,7 +143,8 @@ class EngineStream:
             # iteration, in one padded run where their lengths are alike (Engine._batched_runs)
             prompt_tokens = sum(len(self.rows[b].prompt_ids) for b in live)
             self.engine = Engine(runner, max_batch=max(len(live), 1), capacity=capacity, max_waiting=max(len(live), 1),
-                                 capture=capture, prefill_tokens=max(prompt_tokens, 1), prefill_chunk=None)
+                                 capture=capture, prefill_tokens=max(prompt_tokens, 1), prefill_chunk=None,
+                                 reraise=True)
             self.counters = self.engine.counters
             self._requests: dict[int, Request] = {}
             for b in live:
@@ -184,7 +185,12 @@ class EngineStream:
                 self._done = 0
                 self.progress(0, self.total)
             with self.runner.lock:
-                self.engine.run_once()
+                try:
+                    self.engine.run_once()
+                except BaseException:  # a failed step raises to the caller, as on a Session
+                    self._shut = True  # the engine's state is unknown: its buffers go with it
+                    self.engine.slots.close()
+                    raise
 
     def interrupt(self) -> list[Delta]:
         """End every running row now, between steps, keeping what it made (finish reason

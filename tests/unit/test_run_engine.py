@@ -83,3 +83,22 @@ def test_a_capacity_the_slots_cannot_hold_keeps_the_session_path(runner):
     # written) and 33 in an engine slot: capacity=32 runs on the Session
     got = core.run(runner, input_ids=[PROMPTS[3][:30]], max_new_tokens=3, capacity=32)
     assert got.counters["engine_requests"] == 0 and len(got.rows[0].output_ids) == 3
+
+
+def test_a_failing_step_raises_to_the_caller_of_core_run(runner, monkeypatch):
+    """A fault is the caller's error, as on the Session path (not a row "error", which means
+    non-finite logits), and the runner serves the next request right."""
+    from core.engine import slots
+
+    real = slots.SlotState.decode
+
+    def broken(self, *args):
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(slots.SlotState, "decode", broken)
+    with pytest.raises(RuntimeError, match="device fault"):
+        core.run(runner, input_ids=PROMPTS[:2], max_new_tokens=4)
+    monkeypatch.setattr(slots.SlotState, "decode", real)
+    again = core.run(runner, input_ids=PROMPTS[:2], max_new_tokens=4)
+    alone = [core.run(runner, input_ids=[p], max_new_tokens=4).rows[0].output_ids for p in PROMPTS[:2]]
+    assert [r.output_ids for r in again.rows] == alone
