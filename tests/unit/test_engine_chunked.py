@@ -104,3 +104,20 @@ def test_aborting_a_request_mid_prefill_frees_its_slot(runner):
 def test_a_bad_chunk_size_is_refused(runner, chunk):
     with pytest.raises(RequestError, match="prefill_chunk must be a positive integer"):
         Engine(runner, max_batch=1, capacity=64, prefill_chunk=chunk)
+
+
+def test_serve_passes_prefill_chunk_to_the_engine(runner, monkeypatch):
+    import core.serve.server as server_mod
+    from core.cli import main
+
+    made = []
+
+    def engine(*args, **kwargs):
+        made.append(kwargs)
+        raise SystemExit(0)  # stop at the engine: nothing is served
+
+    monkeypatch.setattr(server_mod, "Engine", engine)
+    monkeypatch.setattr(server_mod, "serve", lambda server, *a: server.load())
+    with pytest.raises(SystemExit):
+        main(["serve", str(runner.model.folder), "--prefill-chunk", "8"])
+    assert made[0]["prefill_chunk"] == 8
