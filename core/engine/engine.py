@@ -39,12 +39,12 @@ from typing import Any, Iterator
 from core import compiling
 from core.counters import Counters
 from core.engine.logprobs import chosen
+from core.engine.prefill import Prefills
 from core.engine.request import Event, Request, Sink, make_request
 from core.engine.scheduler import Scheduler
 from core.engine.slots import SlotState
 from core.errors import RequestError
 from core.runtime.kv import round_capacity
-from core.runtime.prompts import plan_groups
 from core.runtime.step import step_output
 
 log = logging.getLogger("lockstep")
@@ -141,8 +141,8 @@ class Engine:
         self.reraise = bool(reraise)
         # (rows at queue time, the result's download, the logits' download or None)
         self._queued_steps: list[tuple[dict[int, Request], Any, Any]] = []
-        #: admitted requests whose prompt is not wholly prefilled yet -> positions done (oldest first)
-        self._prefilling: dict[Request, int] = {}
+        #: admitted requests whose prompt is not wholly prefilled yet, and their chunks
+        self._prefilling = Prefills(self)
         self._compiled_at = compiling.seconds()
 
     # -- any thread ---------------------------------------------------------------------------
@@ -273,8 +273,8 @@ class Engine:
             with self._lock:
                 self._queued -= 1
             self.counters.engine_requests += 1
-            self._prefilling[req] = 0
-        self._prefill(events)
+            self._prefilling.add(req)
+        self._prefilling.run(events)
         self._publish(events)  # first tokens out now, not a decode step later
         events = []
         if self._queued_steps or any(r not in self._prefilling for r in self.scheduler.running.values()):
@@ -347,90 +347,6 @@ class Engine:
                 logits.wait()
         self._queued_steps.clear()
         self.slots.close()
-
-    def _prefill(self, events: list) -> None:
-        """Prefill the admitted requests, oldest first, a chunk at a time (the whole prompt
-        without ``prefill_chunk``) within ``prefill_tokens`` positions (at least one chunk). A
-        chunk ends at the next multiple of ``prefill_chunk`` in absolute position, so a row's
-        chunks, and so its numbers, never depend on its neighbours or its arrival. The chunk
-        that ends a prompt chooses the first token; a failure fails its request only."""
-        budget, ran = self.scheduler.prefill_tokens, False
-        t0 = time.perf_counter()
-        for run in self._batched_runs(budget):
-            budget -= sum(len(r.prompt_ids) for _, r in run)
-            ran = True
-            self._prefill_rows(run, events)
-        for req, done in list(self._prefilling.items()):
-            n, chunk = len(req.prompt_ids), self.prefill_chunk
-            while req.finish_reason is None:
-                stop = n if chunk is None else min(n, (done // chunk + 1) * chunk)
-                if ran and stop - done > budget:
-                    break
-                ran, budget = True, budget - (stop - done)
-                slot = self.scheduler.slot_of(req)
-                try:
-                    out = self.slots.prefill(slot, req.prompt_ids, req.sampling, done, stop)
-                except Exception as exc:  # noqa: BLE001 - the request fails, the engine serves on
-                    if self.reraise:
-                        raise
-                    log.exception("prefill of %s failed", req.id)
-                    self.scheduler.release(slot)
-                    events.append((req, req.finish("error", error=f"prefill failed: {exc}")))
-                    break
-                done = self._prefilling[req] = stop
-                if out is not None:
-                    token, error = int(out.tokens[0]), bool(out.errors[0])
-                    lp = chosen(self.slots.row_logits(slot), token) if req.logprobs and not error else None
-                    self._feed(req, slot, token, error, events, lp)
-                    break
-            if req.finish_reason is not None or done == n:
-                del self._prefilling[req]
-            if budget <= 0:
-                break
-        if ran:
-            self.counters.prefill_s += max(time.perf_counter() - t0 - self._take_compile_s(), 0.0)
-
-    def _batched_runs(self, budget: int) -> list[list[tuple[int, Request]]]:
-        """Requests whose whole prompt is one chunk, not started, oldest first within
-        ``budget`` positions, grouped in runs of consecutive slots of similar prompt lengths
-        (:func:`core.runtime.prompts.plan_groups` finds no padding worth avoiding), two or more
-        to a run: each run is one padded prefill (a batch of requests arriving together, as
-        ``core.run`` submits them, prefills as a fixed-batch Session does)."""
-        chosen_rows: list[tuple[int, Request]] = []
-        for req, done in self._prefilling.items():
-            n = len(req.prompt_ids)
-            if done or (self.prefill_chunk is not None and n > self.prefill_chunk) or n > budget:
-                break
-            budget -= n
-            chosen_rows.append((self.scheduler.slot_of(req), req))
-        runs: list[list[tuple[int, Request]]] = []
-        for slot, req in sorted(chosen_rows, key=lambda x: x[0]):
-            if runs and runs[-1][-1][0] == slot - 1:
-                runs[-1].append((slot, req))
-            else:
-                runs.append([(slot, req)])
-        return [run for run in runs if len(run) > 1 and plan_groups([len(r.prompt_ids) for _, r in run]) is None]
-
-    def _prefill_rows(self, run: list[tuple[int, Request]], events: list) -> None:
-        """One padded prefill of whole prompts into consecutive slots (:meth:`_batched_runs`);
-        a failure fails those requests only."""
-        reqs = [req for _, req in run]
-        try:
-            out = self.slots.prefill_rows(run[0][0], [r.prompt_ids for r in reqs], [r.sampling for r in reqs])
-        except Exception as exc:  # noqa: BLE001 - the requests fail, the engine serves on
-            if self.reraise:
-                raise
-            log.exception("prefill of %s failed", ", ".join(r.id for r in reqs))
-            for slot, req in run:
-                del self._prefilling[req]
-                self.scheduler.release(slot)
-                events.append((req, req.finish("error", error=f"prefill failed: {exc}")))
-            return
-        for b, (slot, req) in enumerate(run):
-            del self._prefilling[req]
-            token, error = int(out.tokens[b]), bool(out.errors[b])
-            lp = chosen(self.slots.row_logits(slot), token) if req.logprobs and not error else None
-            self._feed(req, slot, token, error, events, lp)
 
     def _decode(self, events: list) -> None:
         """Queue a step (and, running ahead, the next one), read the oldest queued step and feed

@@ -10,6 +10,7 @@ from unittest import mock
 import numpy as np
 
 import core.engine.engine as engine_mod
+import core.engine.prefill as prefill_mod
 from core.engine import Engine
 from core.engine.logprobs import chosen
 from core.session import Session
@@ -55,7 +56,7 @@ def engine_rows(runner, prompts: Sequence[list[int]], max_tokens: int, capacity:
                 logits_of[i].append(last[0])
             return feed(token, error, logprob)
         h.request.feed = fed  # type: ignore[method-assign]
-    with mock.patch.object(engine_mod, "chosen", recording):
+    with mock.patch.object(engine_mod, "chosen", recording), mock.patch.object(prefill_mod, "chosen", recording):
         engine.run_until_idle()
     engine.shutdown()
     events = [list(h) for h in handles]
