@@ -56,6 +56,8 @@ class Prefills:
         that ends a prompt chooses the first token; a failure fails its request only (or, with
         the engine's ``reraise``, raises). Returns whether a prefill ran."""
         e = self.engine
+        for req in [r for r in self.pending if r.finish_reason is not None]:
+            del self.pending[req]  # aborted (or failed) before its prompt was done: its slot is free
         budget, ran = e.scheduler.prefill_tokens, False
         t0 = time.perf_counter()
         for run in self._batched_runs(budget):

@@ -121,3 +121,23 @@ def test_serve_passes_prefill_chunk_to_the_engine(runner, monkeypatch):
     with pytest.raises(SystemExit):
         main(["serve", str(runner.model.folder), "--prefill-chunk", "8"])
     assert made[0]["prefill_chunk"] == 8
+
+
+def test_a_request_aborted_before_its_first_chunk_leaves_the_others_right(runner):
+    """A long prompt takes the iteration's budget; a request admitted beside it is aborted
+    before any chunk of its own ran; the engine goes on and the rest equal their solo runs."""
+    engine = Engine(runner, max_batch=3, capacity=64, prefill_chunk=4, prefill_tokens=8)
+    long = engine.submit(LONG[:24], max_tokens=3)
+    engine.run_once()  # admitted; its first two chunks
+    gone = engine.submit([4, 5, 6, 7], max_tokens=3)
+    engine.run_once()  # admitted, but the long prompt's chunks took the budget
+    assert gone.request in engine._prefilling and engine._prefilling.pending[gone.request] == 0
+    engine.abort(gone.request.id)
+    later = engine.submit([8, 9], max_tokens=3)
+    engine.run_until_idle()
+    assert [e.finish_reason for e in gone] == ["abort"]
+    alone = Engine(runner, max_batch=1, capacity=64, prefill_chunk=None)
+    want = [alone.submit(LONG[:24], max_tokens=3), alone.submit([8, 9], max_tokens=3)]
+    alone.run_until_idle()
+    assert [[t for e in h for t in e.token_ids] for h in (long, later)] == \
+        [[t for e in h for t in e.token_ids] for h in want]
