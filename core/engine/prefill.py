@@ -41,8 +41,12 @@ class Prefills:
         return req in self.pending
 
     def add(self, req: Request) -> None:
-        """A request just admitted into a slot: nothing of its prompt is prefilled."""
+        """A request just admitted into a slot: nothing of its prompt is prefilled. Until its
+        first chunk runs, its slot steps as a padded lane held at length 0 (whatever length
+        the slot's last request left there, it writes only at position 0, which the first chunk
+        overwrites)."""
         self.pending[req] = 0
+        self.engine.slots.filled[self.engine.scheduler.slot_of(req)] = 0
 
     def clear(self) -> None:
         """Forget every pending prompt (the engine shut down)."""

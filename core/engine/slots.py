@@ -126,7 +126,8 @@ class SlotState:
             self.state.set_sampling(*sampling_mod.pack([SamplingParams()] * slots))
         self.lane_len = np.zeros(slots, np.int64)  # host mirror of lengths_dev
         self.capture = capture
-        #: slots whose prompt is part-way prefilled (chunked prefill) -> positions done
+        #: slots whose prompt is part-way prefilled (chunked prefill; 0: admitted, no chunk run
+        #: yet) -> positions done
         self.filled: dict[int, int] = {}
         self._buckets: dict[int, _Bucket] = {}
         self._rows = [_Rows(self, s, s + 1) for s in range(slots)]
@@ -246,6 +247,7 @@ class SlotState:
             row = buf.nbytes // self.slots
             moved += p.copy_bytes(buf, buf, [(old * row, new * row, row)])
         self.lane_len[new] = self.lane_len[old]
+        self.filled.pop(new, None)  # what a request freed mid-prefill left there
         if old in self.filled:
             self.filled[new] = self.filled.pop(old)
         self.counters.rows_moved += 1

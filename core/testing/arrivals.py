@@ -101,7 +101,7 @@ def expected_events(engine: Engine, request: Request, tokens: list[int]) -> list
 def fuzz_arrivals(runner, seed: int, requests: int = 300, max_batch: int = 8, capacity: int = 48,
                   arrival_span: int | None = None, abort_rate: float = 0.1, longest: int | None = None,
                   run_ahead: bool = True, compact: bool = True, prefill_chunk: int | None = None,
-                  prompt_share: float = 1 / 3, solo: str = "session") -> FuzzReport:
+                  prompt_share: float = 1 / 3, solo: str = "session", prefill_tokens: int = 2048) -> FuzzReport:
     """Run ``requests`` random requests on an engine and compare each with its solo run.
 
     Args:
@@ -114,6 +114,8 @@ def fuzz_arrivals(runner, seed: int, requests: int = 300, max_batch: int = 8, ca
         run_ahead: the engine's ``run_ahead``.
         compact: the engine's ``compact``.
         prefill_chunk: the engine's ``prefill_chunk`` (None: whole prompts).
+        prefill_tokens: the engine's ``prefill_tokens`` (a few chunks: long prompts take several
+            iterations, rows mid-prefill stepping as padded lanes between them).
         prompt_share: prompts are drawn up to this share of ``capacity`` tokens long.
         solo: "session" (a batch-1 Session, unchunked) or "engine" (a one-slot engine with the
             same ``prefill_chunk``) as each request's solo run.
@@ -127,7 +129,7 @@ def fuzz_arrivals(runner, seed: int, requests: int = 300, max_batch: int = 8, ca
         raise ValueError(f"solo must be 'session' or 'engine', got {solo!r}")
     rng = np.random.default_rng(seed)
     engine = Engine(runner, max_batch=max_batch, capacity=capacity, max_waiting=requests, capture=None,
-                    run_ahead=run_ahead, compact=compact, prefill_chunk=prefill_chunk)
+                    run_ahead=run_ahead, compact=compact, prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens)
     vocab = runner.model.config.vocab_size
     text = runner.model.tokenizer is not None
     span = arrival_span or max(1, requests * capacity // (3 * max_batch))

@@ -19,7 +19,7 @@ LONG = [int(t) for t in np.random.default_rng(3).integers(3, 250, 45)]
 
 def test_arrivals_with_long_prompts_in_small_chunks_equal_their_solo_runs_on_cuda(model_dir):
     report = fuzz_arrivals(Runner(model_dir, "cuda"), seed=49, requests=120, max_batch=8, capacity=64,
-                           prefill_chunk=8, prompt_share=0.7, solo="engine")
+                           prefill_chunk=8, prompt_share=0.7, solo="engine", prefill_tokens=16)
     assert report.mismatches == []
     assert report.prefill_chunks > 120 and report.captures >= 3 and report.replays > 50  # both paths ran
 

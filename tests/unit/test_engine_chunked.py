@@ -25,7 +25,7 @@ def runner(tmp_path_factory):
 
 def test_arrivals_with_long_prompts_in_small_chunks_equal_their_solo_runs(runner):
     report = fuzz_arrivals(runner, seed=49, requests=60, max_batch=4, capacity=64, prefill_chunk=8,
-                           prompt_share=0.7, solo="engine")
+                           prompt_share=0.7, solo="engine", prefill_tokens=16)
     assert report.mismatches == []
     assert report.prefill_chunks > 60  # the chunked path ran: most prompts took several chunks
     assert report.max_running == 4 and report.aborted > 0 and report.sampled > 0
@@ -34,7 +34,7 @@ def test_arrivals_with_long_prompts_in_small_chunks_equal_their_solo_runs(runner
 def test_chunked_prefill_is_bitwise_the_unchunked_one(runner):
     """Against a batch-1 Session's whole-prompt prefill: the same tokens (the fuzzer) ..."""
     report = fuzz_arrivals(runner, seed=50, requests=40, max_batch=4, capacity=64, prefill_chunk=5,
-                           prompt_share=0.7, solo="session")
+                           prompt_share=0.7, solo="session", prefill_tokens=10)
     assert report.mismatches == [] and report.prefill_chunks > 40
 
 
@@ -141,3 +141,21 @@ def test_a_request_aborted_before_its_first_chunk_leaves_the_others_right(runner
     alone.run_until_idle()
     assert [[t for e in h for t in e.token_ids] for h in (long, later)] == \
         [[t for e in h for t in e.token_ids] for h in want]
+
+
+def test_a_row_moved_into_a_slot_freed_mid_prefill_keeps_its_length(runner):
+    """A long prompt in slot 0 is aborted part-way; compaction then moves the decoding row of
+    slot 1 into slot 0, where nothing of the aborted prompt's progress may hold it back."""
+    engine = Engine(runner, max_batch=2, capacity=64, prefill_chunk=4, prefill_tokens=6)
+    gone = engine.submit(LONG[:24], max_tokens=3)
+    engine.run_once()  # slot 0: its first chunk
+    kept = engine.submit([5, 6], max_tokens=12)
+    engine.run_once()  # slot 1: prefilled whole beside the long prompt's next chunk, decoding
+    assert engine.scheduler.slot_of(kept.request) == 1 and engine.slots.filled.get(0) == 8
+    engine.abort(gone.request.id)
+    engine.run_until_idle()
+    assert engine.counters.rows_moved >= 1  # it moved down into slot 0
+    alone = Engine(runner, max_batch=1, capacity=64)
+    want = alone.submit([5, 6], max_tokens=12)
+    alone.run_until_idle()
+    assert [t for e in kept for t in e.token_ids] == [t for e in want for t in e.token_ids]
