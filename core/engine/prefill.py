@@ -101,10 +101,10 @@ class Prefills:
 
     def _batched_runs(self, budget: int) -> list[list[tuple[int, Request]]]:
         """Requests whose whole prompt is one chunk, not started, oldest first within
-        ``budget`` positions, grouped in runs of consecutive slots of similar prompt lengths
-        (:func:`core.runtime.prompts.plan_groups` finds no padding worth avoiding), two or more
-        to a run: each run is one padded prefill (a batch of requests arriving together, as
-        ``core.run`` submits them, prefills as a fixed-batch Session does)."""
+        ``budget`` positions, in runs of consecutive slots split by prompt length as a
+        fixed-batch Session's prefill groups them (:func:`core.runtime.prompts.plan_groups`),
+        two or more to a run: each run is one padded prefill (requests arriving together, as
+        ``core.run`` submits them, longest first, prefill as the Session's groups do)."""
         e = self.engine
         chosen_rows: list[tuple[int, Request]] = []
         for req, done in self.pending.items():
@@ -119,7 +119,17 @@ class Prefills:
                 runs[-1].append((slot, req))
             else:
                 runs.append([(slot, req)])
-        return [run for run in runs if len(run) > 1 and plan_groups([len(r.prompt_ids) for _, r in run]) is None]
+        out: list[list[tuple[int, Request]]] = []
+        for run in runs:
+            groups = plan_groups([len(r.prompt_ids) for _, r in run]) or [list(range(len(run)))]
+            for group in groups:  # each group's consecutive pieces
+                piece: list[int] = []
+                for i in group + [-2]:
+                    if piece and i != piece[-1] + 1:
+                        out.append([run[j] for j in piece])
+                        piece = []
+                    piece.append(i)
+        return [run for run in out if len(run) > 1]
 
     def _prefill_rows(self, run: list[tuple[int, Request]], events: list) -> None:
         """One padded prefill of whole prompts into consecutive slots (:meth:`_batched_runs`);

@@ -140,14 +140,15 @@ class EngineStream:
         self.total, self._done, self._shut = max(news), -1, False
         with runner.lock:
             # the rows arrive together and nothing decodes yet: whole prompts, all in the first
-            # iteration, in one padded run where their lengths are alike (Engine._batched_runs)
+            # iteration, in padded runs of alike lengths (core.engine.prefill.Prefills)
             prompt_tokens = sum(len(self.rows[b].prompt_ids) for b in live)
             self.engine = Engine(runner, max_batch=max(len(live), 1), capacity=capacity, max_waiting=max(len(live), 1),
                                  capture=capture, prefill_tokens=max(prompt_tokens, 1), prefill_chunk=None,
                                  reraise=True)
             self.counters = self.engine.counters
             self._requests: dict[int, Request] = {}
-            for b in live:
+            # longest prompt first: alike lengths take consecutive slots, one prefill run each
+            for b in sorted(live, key=lambda b: -len(self.rows[b].prompt_ids)):
                 req = self.engine.request(self.rows[b].prompt_ids, news[b], self.sampling[b], list(stops[b]) or None,
                                           sorted(stop_ids[b]) or None, sink=functools.partial(self._event, b))
                 self._requests[b] = req
@@ -187,6 +188,7 @@ class EngineStream:
             with self.runner.lock:
                 try:
                     self.engine.run_once()
+                    self._deltas.sort(key=lambda d: d.row)  # rows in order, as a fixed batch gives them
                 except BaseException:  # a failed step raises to the caller, as on a Session
                     self._shut = True  # the engine's state is unknown: its buffers go with it
                     self.engine.slots.close()

@@ -102,3 +102,15 @@ def test_a_failing_step_raises_to_the_caller_of_core_run(runner, monkeypatch):
     again = core.run(runner, input_ids=PROMPTS[:2], max_new_tokens=4)
     alone = [core.run(runner, input_ids=[p], max_new_tokens=4).rows[0].output_ids for p in PROMPTS[:2]]
     assert [r.output_ids for r in again.rows] == alone
+
+
+def test_prompts_of_unlike_lengths_prefill_in_length_groups_and_stay_bitwise(runner):
+    """Two long and three short prompts: two padded runs (the Session's length groups), not
+    one run padded to the longest nor five runs; the rows as the Session gives them."""
+    prompts = [PROMPTS[3][:30] * 2, [7, 8], PROMPTS[3][:29] * 2, [9, 10, 11], [12, 13]]
+    got = core.run(runner, input_ids=prompts, max_new_tokens=5)
+    assert got.counters["prefill_runs"] == 2 and got.counters["engine_requests"] == 5
+    session = Session(runner, batch=5, capacity=128, kv_policy="fixed")
+    want = session.stream(prompts, 5).run()
+    session.close()
+    assert [r.output_ids for r in got.rows] == [w.output_ids for w in want]
