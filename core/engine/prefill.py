@@ -5,8 +5,8 @@ A prompt runs in chunks on a fixed grid of absolute positions, ``[kC, (k + 1)C)`
 engine's ``prefill_chunk`` C (the whole prompt without one), oldest request first, at most
 ``prefill_tokens`` positions an iteration (at least one chunk); the engine's decode step of the
 running rows comes between two iterations' chunks. Requests admitted together into consecutive
-slots whose whole prompts are one chunk each, of alike lengths, prefill in one padded run
-(:meth:`~core.engine.slots.SlotState.prefill_rows`, a fixed-batch Session's prefill).
+slots whose whole prompts are one chunk each prefill in padded runs split by length as a
+fixed-batch Session's prefill groups them (:meth:`~core.engine.slots.SlotState.prefill_rows`).
 """
 
 from __future__ import annotations
