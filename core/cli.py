@@ -395,7 +395,7 @@ def cmd_serve(a) -> int:
     get_provider(a.provider)
     model = _resolve_model(a.model, a.provider)
     server = build_server(model, a.provider, a.max_batch, a.capacity, a.max_waiting, False if a.no_capture else None,
-                          a.model_name or Path(a.model or DEFAULT_MODEL).name, a.api_key)
+                          a.model_name or Path(a.model or DEFAULT_MODEL).name, a.api_key, a.prefill_chunk)
     serve(server, a.host, a.port, a.log_level)
     return 0
 
@@ -683,6 +683,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "max_tokens (default: 2048, at most the model context)")
     s.add_argument("--max-waiting", type=_positive_int, default=256, help="requests queued for a slot before "
                    "answering 429 (default: %(default)s)")
+    s.add_argument("--prefill-chunk", type=_positive_int, default=256, help="prompt positions per prefill chunk; "
+                   "the running requests decode between chunks (default: %(default)s)")
     s.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 routes")
     s.add_argument("--model-name", help="the name clients pass as model (default: MODEL's last path part)")
     s.add_argument("--no-capture", action="store_true", help="never capture decode steps")

@@ -73,7 +73,7 @@ def drain(a: argparse.Namespace, st, on_delta: Callable[[Delta], None]) -> tuple
                 on_delta(d)
                 if ctrl_c.pressed:
                     deltas.close()
-                    for last in st.generation.interrupt():
+                    for last in st.interrupt():
                         on_delta(last)
                     interrupted = True
                     break

@@ -36,6 +36,10 @@ class Counters:
             row moves.
         rows_moved: running rows the engine moved to a lower slot so that its decode steps
             run a smaller bucket (:meth:`core.engine.scheduler.Scheduler.compaction`).
+        engine_requests: requests the engine admitted into a slot (``core.run`` on the engine:
+            one per row that decodes; 0 on the fixed-batch Session path).
+        prefill_chunks: prompt chunks the engine's chunked prefill ran (each at most the
+            engine's ``prefill_chunk`` positions, on the fixed grid of absolute positions).
         kv_bytes: bytes reserved for the KV cache (all layers, K and V).
         kv_committed_bytes: bytes of the current KV buffers backed through ``kv_commit`` (a
             gauge: growth that reallocates starts it again from the copied prefix).
@@ -75,6 +79,8 @@ class Counters:
     growth_events: int = 0
     kv_bytes_moved: int = 0
     rows_moved: int = 0
+    engine_requests: int = 0
+    prefill_chunks: int = 0
     kv_bytes: int = 0
     kv_committed_bytes: int = 0
     weight_bytes: int = 0

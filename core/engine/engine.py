@@ -7,8 +7,10 @@ command queue (add, abort, shutdown). Each iteration of the loop:
 1. drains the commands (queue new requests, abort requests: a waiting one leaves the queue,
    a running one frees its slot now, before the next step);
 2. admits waiting requests into free slots (:class:`~core.engine.scheduler.Scheduler`) and
-   prefills each alone into its slot (:meth:`~core.engine.slots.SlotState.prefill`), which
-   chooses its first token;
+   prefills each alone into its slot (:meth:`~core.engine.slots.SlotState.prefill`), in
+   chunks of ``prefill_chunk`` positions on a fixed grid of absolute positions (a long prompt
+   over several iterations, the running rows decoding between them); the last chunk chooses
+   its first token;
 3. runs one decode step of the smallest bucket covering the running rows and feeds each
    request its token (:meth:`~core.engine.request.Request.feed`); a request that ends frees
    its slot at once, so the next iteration can admit into it. Running ahead (the default), the
@@ -31,10 +33,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any, Iterator
 
+from core import compiling
 from core.counters import Counters
 from core.engine.logprobs import chosen
+from core.engine.prefill import Prefills
 from core.engine.request import Event, Request, Sink, make_request
 from core.engine.scheduler import Scheduler
 from core.engine.slots import SlotState
@@ -46,6 +51,8 @@ log = logging.getLogger("lockstep")
 
 #: Default KV positions per slot (prompt plus max_tokens), capped by the model's context.
 DEFAULT_CAPACITY = 2048
+#: Default prompt positions per chunk of a chunked prefill (:class:`Engine` ``prefill_chunk``).
+DEFAULT_PREFILL_CHUNK = 256
 
 
 class QueueFullError(RequestError):
@@ -82,23 +89,34 @@ class Engine:
         capacity: KV positions per slot (default :data:`DEFAULT_CAPACITY`, at most the model's
             context, rounded up to 64).
         max_waiting: requests that may wait for a slot; :meth:`add` refuses more.
-        prefill_tokens: prompt tokens admitted per iteration (at least one request).
+        prefill_tokens: prompt tokens admitted, and prompt positions prefilled, per iteration
+            (at least one request, and one chunk).
+        prefill_chunk: prompt positions per chunk of a chunked prefill (default
+            :data:`DEFAULT_PREFILL_CHUNK`): a prompt runs in chunks ``[kC, (k + 1)C)`` of
+            absolute positions, one or more per iteration, with the running rows' decode steps
+            between them. None: each prompt in one run. Models with a sliding-window ring KV
+            cache prefill whole prompts (cuda runs no chunk into a ring).
         capture: graph capture of the decode buckets (None: where the provider supports it).
         run_ahead: queue the next decode step before reading the last one's tokens, so the
             device runs while the host feeds the requests (a row that ended meanwhile computes
             one more step, whose token is dropped).
         compact: move running rows down into slots freed below them, so decode steps run the
             smallest bucket that holds them (:meth:`~core.engine.scheduler.Scheduler.compaction`).
+        reraise: a failed prefill or decode step, or a sink that raises, raises out of
+            :meth:`run_once` (a batch client such as ``core.run``, whose caller sees the error)
+            instead of ending its requests with "error" while the engine serves on (a server).
 
     Raises:
-        RequestError: a bad ``max_batch``, ``capacity`` or ``max_waiting``.
+        RequestError: a bad ``max_batch``, ``capacity``, ``max_waiting``, ``prefill_tokens`` or
+            ``prefill_chunk``.
     """
 
     def __init__(self, runner, max_batch: int = 8, capacity: int | None = None, max_waiting: int = 256,
                  prefill_tokens: int = 2048, capture: bool | None = None, run_ahead: bool = True,
-                 compact: bool = True):
+                 compact: bool = True, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, reraise: bool = False):
         context = runner.model.config.context_length
-        for name, value in (("max_batch", max_batch), ("max_waiting", max_waiting), ("prefill_tokens", prefill_tokens)):
+        checked = [("max_batch", max_batch), ("max_waiting", max_waiting), ("prefill_tokens", prefill_tokens)]
+        for name, value in checked + ([("prefill_chunk", prefill_chunk)] if prefill_chunk is not None else []):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise RequestError(f"{name} must be a positive integer, got {value!r}")
         if capacity is None:
@@ -107,6 +125,9 @@ class Engine:
             raise RequestError(f"capacity must be an integer in [2, {context}] (the model context), got {capacity!r}")
         self.runner, self.capacity, self.max_batch = runner, capacity, max_batch
         self.counters = Counters()
+        self.counters.set_residency(runner.residency.summary(), runner.weight_bytes)
+        #: positions per prefill chunk (None: whole prompts; always None on a ring KV cache)
+        self.prefill_chunk = None if any(getattr(runner, "kv_windows", ())) else prefill_chunk
         self.slots = SlotState(runner, max_batch, capacity, capture, self.counters)
         self.scheduler = Scheduler(max_batch, prefill_tokens, max_waiting)
         self._commands: queue.Queue = queue.Queue()
@@ -117,8 +138,12 @@ class Engine:
         self._next: tuple | None = None  # a command the idle loop woke up on
         self.run_ahead = bool(run_ahead)
         self.compact = bool(compact)
+        self.reraise = bool(reraise)
         # (rows at queue time, the result's download, the logits' download or None)
         self._queued_steps: list[tuple[dict[int, Request], Any, Any]] = []
+        #: admitted requests whose prompt is not wholly prefilled yet, and their chunks
+        self._prefilling = Prefills(self)
+        self._compiled_at = compiling.seconds()
 
     # -- any thread ---------------------------------------------------------------------------
     @property
@@ -244,16 +269,28 @@ class Engine:
         if not self._drain(events):
             self._publish(events)
             return False
-        for req, slot in self.scheduler.admit():
+        for req, _slot in self.scheduler.admit():
             with self._lock:
                 self._queued -= 1
-            self._prefill(req, slot, events)
+            self.counters.engine_requests += 1
+            self._prefilling.add(req)
+        self._prefilling.run(events)
         self._publish(events)  # first tokens out now, not a decode step later
         events = []
-        if self.scheduler.running:
+        if self._queued_steps or any(r not in self._prefilling for r in self.scheduler.running.values()):
+            t0 = time.perf_counter()
             self._decode(events)
+            self.counters.decode_s += max(time.perf_counter() - t0 - self._take_compile_s(), 0.0)
         self._publish(events)
         return True
+
+    def _take_compile_s(self) -> float:
+        """Kernel compile seconds since the last call, counted in ``compile_s`` (kept out of
+        ``prefill_s`` and ``decode_s``, as a Session does)."""
+        now = compiling.seconds()
+        spent, self._compiled_at = now - self._compiled_at, now
+        self.counters.compile_s += spent
+        return spent
 
     def run_until_idle(self, max_iterations: int = 1_000_000) -> None:
         """Run iterations until nothing waits or runs (tests and batch clients without a thread)."""
@@ -301,6 +338,7 @@ class Engine:
             req = self.scheduler.release(slot)
             events.append((req, req.finish("abort", error="the engine shut down")))
         self.scheduler.waiting.clear()
+        self._prefilling.clear()
         with self._lock:
             self._queued = 0
         for _, download, logits in self._queued_steps:  # their device work runs anyway; read to free the copies
@@ -310,18 +348,6 @@ class Engine:
         self._queued_steps.clear()
         self.slots.close()
 
-    def _prefill(self, req: Request, slot: int, events: list) -> None:
-        try:
-            out = self.slots.prefill(slot, req.prompt_ids, req.sampling)
-        except Exception as exc:  # noqa: BLE001 - the request fails, the engine serves on
-            log.exception("prefill of %s failed", req.id)
-            self.scheduler.release(slot)
-            events.append((req, req.finish("error", error=f"prefill failed: {exc}")))
-            return
-        token, error = int(out.tokens[0]), bool(out.errors[0])
-        lp = chosen(self.slots.row_logits(slot), token) if req.logprobs and not error else None
-        self._feed(req, slot, token, error, events, lp)
-
     def _decode(self, events: list) -> None:
         """Queue a step (and, running ahead, the next one), read the oldest queued step and feed
         the rows it ran that still run (each its token from the slot it held when the step was
@@ -329,12 +355,16 @@ class Engine:
         try:
             if not self._queued_steps:
                 self._queue_step()
-            if self.run_ahead and len(self._queued_steps) < 2:
+            if self.run_ahead and len(self._queued_steps) < 2 and self._ahead_needed():
                 self._queue_step()
+            if not self._queued_steps:
+                return
             rows, download, logits_download = self._queued_steps.pop(0)
             out = step_output(download.wait())
             logits = logits_download.wait() if logits_download is not None else None
         except Exception as exc:  # noqa: BLE001 - the rows fail, the engine serves on
+            if self.reraise:
+                raise
             log.exception("decode step failed")
             self._queued_steps.clear()
             for slot, failed in dict(self.scheduler.running).items():
@@ -349,15 +379,26 @@ class Engine:
             lp = chosen(logits[slot], token) if req.logprobs and logits is not None and not error else None
             self._feed(req, slot_now, token, error, events, lp)
 
+    def _ahead_needed(self) -> bool:
+        """Whether a step queued behind the ones queued now could give some running row a token
+        it may still need (not past its ``max_tokens``): a batch whose rows all reach their
+        length limit with the steps queued runs no wasted step."""
+        queued = len(self._queued_steps)
+        return any(len(r.output_ids) + queued < r.max_tokens
+                   for r in self.scheduler.running.values() if r not in self._prefilling)
+
     def _queue_step(self) -> None:
         if self.compact:
             for old, new in self.scheduler.compaction():
                 self.slots.move(old, new)
-        running = dict(self.scheduler.running)
+        occupied = set(self.scheduler.running)  # rows mid-prefill step as padded lanes (SlotState.decode)
+        running = {s: r for s, r in self.scheduler.running.items() if r not in self._prefilling}
+        if not running:
+            return
         if self._queued_steps:
             self.counters.run_ahead_steps += 1
         bucket = self.scheduler.bucket()
-        download = self.slots.decode(bucket, set(running))
+        download = self.slots.decode(bucket, occupied)
         logits = self.slots.start_logits(bucket) if any(r.logprobs for r in running.values()) else None
         self._queued_steps.append((running, download, logits))
 
@@ -374,6 +415,8 @@ class Engine:
             try:
                 req.sink(event)
             except Exception:  # noqa: BLE001 - a consumer's bug must not stop the other requests
+                if self.reraise:
+                    raise
                 log.exception("the event sink of %s raised; the request is aborted", req.id)
                 if event.finish_reason is None:
                     self.abort(req.id)

@@ -126,18 +126,47 @@ class SlotState:
             self.state.set_sampling(*sampling_mod.pack([SamplingParams()] * slots))
         self.lane_len = np.zeros(slots, np.int64)  # host mirror of lengths_dev
         self.capture = capture
+        #: slots whose prompt is part-way prefilled (chunked prefill; 0: admitted, no chunk run
+        #: yet) -> positions done
+        self.filled: dict[int, int] = {}
         self._buckets: dict[int, _Bucket] = {}
         self._rows = [_Rows(self, s, s + 1) for s in range(slots)]
 
     def close(self) -> None:
         """Give the KV bytes back to the runner's accounting (the buffers go with this object)."""
-        self.runner.kv_device_bytes -= self.state.kv.device_bytes
+        self.state.kv.release()  # once: a second close gives back nothing more
+        if self.runner.outputs_owner is self:
+            self.runner.outputs_owner = None
         self._buckets.clear()
 
-    def prefill(self, slot: int, prompt_ids: list[int], sampling: SamplingParams) -> StepOutput:
-        """Run ``prompt_ids`` into ``slot`` at batch 1 and choose its first token; sets the
-        row's sampling options, history, length and mask. Returns the token ([1] arrays)."""
-        p, row = self.provider, self._rows[slot]
+    def prefill(self, slot: int, prompt_ids: list[int], sampling: SamplingParams, start: int = 0,
+                stop: int | None = None) -> StepOutput | None:
+        """Run prompt positions ``[start, stop)`` (default: the whole prompt) into ``slot`` at
+        batch 1; the chunk that ends the prompt also sets the row's sampling options, history,
+        length and mask and chooses its first token (returned, ``[1]`` arrays). An earlier chunk
+        returns None: the slot's KV holds ``[0, stop)`` and its length is ``stop``, so a decode
+        step that runs the slot as a padded lane meanwhile writes only at ``stop`` or later,
+        positions the next chunk overwrites before anything reads them.
+
+        Raises:
+            ValueError: ``0 <= start < stop <= len(prompt_ids)`` does not hold.
+        """
+        p, row, n = self.provider, self._rows[slot], len(prompt_ids)
+        stop = n if stop is None else stop
+        if not 0 <= start < stop <= n:
+            raise ValueError(f"prefill chunk [{start}, {stop}) of a prompt of {n} tokens")
+        if start == 0 and stop == n:
+            row.logits, positions = prompts.run_prompts(row, [prompt_ids], False, "off")
+        else:
+            row.logits, positions = prompts.run_chunk(row, prompt_ids[start:stop], start)
+            self.counters.prefill_chunks += 1
+        self.runner.outputs_owner = self
+        self.counters.prefill_tokens += stop - start
+        if stop < n:
+            self.filled[slot] = stop
+            self._set_length(slot, stop)
+            return None
+        self.filled.pop(slot, None)
         if row.sampling is not None:
             f, i = sampling_mod.pack([sampling])
             p.write(row.sampling.params, f)
@@ -145,21 +174,55 @@ class SlotState:
             hist = np.zeros(row.sampling.history.shape, np.uint8)
             hist[0, np.asarray(prompt_ids, np.int64)] = 1
             p.write(row.sampling.history, hist)
-        n = len(prompt_ids)
-        row.logits, positions = prompts.run_prompts(row, [prompt_ids], False, "off")
         steps.select(row, positions, p.upload(np.array([n], np.int32)), None)
-        self.runner.outputs_owner = self
         self._set_length(slot, n)
-        self.counters.prefill_tokens += n
         return steps.step_output(p.download(row.result))
+
+    def prefill_rows(self, first: int, prompt_ids: list[list[int]], sampling: list[SamplingParams]) -> StepOutput:
+        """Run whole prompts into slots ``[first, first + n)`` in one padded run (as a
+        fixed-batch Session's prefill: every op computes each row alone, so each row's bits
+        are its batch-1 prefill's) and choose their first tokens; sets each row's sampling
+        options, history, length and mask. Returns the tokens (``[n]`` arrays).
+
+        Raises:
+            ValueError: the slots run past ``slots``.
+        """
+        n, p = len(prompt_ids), self.provider
+        if not 0 <= first < first + n <= self.slots:
+            raise ValueError(f"slots [{first}, {first + n}) of {self.slots}")
+        rows = _Rows(self, first, first + n)
+        if rows.sampling is not None:
+            f, i = sampling_mod.pack(sampling)
+            p.write(rows.sampling.params, f)
+            p.write(rows.sampling.options, i)
+            hist = np.zeros(rows.sampling.history.shape, np.uint8)
+            for b, ids in enumerate(prompt_ids):
+                hist[b, np.asarray(ids, np.int64)] = 1
+            p.write(rows.sampling.history, hist)
+        lens = np.array([len(ids) for ids in prompt_ids], np.int32)
+        rows.logits, positions = prompts.run_prompts(rows, prompt_ids, False, "off")
+        steps.select(rows, positions, p.upload(lens), None)
+        self.runner.outputs_owner = self
+        for b in range(n):
+            self.filled.pop(first + b, None)
+            self._rows[first + b].logits = rows.logits[b:b + 1]
+            self._set_length(first + b, int(lens[b]))
+        self.counters.prefill_tokens += int(lens.sum())
+        return steps.step_output(p.download(rows.result))
 
     def decode(self, batch: int, live: set[int]) -> Any:
         """Queue one decode step of rows ``[0, batch)`` (a bucket); ``live`` are the occupied
-        slots (the others are padded lanes). Returns the download of every lane's result: its
+        slots (the others are padded lanes; a slot part-way through a chunked prefill steps as
+        a padded lane whose length is put back to its positions done first, so it writes only
+        where its next chunk writes). Returns the download of every lane's result: its
         ``wait()`` gives int32 ``[batch, 2]`` (:func:`core.runtime.step.step_output` reads it)."""
         for s in range(batch):
-            if s not in live and self.lane_len[s] >= self.capacity - 1:
-                self._set_length(s, 0)
+            if s not in live:
+                self.filled.pop(s, None)  # freed part-way through its prefill (an abort)
+                if self.lane_len[s] >= self.capacity - 1:
+                    self._set_length(s, 0)
+            elif s in self.filled and self.lane_len[s] != self.filled[s]:
+                self._set_length(s, self.filled[s])  # mid-prefill: its lane writes at the next chunk's start
         bucket = self._buckets.get(batch)
         if bucket is None:
             bucket = self._buckets[batch] = _Bucket(self, batch, self.capture)
@@ -184,6 +247,9 @@ class SlotState:
             row = buf.nbytes // self.slots
             moved += p.copy_bytes(buf, buf, [(old * row, new * row, row)])
         self.lane_len[new] = self.lane_len[old]
+        self.filled.pop(new, None)  # what a request freed mid-prefill left there
+        if old in self.filled:
+            self.filled[new] = self.filled.pop(old)
         self.counters.rows_moved += 1
         self.counters.kv_bytes_moved += moved
         return moved

@@ -1,7 +1,9 @@
 """The main job: batch-N generation, as ``core.run``, ``core.stream`` and ``lockstep run``.
 
-Both drain a :class:`~core.generation.stream.Generation` (per-row stop rules, sampling and
-incremental text), so a streamed request and a plain one give the same rows.
+Both drain a :class:`Stream`: the rows as engine requests
+(:class:`~core.generation.engine_run.EngineStream`), or on the Session path a
+:class:`~core.generation.stream.Generation` (:func:`_on_engine` says which), so a streamed
+request and a plain one give the same rows.
 """
 
 from __future__ import annotations
@@ -285,8 +287,9 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
     input_ids = [token_row(i, r).tolist() for i, r in enumerate(input_ids)]
     if not input_ids:
         raise RequestError("no prompts given")
+    per_row = news if len(news) == len(input_ids) else [max(news)] * len(input_ids)  # a mismatch: refused below
+    asked = capacity
     if capacity is None:
-        per_row = news if len(news) == len(input_ids) else [max(news)] * len(input_ids)  # a mismatch: refused below
         need = max(len(r) + max(n - 1, 0) for r, n in zip(input_ids, per_row))  # each row its own (Generation._step)
         if need > model.config.context_length:
             raise RequestError(_too_long(input_ids, per_row, model.config.context_length))
@@ -295,12 +298,52 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
         from core.parallel.session import check_greedy
 
         check_greedy(sampling, len(input_ids), model)
+    runner, need = _on_engine(runner, model, provider, kv_layout, asked, weight_budget, device_budget,
+                              tensor_parallel, input_ids, per_row)
+    if need is not None:  # one decode path: the engine (docs/engine.md)
+        from core.generation.engine_run import EngineStream
+
+        assert runner is not None
+        slots = asked if asked is not None else kvgeo.round_capacity(need, model.config.context_length)
+        return Stream(None, EngineStream(runner, input_ids, max_new_tokens, sampling, stop, stop_token_ids,
+                                         progress, slots, capture))
     session = Session(runner or model, provider, batch=len(input_ids), capacity=capacity,
                       kv_layout=kv_layout or (runner.kv_layout if runner else "head_major"),
                       kv_policy="fixed", capture=capture, weight_budget=weight_budget,
                       device_budget=device_budget, tensor_parallel=tensor_parallel)
     return Stream(session, Generation(session, input_ids, max_new_tokens, sampling, stop, stop_token_ids,
                                       progress))
+
+
+def _on_engine(runner: Runner | None, model: Model, provider: Any, kv_layout: str | None, capacity: Any,
+               weight_budget: Any, device_budget: Any, tensor_parallel: Any, input_ids: Sequence[Sequence[int]],
+               news: Sequence[int]) -> tuple[Runner | None, int | None]:
+    """Where a request runs (docs/engine.md, "One decode path"): the engine, unless
+    :func:`core.generation.engine_run.session_reason` names a reason (tensor parallel, a weight
+    or device budget, streamed weights, a capacity the engine's slots cannot hold). Returns
+    (the runner, made here unless given; None where the Session makes its own) and the KV
+    positions an engine slot needs, or None for the Session path.
+
+    Raises:
+        RequestError: the Runner cannot be made (a KV layout or budget error, as a Session says).
+    """
+    from core.generation.engine_run import engine_capacity, session_reason
+    from core.runtime.residency import BudgetError
+
+    if (tensor_parallel != 1 and not isinstance(tensor_parallel, bool)) or weight_budget is not None \
+            or device_budget is not None or (runner is not None and kv_layout not in (None, runner.kv_layout)):
+        return runner, None
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                 or not 2 <= capacity <= model.config.context_length):
+        return runner, None  # the Session refuses it, with its message
+    if runner is None:
+        try:
+            runner = Runner(model, provider, kv_layout or "head_major")
+        except (kvgeo.KVLayoutError, BudgetError) as exc:
+            raise RequestError(str(exc)) from exc
+    if session_reason(runner, tensor_parallel, input_ids, news, capacity) is not None:
+        return runner, None
+    return runner, engine_capacity(input_ids, news)
 
 
 def _too_long(input_ids: Sequence[Sequence[int]], news: Sequence[int], context: int) -> str:
@@ -320,20 +363,28 @@ class Stream:
     row and step: new token ids, new text, the finish reason), then call :meth:`result`.
 
     Attributes:
-        session: the :class:`~core.session.Session` it runs on.
-        generation: the :class:`~core.generation.stream.Generation` (rows, continuation).
+        session: the :class:`~core.session.Session` it runs on, or None on the engine.
+        generation: the :class:`~core.generation.engine_run.EngineStream` of its rows on the
+            engine, or on the Session path the :class:`~core.generation.stream.Generation`.
     """
 
-    def __init__(self, session: Session, generation: Generation):
+    def __init__(self, session: Session | None, generation: Any):
         self.session, self.generation = session, generation
 
     def __iter__(self):
         return iter(self.generation)
 
+    def interrupt(self) -> list:
+        """End every running row now, between steps, keeping what it made (finish reason
+        "interrupted"); returns the rows' last deltas. Close the iterator first."""
+        return self.generation.interrupt()
+
     def result(self) -> Result:
         """Finish the request (if not iterated to the end) and return its :class:`Result`."""
         rows = [_row(r, sp) for r, sp in zip(self.generation.run(), self.generation.sampling)]
-        return Result(rows, self.session.provider.name, self.session.counters.to_dict())
+        owner = self.session if self.session is not None else self.generation
+        return Result(rows, owner.runner.provider.name if self.session is None else self.session.provider.name,
+                      owner.counters.to_dict())
 
 
 def _row(r: RowState, sampling=None) -> Row:
@@ -364,6 +415,11 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
         stop: Any = None, stop_token_ids: Any = None, tensor_parallel: int = 1, **options) -> Result:
     """Run several prompts as one batch: greedy by default, sampled per row on request.
 
+    Each row is a request of the continuous-batching engine (:mod:`core.generation.engine_run`,
+    docs/engine.md: one decode path), bitwise the fixed-batch Session's row; tensor parallel,
+    a weight or device budget and a ``capacity`` below prompt plus ``max_new_tokens`` run on
+    the Session instead.
+
     Args:
         model: a builder model folder, a loaded Model, a Runner (weights already on the
             provider; ``provider`` is then ignored), a model name, a Hugging Face folder or a
@@ -380,8 +436,8 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
         system: the system prompt for ``prompts`` / ``messages`` rows without one (instead of
             the template's default).
         kv_layout: "head_major" or "seq_major" (default: the Runner's, else "head_major").
-        capacity: KV positions per row; default what the request needs, rounded up to 64,
-            at most the model context.
+        capacity: KV positions per row; default what the request needs (prompt plus
+            ``max_new_tokens``), rounded up to 64, at most the model context.
         capture: graph capture for decode steps (None = when the provider supports it).
         progress: optional callable(done, total): (0, total) as the prefill starts, then (tokens
             per row so far, total) after the prefill and after each decode step.
@@ -419,5 +475,5 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
     try:
         return st.result()
     finally:
-        if tensor_parallel != 1:  # stop the rank processes now, not when the session is collected
+        if tensor_parallel != 1 and st.session is not None:  # stop the rank processes now, not at collection
             st.session.close()

@@ -170,6 +170,39 @@ def run_prompts(state, input_ids: Sequence[Sequence[int]], all_logits: bool = Fa
     return logits, state.positions
 
 
+def run_chunk(state, ids: Sequence[int], start: int) -> tuple[Any, Any]:
+    """Run prompt positions ``[start, start + len(ids))`` of the one row of ``state`` (a
+    decode state, or a view of one row of it, whose KV already holds positions ``[0, start)``)
+    into its KV cache: one chunk of a chunked prefill.
+
+    The plan runs ``input_ids [1, S]`` against a mask of ones ``[1, start + S]``:
+    GroupQueryAttention's first prompt when ``start`` is 0, else a subsequent prompt at B = 1
+    (docs/ops.md 1.4: past ``start``, total ``start + S``), the new K/V written in place at
+    ``[start, start + S)``. Query position p reads keys ``[0, p]``, the keys a decode step at p
+    reads, so where the provider's prompt attention walks the keys in the decode step's order
+    (cpu_reference; cuda's split-KV chunks of 64 absolute positions) the chunk's bits are those
+    of the unchunked prompt.
+
+    Returns:
+        (logits, positions): the logits of the chunk's last position ``[1, 1, V]`` and the
+        positions ``device_argmax`` reads, as device tensors (the whole chunk's logits
+        ``[1, S, V]`` with positions ``S - 1`` on a plan without a last-position program).
+
+    Raises:
+        core.plugins.ProviderError: the provider returned a new present KV tensor.
+    """
+    p = state.runner.provider
+    n = len(ids)
+    last = state.runner.plan.last_position_steps is not None
+    binding = _binding(state, state.kv.layers, np.asarray(ids, np.int64)[None, :],
+                       np.ones((1, start + n), np.int64), np.array([n - 1], np.int64) if last else None)
+    outs = binding.run()
+    _check_in_place(state, outs, state.kv.layers[0][0])
+    state.counters.prefill_positions += n
+    state.counters.prefill_runs += 1
+    return outs["logits"], p.upload(np.array([0 if last else n - 1], np.int32))
+
+
 def _run_group(state, rows_ids: list, lens: np.ndarray, rows: list[int]) -> tuple[Any, int]:
     """Run one length group in scratch KV buffers of its own batch and length, copy its live
     KV rows into ``state``'s cache at rows ``rows``; returns (its logits [n, 1, V], positions

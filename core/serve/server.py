@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from core.engine import Engine
+from core.engine.engine import DEFAULT_PREFILL_CHUNK
 from core.runtime.runner import Runner
 from core.serve.app import Server, make_app
 
@@ -19,12 +20,14 @@ log = logging.getLogger("lockstep")
 
 def build_server(model: str | Path, provider: Any = "cpu_reference", max_batch: int = 64, capacity: int | None = None,
                  max_waiting: int = 256, capture: bool | None = None, served: str | None = None,
-                 api_key: str | None = None) -> Server:
+                 api_key: str | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> Server:
     """A :class:`~core.serve.app.Server` that loads ``model`` on ``provider`` into an engine of
-    ``max_batch`` slots of ``capacity`` positions (see :class:`core.engine.Engine`)."""
+    ``max_batch`` slots of ``capacity`` positions, prompts prefilled in chunks of
+    ``prefill_chunk`` positions (see :class:`core.engine.Engine`)."""
     def load() -> Engine:
         runner = Runner(model, provider)
-        engine = Engine(runner, max_batch=max_batch, capacity=capacity, max_waiting=max_waiting, capture=capture)
+        engine = Engine(runner, max_batch=max_batch, capacity=capacity, max_waiting=max_waiting, capture=capture,
+                        prefill_chunk=prefill_chunk)
         log.info("engine: %d slots of %d positions, %.2f GB of KV", max_batch, engine.capacity,
                  engine.slots.state.kv.device_bytes / 1e9)
         return engine.start()

@@ -6,6 +6,8 @@ after a random number of iterations. It runs them on an :class:`~core.engine.Eng
 iteration by iteration, then runs each one alone on a batch-1 :class:`~core.session.Session` of
 the same capacity, replays the solo tokens through a fresh request's stop rules, and compares
 token ids, text and finish reason (an aborted request: its tokens a prefix of the solo run's).
+With ``solo="engine"`` the solo run is the request alone on a one-slot engine with the same
+``prefill_chunk`` instead (the chunked prefill's reference: the same chunks, no neighbours).
 Used by tests/unit/test_engine_fuzz.py on cpu_reference and tests/cuda on a GPU.
 """
 
@@ -31,6 +33,7 @@ class FuzzReport:
         aborted, sampled, stopped: requests aborted, sampling, ended by a stop rule.
         captures, replays: decode graphs the engine captured and replayed (a provider that captures).
         rows_moved: rows the engine moved down to a lower slot (compaction).
+        prefill_chunks: prompt chunks the engine's chunked prefill ran.
     """
 
     requests: int = 0
@@ -43,10 +46,12 @@ class FuzzReport:
     captures: int = 0
     replays: int = 0
     rows_moved: int = 0
+    prefill_chunks: int = 0
 
 
-def _draw(rng: np.random.Generator, vocab: int, capacity: int, text: bool, longest: int) -> dict[str, Any]:
-    prompt = rng.integers(3, vocab, int(rng.integers(1, capacity // 3))).tolist()
+def _draw(rng: np.random.Generator, vocab: int, capacity: int, text: bool, longest: int,
+          prompt_share: float = 1 / 3) -> dict[str, Any]:
+    prompt = rng.integers(3, vocab, int(rng.integers(1, max(2, int(capacity * prompt_share))))).tolist()
     opts: dict[str, Any] = {"max_tokens": int(rng.integers(1, min(capacity - len(prompt), longest) + 1))}
     if rng.random() < 0.5:
         opts["sampling"] = {"do_sample": True, "temperature": float(rng.choice([0.5, 1.0, 1.5])),
@@ -70,6 +75,17 @@ def solo_tokens(session, request: Request) -> list[int]:
     return tokens
 
 
+def solo_engine_tokens(engine: Engine, request: Request) -> list[int]:
+    """``request``'s tokens run alone on ``engine`` (one slot, no other request): up to
+    ``max_tokens`` of them, no stop rule but the model's EOS ids applied (``[-1]`` marks
+    non-finite logits)."""
+    events: list[Event] = []
+    engine.add(engine.request(request.prompt_ids, request.max_tokens, request.sampling, sink=events.append))
+    engine.run_until_idle()
+    tokens = [t for e in events for t in e.token_ids]
+    return tokens + [-1] if events[-1].finish_reason == "error" else tokens
+
+
 def expected_events(engine: Engine, request: Request, tokens: list[int]) -> list[Event]:
     """The events a fresh copy of ``request`` gives when fed ``tokens`` (until it finishes)."""
     twin = engine.request(request.prompt_ids, request.max_tokens, request.sampling, list(request.stop_strings) or None,
@@ -84,7 +100,8 @@ def expected_events(engine: Engine, request: Request, tokens: list[int]) -> list
 
 def fuzz_arrivals(runner, seed: int, requests: int = 300, max_batch: int = 8, capacity: int = 48,
                   arrival_span: int | None = None, abort_rate: float = 0.1, longest: int | None = None,
-                  run_ahead: bool = True, compact: bool = True) -> FuzzReport:
+                  run_ahead: bool = True, compact: bool = True, prefill_chunk: int | None = None,
+                  prompt_share: float = 1 / 3, solo: str = "session", prefill_tokens: int = 2048) -> FuzzReport:
     """Run ``requests`` random requests on an engine and compare each with its solo run.
 
     Args:
@@ -96,16 +113,27 @@ def fuzz_arrivals(runner, seed: int, requests: int = 300, max_batch: int = 8, ca
         longest: the most ``max_tokens`` drawn (default: what the capacity allows).
         run_ahead: the engine's ``run_ahead``.
         compact: the engine's ``compact``.
+        prefill_chunk: the engine's ``prefill_chunk`` (None: whole prompts).
+        prefill_tokens: the engine's ``prefill_tokens`` (a few chunks: long prompts take several
+            iterations, rows mid-prefill stepping as padded lanes between them).
+        prompt_share: prompts are drawn up to this share of ``capacity`` tokens long.
+        solo: "session" (a batch-1 Session, unchunked) or "engine" (a one-slot engine with the
+            same ``prefill_chunk``) as each request's solo run.
+
+    Raises:
+        ValueError: an unknown ``solo``.
     """
     from core.session import Session
 
+    if solo not in ("session", "engine"):
+        raise ValueError(f"solo must be 'session' or 'engine', got {solo!r}")
     rng = np.random.default_rng(seed)
     engine = Engine(runner, max_batch=max_batch, capacity=capacity, max_waiting=requests, capture=None,
-                    run_ahead=run_ahead, compact=compact)
+                    run_ahead=run_ahead, compact=compact, prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens)
     vocab = runner.model.config.vocab_size
     text = runner.model.tokenizer is not None
     span = arrival_span or max(1, requests * capacity // (3 * max_batch))
-    draws = [(int(rng.integers(0, span)), i, _draw(rng, vocab, capacity, text, longest or capacity))
+    draws = [(int(rng.integers(0, span)), i, _draw(rng, vocab, capacity, text, longest or capacity, prompt_share))
              for i in range(requests)]
     plan = sorted(draws, key=lambda x: (x[0], x[1]))
     aborts = {i: int(rng.integers(0, 12)) for i in range(requests) if rng.random() < abort_rate}
@@ -135,25 +163,30 @@ def fuzz_arrivals(runner, seed: int, requests: int = 300, max_batch: int = 8, ca
         it += 1
     engine.shutdown()
     report.captures, report.replays = engine.counters.captures, engine.counters.replays
-    report.rows_moved = engine.counters.rows_moved
-    session = Session(runner, batch=1, capacity=capacity, kv_policy="fixed")
+    report.rows_moved, report.prefill_chunks = engine.counters.rows_moved, engine.counters.prefill_chunks
+    alone = Engine(runner, max_batch=1, capacity=capacity, capture=None, prefill_chunk=prefill_chunk) \
+        if solo == "engine" else None
+    session = Session(runner, batch=1, capacity=capacity, kv_policy="fixed") if alone is None else None
     try:
         for req in made:
             events = got[req.id]
             mine = [t for e in events for t in e.token_ids]
-            solo = solo_tokens(session, req)
+            solo_ids = solo_tokens(session, req) if alone is None else solo_engine_tokens(alone, req)
             report.sampled += req.sampling.samples
             if req.finish_reason == "abort":
                 report.aborted += 1
-                if mine != solo[:len(mine)]:
-                    report.mismatches.append(f"{req.id} (aborted): {mine} is not a prefix of {solo}")
+                if mine != solo_ids[:len(mine)]:
+                    report.mismatches.append(f"{req.id} (aborted): {mine} is not a prefix of {solo_ids}")
                 continue
-            want = expected_events(engine, req, solo)
+            want = expected_events(engine, req, solo_ids)
             report.stopped += want[-1].finish_reason == "stop"
             have = [(e.token_ids, e.text, e.finish_reason) for e in events]
             solo_events = [(e.token_ids, e.text, e.finish_reason) for e in want]
             if have != solo_events:
                 report.mismatches.append(f"{req.id}: engine {have} != solo {solo_events}")
     finally:
-        session.close()
+        if session is not None:
+            session.close()
+        if alone is not None:
+            alone.shutdown()
     return report

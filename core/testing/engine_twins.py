@@ -10,6 +10,7 @@ from unittest import mock
 import numpy as np
 
 import core.engine.engine as engine_mod
+import core.engine.prefill as prefill_mod
 from core.engine import Engine
 from core.engine.logprobs import chosen
 from core.session import Session
@@ -29,9 +30,11 @@ def session_rows(runner, prompts: Sequence[list[int]], max_tokens: int, capacity
 
 
 def engine_rows(runner, prompts: Sequence[list[int]], max_tokens: int, capacity: int, sampling: Any = None,
-                max_batch: int = 4) -> tuple[list[list[int]], list[list[np.ndarray]], list[list[Any]]]:
+                max_batch: int = 4, prefill_chunk: int | None = None
+                ) -> tuple[list[list[int]], list[list[np.ndarray]], list[list[Any]]]:
     """Per request of ``prompts`` submitted together to an engine (``logprobs=True``): its
-    tokens, the fp32 logits ``[V]`` it chose each from, and its events' logprobs.
+    tokens, the fp32 logits ``[V]`` it chose each from, and its events' logprobs (prompts
+    prefilled in chunks of ``prefill_chunk`` positions; None: whole).
 
     The logits are those :func:`core.engine.logprobs.chosen` is given, recorded by wrapping it
     (the engine computes a row's logprob just before it feeds the row its token)."""
@@ -41,7 +44,7 @@ def engine_rows(runner, prompts: Sequence[list[int]], max_tokens: int, capacity:
         last[0] = np.asarray(logits).reshape(-1).astype(np.float32)
         return chosen(logits, token)
 
-    engine = Engine(runner, max_batch=max_batch, capacity=capacity)
+    engine = Engine(runner, max_batch=max_batch, capacity=capacity, prefill_chunk=prefill_chunk)
     handles = [engine.submit(list(ids), max_tokens=max_tokens, sampling=sampling[i] if sampling else None,
                              logprobs=True) for i, ids in enumerate(prompts)]
     logits_of: list[list[np.ndarray]] = [[] for _ in prompts]
@@ -53,7 +56,7 @@ def engine_rows(runner, prompts: Sequence[list[int]], max_tokens: int, capacity:
                 logits_of[i].append(last[0])
             return feed(token, error, logprob)
         h.request.feed = fed  # type: ignore[method-assign]
-    with mock.patch.object(engine_mod, "chosen", recording):
+    with mock.patch.object(engine_mod, "chosen", recording), mock.patch.object(prefill_mod, "chosen", recording):
         engine.run_until_idle()
     engine.shutdown()
     events = [list(h) for h in handles]

@@ -260,15 +260,22 @@ def test_run_reports_token_rates_and_finish_reasons(capsys, words_model):
 
 
 def _nan_rows(rows):
-    """cpu_reference with the logits of ``rows`` made NaN before every argmax."""
+    """cpu_reference with the logits of batch rows ``rows`` made NaN before every token choice
+    of a batch that has them (the engine's decode steps: slot b is prompt b)."""
     import numpy as np
 
     from providers.cpu_reference.provider import CpuReferenceProvider
 
     class NanRows(CpuReferenceProvider):
         def device_argmax(self, logits, positions, result):
-            logits[list(rows)] = np.nan
+            if logits.shape[0] > max(rows):
+                logits[list(rows)] = np.nan
             return super().device_argmax(logits, positions, result)
+
+        def device_sample(self, logits, positions, counter, fed, sampling, result):
+            if logits.shape[0] > max(rows):
+                logits[list(rows)] = np.nan
+            return super().device_sample(logits, positions, counter, fed, sampling, result)
 
     return NanRows()
 

@@ -41,7 +41,9 @@ def slow_first_use(monkeypatch):
         return wrapped
 
     steps = core.session.steps
-    monkeypatch.setattr(steps, "prefill", once("prefill", steps.prefill))
+    monkeypatch.setattr(steps, "prefill", once("prefill", steps.prefill))  # the Session's prefill
+    prompts = steps.prompts  # the engine's row prefill (core.engine.slots)
+    monkeypatch.setattr(prompts, "run_prompts", once("prefill", prompts.run_prompts))
     monkeypatch.setattr(steps, "start_read", once("decode", steps.start_read))
 
 

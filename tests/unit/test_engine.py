@@ -202,9 +202,16 @@ def test_run_ahead_queues_the_next_step_and_drops_its_extra_token(runner, run_ah
     engine.run_until_idle()
     tokens = [t for e in handle for t in e.token_ids]
     assert tokens == solo_tokens(Session(runner, batch=1, capacity=32, kv_policy="fixed"), handle.request)
-    # 9 decode steps give tokens 2..10; running ahead, one more was queued before the last was read
-    assert engine.counters.decode_steps == 9 + run_ahead
+    # 9 decode steps give tokens 2..10; running ahead, none past the row's max_tokens is queued
+    assert engine.counters.decode_steps == 9
     assert (engine.counters.run_ahead_steps > 0) == run_ahead
+    # a row that ends early (a stop token) had the next step queued already: its token is dropped
+    stop = tokens[4]
+    ends = tokens.index(stop) + 1
+    early = engine.submit([3, 4, 5], max_tokens=10, stop_token_ids=[stop])
+    engine.run_until_idle()
+    assert [t for e in early for t in e.token_ids] == tokens[:ends]
+    assert engine.counters.decode_steps == 9 + (ends - 1) + run_ahead
 
 
 def test_a_failing_decode_step_fails_its_rows_and_the_engine_serves_on(runner, monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 import core
 from core.cli import build_parser, main
 from core.generation.chat import Conversation
+from core.generation.engine_run import EngineStream
 from core.generation.stream import FINISH_REASONS, Generation
 from core.session import RequestError, Session
 from core.testing.tiny_model import make_tiny_model, write_byte_tokenizer
@@ -38,11 +39,26 @@ def _ctrl_c_after(monkeypatch, steps: int) -> None:
     monkeypatch.setattr(Generation, "_observe", observe)
 
 
+def _ctrl_c_at_tokens(monkeypatch, tokens: int) -> None:
+    """SIGINT to this process once a row of ``lockstep run`` (on the engine) has ``tokens``
+    tokens; every row gets the tokens of the engine iteration it arrived in."""
+    real = EngineStream._event
+
+    def event(self, b, e):
+        real(self, b, e)
+        if len(self.rows[b].output_ids) == tokens and not self._signalled:
+            self._signalled = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(EngineStream, "_signalled", False, raising=False)
+    monkeypatch.setattr(EngineStream, "_event", event)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_run_keeps_the_rows_made_before_ctrl_c(tiny, capsys, monkeypatch, stream):
     full = core.run(tiny, prompts=PROMPTS, max_new_tokens=12, chat=False)
     assert all(r.finish_reason == "length" for r in full.rows)  # the reference ran to the end
-    _ctrl_c_after(monkeypatch, 3)
+    _ctrl_c_at_tokens(monkeypatch, 3)
     argv = ["run", "--model", str(tiny), "--raw", "--json", "--max-new-tokens", "12"]
     code = main(argv + [x for p in PROMPTS for x in ("--prompt", p)] + (["--stream"] if stream else []))
     doc = json.loads(capsys.readouterr().out)
@@ -55,10 +71,10 @@ def test_run_keeps_the_rows_made_before_ctrl_c(tiny, capsys, monkeypatch, stream
 
 
 def test_run_prints_interrupted_rows_as_text_and_names_them(tiny, capsys, monkeypatch):
-    _ctrl_c_after(monkeypatch, 2)
+    ref = core.run(tiny, prompts=["hi"], max_new_tokens=2, chat=False).rows[0]
+    _ctrl_c_at_tokens(monkeypatch, 2)
     code = main(["run", "--model", str(tiny), "--raw", "--max-new-tokens", "12", "--prompt", "hi"])
     out = capsys.readouterr()
-    ref = core.run(tiny, prompts=["hi"], max_new_tokens=2, chat=False).rows[0]
     assert code == 130 and out.out == ref.text + "\n" and "finish: interrupted (2 tokens)" in out.err
     assert "kept the 2 tokens made so far" in out.err
 
