@@ -63,3 +63,22 @@ def engine_rows(runner, prompts: Sequence[list[int]], max_tokens: int, capacity:
     tokens = [[t for e in ev for t in e.token_ids] for ev in events]
     logprobs = [[lp for e in ev for lp in (e.logprobs or [])] for ev in events]
     return tokens, logits_of, logprobs
+
+
+def assert_rows_agree(runner, e_tokens: list[list[int]], e_logits: list[list[np.ndarray]],
+                      s_tokens: np.ndarray, s_logits: np.ndarray, label: Any = None) -> None:
+    """Each engine request's tokens and logits are the fixed-batch Session row's, bitwise, up to
+    where the request ended: all ``max_tokens`` tokens, or fewer ending on one of the model's EOS
+    ids (the engine finishes a request there; the Session row decodes on).
+
+    Raises:
+        AssertionError: a row differs, or ended early on a token that is no EOS id.
+    """
+    from core.generation.stream import eos_ids
+
+    eos = eos_ids(runner.model)
+    for b, row in enumerate(e_tokens):
+        n = len(row)
+        assert n == s_tokens.shape[1] or (n > 0 and row[-1] in eos), (label, b, row)
+        assert row == s_tokens[b, :n].tolist(), (label, b)
+        assert all(np.array_equal(e_logits[b][t], s_logits[b, t]) for t in range(n)), (label, b)

@@ -12,7 +12,7 @@ from core.engine import Engine
 from core.errors import RequestError
 from core.runtime.runner import Runner
 from core.testing.arrivals import fuzz_arrivals
-from core.testing.engine_twins import engine_rows, session_rows
+from core.testing.engine_twins import assert_rows_agree, engine_rows, session_rows
 from core.testing.tiny_model import make_tiny_model, write_byte_tokenizer
 
 LONG = [int(t) for t in np.random.default_rng(3).integers(3, 250, 45)]
@@ -47,9 +47,7 @@ def test_chunked_prefill_gives_the_fixed_batch_tokens_and_logits_bitwise(runner,
     s_tokens, s_logits = session_rows(runner, prompts, 6, 64, sampling)
     for chunk in (1, 3, 7):
         e_tokens, e_logits, _ = engine_rows(runner, prompts, 6, 64, sampling, max_batch=4, prefill_chunk=chunk)
-        for b in range(3):
-            assert e_tokens[b] == s_tokens[b].tolist()
-            assert all(np.array_equal(e_logits[b][t], s_logits[b, t]) for t in range(6))
+        assert_rows_agree(runner, e_tokens, e_logits, s_tokens, s_logits, chunk)
 
 
 def test_running_rows_decode_between_the_chunks_of_a_long_prompt(runner):

@@ -105,3 +105,27 @@ def test_a_failed_commit_during_growth_leaves_the_cache_as_it_was(model_dir):
     while len(toks) < 31:
         toks.append(s.step().tokens)
     assert s.capacity > 16 and np.array_equal(np.array(toks), want)
+
+
+def test_a_failed_first_commit_in_prefill_leaves_the_session_right(model_dir):
+    # the first pages are backed by the prefill (on a GPU, whose 2 MiB granules hold a tiny
+    # model's whole growth, that is the only commit): a failure there changes nothing, and the
+    # next prefill decodes bitwise a clean session's run
+    from core.runtime.runner import Runner
+    from core.testing.faults import FaultyProvider
+
+    rows = [[5, 6, 7], [8, 9]]
+    kw = dict(batch=2, capacity=16, kv_policy="growing", max_capacity=64, capture=False)
+    want = decode(Session(model_dir, HostArena(), **kw), rows, 20).tokens
+    prov = FaultyProvider(HostArena())
+    runner = Runner(model_dir, prov)
+    s = Session(runner, **kw)
+    held = runner.kv_device_bytes
+    prov.arm("commit", error=MemoryError)
+    with pytest.raises(MemoryError):
+        s.prefill(rows)
+    assert prov.fired == 1 and runner.kv_device_bytes == held and s.counters.kv_committed_bytes == 0
+    toks = [s.prefill(rows).tokens]
+    while len(toks) < 21:
+        toks.append(s.step().tokens)
+    assert np.array_equal(np.array(toks), want)
