@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from core.opdefs import is_host
-from core.runtime import residency, rowblocks
+from core.runtime import forecast, residency, rowblocks
 
 #: Device bytes a prepare hook may hold per raw byte of its node's weights: the raw upload,
 #: the prepared form and one transient copy (a transpose of the padded weight).
@@ -76,8 +76,9 @@ class BudgetPlacer:
             core.runtime.residency.BudgetError: the budget cannot hold what must stay resident
                 plus a staging ring (the message names the smallest working budget).
         """
-        weights = residency.weights_of(plan)
-        splits = rowblocks.plan_splits(plan)
+        view = forecast.Forecast(plan)  # the prepared forms' names and sizes, from their shapes
+        weights = residency.weights_of(view)
+        splits = rowblocks.plan_splits(view)
         self.predicted = p = residency.plan_residency(weights, self.budget, self.slots, self.mappable, splits,
                                                       self.page_bytes)
         streamed = set(p.streamed)
@@ -113,7 +114,7 @@ class BudgetPlacer:
         nbytes = int(value.nbytes)
         # an initializer not placed yet, or a host-prepared form on a device provider
         on_host = name in plan._pending or (plan.host_dispatch and is_host(value))
-        if source in self._mapped and nbytes >= residency.SMALL_BYTES:  # the table, or its prepared form
+        if (name in self._mapped or source in self._mapped) and nbytes >= residency.SMALL_BYTES:  # the table, or its prepared form
             kind = "mapped"
         elif nbytes < residency.SMALL_BYTES or source in self._pinned or name in self._pinned:
             kind = "resident"
