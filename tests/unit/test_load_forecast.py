@@ -1,0 +1,152 @@
+"""The residency a budget is planned with before loading is the loaded one, on a provider whose
+prepare hooks change the weights' sizes and pages (core.runtime.forecast).
+
+``CudaSizes`` is cpu_reference preparing weights as the cuda provider does, without a GPU: the
+cuda op modules' hooks run on numpy arrays (their packing is array-module generic), and their
+``prepared`` declarations give the forecast. It loads and plans; it does not decode (the
+cpu_reference kernels do not read packed weights). The model's widths are not multiples of
+16, so the packed forms are padded and larger than the raw weights, and its down projection's
+K (136) is not one the int4 kernels pack, so that node keeps its raw weights.
+"""
+
+import numpy as np
+import pytest
+
+from core.ops import OpTable, Spec
+from core.protocol import KernelContext, NodeInfo
+from core.runtime import residency
+from core.runtime.residency import BudgetError
+from core.runtime.runner import Runner
+from core.testing.tiny_model import TinyConfig, make_tiny_model
+from providers.cpu_reference.provider import CpuReferenceProvider
+from providers.cuda import ops as cuda_ops
+from providers.cuda.ops import gather_block_quantized, matmul, matmul_nbits, silu_gated_matmul_nbits
+from providers.cuda.streaming import row_blocks as cuda_row_blocks
+
+
+
+class CudaSizes(CpuReferenceProvider):
+    """cpu_reference with the cuda provider's prepare hooks, declarations and row blocks."""
+
+    name = "cuda_sizes"
+
+    def __init__(self):
+        super().__init__()
+        self.cuda = OpTable(cuda_ops)
+
+    def prepare(self, node):
+        return self.cuda.prepare(node)
+
+    def prepared_forms(self, node, inputs):
+        declare = self.cuda.prepared(node)
+        return None if declare is None else declare(node, *inputs)
+
+    def row_blocks(self, node, shape_of):
+        return cuda_row_blocks(node, shape_of)
+
+
+@pytest.fixture(autouse=True)
+def small_tensors_stream(monkeypatch):
+    """The tiny model's matrices are a few KiB: let everything but norms and biases stream."""
+    monkeypatch.setattr(residency, "SMALL_BYTES", 512)
+
+
+@pytest.fixture(scope="module", params=["fp16-tied", "fp16-untied", "int4"])
+def model_dir(request, tmp_path_factory):
+    """fp16 tied (one packed weight for the lm_head and the column gather), fp16 untied (a table
+    of its own, mapped) and int4 (the table folds into its own copy, packed apart from the
+    lm_head's codes: each pair of codes and scales a form of its own)."""
+    config = TinyConfig(layers=3, vocab=200, intermediate=136, context=64, tied=request.param != "fp16-untied")
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), dtype="float16",
+                           quant="int4" if request.param == "int4" else None, config=config, external=True)
+
+
+def _smallest(model_dir) -> int:
+    with pytest.raises(BudgetError) as info:
+        Runner(model_dir, CudaSizes(), weight_budget=1)
+    return int(str(info.value).rsplit("is ", 1)[1].split()[0].replace(",", ""))
+
+
+def _facts(weights):
+    return [(w.name, w.nbytes, w.gathered, w.readers, w.aliases, w.page, w.rows) for w in weights]
+
+
+def test_the_plan_made_before_loading_is_the_loaded_plan(model_dir):
+    raw = Runner(model_dir, CpuReferenceProvider()).weight_bytes
+    full = Runner(model_dir, CudaSizes()).weight_bytes
+    runner = Runner(model_dir, CudaSizes(), weight_budget=full // 2)
+    predicted, loaded = runner.placer.predicted, runner.residency
+    assert any(":prepared:" in w.name for w in predicted.weights)  # the forecast saw the packed forms
+    assert full > raw  # padded: the raw sizes would have planned another residency
+    assert _facts(predicted.weights) == _facts(loaded.weights)
+    assert predicted == loaded
+
+
+def test_the_smallest_budget_loads_and_one_byte_less_is_refused_before_any_upload(model_dir):
+    smallest = _smallest(model_dir)
+    runner = Runner(model_dir, CudaSizes(), weight_budget=smallest)
+    assert runner.residency.streams and runner.residency == runner.placer.predicted
+    assert runner.weight_bytes + runner.residency.staging_bytes <= smallest
+    prov = CudaSizes()
+    with pytest.raises(BudgetError, match=f"smallest working budget is {smallest:,} bytes"):
+        Runner(model_dir, prov, weight_budget=smallest - 1)
+    assert prov.uploaded_bytes == 0 and prov.staged_bytes == 0
+
+
+class _Host:
+    def allocate(self, shape, dtype, zero=False):
+        return np.zeros(shape, dtype)
+
+
+def _declared_as_prepared(module, op, inputs, attrs=None, dtypes=()):
+    """The hook's changes on ``inputs`` (numpy arrays or None) and the declaration's on their
+    Specs agree: the same inputs replaced, each by an array of the declared shape and dtype, and
+    the same inputs dropped. Returns the changes."""
+    names = tuple(f"w{i}" if x is not None else "" for i, x in enumerate(inputs))
+    node = NodeInfo(name=op, op_type=op, domain=module.DOMAIN, attrs=attrs or {}, inputs=names, outputs=("y",),
+                    input_dtypes=tuple(dtypes))
+    ctx = KernelContext(node, _Host(), "head_major")
+    ctx.cache["prepare_shared"] = {}
+    changes = module.prepare(ctx, *inputs)
+    declared = module.prepared(node, *[None if x is None else Spec(x.shape, x.dtype, name)
+                                       for x, name in zip(inputs, names)])
+    assert (changes is None) == (declared is None)
+    if changes is not None:
+        assert changes.keys() == declared.keys()
+        for j, value in changes.items():
+            spec = declared[j]
+            assert (value is None) == (spec is None)
+            if value is not None:
+                assert (tuple(value.shape), value.dtype) == (spec.shape, spec.dtype)
+    return changes
+
+
+def _int4(rng, n, k, bs, zp):
+    nb = -(-k // bs)
+    codes = rng.integers(0, 256, (n, nb, bs // 2), dtype=np.uint8)
+    scales = rng.standard_normal((n, nb)).astype(np.float16)
+    zeros = rng.integers(0, 256, (n, -(-nb // 2)), dtype=np.uint8) if zp else None
+    return codes, scales, zeros
+
+
+@pytest.mark.parametrize("n, k, bs, zp", [(40, 64, 32, True), (24, 136, 32, False), (48, 96, 64, True)])
+def test_each_int4_declaration_is_what_its_hook_makes(n, k, bs, zp):
+    rng = np.random.default_rng(n + k)
+    attrs = {"K": k, "N": n, "bits": 4, "block_size": bs}
+    codes, scales, zeros = _int4(rng, n, k, bs, zp)
+    packs = _declared_as_prepared(matmul_nbits, "MatMulNBits", [None, codes, scales, zeros], attrs,
+                                  (np.dtype(np.float16),))
+    assert (packs is None) == (k % 16 != 0)
+    up = _int4(rng, n, k, bs, zp)
+    _declared_as_prepared(silu_gated_matmul_nbits, "SiluGatedMatMulNBits", [None, codes, scales, zeros, *up], attrs,
+                          (np.dtype(np.float16),))
+    table = codes.reshape(n, -1)
+    _declared_as_prepared(gather_block_quantized, "GatherBlockQuantized",
+                          [table, np.zeros(2, np.int64), scales, zeros], {"bits": 4, "block_size": bs})
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_the_dense_declaration_is_what_its_hook_makes(dtype):
+    w = np.ones((72, 200), dtype)
+    changes = _declared_as_prepared(matmul, "MatMul", [None, w], dtypes=(np.dtype(dtype), np.dtype(dtype)))
+    assert (changes is not None) == (dtype == np.float16)
