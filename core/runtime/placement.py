@@ -114,7 +114,8 @@ class BudgetPlacer:
         nbytes = int(value.nbytes)
         # an initializer not placed yet, or a host-prepared form on a device provider
         on_host = name in plan._pending or (plan.host_dispatch and is_host(value))
-        if (name in self._mapped or source in self._mapped) and nbytes >= residency.SMALL_BYTES:  # the table, or its prepared form
+        # the table, or its prepared form (named as the forecast named it, or by its source)
+        if (name in self._mapped or source in self._mapped) and nbytes >= residency.SMALL_BYTES:
             kind = "mapped"
         elif nbytes < residency.SMALL_BYTES or source in self._pinned or name in self._pinned:
             kind = "resident"

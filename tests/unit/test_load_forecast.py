@@ -24,7 +24,6 @@ from providers.cuda.ops import gather_block_quantized, matmul, matmul_nbits, sil
 from providers.cuda.streaming import row_blocks as cuda_row_blocks
 
 
-
 class CudaSizes(CpuReferenceProvider):
     """cpu_reference with the cuda provider's prepare hooks, declarations and row blocks."""
 
