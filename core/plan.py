@@ -121,7 +121,7 @@ def header_weights(model: Model, provider: Any = None) -> tuple[residency.Weight
     header = _Header(model, provider.supports, device)
     other = header.other_bytes()
     weights = residency.weights_of(header)
-    return (*weights, residency.Weight("(constants no step reads)", other, True, -1)) if other else weights
+    return (*weights, residency.unread_weight(other)) if other else weights
 
 
 def header_splits(model: Model, provider: Any = None) -> dict:

@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from core.executor.weights import WeightRead, collect_reads, storage
+from core.executor.weights import WeightRead, collect_reads, storage, unread_bytes
 from core.ops import Spec
 
 
@@ -94,3 +94,11 @@ class Forecast:
     def weight_reads(self) -> list[WeightRead]:
         """As :meth:`core.executor.Plan.weight_reads` once the plan is prepared."""
         return collect_reads(self.nodes, self.steps, self._key, self._nbytes)
+
+    def unread_bytes(self) -> int:
+        """As :meth:`core.executor.Plan.unread_bytes` once the plan is loaded: the constants no
+        per-step node reads before or after the pass (a weight a form replaced is dropped), at
+        their present sizes (the placer keeps them resident)."""
+        plan = self._plan
+        read = {x for nodes in (plan.nodes, self.nodes) for i in self.steps for x in nodes[i].inputs if x}
+        return unread_bytes(plan.constants, read, plan._weight_nbytes)
