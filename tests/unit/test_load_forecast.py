@@ -11,6 +11,7 @@ K (136) is not one the int4 kernels pack, so that node keeps its raw weights.
 
 import numpy as np
 import pytest
+from attrs import evolve as attrs_evolve
 
 from core.ops import OpTable, Spec
 from core.protocol import KernelContext, NodeInfo
@@ -20,8 +21,9 @@ from core.runtime.runner import Runner
 from core.testing.tiny_model import TinyConfig, make_tiny_model
 from providers.cpu_reference.provider import CpuReferenceProvider
 from providers.cuda import ops as cuda_ops
-from providers.cuda.ops import gather_block_quantized, matmul, matmul_nbits, silu_gated_matmul_nbits
+from providers.cuda.ops import _mma_layout, gather_block_quantized, matmul, matmul_nbits, silu_gated_matmul_nbits
 from providers.cuda.streaming import row_blocks as cuda_row_blocks
+from providers.cuda.tuning import Tuning
 
 
 class CudaSizes(CpuReferenceProvider):
@@ -149,3 +151,99 @@ def test_the_dense_declaration_is_what_its_hook_makes(dtype):
     w = np.ones((72, 200), dtype)
     changes = _declared_as_prepared(matmul, "MatMul", [None, w], dtypes=(np.dtype(dtype), np.dtype(dtype)))
     assert (changes is not None) == (dtype == np.float16)
+
+
+@pytest.mark.parametrize("n, k, bs, zp", [(64, 128, 32, True), (48, 256, 64, False)])
+def test_a_block_of_whole_tiles_of_packed_int4_rows_is_the_packed_block(n, k, bs, zp):
+    """Rows a:b (multiples of 16) of the packed codes, scales and zero points are the packing of
+    the block's own weights (GLU: rows 2a:2b of the interleaved pair, the pair of the block), so
+    a page launch reads the weights of a node of N = b - a (providers/cuda/streaming.int4_rows)."""
+    rng = np.random.default_rng(n)
+    gate, up = _int4(rng, n, k, bs, zp), _int4(rng, n, k, bs, zp)
+    whole = _mma_layout.pack_int4(np, *gate, n, k, bs)
+    pair = silu_gated_matmul_nbits.packed(np, n, k, bs, (*gate, *up))
+    for a, b in ((0, 16), (16, n)):
+        block = _mma_layout.pack_int4(np, *[None if x is None else x[a:b] for x in gate], b - a, k, bs)
+        glu = silu_gated_matmul_nbits.packed(np, b - a, k, bs, [None if x is None else x[a:b] for x in (*gate, *up)])
+        for part in ("codes", "scales", "zq"):
+            if getattr(block, part) is not None:
+                assert np.array_equal(getattr(whole, part)[a:b], getattr(block, part))
+                assert np.array_equal(getattr(pair, part)[2 * a:2 * b], getattr(glu, part))
+
+
+def test_int4_nodes_stream_as_row_blocks_planned_before_loading(tmp_path):
+    """Small pages cut the int4 lm_head and the fused gate/up projection into row blocks; the
+    plan made before loading (over the declared packed shapes) is the loaded one."""
+    config = TinyConfig(layers=2, vocab=256, intermediate=128, context=64)
+    folder = make_tiny_model(tmp_path, dtype="float16", quant="int4", config=config, external=True)
+    page = 4096
+    with pytest.raises(BudgetError) as info:
+        Runner(folder, CudaSizes(), weight_budget=1, page_bytes=page)
+    smallest = int(str(info.value).rsplit("is ", 1)[1].split()[0].replace(",", ""))
+    runner = Runner(folder, CudaSizes(), weight_budget=smallest, page_bytes=page)
+    r = runner.residency
+    cut = {w.node for w in r.weights if w.rows is not None}
+    assert r.row_block_pages > 0 and any("lm_head" in n for n in cut) and any("mlp" in n for n in cut)
+    assert r == runner.placer.predicted
+    with pytest.raises(BudgetError, match=f"smallest working budget is {smallest:,} bytes"):
+        Runner(folder, CudaSizes(), weight_budget=smallest - 1, page_bytes=page)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The tensor-core launches (expression, grid, block, args, shared) instead of running them."""
+    from providers.cuda.ops import _mma
+
+    record = []
+    monkeypatch.setattr(_mma, "function", lambda name, expression, expressions:
+                        lambda grid, block, args, shared_mem=0: record.append((expression, grid, block, args,
+                                                                               shared_mem)))
+    return record
+
+
+def _prepared_ctx(module, op, inputs, attrs):
+    names = tuple(f"w{i}" if x is not None else "" for i, x in enumerate(inputs))
+    node = NodeInfo(name=op, op_type=op, domain=module.DOMAIN, attrs=attrs, inputs=names, outputs=("y",),
+                    input_dtypes=(np.dtype(np.float16),))
+    ctx = KernelContext(node, _Host(), "head_major")
+    ctx.provider.tuning = Tuning()
+    changes = module.prepare(ctx, *inputs)
+    # rewired as the plan's prepare pass does: a dropped input is absent
+    ctx.node = attrs_evolve(node, inputs=tuple("" if j in changes and changes[j] is None else x
+                                               for j, x in enumerate(names)))
+    return ctx, [changes.get(j, x) for j, x in enumerate(inputs)]
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_a_page_of_a_prepared_int4_node_launches_as_the_node_of_its_rows(launches, glu):
+    """Run as row blocks (core.runtime.rowblocks.RowBlockKernel over the split cuda declares),
+    each page of a prepared MatMulNBits (or SiluGatedMatMulNBits) launches exactly what a
+    prepared node of its rows' own weights launches: the page context keeps the prepare hook's
+    layout entry and the kernel takes N from the page."""
+    from core.runtime import rowblocks
+    from providers.cuda.streaming import row_blocks as declared
+
+    rng = np.random.default_rng(3)
+    n, k, bs = 48, 128, 32
+    module, op = (silu_gated_matmul_nbits, "SiluGatedMatMulNBits") if glu else (matmul_nbits, "MatMulNBits")
+    weights = [*_int4(rng, n, k, bs, True), *(_int4(rng, n, k, bs, True) if glu else ())]
+    attrs = {"K": k, "N": n, "bits": 4, "block_size": bs}
+    x = rng.standard_normal((3, k)).astype(np.float16)
+    ctx, prepared = _prepared_ctx(module, op, [None, *weights], attrs)
+    shapes = {name: getattr(v, "shape", None) for name, v in zip(ctx.node.inputs, prepared) if name}
+    split = declared(ctx.node, lambda name: shapes.get(name))
+    assert split is not None and split.n == n
+    ranges = rowblocks.blocks(n, 16)
+    kernel = rowblocks.RowBlockKernel(module.run, split, ranges, [{}] * len(ranges), [()] * len(ranges),
+                                      [()] * len(ranges))
+    kernel(ctx, x, *prepared[1:])
+    pages = list(launches)
+    assert kernel.launches == len(ranges) == len(pages) == 3
+    for (a, b), page in zip(ranges, pages):
+        launches.clear()
+        own, own_prepared = _prepared_ctx(module, op, [None, *[w[a:b] for w in weights]], {**attrs, "N": b - a})
+        module.run(own, x, *own_prepared[1:])
+        (alone,) = launches
+        assert page[:3] == alone[:3] and page[4] == alone[4] and len(page[3]) == len(alone[3])
+        for got, want in zip(page[3], alone[3]):
+            assert np.array_equal(np.asarray(got), np.asarray(want)) and np.asarray(got).dtype == np.asarray(want).dtype

@@ -38,7 +38,8 @@ def run(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
     y = ctx.output(0, (*a.shape[:-1], int(ctx.node.attrs["N"])), a.dtype)
     prepared = ctx.cache.get(_mma_layout.INT4_PREPARED)
     if prepared is not None:  # b, scales, zero_points: the packed weights (_mma_layout.Int4Weights)
-        k, n, bs = prepared
+        k, _, bs = prepared
+        n = int(ctx.node.attrs["N"])  # a row block's rows (core.runtime.rowblocks), else the node's N
         if a.shape[-1] != k or a.dtype != np.float16:
             raise ValueError(f"MatMulNBits (cuda): A {a.dtype}{a.shape} for prepared fp16 weights, K={k}")
         if bias is not None and bias.dtype != a.dtype:

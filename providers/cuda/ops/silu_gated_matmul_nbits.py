@@ -118,7 +118,8 @@ def _unprepared(ctx, n: int, k: int, bs: int, weights) -> "_mma_layout.Int4Weigh
 def run(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
     prepared = ctx.cache.get(PREPARED)
     if prepared is not None:  # inputs 1..3 the packed gate/up pair (zq None when absent), 4..6 None
-        k, n, bs = prepared
+        k, _, bs = prepared
+        n = int(ctx.node.attrs["N"])  # a row block's features (core.runtime.rowblocks), else the node's N
         if x.shape[-1] != k or x.dtype != np.float16:
             raise ValueError(f"SiluGatedMatMulNBits (cuda): X {x.dtype}{x.shape} for prepared fp16 weights, K={k}")
         y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
