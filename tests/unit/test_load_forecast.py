@@ -247,3 +247,13 @@ def test_a_page_of_a_prepared_int4_node_launches_as_the_node_of_its_rows(launche
         assert page[:3] == alone[:3] and page[4] == alone[4] and len(page[3]) == len(alone[3])
         for got, want in zip(page[3], alone[3]):
             assert np.array_equal(np.asarray(got), np.asarray(want)) and np.asarray(got).dtype == np.asarray(want).dtype
+
+
+def test_lockstep_plan_forecasts_the_loaded_plan_from_the_header(model_dir):
+    """``lockstep plan`` (the header alone, nothing read) plans over the same declared forms."""
+    from core.plan import plan_model
+
+    budget = Runner(model_dir, CudaSizes()).weight_bytes // 2
+    runner = Runner(model_dir, CudaSizes(), weight_budget=budget, page_bytes=4096)
+    (row,) = plan_model(model_dir, [1], 64, CudaSizes(), weight_budget=budget, page_bytes=4096)
+    assert row.residency == runner.residency and runner.residency.streams
