@@ -27,6 +27,14 @@ executor checks this, :class:`core.executor.KernelOutputError`), and optionally:
   folded Reshape of a weight) is named there by the constant it views (:func:`storage_name`).
   Never key on an object's id: a weight is uploaded just before the first hook that receives
   it, and dropped once its last reader has replaced it, so ids are reused during the pass.
+- ``prepared(node, *inputs) -> dict[int, Spec | None] | None``: what ``prepare`` will return
+  for ``node``, from shapes and dtypes alone (the load's residency is planned before any
+  weight is read: :mod:`core.runtime.forecast`). ``inputs``: per node input a :class:`Spec`
+  of the constant (its ``key`` the constant's :func:`storage_name`), None for a non-constant.
+  It returns None when ``prepare`` returns None, else the same indices, each the
+  :class:`Spec` of the replacement (its ``key`` the key of the shared form, so two nodes that
+  get one object declare one key; None: a form of its own) or None for a dropped input. A
+  module with ``prepare`` and no ``prepared`` is planned from the raw sizes.
 
 Modules whose name starts with "_" are helpers. The table is built by
 introspecting the package (the registry comes from the modules, not a hand-kept
@@ -37,10 +45,11 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from types import ModuleType
 from typing import Any
 
+import attrs
 import numpy as np
 
 from core.protocol import Kernel, NodeInfo
@@ -82,6 +91,37 @@ def storage_name(ctx, name: str) -> str:
     a prepare pass), by :data:`STORAGE_NAMES`."""
     shared = ctx.cache.get(PREPARE_SHARED) or {}
     return shared.get(STORAGE_NAMES, {}).get(name, name)
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in value)
+
+
+@attrs.frozen
+class Spec:
+    """A tensor without its data: its shape and dtype, and a key (module docstring,
+    ``prepared``): for a constant input the constant whose storage it is, for a prepared form
+    the key of the form several nodes share (None: its own). ``size``, ``ndim`` and ``nbytes``
+    are an array's, so a hook's shape checks run on a Spec as on the array."""
+
+    shape: tuple[int, ...] = attrs.field(converter=_shape)
+    dtype: np.dtype = attrs.field(converter=np.dtype)
+    key: Hashable = None
+
+    @property
+    def size(self) -> int:
+        """Elements."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def ndim(self) -> int:
+        """Axes."""
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes."""
+        return self.size * self.dtype.itemsize
 
 
 class OpTable:
@@ -143,3 +183,9 @@ class OpTable:
         or None when the module has none or no module exists for the node."""
         module = self.modules.get((node.domain, node.op_type))
         return None if module is None else getattr(module, "prepare", None)
+
+    def prepared(self, node: NodeInfo) -> Callable[..., dict | None] | None:
+        """The op module's declaration of what its hook prepares, ``prepared(node, *inputs)``
+        (module docstring), or None when the module has none or no module exists."""
+        module = self.modules.get((node.domain, node.op_type))
+        return None if module is None else getattr(module, "prepared", None)

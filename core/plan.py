@@ -3,9 +3,8 @@
 The sizes come from the ONNX header and the external data's layout (memory maps that are never
 read: no weight is loaded, prepared or uploaded). The graph is fused with the provider's fusion
 rules, so the pages are the nodes the provider will run; the planner is the one the Runner uses
-(:func:`core.runtime.residency.plan_residency`). Prepared forms (packed for the tensor cores)
-are a few percent larger than the raw weights for int4 zero points and padding, so the load's
-plan may stream slightly more than this one.
+(:func:`core.runtime.residency.plan_residency`), over the prepared forms the provider declares
+(packed for the tensor cores: :mod:`core.runtime.forecast`), as the load plans them.
 
 Per batch size B, the device budget is shared as the Runner shares it once the KV cache of B
 rows at ``context`` tokens is allocated: the weight budget is the device budget less that KV.
@@ -23,11 +22,12 @@ import attrs
 import numpy as np
 
 from core import fusion
-from core.executor import WeightRead, is_host_constant, node_infos
-from core.executor.weights import collect_reads
+from core.executor import is_host_constant, node_infos
 from core.models.model import Model, load_model
 from core.opdefs import constant_supports, constant_value
+from core.ops import Spec
 from core.runtime import residency, rowblocks
+from core.runtime.forecast import Forecast
 
 #: Ops whose folded output has the bytes of their first input.
 _VIEWS = ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")
@@ -70,77 +70,98 @@ class BatchPlan:
 
 
 class _Header:
-    """The parts of :class:`core.executor.Plan` that :func:`residency.weights_of` reads, built
-    from the graph and the initializers' sizes alone (no kernel runs, nothing is uploaded)."""
+    """The parts of :class:`core.executor.Plan` that :class:`core.runtime.forecast.Forecast`
+    reads, built from the graph and the initializers' shapes alone (no kernel runs, nothing is
+    uploaded): every constant as a :class:`core.ops.Spec` (a folded view of a weight: a copy of
+    its bytes, in the view's shape where the header gives it)."""
 
-    def __init__(self, model: Model, supports, device: bool):
+    def __init__(self, model: Model, provider: Any, device: bool):
         inits = model.initializers
         outputs = {o.name for o in model.graph.output}
-        self.nodes = fusion.apply(node_infos(model.graph), outputs, supports, set(inits))
+        self.provider = provider
+        self.nodes = fusion.apply(node_infos(model.graph), outputs, provider.supports, set(inits))
         nbytes = {name: 0 if device and is_host_constant(a) else int(a.nbytes) for name, a in inits.items()}
-        root = {name: name for name in inits}  # constant -> the constant whose storage it views
+        self.constants: dict[str, Spec] = {name: Spec(a.shape, a.dtype, name) for name, a in inits.items()}
+        self._pending = {name for name, a in inits.items() if not is_host_constant(a)}
         self.steps: list[int] = []
+        consumed: set[str] = set()
         for i, n in enumerate(self.nodes):
-            if all(not x or x in root for x in n.inputs):  # folded once at load
+            if all(not x or x in self.constants for x in n.inputs):  # folded once at load
+                consumed.update(x for x in n.inputs if x)
                 for y in n.outputs:
-                    root[y] = y
                     if n.op_type in _VIEWS and n.inputs and n.inputs[0]:
                         # under a budget a reshape folds on the host into a copy of its input
-                        nbytes[y] = nbytes[root[n.inputs[0]]]
+                        nbytes[y] = nbytes[n.inputs[0]]
+                        self.constants[y] = _view_spec(n, self.constants[n.inputs[0]], inits)
                         continue
                     # a Constant's value is in its attribute; a device provider keeps it on the host
                     value = constant_value(n) if n.op_type == "Constant" and constant_supports(n) else None
                     nbytes.setdefault(y, 0 if device or value is None else int(np.asarray(value).nbytes))
+                    array: np.ndarray = np.asarray(value) if value is not None else np.zeros(0, np.uint8)
+                    self.constants[y] = Spec(array.shape, array.dtype, y)
             else:
                 self.steps.append(i)
-        self._nbytes, self._root = nbytes, root
+        read = {x for i in self.steps for x in self.nodes[i].inputs} | outputs
+        for name in consumed - read:  # a folded node's input nothing else reads: dropped, as the plan does
+            del self.constants[name]
+        self._nbytes = nbytes
+        self.staged_weights: dict = {}
 
-    def weight_reads(self) -> list[WeightRead]:
-        """As :meth:`core.executor.Plan.weight_reads`, over the header's sizes."""
-        return collect_reads(self.nodes, self.steps, self._root.get, lambda x: self._nbytes[self._root[x]])
+    def _weight_nbytes(self, name: str, value: Any) -> int:
+        return self._nbytes[name]
 
-    def other_bytes(self) -> int:
-        """Bytes of the initializers no per-step node reads (inputs of folded nodes), which the
-        Runner keeps resident whatever the plan."""
-        read = {self._root[x] for i in self.steps for x in self.nodes[i].inputs if x in self._root}
-        return sum(n for name, n in self._nbytes.items() if name not in read and self._root.get(name) == name)
+    def _storage_names(self) -> dict[str, str]:
+        return {}  # every constant owns its bytes (a folded view is a copy)
+
+    def _prepare_order(self) -> list[int]:
+        from core.executor.prepare import Preparing
+
+        return Preparing._prepare_order(self)  # type: ignore[arg-type]
+
+
+def _view_spec(node, spec: Spec, inits: dict) -> Spec:
+    """The Spec of a folded view op's output (``_VIEWS``) of a constant ``spec``: a Reshape to a
+    constant shape or an Identity in their shapes, another view flat (its bytes are what count)."""
+    shape: tuple[int, ...] | None = spec.shape if node.op_type == "Identity" else None
+    target = inits.get(node.inputs[1]) if node.op_type == "Reshape" and len(node.inputs) > 1 else None
+    if target is not None:
+        dims = [int(d) for d in np.asarray(target).reshape(-1)]
+        dims = [spec.shape[k] if d == 0 and not node.attrs.get("allowzero") and k < spec.ndim else d
+                for k, d in enumerate(dims)]
+        known = int(np.prod([d for d in dims if d != -1], dtype=np.int64))
+        if dims.count(-1) <= 1 and known and spec.size % known == 0:
+            shape = tuple(spec.size // known if d == -1 else d for d in dims)
+    return Spec(shape if shape is not None else (spec.size,), spec.dtype, node.outputs[0])
+
+
+def _forecast(model: Model, provider: Any) -> Forecast:
+    """The header of ``model`` on ``provider`` (cpu_reference when None) as the load will prepare
+    it (:class:`core.runtime.forecast.Forecast`: the declared prepared forms)."""
+    if provider is None:
+        from providers.cpu_reference.provider import CpuReferenceProvider
+
+        provider = CpuReferenceProvider()
+    from core.opdefs import is_host
+
+    return Forecast(_Header(model, provider, not is_host(provider.allocate((1,), np.float32))))
 
 
 def header_weights(model: Model, provider: Any = None) -> tuple[residency.Weight, ...]:
     """The per-step weights of ``model`` (:func:`residency.weights_of`) from its header, and
-    the initializers no step reads as one always-resident entry (as the Runner plans): the
-    graph fused with ``provider``'s rules (cpu_reference's when None), sizes from the
-    initializers' shapes and dtypes, nothing read."""
-    if provider is None:
-        from providers.cpu_reference.provider import CpuReferenceProvider
-
-        provider = CpuReferenceProvider()
-    from core.opdefs import is_host
-
-    device = not is_host(provider.allocate((1,), np.float32))
-    header = _Header(model, provider.supports, device)
-    other = header.other_bytes()
-    weights = residency.weights_of(header)
-    return (*weights, residency.Weight("(constants no step reads)", other, True, -1)) if other else weights
+    the constants no step reads as one always-resident entry (as the Runner plans): the graph
+    fused with ``provider``'s rules (cpu_reference's when None), sizes from the initializers'
+    shapes and dtypes and the prepared forms ``provider`` declares, nothing read."""
+    view = _forecast(model, provider)
+    other = view.unread_bytes()
+    weights = residency.weights_of(view)
+    return (*weights, residency.unread_weight(other)) if other else weights
 
 
 def header_splits(model: Model, provider: Any = None) -> dict:
     """The nodes of ``model`` that ``provider`` runs in row blocks
-    (:func:`core.runtime.rowblocks.node_splits`), from the header: the initializers' shapes."""
-    if provider is None:
-        from providers.cpu_reference.provider import CpuReferenceProvider
-
-        provider = CpuReferenceProvider()
-    from core.opdefs import is_host
-
-    header = _Header(model, provider.supports, not is_host(provider.allocate((1,), np.float32)))
-    inits = model.initializers
-
-    def shape_of(name: str) -> tuple[int, ...] | None:
-        value = inits.get(name)
-        return None if value is None else tuple(value.shape)
-
-    return rowblocks.node_splits(header.nodes, header.steps, provider.row_blocks, shape_of)
+    (:func:`core.runtime.rowblocks.node_splits`), from the header: the shapes of the
+    initializers and of the prepared forms ``provider`` declares."""
+    return rowblocks.plan_splits(_forecast(model, provider))
 
 
 def kv_bytes(model: Model, batch: int, context: int) -> int:

@@ -377,6 +377,11 @@ class ExecutionProvider(Protocol):
         """Optional: the plan-time weight hook of ``node``'s op (:mod:`core.ops`), or None
         (default: None)."""
 
+    def prepared_forms(self, node: NodeInfo, inputs: Sequence[Any]) -> dict | None:
+        """Optional: the shapes and dtypes the hook of :meth:`prepare` will give ``node``'s
+        constant inputs, from their :class:`core.ops.Spec` (``prepared`` in :mod:`core.ops`),
+        or None (default: None, the load is planned from the raw sizes)."""
+
     def download_async(self, tensor: Any) -> Any:
         """Optional: a handle whose ``wait()`` returns ``tensor`` as the work queued before the
         call left it (default: a synchronous download, :class:`core.provider.ReadyDownload`)."""

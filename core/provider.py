@@ -52,6 +52,7 @@ def _async_download(provider: Any) -> Callable[[Any], ReadyDownload]:
 OPTIONAL_DEFAULTS: dict[str, Callable[[Any], Callable[..., Any]]] = {
     "support_reason": lambda p: _none,  # no reason to give
     "prepare": lambda p: _none,  # no plan-time weight hook
+    "prepared_forms": lambda p: _none,  # planned from the raw sizes
     "download_async": _async_download,  # a synchronous download, finished when returned
     "peak_bytes": lambda p: _none,  # cannot tell
     "reset_peak": lambda p: _none,  # nothing to reset
@@ -241,6 +242,15 @@ class ProviderBase:
         constant inputs into the kernel's own form once, e.g. packed for the tensor cores). By
         default the op table's (:meth:`core.ops.OpTable.prepare`), None without one."""
         return None if self.ops is None else self.ops.prepare(node)
+
+    def prepared_forms(self, node: NodeInfo, inputs: Sequence[Any]) -> dict | None:
+        """What :meth:`prepare`'s hook will return for ``node``, from shapes alone: {input
+        index: :class:`core.ops.Spec` of the replacement, or None for a dropped input}, or None
+        (nothing declared: the load is planned from the raw sizes). ``inputs``: a Spec per
+        constant input, None for the others. By default the op module's ``prepared``
+        (:mod:`core.ops`), None without one."""
+        declare = None if self.ops is None else self.ops.prepared(node)
+        return None if declare is None else declare(node, *inputs)
 
     def io_binding(self, plan):
         """Persistent IO binding over a plan (the core's :class:`~core.executor.PlanBinding`)."""

@@ -95,17 +95,23 @@ def block_of(value: Any, axis: int, n: int, a: int, b: int) -> Any:
 
 class PageContext:
     """The context one row block of a node runs on: the node as the kernel sees it with
-    ``N = b - a`` (``node``), a cache of its own, and outputs in scratch slots of the node's
-    context (``output(slot, ...)`` is ``parent.output(("rows", p, slot), ...)``), so the block
-    writes into persistent buffers of the node (frozen during capture, poisoned by the kit)."""
+    ``N = b - a`` (``node``), a cache of its own that starts with what the node's prepare hook
+    recorded there (the plan-time entries: keys not starting with "_", no run memos; a
+    prepared kernel reads its layout there, and its N from the node), and outputs in scratch
+    slots of the node's context (``output(slot, ...)`` is ``parent.output(("rows", p, slot),
+    ...)``), so the block writes into persistent buffers of the node (frozen during capture,
+    poisoned by the kit)."""
 
     __slots__ = ("cache", "index", "node", "parent")
 
     def __init__(self, parent: Any, index: int, rows: int):
+        from core.ops import RUN_MEMO
+
         self.parent, self.index = parent, index
         node = parent.node
         self.node = attrs.evolve(node, attrs={**node.attrs, "N": rows}) if "N" in node.attrs else node
-        self.cache: dict = {}
+        self.cache: dict = {k: v for k, v in parent.cache.items()
+                            if not str(k).startswith("_") and k not in (RUN_MEMO, CONTEXTS)}
 
     def output(self, slot: Any, shape: Sequence[int], dtype: Any) -> Any:
         """The node's persistent buffer for scratch slot ``("rows", index, slot)``."""

@@ -25,7 +25,7 @@ from core.executor.graph import check_supported, constant_branches, declared_typ
 from core.executor.hooks import NodeHooks
 from core.executor.host import HostFallback, default_host_fallback
 from core.executor.prepare import Preparing
-from core.executor.weights import Placer, WeightRead, collect_reads, is_host_constant, storage
+from core.executor.weights import Placer, WeightRead, collect_reads, is_host_constant, storage, unread_bytes
 from core.opdefs import is_host
 from core.protocol import ExecutionProvider, KernelContext
 
@@ -200,6 +200,14 @@ class Plan(Preparing):
         return collect_reads(self.nodes, self.steps,
                              lambda x: id(storage(constants[x])) if x in constants else None,
                              lambda x: self._weight_nbytes(x, constants[x]))
+
+    def unread_bytes(self) -> int:
+        """Device bytes of the constants no per-step node reads (a folded node's input another
+        constant still views, a constant graph output): resident whatever the residency plan
+        (:func:`~core.executor.weights.unread_bytes`; a constant kept in host memory: 0)."""
+        read = {x for i in self.steps for x in self.nodes[i].inputs if x}
+        return unread_bytes(self.constants, read,
+                            lambda name, root: 0 if name in self.staged_weights else self._device_nbytes(root))
 
     def step_weight_bytes(self) -> int:
         """Bytes of constants one decode step reads in full: each constant input of a per-step

@@ -120,6 +120,22 @@ def collect_reads(nodes: Any, steps: Any, key_of: Callable[[str], Any], nbytes_o
     return reads
 
 
+def unread_bytes(constants: dict[str, Any], read: set[str], nbytes_of: Callable[[str, Any], int]) -> int:
+    """Bytes of the constants no per-step node reads (``read``: the names the nodes read), each
+    storage once and none whose storage a read constant shares; ``nbytes_of(name, storage)``:
+    the bytes one such constant takes where it lives."""
+    read_roots = {id(storage(constants[x])) for x in read if x in constants}
+    seen: set[int] = set()
+    total = 0
+    for name, value in constants.items():
+        root = storage(value)
+        if name in read or id(root) in read_roots or id(root) in seen:
+            continue
+        seen.add(id(root))
+        total += nbytes_of(name, root)
+    return total
+
+
 def is_host_constant(array: np.ndarray) -> bool:
     """True for initializers kept on the host: signed integer or bool tensors (shapes, axes,
     indices) of at most HOST_CONSTANT_MAX elements. Unsigned ones are quantized data (uint8

@@ -5,9 +5,12 @@ The :class:`~core.executor.Plan` calls a placer (:class:`BudgetPlacer`) at three
 load (:mod:`core.executor.weights`, "Placement"):
 
 - ``start(plan)`` once the graph is fused and folded, before any weight is prepared: the placer
-  plans residency from the initializers' sizes (memory maps: nothing is read) with the same
-  planner the Runner uses afterwards (:func:`core.runtime.residency.plan_residency`), and so
-  knows which pages (nodes) will stream and which tables will be mapped;
+  plans residency with the same planner the Runner uses afterwards
+  (:func:`core.runtime.residency.plan_residency`), over the weights the load will have: the
+  prepared forms the provider declares, forecast from the initializers' shapes
+  (:mod:`core.runtime.forecast`; memory maps: nothing is read), and the constants no step
+  reads, resident as the Runner counts them. So it knows which pages (nodes) will stream and
+  which tables will be mapped, and the smallest working budget it names is the loaded plan's;
 - ``prepare_on_device(plan, node)`` before a node's prepare hook: True when the node's raw
   weights, their prepared form and one transient of the hook fit beside what is resident
   (:data:`SCRATCH` times the raw bytes); else the hook runs on the host arrays (NumPy), and
@@ -33,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from core.opdefs import is_host
-from core.runtime import residency, rowblocks
+from core.runtime import forecast, residency, rowblocks
 
 #: Device bytes a prepare hook may hold per raw byte of its node's weights: the raw upload,
 #: the prepared form and one transient copy (a transpose of the padded weight).
@@ -76,8 +79,11 @@ class BudgetPlacer:
             core.runtime.residency.BudgetError: the budget cannot hold what must stay resident
                 plus a staging ring (the message names the smallest working budget).
         """
-        weights = residency.weights_of(plan)
-        splits = rowblocks.plan_splits(plan)
+        view = forecast.Forecast(plan)  # the prepared forms' names and sizes, from their shapes
+        weights = residency.weights_of(view)
+        unread = view.unread_bytes()  # resident whatever the plan, as the Runner counts them
+        weights = (*weights, residency.unread_weight(unread)) if unread else weights
+        splits = rowblocks.plan_splits(view)
         self.predicted = p = residency.plan_residency(weights, self.budget, self.slots, self.mappable, splits,
                                                       self.page_bytes)
         streamed = set(p.streamed)
@@ -107,15 +113,16 @@ class BudgetPlacer:
 
     def place(self, plan, name: str, value: Any, node: str, source: str) -> Any:
         """Where constant ``name`` (first read by ``node``, made from initializer ``source``)
-        goes; returns what the plan's constant becomes (a device tensor, the staged host copy,
-        or a device view of it)."""
+        goes (``node`` "": no step reads it, so it stays resident); returns what the plan's
+        constant becomes (a device tensor, the staged host copy, or a device view of it)."""
         provider = plan.provider
         nbytes = int(value.nbytes)
         # an initializer not placed yet, or a host-prepared form on a device provider
         on_host = name in plan._pending or (plan.host_dispatch and is_host(value))
-        if source in self._mapped and nbytes >= residency.SMALL_BYTES:  # the table, or its prepared form
+        # the table, or its prepared form (named as the forecast named it, or by its source)
+        if (name in self._mapped or source in self._mapped) and nbytes >= residency.SMALL_BYTES:
             kind = "mapped"
-        elif nbytes < residency.SMALL_BYTES or source in self._pinned or name in self._pinned:
+        elif nbytes < residency.SMALL_BYTES or source in self._pinned or name in self._pinned or not node:
             kind = "resident"
         elif node in self._streamed_pages or self.resident_bytes + nbytes > self.room:
             kind = "staged"

@@ -223,6 +223,12 @@ def weights_of(plan) -> tuple[Weight, ...]:
     return tuple(out)
 
 
+def unread_weight(nbytes: int) -> Weight:
+    """The constants no step reads (``nbytes`` of them), as one always-resident weight: the
+    Runner's plan and the plan made before loading both count them so."""
+    return Weight("(constants no step reads)", nbytes, True, -1)
+
+
 def available_host_bytes() -> int | None:
     """MemAvailable of /proc/meminfo (bytes), else free physical pages; None when unknown."""
     try:

@@ -128,8 +128,7 @@ class Runner:
         self.weight_upload_bytes = getattr(self.provider, "uploaded_bytes", 0) - before
         self._weights = residency.weights_of(self.plan)
         self._splits = rowblocks.plan_splits(self.plan)
-        total = sum(w.nbytes for w in self._weights)
-        self._other_bytes = self.plan.weight_bytes() - total  # constants no step reads (folded inputs)
+        self._other_bytes = self.plan.unread_bytes()  # constants no step reads (folded inputs)
         self.replans = 0
         try:
             self.residency = self._plan_residency(budget)
@@ -177,7 +176,7 @@ class Runner:
         """The residency plan for ``budget`` bytes (module core.runtime.residency), applied to
         the plan: streamed weights move to staged host memory and read a staging slot."""
         # constants no step reads (folded inputs, host integers) are resident whatever the plan
-        other = residency.Weight("(constants no step reads)", self._other_bytes, True, -1)
+        other = residency.unread_weight(self._other_bytes)
         mappable = bool(self.provider.capabilities().weight_streaming)
         plan = residency.plan_residency((*self._weights, other) if self._other_bytes else self._weights,
                                         budget, self._slots, mappable, self._splits, self.page_bytes)

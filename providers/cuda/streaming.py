@@ -27,19 +27,53 @@ from core.runtime import rowblocks
 
 
 def row_blocks(node, shape_of) -> rowblocks.RowSplit | None:
-    """Row blocks on cuda (:mod:`core.runtime.rowblocks`): an fp32 MatMul only. Its kernel
-    (kernels/linear.cu ``dense``) fixes every output element's reduction by K and the chunk
-    size alone, so a block of output rows gives the whole node's bits whatever N is. The fp16
-    tensor-core GEMMs (a packed weight, a split-K and tile schedule chosen by N,
-    ops/_mma_schedule.py) and the int4 ones do not declare row blocks: a page launch would need
-    the whole node's schedule passed in, which they do not take yet, so those nodes stream
-    whole."""
+    """Row blocks on cuda (:mod:`core.runtime.rowblocks`): an fp32 MatMul, and a MatMulNBits or
+    SiluGatedMatMulNBits whose int4 weights are packed for the tensor cores (:func:`int4_rows`).
+    The fp32 kernel (kernels/linear.cu ``dense``) fixes every output element's reduction by K
+    and the chunk size alone, so a block of output rows gives the whole node's bits whatever N
+    is. The fp16 tensor-core MatMul and SiluGatedMatMul do not declare row blocks: their packed
+    weight is flat, so N cannot be read from it (docs/large-models.md, "Limits")."""
+    if (node.domain, node.op_type) in _INT4:
+        return int4_rows(node, shape_of)
     if (node.domain, node.op_type) != ("", "MatMul"):
         return None
     dtypes = [d for d in node.input_dtypes[:2] if d is not None]
     if not dtypes or any(np.dtype(d) != np.float32 for d in dtypes):
         return None
     return rowblocks.onnx_rows(node, shape_of)
+
+
+_INT4 = {("com.microsoft", "MatMulNBits"): 1, ("lockstep", "SiluGatedMatMulNBits"): 2}
+
+
+def int4_rows(node, shape_of) -> rowblocks.RowSplit | None:
+    """The row split of a prepared int4 node (``ops/_mma_layout.pack_int4``'s codes, scales and
+    zero points, ``[R, X]`` each, R = N rows, or 2 N interleaved gate/up rows for the GLU), or
+    None. The packed arrays are tile-major (16 rows a tile), so rows ``a:b`` of N, a multiple of
+    16 (:data:`core.runtime.rowblocks.ROW_ALIGN`), are rows ``a:b`` (GLU: ``2a:2b``) of each:
+    the packed form of the block's own weights. The kernels' products per output depend on K
+    alone (kernels/linear_mma.cu: the kernel and grid never change a bit), so a block computes
+    the node's bits. Declared when N is a multiple of 16 (whole tiles) and inputs 1-3 have the
+    packed shapes (raw weights are ``[N, n_blocks, blob]``; the GLU's up inputs are dropped);
+    a MatMulNBits bias ``[N]`` is cut with them."""
+    n, per = int(node.attrs.get("N", 0)), _INT4[(node.domain, node.op_type)]
+    inputs = list(node.inputs) + [""] * 7
+    absent = inputs[4:7] if per == 2 else inputs[4:5]  # the GLU's dropped up weights; no g_idx
+    if n <= 0 or n % rowblocks.ROW_ALIGN or not inputs[1] or not inputs[2] or any(absent):
+        return None
+    axes = {}
+    for i in (1, 2, 3):
+        if inputs[i]:
+            shape = shape_of(inputs[i])
+            if shape is None or len(shape) != 2 or shape[0] != per * n:
+                return None
+            axes[i] = 0
+    if per == 1 and inputs[5]:
+        shape = shape_of(inputs[5])
+        if shape is None or tuple(shape) != (n,):
+            return None
+        axes[5] = 0
+    return rowblocks.RowSplit(n, axes)
 
 
 class CudaWeightStream(WeightStream):

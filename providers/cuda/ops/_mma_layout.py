@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from core.ops import PREPARE_SHARED, memo, storage_name
+from core.ops import PREPARE_SHARED, Spec, memo, storage_name
 from providers.cuda.ops import array_module
 
 #: K segment of the tensor-core kernels (kernels/linear_mma.cu SEG_K): each output's partial
@@ -115,18 +115,39 @@ def prepare_dense(ctx, w, up=None, names: tuple[str, ...] = ()):
     None. ``names``: the constants W (and up) are; while the plan's prepare pass shares a dict
     (``ctx.cache[core.ops.PREPARE_SHARED]``) the packing of those names is made once and the
     same object returned to every node that asks (the tied embedding and the lm_head)."""
-    if (w is None or w.ndim != 2 or w.dtype != np.float16 or w.shape[0] > MAX_K
-            or (up is not None and (up.shape != w.shape or up.dtype != w.dtype))):
+    if not dense_applies(w, up):
         return None
     ctx.cache[PREPARED] = tuple(int(d) for d in w.shape)
     shared = ctx.cache.get(PREPARE_SHARED)
-    key = ("mma.pack", *names) if names and all(names) and shared is not None else None
+    key = dense_key(names) if shared is not None else None
     packed = None if key is None else shared.get(key)
     if packed is None:
         packed = pack(array_module(w), w, up)
         if key is not None:
             shared[key] = packed
     return packed
+
+
+def dense_applies(w, up=None) -> bool:
+    """Whether :func:`prepare_dense` packs ``w`` (and ``up``): an fp16 W [K, N] with K <=
+    MAX_K, ``up`` of its shape and dtype (arrays or :class:`core.ops.Spec`)."""
+    return not (w is None or w.ndim != 2 or w.dtype != np.float16 or w.shape[0] > MAX_K
+                or (up is not None and (tuple(up.shape) != tuple(w.shape) or up.dtype != w.dtype)))
+
+
+def dense_key(names: tuple[str, ...]) -> tuple | None:
+    """The key under which a prepare pass shares the packing of constants ``names`` (None: the
+    packing is not shared, a name is absent)."""
+    return ("mma.pack", *names) if names and all(names) else None
+
+
+def dense_spec(w, up=None, names: tuple[str, ...] = ()) -> Spec | None:
+    """What :func:`prepare_dense` returns for W (and ``up``) described by their
+    :class:`core.ops.Spec`: the packed weight's Spec (keyed as the pass shares it), or None."""
+    if not dense_applies(w, up):
+        return None
+    k, n = w.shape
+    return Spec((packed_size(k, n, up is not None),), np.float16, dense_key(names))
 
 
 def packed_offset(xp, k, n, k_total: int):
@@ -221,8 +242,7 @@ def pack_int4(xp, q, scales, zp, n: int, k: int, bs: int) -> Int4Weights:
             multiple of 16.
     """
     nb, nbp = -(-k // bs), int4_blocks(k, bs)
-    if bs & (bs - 1) or not int4_layout_applies(bs, 0 if zp is None else 1 if zp.dtype == np.uint8 else 2) \
-            or k % 16 or (zp is not None and zp.size != n * -(-nb // 2)):
+    if not int4_packs(zp, n, k, bs):
         raise ValueError(f"int4 tensor-core kernel: block_size {bs} (needs a power of two >= 32), zero points "
                          f"{None if zp is None else f'{zp.dtype}{tuple(zp.shape)}'} (needs none or packed uint8 "
                          f"[{n}, {-(-nb // 2)}]), K {k} (needs a multiple of 16)")
@@ -257,6 +277,35 @@ def pack_int4(xp, q, scales, zp, n: int, k: int, bs: int) -> Int4Weights:
                        None if zq is None else zq.reshape(rows, -1), n, k, bs)
 
 
+def int4_packs(zp, n: int, k: int, bs: int) -> bool:
+    """Whether :func:`pack_int4` packs weights of ``n`` rows, K ``k`` and block_size ``bs`` with
+    zero points ``zp`` (an array, a :class:`core.ops.Spec` or None): block_size a power of two
+    >= 32, zero points absent or packed uint8 [n, ceil(n_blocks / 2)], K a multiple of 16."""
+    nb = -(-k // bs)
+    return not (bs & (bs - 1) or not int4_layout_applies(bs, 0 if zp is None else 1 if zp.dtype == np.uint8 else 2)
+                or k % 16 or (zp is not None and zp.size != n * -(-nb // 2)))
+
+
+def int4_specs(scale_dtype, zp, n: int, k: int, bs: int, key: tuple | None = None) -> Int4Weights:
+    """The :class:`core.ops.Spec` of each array :func:`pack_int4` makes (shapes and dtypes from
+    its layout; keys ``(*key, part)``, None without ``key``), or ValueError where it raises."""
+    if not int4_packs(zp, n, k, bs):
+        raise ValueError(f"int4 tensor-core kernel: no packed layout for block_size {bs}, K {k}")
+    rows, nbp = 16 * -(-n // 16), int4_blocks(k, bs)
+
+    def part(name: str):
+        return None if key is None else (*key, name)
+
+    return Int4Weights(Spec((rows, 32 * -(-k // 64)), np.uint8, part("codes")), Spec((rows, nbp), scale_dtype,
+                       part("scales")), None if zp is None else Spec((rows, nbp), np.float16, part("zq")), n, k, bs)
+
+
+def int4_key(storage: tuple[str, ...], n: int, k: int, bs: int) -> tuple:
+    """The key under which a prepare pass shares the packing of the constants whose storages
+    are ``storage`` (codes, scales, zero points; "" for absent ones)."""
+    return ("int4.pack", *storage, n, k, bs)
+
+
 #: ctx.cache key of an int4 node whose weights prepare() packed: (K, N, block_size) (N: the output features).
 INT4_PREPARED = "int4_prepared"
 
@@ -270,13 +319,24 @@ def prepare_int4(ctx, q, scales, zp, n: int, k: int, bs: int, names: tuple[str, 
     keyed by the constants they view (``core.ops.storage_name``), never by object ids or device
     pointers (a weight a hook replaced is freed during the pass, and its id reused)."""
     shared = ctx.cache.get(PREPARE_SHARED)
-    key = ("int4.pack", *(storage_name(ctx, x) if x else "" for x in names), n, k, bs)
+    key = int4_key(tuple(storage_name(ctx, x) if x else "" for x in names), n, k, bs)
     packed = None if shared is None else shared.get(key)
     if packed is None:
         packed = pack_int4(array_module(q), q, scales, zp, n, k, bs)
         if shared is not None:
             shared[key] = packed
     return packed
+
+
+def int4_form(names: tuple[str, ...], specs, n: int, k: int, bs: int) -> Int4Weights:
+    """What :func:`prepare_int4` returns, from the :class:`core.ops.Spec` of the codes, scales
+    and zero points (``specs``; None for absent zero points) read through constants ``names``:
+    their Specs, keyed as the pass shares them (each Spec's key is its constant's storage name).
+
+    Raises:
+        ValueError: where :func:`pack_int4` raises."""
+    storage = tuple((spec.key or name) if name and spec is not None else "" for name, spec in zip(names, specs))
+    return int4_specs(specs[1].dtype, specs[2], n, k, bs, int4_key(storage, n, k, bs))
 
 
 def unprepared_int4(ctx, q, scales, zp, n: int, k: int, bs: int) -> Int4Weights:

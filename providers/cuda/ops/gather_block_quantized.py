@@ -43,26 +43,53 @@ def prepare(ctx, data, indices, scales, zero_points=None):
     """Plan-time hook (core.ops): a constant 4-bit table the int4 tensor-core kernels could read
     (module docstring) becomes their packed form (inputs 0, 2, 3; ``_mma_layout.prepare_int4``, shared
     with the tied lm_head), with (V, D, block_size) in ctx.cache[PREPARED]. Else None."""
+    shape = _packable(ctx.node, data, scales, zero_points)
+    if shape is None:
+        return None
+    v, d, bs = shape
     names = list(ctx.node.inputs) + [""] * 4
+    try:
+        w = _mma_layout.prepare_int4(ctx, data, scales, zero_points, v, d, bs, (names[0], names[2], names[3]))
+    except ValueError:
+        return None
+    ctx.cache[PREPARED] = (v, d, bs)
+    return _changes(w)
+
+
+def prepared(node, data, indices, scales, zero_points=None):
+    """What :func:`prepare` returns, from the inputs' :class:`core.ops.Spec` (core.ops)."""
+    shape = _packable(node, data, scales, zero_points)
+    if shape is None:
+        return None
+    v, d, bs = shape
+    names = list(node.inputs) + [""] * 4
+    try:
+        return _changes(_mma_layout.int4_form((names[0], names[2], names[3]), (data, scales, zero_points), v, d, bs))
+    except ValueError:
+        return None
+
+
+def _changes(w) -> dict:
+    changes = {0: w.codes, 2: w.scales}
+    if w.zq is not None:
+        changes[3] = w.zq
+    return changes
+
+
+def _packable(node, data, scales, zero_points) -> tuple[int, int, int] | None:
+    """(V, D, block_size) when :func:`prepare` packs the table (arrays or Specs), else None."""
+    names = list(node.inputs) + [""] * 4
     if data is None or scales is None or (names[3] and zero_points is None) or scales.dtype != np.float16:
         return None
     try:
-        bits, bs, v, d, nb = _geometry(ctx.node.attrs, data, scales)
+        bits, bs, v, d, nb = _geometry(node.attrs, data, scales)
     except ValueError:
         return None  # run() raises it
     zp_mode = 0 if zero_points is None else 1 if zero_points.dtype == np.uint8 else 2
     if (bits != 4 or d % 16 or d > _mma_layout.MAX_K or not _mma_layout.int4_layout_applies(bs, zp_mode)
             or (zero_points is not None and zero_points.size != v * -(-nb // 2))):
         return None
-    try:
-        w = _mma_layout.prepare_int4(ctx, data, scales, zero_points, v, d, bs, (names[0], names[2], names[3]))
-    except ValueError:
-        return None
-    ctx.cache[PREPARED] = (v, d, bs)
-    changes = {0: w.codes, 2: w.scales}
-    if zero_points is not None:
-        changes[3] = w.zq
-    return changes
+    return v, d, bs
 
 
 def run(ctx, data, indices, scales, zero_points=None):

@@ -32,6 +32,12 @@ def prepare(ctx, w, indices):
     return None if packed is None else {0: packed}
 
 
+def prepared(node, w, indices):
+    """What :func:`prepare` returns, from the inputs' :class:`core.ops.Spec` (core.ops)."""
+    spec = _mma_layout.dense_spec(w, names=(node.inputs[0],))
+    return None if spec is None else {0: spec}
+
+
 def run(ctx, w, indices):
     prepared = ctx.cache.get(_mma_layout.PREPARED)
     if prepared is not None:  # w is the packed fp16 weight

@@ -34,6 +34,12 @@ def prepare(ctx, a, w):
     return None if packed is None else {1: packed}
 
 
+def prepared(node, a, w):
+    """What :func:`prepare` returns, from the inputs' :class:`core.ops.Spec` (core.ops)."""
+    spec = _mma_layout.dense_spec(w, names=(node.inputs[1],))
+    return None if spec is None else {1: spec}
+
+
 def run(ctx, a, w):
     prepared = ctx.cache.get(_mma_layout.PREPARED)
     if prepared is not None:  # w is the packed weight

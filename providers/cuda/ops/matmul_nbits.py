@@ -38,7 +38,8 @@ def run(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
     y = ctx.output(0, (*a.shape[:-1], int(ctx.node.attrs["N"])), a.dtype)
     prepared = ctx.cache.get(_mma_layout.INT4_PREPARED)
     if prepared is not None:  # b, scales, zero_points: the packed weights (_mma_layout.Int4Weights)
-        k, n, bs = prepared
+        k, _, bs = prepared
+        n = int(ctx.node.attrs["N"])  # a row block's rows (core.runtime.rowblocks), else the node's N
         if a.shape[-1] != k or a.dtype != np.float16:
             raise ValueError(f"MatMulNBits (cuda): A {a.dtype}{a.shape} for prepared fp16 weights, K={k}")
         if bias is not None and bias.dtype != a.dtype:
@@ -58,7 +59,43 @@ def prepare(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
     points (``_mma_layout.prepare_int4``, shared with the tied embedding's lookup) and
     ctx.cache[_mma_layout.INT4_PREPARED] = (K, N, block_size). None (nothing prepared) for fed weights or a
     configuration ``run`` would reject."""
-    node = ctx.node
+    shape = _packable(ctx.node, b, scales, zero_points)
+    if shape is None:
+        return None
+    k, n, bs = shape
+    names = tuple((list(ctx.node.inputs) + [""] * 3)[1:4])
+    try:
+        w = _mma_layout.prepare_int4(ctx, b, scales, zero_points, n, k, bs, names)
+    except ValueError:
+        return None  # zero points of another size: run() raises it
+    ctx.cache[_mma_layout.INT4_PREPARED] = (k, n, bs)
+    return _changes(w)
+
+
+def prepared(node, a, b, scales, zero_points=None, g_idx=None, bias=None):
+    """What :func:`prepare` returns, from the inputs' :class:`core.ops.Spec` (core.ops)."""
+    shape = _packable(node, b, scales, zero_points)
+    if shape is None:
+        return None
+    k, n, bs = shape
+    try:
+        w = _mma_layout.int4_form(tuple((list(node.inputs) + [""] * 3)[1:4]), (b, scales, zero_points), n, k, bs)
+    except ValueError:
+        return None
+    return _changes(w)
+
+
+def _changes(w) -> dict:
+    """The inputs a packed weight replaces: codes, scales and (when present) zero points."""
+    changes = {1: w.codes, 2: w.scales}
+    if w.zq is not None:
+        changes[3] = w.zq
+    return changes
+
+
+def _packable(node, b, scales, zero_points) -> tuple[int, int, int] | None:
+    """(K, N, block_size) when :func:`prepare` packs the node's weights (arrays or Specs),
+    else None."""
     names = list(node.inputs) + [""] * 6
     if b is None or scales is None or (names[3] and zero_points is None) or names[4]:
         return None
@@ -70,17 +107,7 @@ def prepare(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None):
         _, zp_mode, _ = zero_point_mode(zero_points, np.dtype(np.float16), n, nb)
     except ValueError:
         return None  # run() raises it on the raw inputs
-    if not mma_config(np.dtype(np.float16), bits, k, bs, zp_mode):
-        return None
-    try:
-        w = _mma_layout.prepare_int4(ctx, b, scales, zero_points, n, k, bs, tuple(names[1:4]))
-    except ValueError:
-        return None  # zero points of another size: run() raises it
-    ctx.cache[_mma_layout.INT4_PREPARED] = (k, n, bs)
-    changes = {1: w.codes, 2: w.scales}
-    if zero_points is not None:
-        changes[3] = w.zq
-    return changes
+    return (k, n, bs) if mma_config(np.dtype(np.float16), bits, k, bs, zp_mode) else None
 
 
 def zero_point_mode(zero_points, a_dtype, n: int, nb: int):

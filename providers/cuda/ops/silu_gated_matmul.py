@@ -29,6 +29,12 @@ def prepare(ctx, x, w_gate, w_up):
     return None if packed is None else {1: packed, 2: None}
 
 
+def prepared(node, x, w_gate, w_up):
+    """What :func:`prepare` returns, from the inputs' :class:`core.ops.Spec` (core.ops)."""
+    spec = None if w_up is None else _mma_layout.dense_spec(w_gate, w_up, names=tuple(node.inputs[1:3]))
+    return None if spec is None else {1: spec, 2: None}
+
+
 def run(ctx, x, w_gate, w_up):
     prepared = ctx.cache.get(_mma_layout.PREPARED)
     if prepared is not None:  # w_gate is the packed gate/up pair, w_up None

@@ -12,6 +12,7 @@ MatMulNBits, SiluMul of this provider. Otherwise those three kernels run in turn
 import numpy as np
 
 from core.opdefs import gate_view
+from core.ops import Spec
 from providers.cuda.ops import NULL, _mma, _mma_layout, array_module, matmul_nbits, silu_mul
 
 OP_TYPE = "SiluGatedMatMulNBits"
@@ -46,30 +47,58 @@ def prepare(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
     codes, scales and zero points (:func:`interleave`), inputs 4..6 are dropped and
     ctx.cache[PREPARED] = (K, N, block_size). Returns None (nothing
     prepared) for fed weights or a configuration ``run`` would reject."""
-    node = ctx.node
     weights = (b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up)
-    if any(name and w is None for name, w in zip(node.inputs[1:7], weights)):
+    shape = _packable(ctx.node, weights)
+    if shape is None:
         return None
-    dtype = node.input_dtypes[0] if node.input_dtypes else None
-    if (scales_gate.dtype if dtype is None else dtype) != np.float16:  # A and scales share T1 (ORT schema)
-        return None
-    try:
-        k, n, bits, bs, nb = matmul_nbits.geometry(node.attrs, None, b_gate, scales_gate)
-        _check_pair(*weights)
-        _, zp_mode, _ = matmul_nbits.zero_point_mode(zp_gate, np.dtype(np.float16), n, nb)
-    except ValueError:
-        return None  # run() raises it on the raw inputs
-    if not matmul_nbits.mma_config(np.dtype(np.float16), bits, k, bs, zp_mode):
-        return None
+    k, n, bs = shape
     try:
         w = packed(array_module(b_gate), n, k, bs, weights)
     except ValueError:
         return None  # zero points of another size: run() raises it
     ctx.cache[PREPARED] = (k, n, bs)
+    return _changes(w)
+
+
+def prepared(node, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
+    """What :func:`prepare` returns, from the inputs' :class:`core.ops.Spec` (core.ops): the
+    interleaved pair's packed Specs (a form of the node's own)."""
+    shape = _packable(node, (b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up))
+    if shape is None:
+        return None
+    k, n, bs = shape
+    rows = _mma_layout.glu_width(n)
+    zp = None if zp_gate is None else Spec((rows, zp_gate.size // n), zp_gate.dtype)
+    try:
+        return _changes(_mma_layout.int4_specs(scales_gate.dtype, zp, rows, k, bs))
+    except ValueError:
+        return None
+
+
+def _changes(w) -> dict:
+    """Inputs 1..3 become the packed pair (zero points when present), inputs 4..6 are dropped."""
     changes = {1: w.codes, 2: w.scales, 4: None, 5: None}
-    if zp_gate is not None:
+    if w.zq is not None:
         changes.update({3: w.zq, 6: None})
     return changes
+
+
+def _packable(node, weights) -> tuple[int, int, int] | None:
+    """(K, N, block_size) when :func:`prepare` packs the pair ``weights`` (arrays or Specs),
+    else None."""
+    if any(name and w is None for name, w in zip(node.inputs[1:7], weights)):
+        return None
+    scales_gate, zp_gate = weights[1], weights[2]
+    dtype = node.input_dtypes[0] if node.input_dtypes else None
+    if (scales_gate.dtype if dtype is None else dtype) != np.float16:  # A and scales share T1 (ORT schema)
+        return None
+    try:
+        k, n, bits, bs, nb = matmul_nbits.geometry(node.attrs, None, weights[0], scales_gate)
+        _check_pair(*weights)
+        _, zp_mode, _ = matmul_nbits.zero_point_mode(zp_gate, np.dtype(np.float16), n, nb)
+    except ValueError:
+        return None  # run() raises it on the raw inputs
+    return (k, n, bs) if matmul_nbits.mma_config(np.dtype(np.float16), bits, k, bs, zp_mode) else None
 
 
 def packed(xp, n: int, k: int, bs: int, weights) -> "_mma_layout.Int4Weights":
@@ -89,7 +118,8 @@ def _unprepared(ctx, n: int, k: int, bs: int, weights) -> "_mma_layout.Int4Weigh
 def run(ctx, x, b_gate, scales_gate, zp_gate, b_up, scales_up, zp_up):
     prepared = ctx.cache.get(PREPARED)
     if prepared is not None:  # inputs 1..3 the packed gate/up pair (zq None when absent), 4..6 None
-        k, n, bs = prepared
+        k, _, bs = prepared
+        n = int(ctx.node.attrs["N"])  # a row block's features (core.runtime.rowblocks), else the node's N
         if x.shape[-1] != k or x.dtype != np.float16:
             raise ValueError(f"SiluGatedMatMulNBits (cuda): X {x.dtype}{x.shape} for prepared fp16 weights, K={k}")
         y = ctx.output(0, (*x.shape[:-1], n), x.dtype)
