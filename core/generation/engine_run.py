@@ -27,7 +27,7 @@ import numpy as np
 from core.engine import Engine, Event, Request
 from core.errors import RequestError
 from core.generation import sampling as sampling_mod
-from core.generation.stream import Delta, Generation, RowState, _max_new, _per_row, _stop_ids, eos_ids
+from core.generation.stream import Delta, Generation, RowState, _max_new, _per_row, eos_ids, per_row_stop_ids
 from core.generation.tokens import token_row
 
 
@@ -90,13 +90,7 @@ def check_rows(runner, input_ids: Sequence[Sequence[int]], max_new_tokens: Any, 
         raise RequestError(f"provider {runner.provider.name!r} has no device_sample; it decodes greedily only "
                            "(do_sample=False, repetition_penalty=1)")
     stops = Generation._per_row_stops(stop, batch)
-    if stop_token_ids is not None and isinstance(stop_token_ids, (list, tuple)) and stop_token_ids \
-            and all(isinstance(x, (list, tuple, set, frozenset)) for x in stop_token_ids):
-        if len(stop_token_ids) != batch:
-            raise RequestError(f"stop_token_ids has {len(stop_token_ids)} lists for {batch} rows")
-        stop_ids = [_stop_ids(list(x), vocab) for x in stop_token_ids]
-    else:
-        stop_ids = [_stop_ids(stop_token_ids, vocab)] * batch
+    stop_ids = per_row_stop_ids(stop_token_ids, batch, vocab)
     if model.tokenizer is None and any(stops):
         raise RequestError("stop strings need a tokenizer; this model has no tokenizer.json")
     return news, params, stops, stop_ids

@@ -164,6 +164,21 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
+def per_row_stop_ids(stop_token_ids: Any, batch: int, vocab: int) -> list[frozenset]:
+    """Each row's stop token ids: one list per row (a list of lists, one per row), or one list
+    (or id) for every row.
+
+    Raises:
+        RequestError: a list of lists whose length is not the batch, or an id out of the vocabulary.
+    """
+    if stop_token_ids is not None and isinstance(stop_token_ids, (list, tuple)) and stop_token_ids \
+            and all(isinstance(x, (list, tuple, set, frozenset)) for x in stop_token_ids):
+        if len(stop_token_ids) != batch:
+            raise RequestError(f"stop_token_ids has {len(stop_token_ids)} lists for {batch} rows")
+        return [_stop_ids(list(x), vocab) for x in stop_token_ids]
+    return [_stop_ids(stop_token_ids, vocab)] * batch
+
+
 def _stop_ids(value: Any, vocab: int) -> frozenset:
     if value is None:
         return frozenset()
@@ -221,13 +236,7 @@ class Generation:
         self.sampling = session.check_sampling(sampling)
         stops = self._per_row_stops(stop, batch)
         vocab = session.model.config.vocab_size
-        if stop_token_ids is not None and isinstance(stop_token_ids, (list, tuple)) and stop_token_ids \
-                and all(isinstance(x, (list, tuple, set, frozenset)) for x in stop_token_ids):
-            if len(stop_token_ids) != batch:
-                raise RequestError(f"stop_token_ids has {len(stop_token_ids)} lists for {batch} rows")
-            stop_ids = [_stop_ids(list(x), vocab) for x in stop_token_ids]
-        else:
-            stop_ids = [_stop_ids(stop_token_ids, vocab)] * batch
+        stop_ids = per_row_stop_ids(stop_token_ids, batch, vocab)
         self.tokenizer = session.model.tokenizer
         if self.tokenizer is None and any(stops):
             raise RequestError("stop strings need a tokenizer; this model has no tokenizer.json")
