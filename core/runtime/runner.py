@@ -172,6 +172,13 @@ class Runner:
         # plan's constants: not resident bytes
         return self.plan.weight_bytes(exclude=set(self.residency.streamed_tensors) | set(self.residency.mapped))
 
+    def _smallest_weight_budget(self) -> int:
+        """The smallest weight budget :meth:`_plan_residency` finds a plan for."""
+        other = residency.unread_weight(self._other_bytes)
+        weights = (*self._weights, other) if self._other_bytes else self._weights
+        return residency.smallest_budget(weights, self._slots, bool(self.provider.capabilities().weight_streaming),
+                                         self._splits, self.page_bytes)
+
     def _plan_residency(self, budget: int | None) -> residency.ResidencyPlan:
         """The residency plan for ``budget`` bytes (module core.runtime.residency), applied to
         the plan: streamed weights move to staged host memory and read a staging slot."""
@@ -231,7 +238,13 @@ class Runner:
             self.residency = self._plan_residency(budget)
         except residency.BudgetError:
             self.kv_device_bytes -= extra
-            raise
+            need = self._smallest_weight_budget()
+            b = residency._bytes
+            raise residency.BudgetError(
+                f"a device budget of {b(self.device_budget)} cannot hold a KV cache of "
+                f"{b(self.kv_device_bytes + extra)} beside the weights: {b(max(budget, 0))} would be left for them "
+                f"and they need at least {b(need)}; the smallest working device budget for this KV cache is "
+                f"{b(self.kv_device_bytes + extra + need)} (or lower the batch or the context)") from None
         self.replans += 1
         return (f"weight plan changed: KV growth to {self.kv_device_bytes:,} bytes left {budget:,} bytes of the "
                 f"{self.device_budget:,} byte device budget for weights; "

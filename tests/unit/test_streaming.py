@@ -199,3 +199,23 @@ def test_a_device_budget_is_bytes_not_a_fraction(model_dir):
         Runner(model_dir, CpuReferenceProvider(), device_budget="50%")
     with pytest.raises(BudgetError, match="device budget of 1 byte leaves too little"):
         Runner(model_dir, CpuReferenceProvider(), device_budget=1)
+
+
+def test_a_kv_cache_too_large_for_the_device_budget_names_the_smallest_working_one(model_dir):
+    """A KV cache that leaves the weights less than their smallest working set is refused with
+    the device budget that works for it; that budget opens the session, one byte less does not."""
+    from test_capture_policy import RecordingCapture
+
+    from core.protocol import Capabilities
+
+    class Streaming(RecordingCapture):
+        def capabilities(self):
+            return Capabilities(dtypes=("float32",), graph_capture=True, weight_streaming=True)
+
+    weights = sum(w.nbytes for w in residency.weights_of(Runner(model_dir, CpuReferenceProvider()).plan))
+    with pytest.raises(BudgetError, match="cannot hold a KV cache") as info:
+        Session(Runner(model_dir, Streaming(), device_budget=weights), batch=64, capacity=256)
+    smallest = int(str(info.value).split("device budget for this KV cache is ")[1].split()[0].replace(",", ""))
+    Session(Runner(model_dir, Streaming(), device_budget=smallest), batch=64, capacity=256).close()
+    with pytest.raises(BudgetError, match="cannot hold a KV cache"):
+        Session(Runner(model_dir, Streaming(), device_budget=smallest - 1), batch=64, capacity=256)
