@@ -319,3 +319,29 @@ def test_an_8b_shaped_fp16_model_plans_below_its_lm_head(tmp_path):
     head = 4096 * 128256 * 2
     assert before > head and before == 1_521_098_768
     assert 2 * 64 * MIB < after <= 2 * 64 * MIB + MIB and after == 134_619_152
+
+
+@pytest.mark.parametrize("m", [1, 40, 300])
+@pytest.mark.parametrize("glu", [False, True])
+def test_a_resident_node_launches_as_it_did_flat(launches, monkeypatch, glu, m):
+    """A whole (resident) node launches what it launched when its packed weight was flat: the
+    same kernels, grids and arguments, N from the 3-D weight equal to the node's (the same
+    bits, batch invariance untouched)."""
+    monkeypatch.setattr(silu_gated_matmul, "is_host", lambda v: v is None)
+    rng = np.random.default_rng(11)
+    k, n = 200, 64
+    module, op = (silu_gated_matmul, "SiluGatedMatMul") if glu else (matmul, "MatMul")
+    weights = [rng.standard_normal((k, n)).astype(np.float16) for _ in range(2 if glu else 1)]
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    ctx, prepared = _prepared_ctx(module, op, [None, *weights])
+    assert prepared[1].ndim == 3
+    module.run(ctx, x, *prepared[1:])
+    shaped = list(launches)
+    launches.clear()
+    module.run(ctx, x, prepared[1].reshape(-1), *prepared[2:])
+    assert len(shaped) == len(launches) > 0
+    for got, want in zip(shaped, launches, strict=True):
+        assert got[:3] == want[:3] and got[4] == want[4]
+        for a, b in zip(got[3], want[3], strict=True):
+            assert np.array_equal(np.asarray(a).reshape(-1), np.asarray(b).reshape(-1))
+        assert int(got[3][7]) == n
