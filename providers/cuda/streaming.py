@@ -27,20 +27,49 @@ from core.runtime import rowblocks
 
 
 def row_blocks(node, shape_of) -> rowblocks.RowSplit | None:
-    """Row blocks on cuda (:mod:`core.runtime.rowblocks`): an fp32 MatMul, and a MatMulNBits or
-    SiluGatedMatMulNBits whose int4 weights are packed for the tensor cores (:func:`int4_rows`).
-    The fp32 kernel (kernels/linear.cu ``dense``) fixes every output element's reduction by K
-    and the chunk size alone, so a block of output rows gives the whole node's bits whatever N
-    is. The fp16 tensor-core MatMul and SiluGatedMatMul do not declare row blocks: their packed
-    weight is flat, so N cannot be read from it (docs/large-models.md, "Limits")."""
+    """Row blocks on cuda (:mod:`core.runtime.rowblocks`): an fp32 MatMul, an fp16 MatMul or
+    SiluGatedMatMul whose weight is packed for the tensor cores (:func:`dense_rows`), and a
+    MatMulNBits or SiluGatedMatMulNBits whose int4 weights are (:func:`int4_rows`). The fp32
+    kernel (kernels/linear.cu ``dense``) fixes every output element's reduction by K and the
+    chunk size alone, so a block of output rows gives the whole node's bits whatever N is."""
     if (node.domain, node.op_type) in _INT4:
         return int4_rows(node, shape_of)
-    if (node.domain, node.op_type) != ("", "MatMul"):
-        return None
+    if (node.domain, node.op_type) in _DENSE:
+        packed = dense_rows(node, shape_of)
+        if packed is not None or (node.domain, node.op_type) != ("", "MatMul"):
+            return packed
     dtypes = [d for d in node.input_dtypes[:2] if d is not None]
     if not dtypes or any(np.dtype(d) != np.float32 for d in dtypes):
         return None
     return rowblocks.onnx_rows(node, shape_of)
+
+
+_DENSE = {("", "MatMul"): 1, ("lockstep", "SiluGatedMatMul"): 2}
+
+
+def dense_rows(node, shape_of) -> rowblocks.RowSplit | None:
+    """The row split of a prepared fp16 tensor-core node (MatMul, or SiluGatedMatMul with its up
+    input dropped), or None. ``ops/_mma_layout.prepare_dense`` packs the weight 3-D,
+    ``[R, ceil(K / 64), 64]`` (``_mma_layout.packed_shape``), when N is a multiple of 16: R = N
+    rows, or 2 N gate/up rows interleaved 8 features of each per 16-row tile. The packing is
+    tile-major (a tile's 16 rows x ceil64(K) elements are contiguous, in fragment order), so
+    rows ``a:b`` of N, multiples of 16 (:data:`core.runtime.rowblocks.ROW_ALIGN`), are rows
+    ``a:b`` (GLU: ``2a:2b``) of the packed weight: the packing of the block's own weights.
+    The kernels' arithmetic per output depends on K alone (kernels/linear_mma.cu: the kernel
+    and grid never change a bit), and the launchers take N from the weight's leading axis, so
+    a page launched on its rows gives the node's bits. A flat (1-D) packed weight or a raw
+    ``[K, N]`` one (not prepared) declares nothing here."""
+    per = _DENSE[(node.domain, node.op_type)]
+    inputs = list(node.inputs) + [""] * 3
+    if not inputs[1] or (per == 2 and inputs[2]):
+        return None
+    dtypes = [d for d in node.input_dtypes[:2] if d is not None]
+    if any(np.dtype(d) != np.float16 for d in dtypes):
+        return None
+    shape = shape_of(inputs[1])
+    if shape is None or len(shape) != 3 or shape[2] != 64 or shape[0] % (per * rowblocks.ROW_ALIGN):
+        return None
+    return rowblocks.RowSplit(int(shape[0]) // per, {1: 0})
 
 
 _INT4 = {("com.microsoft", "MatMulNBits"): 1, ("lockstep", "SiluGatedMatMulNBits"): 2}

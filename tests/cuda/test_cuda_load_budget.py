@@ -3,9 +3,10 @@ millisecond): a model larger than its weight budget loads with the device never 
 than the budget beyond what it held before (the CUDA context and earlier work, measured as the
 baseline, plus :data:`SLACK` for kernel modules loaded on first use), decodes bitwise like the
 resident run at batch 1 and 8, eager and captured, with its embedding read in place from
-pinned host memory (not resident). An fp32 model's lm_head and projections, and the int4
-model's packed lm_head and projections, stream as row-block pages (core.runtime.rowblocks; the
-fp16 tensor-core GEMMs do not cut their nodes yet: xfail).
+pinned host memory (not resident). An fp32 model's lm_head and projections, and the fp16 and
+int4 models' packed lm_head and projections, stream as row-block pages (core.runtime.rowblocks;
+the tensor-core pages are whole 16-row tiles of the packed weights, and a page launched on its
+rows computes the whole node's columns bitwise).
 """
 
 import gc
@@ -185,17 +186,16 @@ def test_row_block_pages_hold_the_budget_and_decode_bitwise(fp32_model, gpu):
     _free(gpu)
 
 
-def test_int4_pages_are_row_blocks_and_decode_bitwise(big_model, gpu):
-    """The packed int4 lm_head and gate/up projections stream as row blocks (whole 16-row tiles,
-    providers/cuda/streaming.int4_rows) under 4 MiB pages, within the budget, bitwise the resident
-    run. The fp16 tensor-core GEMMs do not cut yet (their packed weight does not give N)."""
+def test_tensor_core_pages_are_row_blocks_and_decode_bitwise(big_model, gpu):
+    """The packed lm_head and gate/up projections stream as row blocks (whole 16-row tiles of the
+    packed weights: providers/cuda/streaming.dense_rows for the fp16 MatMul and SiluGatedMatMul,
+    int4_rows for MatMulNBits and SiluGatedMatMulNBits) under 4 MiB pages, within the budget,
+    bitwise the resident run, eager and captured."""
     page = 4 * MIB
     _free(gpu)
     resident = Runner(big_model, gpu)
     vocab = resident.model.config.vocab_size
-    if not any(n.op_type.endswith("MatMulNBits") for n in resident.plan.nodes):
-        del resident
-        pytest.xfail("the fp16 tensor-core GEMMs do not declare row blocks (docs/large-models.md, Limits)")
+    int4 = any(n.op_type.endswith("MatMulNBits") for n in resident.plan.nodes)
     want = {b: _trace(resident, _rows(b, vocab), 12, capture=False) for b in (1, 8)}
     del resident
     _free(gpu)
@@ -205,9 +205,12 @@ def test_int4_pages_are_row_blocks_and_decode_bitwise(big_model, gpu):
         runner = Runner(big_model, gpu, weight_budget=budget, page_bytes=page)
     r = runner.residency
     cut = {w.node for w in r.weights if w.rows is not None}
-    print(f"int4: smallest budget {budget / MIB:.1f} MiB with 4 MiB pages; {r.row_block_pages} row-block pages "
-          f"of {r.page_ins_per_step}; slot {r.slot_bytes / MIB:.1f} MiB; cut {sorted(cut)[:3]}...")
-    assert r.row_block_pages > 0 and any("lm_head" in n for n in cut)
+    ops = {runner.plan.nodes[i].op_type for i, h in runner.plan.hooks.items() if h.ranges}
+    print(f"{'int4' if int4 else 'fp16'}: smallest budget {budget / MIB:.1f} MiB with 4 MiB pages; "
+          f"{r.row_block_pages} row-block pages of {r.page_ins_per_step}; slot {r.slot_bytes / MIB:.1f} MiB; "
+          f"cut {sorted(cut)[:3]}...; ops {sorted(ops)}")
+    assert r.row_block_pages > 0 and any("lm_head" in n for n in cut) and any("mlp" in n for n in cut)
+    assert ops >= ({"MatMulNBits", "SiluGatedMatMulNBits"} if int4 else {"MatMul", "SiluGatedMatMul"})
     assert r == runner.placer.predicted  # the plan made before loading
     assert meter.peak_bytes - meter.baseline_bytes <= budget + SLACK
     kernels = [h for h in runner.plan.hooks.values() if h.ranges]  # the row-blocked nodes' hooks
@@ -217,13 +220,48 @@ def test_int4_pages_are_row_blocks_and_decode_bitwise(big_model, gpu):
         for capture in (False, True):
             before = sum(h.count for h in kernels)
             got = _trace(runner, rows, 12, capture=capture)
-            assert sum(h.count for h in kernels) > before
+            assert sum(h.count for h in kernels) > before  # the pages ran (eagerly, or while capturing)
             assert np.array_equal(want[batch][0], got[0]), f"tokens differ (batch {batch}, capture {capture})"
             assert np.array_equal(want[batch][1], got[1]), f"logits differ (batch {batch}, capture {capture})"
             if capture:
                 assert got[2].captures == 1 and got[2].fallbacks == []
     del runner
     _free(gpu)
+
+
+@pytest.mark.parametrize("tuning", ["default", "wide", "pipeline"])
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("m,k", [(1, 1024), (8, 4096), (40, 200), (64, 2304), (300, 1024)])
+def test_a_page_of_a_packed_fp16_weight_computes_the_whole_nodes_columns(m, k, glu, tuning):
+    """Rows a:b (whole 16-row tiles; GLU: 2a:2b) of the 3-D packed fp16 weight, launched with N =
+    b - a, give columns a:b of the whole node's output bitwise, whatever kernel and grid the
+    launcher picks for either (the schedules of kernels/linear_mma.cu never change a bit), and
+    the launches ran (no NaN left of the output's fill)."""
+    from attrs import evolve
+
+    from providers.cuda.ops import NULL, _mma, _mma_layout
+    from providers.cuda.tuning import Tuning
+
+    cupy = pytest.importorskip("cupy")
+    t = Tuning()
+    t = {"default": t, "wide": evolve(t, gemm_wide="all"), "pipeline": evolve(t, gemm_pipeline="all")}[tuning]
+    rng = np.random.default_rng(m + k)
+    n = 112
+    w, up = (rng.standard_normal((k, n)).astype(np.float16) * np.float16(k ** -0.5) for _ in range(2))
+    whole = cupy.asarray(_mma_layout.pack(np, w, up if glu else None).reshape(_mma_layout.packed_shape(k, n, glu)))
+    assert _mma_layout.packed_rows(whole, glu) == n
+    x = cupy.asarray(rng.standard_normal((m, k)).astype(np.float16))
+    y = cupy.full((m, n), np.nan, np.float16)
+    _mma.dense(x, whole, None, y, m, n, k, NULL, glu=glu, tuning=t)
+    want = y.get()
+    assert not np.isnan(want).any()
+    per = 2 if glu else 1
+    for a, b in ((0, 16), (16, 64), (64, 112), (0, 112)):
+        page = whole[per * a:per * b]
+        assert page.flags.c_contiguous and _mma_layout.packed_rows(page, glu) == b - a
+        got = cupy.full((m, b - a), np.nan, np.float16)
+        _mma.dense(x, page, None, got, m, b - a, k, NULL, glu=glu, tuning=t)
+        assert np.array_equal(got.get().view(np.uint16), want[:, a:b].view(np.uint16)), (a, b)
 
 
 def test_a_replan_gives_the_moved_weights_device_memory_back(big_model, gpu):

@@ -70,7 +70,7 @@ def test_interleave_is_the_glu_row_order(n, x):
 
 def _unpack(packed, k: int, n: int) -> np.ndarray:
     kk, nn = np.meshgrid(np.arange(k), np.arange(n), indexing="ij")
-    return packed[_mma_layout.packed_offset(np, kk, nn, k)]
+    return packed.reshape(-1)[_mma_layout.packed_offset(np, kk, nn, k)]  # 3-D when N % 16 == 0: flat order
 
 
 def _packed_matmul(ctx, a, w):
@@ -144,7 +144,7 @@ def test_host_packed_plan_holds_one_copy_per_weight_and_computes_the_plain_bits(
     (lookup,) = [plan.nodes[i] for i in plan.steps if plan.nodes[i].op_type == "GatherColumns"]
     (lm_head,) = [plan.nodes[i] for i in plan.steps if plan.nodes[i].name == "/lm_head/MatMul"]
     assert lookup.inputs[0] == lm_head.inputs[1] and lookup.inputs[0] in plan.prepared
-    assert np.array_equal(plan.constants[lookup.inputs[0]], _mma_layout.pack(np, tied))
+    assert np.array_equal(plan.constants[lookup.inputs[0]].reshape(-1), _mma_layout.pack(np, tied))
     prepared = [plan.nodes[i] for i in plan.steps if plan.nodes[i].op_type in HostPacked.HOOKS]
     raw = {x for i in plain.steps if plain.nodes[i].op_type in HostPacked.HOOKS
            for x in plain.nodes[i].inputs[HostPacked.WEIGHTS[plain.nodes[i].op_type]] if x in model.initializers}

@@ -81,6 +81,33 @@ def packed_size(k: int, n: int, glu: bool = False) -> int:
     return -(-k // 64) * 64 * cols
 
 
+#: Rows of a packed tile (the tensor-core kernels' 16 output features per warp tile; a gate/up
+#: pair's tile holds 8 features of each).
+ROW_TILE = 16
+
+
+def packed_shape(k: int, n: int, glu: bool = False) -> tuple[int, ...]:
+    """The shape :func:`prepare_dense` gives :func:`pack`'s elements for a weight [K, N] (a
+    gate/up pair with ``glu``): ``(R, ceil(K / 64), 64)`` when N is a multiple of
+    :data:`ROW_TILE`, R the packed rows (N, or the 2 N interleaved gate/up rows), so a block of
+    whole 16-row tiles is a range of the leading axis, contiguous, and that axis gives N (the
+    row-block pages, providers/cuda/streaming.dense_rows); else flat (:func:`packed_size`).
+    Row r of the 3-D form is not weight row r: the elements of tile r // 16 run in fragment
+    order over its 16 rows (:data:`FRAGMENT_AXES`); only whole tiles are ranges of rows."""
+    if n % ROW_TILE:
+        return (packed_size(k, n, glu),)
+    return (glu_width(n) if glu else n, -(-k // 64), 64)
+
+
+def packed_rows(w, glu: bool = False) -> int | None:
+    """The output features N of a packed weight in the 3-D form of :func:`packed_shape` (the
+    interleaved rows / 2 with ``glu``), None for a flat one (N not a multiple of 16: the
+    node's N is in ctx.cache[PREPARED])."""
+    if w is None or w.ndim != 3:
+        return None
+    return int(w.shape[0]) // 2 if glu else int(w.shape[0])
+
+
 def pack(xp, w, up=None):
     """W [K, N] fp16 in fragment order (:data:`FRAGMENT_AXES`): K padded to 64 and N to 16 with
     zeros; returns a 1-D fp16 array of :func:`packed_size` elements. With ``up`` (the up
@@ -112,17 +139,20 @@ def prepare_dense(ctx, w, up=None, names: tuple[str, ...] = ()):
     """The prepare hook's work for MatMul (``up`` None), SiluGatedMatMul and GatherColumns: the
     packed weight where the tensor-core kernel applies to every call (fp16 W [K, N],
     K <= MAX_K, ``up`` of W's shape and dtype), recording (K, N) in ctx.cache[PREPARED]; else
-    None. ``names``: the constants W (and up) are; while the plan's prepare pass shares a dict
-    (``ctx.cache[core.ops.PREPARE_SHARED]``) the packing of those names is made once and the
-    same object returned to every node that asks (the tied embedding and the lm_head)."""
+    None. The packed weight has :func:`packed_shape` (3-D when N is a multiple of 16: its
+    leading axis gives N, and whole 16-row tiles are row blocks). ``names``: the constants W
+    (and up) are; while the plan's prepare pass shares a dict (``ctx.cache[core.ops.PREPARE_SHARED]``)
+    the packing of those names is made once and the same object returned to every node that
+    asks (the tied embedding and the lm_head)."""
     if not dense_applies(w, up):
         return None
-    ctx.cache[PREPARED] = tuple(int(d) for d in w.shape)
+    k, n = (int(d) for d in w.shape)
+    ctx.cache[PREPARED] = (k, n)
     shared = ctx.cache.get(PREPARE_SHARED)
     key = dense_key(names) if shared is not None else None
     packed = None if key is None else shared.get(key)
     if packed is None:
-        packed = pack(array_module(w), w, up)
+        packed = pack(array_module(w), w, up).reshape(packed_shape(k, n, up is not None))
         if key is not None:
             shared[key] = packed
     return packed
@@ -147,7 +177,7 @@ def dense_spec(w, up=None, names: tuple[str, ...] = ()) -> Spec | None:
     if not dense_applies(w, up):
         return None
     k, n = w.shape
-    return Spec((packed_size(k, n, up is not None),), np.float16, dense_key(names))
+    return Spec(packed_shape(k, n, up is not None), np.float16, dense_key(names))
 
 
 def packed_offset(xp, k, n, k_total: int):

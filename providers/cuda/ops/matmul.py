@@ -29,7 +29,10 @@ def _exprs(t: str) -> tuple[str, ...]:
 def prepare(ctx, a, w):
     """Plan-time hook (core.ops): an fp16 constant W [K, N] with K <= MAX_K is replaced by its
     tensor-core packed form (``_mma_layout.prepare_dense``; (K, N) in ctx.cache[_mma_layout.PREPARED]), the
-    same object a GatherColumns over W receives (the tied embedding reads it too)."""
+    same object a GatherColumns over W receives (the tied embedding reads it too). When N is a
+    multiple of 16 the packed form is 3-D and :func:`run` takes N from its leading axis, so a
+    row-block page (whole 16-row tiles, providers/cuda/streaming.dense_rows) launches as the
+    node of its rows: the kernels' arithmetic per output depends on K alone."""
     packed = _mma_layout.prepare_dense(ctx, w, names=(ctx.node.inputs[1],))
     return None if packed is None else {1: packed}
 
@@ -44,6 +47,7 @@ def run(ctx, a, w):
     prepared = ctx.cache.get(_mma_layout.PREPARED)
     if prepared is not None:  # w is the packed weight
         k, n = prepared
+        n = _mma_layout.packed_rows(w) or n  # a row block's rows (core.runtime.rowblocks), else the node's N
         if a.shape[-1] != k or a.dtype != np.float16:
             raise ValueError(f"MatMul (cuda): A {a.dtype}{a.shape} for a packed fp16 weight [{k}, {n}]")
         y = ctx.output(0, (*a.shape[:-1], n), a.dtype)

@@ -24,7 +24,10 @@ def supports(node) -> bool:
 
 def prepare(ctx, x, w_gate, w_up):
     """Plan-time hook (core.ops): fp16 constants W_gate, W_up [K, N] with K <= MAX_K become one
-    packed, interleaved weight (input 1; ``_mma_layout.prepare_dense``) and input 2 is dropped."""
+    packed, interleaved weight (input 1; ``_mma_layout.prepare_dense``) and input 2 is dropped.
+    When N is a multiple of 16 the packed pair is 3-D (2 N interleaved rows) and :func:`run`
+    takes N from its leading axis: a row-block page (providers/cuda/streaming.dense_rows)
+    launches as the node of its features."""
     packed = _mma_layout.prepare_dense(ctx, w_gate, w_up, names=ctx.node.inputs[1:3]) if w_up is not None else None
     return None if packed is None else {1: packed, 2: None}
 
@@ -39,6 +42,7 @@ def run(ctx, x, w_gate, w_up):
     prepared = ctx.cache.get(_mma_layout.PREPARED)
     if prepared is not None:  # w_gate is the packed gate/up pair, w_up None
         k, n = prepared
+        n = _mma_layout.packed_rows(w_gate, glu=True) or n  # a row block's features, else the node's N
         if is_host(x) or x.shape[-1] != k or x.dtype != np.float16:
             raise ValueError(f"SiluGatedMatMul (cuda): X {getattr(x, 'shape', x)} for packed fp16 weights "
                              f"[{k}, {n}]")
