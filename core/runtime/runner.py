@@ -191,6 +191,8 @@ class Runner:
             raise residency.BudgetError(f"provider {self.provider.name!r} cannot stream weights "
                                         "(capabilities().weight_streaming is False)")
         streaming.evict(self.plan, plan)  # device copies of newly streamed weights go first
+        if self.device_budget is not None:  # the budget counts what the driver holds: give the
+            self.provider.reset_peak()       # evicted copies back now, not to the allocator's cache
         if plan.streams or self.stream is not None or plan.mapped or self.plan.staged_weights:
             ring = (plan.slots, plan.slot_bytes)
             if self.stream is None or ring != (len(self.stream.slots), self.stream.slots[0].nbytes):
