@@ -46,6 +46,7 @@ import json
 import attrs
 import numpy as np
 
+from core.errors import BudgetError
 from core.generation.loop import decode
 from core.models.model import load_model
 from core.plan import expected_rate
@@ -244,8 +245,9 @@ def _sweep(runner, model, batches, args, lengths, capacities, rng, bandwidth, h2
                 continue
             try:
                 row, stream = _stream(runner, batch, args, prompt, rng, bandwidth, h2d, capacity, meter)
-            except MemoryError as exc:  # this point does not fit: say so, keep the sweep going
-                rows.append(_refused(batch, length, capacity, f"out of memory ({exc})"))
+            except (MemoryError, BudgetError) as exc:  # this point does not fit: say so, keep the sweep going
+                why = f"over the budget ({exc})" if isinstance(exc, BudgetError) else f"out of memory ({exc})"
+                rows.append(_refused(batch, length, capacity, why))
                 runner.release_states()
                 if progress is not None:
                     progress(len(rows), total, rows[-1])

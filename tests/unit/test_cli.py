@@ -108,6 +108,23 @@ def test_profile_sweep_on_cpu_reference_writes_json(tmp_path, capsys):
     assert 0 < data["rows"][0]["prefill_activation_bytes"] < data["rows"][1]["prefill_activation_bytes"]
 
 
+def test_a_profile_point_over_the_device_budget_is_refused_and_the_sweep_goes_on(tmp_path, capsys):
+    import json
+
+    from core.runtime.runner import Runner
+
+    folder = make_tiny_model(tmp_path / "m")
+    budget = Runner(str(folder)).weight_bytes + (256 << 10)  # batch 1's KV fits beside the weights, 64's not
+    out_json = tmp_path / "p.json"
+    code, out = run(capsys, "profile", str(folder), "--batch-sweep", "1,64", "--tokens", "2", "--warmup", "1",
+                    "--context", "32", "--device-budget", str(budget), "--json", str(out_json))
+    rows = json.loads(out_json.read_text())["rows"]
+    assert code == 0 and [r["batch"] for r in rows] == [1, 64]
+    assert rows[0]["tokens_per_s"] > 0 and not rows[0]["refused"]
+    assert rows[1]["refused"].startswith("over the budget") and "device budget" in rows[1]["refused"]
+    assert "over the budget" in out.out
+
+
 def test_profile_runs_ahead_by_default_and_says_so(tmp_path, capsys):
     """The default --context (512) is clamped to a smaller model context (the tiny model's 128);
     the title and JSON say whether steps ran ahead; --no-run-ahead runs the synchronous loop to
