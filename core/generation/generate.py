@@ -266,6 +266,7 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
         name = provider if isinstance(provider, str) else getattr(provider, "name", None)
         model = resolve_model(model, *default_variant(name))
     runner = model if isinstance(model, Runner) else None
+    model_arg = model
     if runner is not None and provider is not None and provider not in (runner.provider, runner.provider.name):
         raise RequestError(f"this Runner runs on provider {runner.provider.name!r}, not {provider!r}")
     provider = "cpu_reference" if provider is None else provider
@@ -307,10 +308,11 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
         slots = asked if asked is not None else kvgeo.round_capacity(need, model.config.context_length)
         return Stream(None, EngineStream(runner, input_ids, max_new_tokens, sampling, stop, stop_token_ids,
                                          progress, slots, capture))
+    made = runner is not None and not isinstance(model_arg, Runner)  # made with the budgets by _on_engine
     session = Session(runner or model, provider, batch=len(input_ids), capacity=capacity,
                       kv_layout=kv_layout or (runner.kv_layout if runner else "head_major"),
-                      kv_policy="fixed", capture=capture, weight_budget=weight_budget,
-                      device_budget=device_budget, tensor_parallel=tensor_parallel)
+                      kv_policy="fixed", capture=capture, weight_budget=None if made else weight_budget,
+                      device_budget=None if made else device_budget, tensor_parallel=tensor_parallel)
     return Stream(session, Generation(session, input_ids, max_new_tokens, sampling, stop, stop_token_ids,
                                       progress))
 
@@ -319,8 +321,9 @@ def _on_engine(runner: Runner | None, model: Model, provider: Any, kv_layout: st
                weight_budget: Any, device_budget: Any, tensor_parallel: Any, input_ids: Sequence[Sequence[int]],
                news: Sequence[int]) -> tuple[Runner | None, int | None]:
     """Where a request runs (docs/engine.md, "One decode path"): the engine, unless
-    :func:`core.generation.engine_run.session_reason` names a reason (tensor parallel, a weight
-    or device budget, streamed weights, a capacity the engine's slots cannot hold). Returns
+    :func:`core.generation.engine_run.session_reason` names a reason (tensor parallel, a
+    capacity the engine's slots cannot hold); a weight or device budget makes the Runner with it
+    (its weights stream through the engine's steps). Returns
     (the runner, made here unless given; None where the Session makes its own) and the KV
     positions an engine slot needs, or None for the Session path.
 
@@ -330,15 +333,19 @@ def _on_engine(runner: Runner | None, model: Model, provider: Any, kv_layout: st
     from core.generation.engine_run import engine_capacity, session_reason
     from core.runtime.residency import BudgetError
 
-    if (tensor_parallel != 1 and not isinstance(tensor_parallel, bool)) or weight_budget is not None \
-            or device_budget is not None or (runner is not None and kv_layout not in (None, runner.kv_layout)):
+    if (tensor_parallel != 1 and not isinstance(tensor_parallel, bool)) \
+            or (runner is not None and kv_layout not in (None, runner.kv_layout)):
         return runner, None
+    if runner is not None and ((weight_budget is not None and weight_budget != runner.weight_budget)
+                               or device_budget is not None):
+        return runner, None  # the Session refuses budgets other than its Runner's, with its message
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
                                  or not 2 <= capacity <= model.config.context_length):
         return runner, None  # the Session refuses it, with its message
     if runner is None:
         try:
-            runner = Runner(model, provider, kv_layout or "head_major")
+            runner = Runner(model, provider, kv_layout or "head_major", weight_budget=weight_budget,
+                            device_budget=device_budget)
         except (kvgeo.KVLayoutError, BudgetError) as exc:
             raise RequestError(str(exc)) from exc
     if session_reason(runner, tensor_parallel, input_ids, news, capacity) is not None:
