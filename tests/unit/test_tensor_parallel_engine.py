@@ -18,6 +18,7 @@ import pytest
 import core
 from core.cli import main as cli_main
 from core.engine import Engine
+from core.engine.logprobs import chosen
 from core.parallel import RankError
 from core.parallel.runner import TensorParallelRunner
 from core.session import RequestError, Session
@@ -61,9 +62,10 @@ def test_core_run_tensor_parallel_is_the_engine_bitwise_the_tp_session(ranks, ti
     assert [r.finish_reason for r in got.rows] == [w.finish_reason for w in want]
 
 
-def test_tp_engine_within_the_tolerance_of_the_unsharded_run(tiny):
-    """Each token's log-probability on the TP engine against the unsharded run's logits fed
-    the same tokens (teacher forcing); tokens equal wherever the top two differ clearly."""
+def test_tp_engine_bitwise_the_tp_session_and_within_the_tolerance_of_the_unsharded_run(tiny):
+    """Each token's log-probability on the TP engine (chunked prefill): bitwise the fixed-batch
+    TP session's, and against the unsharded run's logits fed the same tokens (teacher forcing)
+    within the stated tolerance; tokens equal wherever the top two differ clearly."""
     runner = TensorParallelRunner(tiny, "cpu_reference", tensor_parallel=2)
     try:
         engine = Engine(runner, max_batch=4, capacity=64, prefill_chunk=3)  # chunked prefill on the ranks too
@@ -75,6 +77,18 @@ def test_tp_engine_within_the_tolerance_of_the_unsharded_run(tiny):
     finally:
         runner.close()
     assert runner.alive_ranks() == []
+    tp = Session(tiny, batch=len(PROMPTS), capacity=64, kv_policy="fixed", tensor_parallel=2)
+    try:  # the fixed-batch TP session's logits give the engine's log-probabilities bit for bit
+        out = tp.prefill(PROMPTS)
+        session_lps = [[chosen(x, t) for x, t in zip(tp.last_logits(), out.tokens.tolist())]]
+        for _ in range(5):
+            out = tp.step()
+            session_lps.append([chosen(x, t) for x, t in zip(tp.last_logits(), out.tokens.tolist())])
+    finally:
+        tp.close()
+    for b, evs in enumerate(events):
+        lps = [lp for e in evs for lp in e.logprobs]
+        assert lps == [step[b] for step in session_lps[:len(lps)]]
     for prompt, evs in zip(PROMPTS, events):
         lps = [lp for e in evs for lp in e.logprobs]
         tokens = [lp.token for lp in lps]
