@@ -79,8 +79,8 @@ def drain(a: argparse.Namespace, st, on_delta: Callable[[Delta], None]) -> tuple
                     break
         return st.result(), interrupted
     finally:
-        if a.tensor_parallel != 1:  # stop the rank processes now, not when the session is collected
-            st.session.close()
+        if a.tensor_parallel != 1:  # stop the rank processes now, not when they are collected
+            st.close_ranks()
 
 
 def reply(talk: Conversation, line: str, console: Console) -> None:

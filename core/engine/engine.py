@@ -84,7 +84,9 @@ class Engine:
     """Continuous batching of requests on one Runner (module docstring).
 
     Args:
-        runner: the :class:`~core.runtime.runner.Runner`; only this engine may drive it.
+        runner: the :class:`~core.runtime.runner.Runner`; only this engine may drive it. A step
+            runner of another kind (:class:`~core.parallel.runner.TensorParallelRunner`) has
+            ``engine_slots(max_batch, capacity, capture)``, which makes the engine's slot state.
         max_batch: slots (rows of the KV cache), the largest decode bucket.
         capacity: KV positions per slot (default :data:`DEFAULT_CAPACITY`, at most the model's
             context, rounded up to 64).
@@ -124,11 +126,18 @@ class Engine:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or not 2 <= capacity <= context:
             raise RequestError(f"capacity must be an integer in [2, {context}] (the model context), got {capacity!r}")
         self.runner, self.capacity, self.max_batch = runner, capacity, max_batch
-        self.counters = Counters()
-        self.counters.set_residency(runner.residency.summary(), runner.weight_bytes)
         #: positions per prefill chunk (None: whole prompts; always None on a ring KV cache)
         self.prefill_chunk = None if any(getattr(runner, "kv_windows", ())) else prefill_chunk
-        self.slots = SlotState(runner, max_batch, capacity, capture, self.counters)
+        # a step runner other than a Runner (tensor parallel: core.parallel.runner) makes its own
+        # slot state, with SlotState's interface, and the counters it fills
+        make_slots = getattr(runner, "engine_slots", None)
+        if make_slots is not None:
+            self.slots = make_slots(max_batch, capacity, capture)
+            self.counters = self.slots.counters
+        else:
+            self.counters = Counters()
+            self.counters.set_residency(runner.residency.summary(), runner.weight_bytes)
+            self.slots = SlotState(runner, max_batch, capacity, capture, self.counters)
         self.scheduler = Scheduler(max_batch, prefill_tokens, max_waiting)
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()

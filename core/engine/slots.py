@@ -23,6 +23,12 @@ provider's ``download_async``), so the engine can queue the next step before it 
 one; every host write here (a prefill, a lane reset) is queued behind the steps already
 queued, on the provider's one stream.
 
+**Streamed weights.** Under a weight or device budget the runner's residency plan holds: the
+weights past the budget are paged into the staging ring by every prefill and decode step, as on
+a Session, and what the ring copied (``Runner.stream_meter``) is counted in the engine's
+counters (``htod_bytes``, ``page_ins``, ``evictions``); the per-token figures divide a step's
+copies by the rows it advanced (a padded lane or a row mid-prefill takes no token).
+
 **Padded lanes.** A free slot below the bucket steps with the others: it feeds token 0 at its
 own length into its own (free) KV slot, positions no live row reads, and its token is
 ignored. Its length is reset to 0 before it would reach the capacity (host writes of its
@@ -155,11 +161,13 @@ class SlotState:
         stop = n if stop is None else stop
         if not 0 <= start < stop <= n:
             raise ValueError(f"prefill chunk [{start}, {stop}) of a prompt of {n} tokens")
+        before = self.runner.stream_meter()
         if start == 0 and stop == n:
             row.logits, positions = prompts.run_prompts(row, [prompt_ids], False, "off")
         else:
             row.logits, positions = prompts.run_chunk(row, prompt_ids[start:stop], start)
             self.counters.prefill_chunks += 1
+        self._count_streamed(before, 0)
         self.runner.outputs_owner = self
         self.counters.prefill_tokens += stop - start
         if stop < n:
@@ -200,7 +208,9 @@ class SlotState:
                 hist[b, np.asarray(ids, np.int64)] = 1
             p.write(rows.sampling.history, hist)
         lens = np.array([len(ids) for ids in prompt_ids], np.int32)
+        before = self.runner.stream_meter()
         rows.logits, positions = prompts.run_prompts(rows, prompt_ids, False, "off")
+        self._count_streamed(before, 0)
         steps.select(rows, positions, p.upload(lens), None)
         self.runner.outputs_owner = self
         for b in range(n):
@@ -226,7 +236,10 @@ class SlotState:
         bucket = self._buckets.get(batch)
         if bucket is None:
             bucket = self._buckets[batch] = _Bucket(self, batch, self.capture)
-        bucket.capture.run(self.counters)
+        advanced = sum(1 for s in live if s < batch and s not in self.filled)  # rows that take a token
+        done = bucket.capture.run(self.counters)
+        if done:
+            self.counters.add_streamed(done[0], done[1], self.runner.residency.slots, advanced)
         self.runner.outputs_owner = self
         self.lane_len[:batch] += 1
         self.counters.decode_steps += 1
@@ -263,6 +276,12 @@ class SlotState:
     def row_logits(self, slot: int) -> np.ndarray:
         """The logits of the prefill of ``slot`` that ran last, ``[1, 1, V]`` on the host."""
         return self.provider.download(self._rows[slot].logits)
+
+    def _count_streamed(self, before: tuple, decode_tokens: int) -> None:
+        """Count the weights a prefill streamed since the meter read ``before`` (as a Session does)."""
+        done = tuple(b - a for a, b in zip(before, self.runner.stream_meter()))
+        if done:
+            self.counters.add_streamed(done[0], done[1], self.runner.residency.slots, decode_tokens)
 
     def _set_length(self, slot: int, n: int) -> None:
         row, p = self._rows[slot], self.provider

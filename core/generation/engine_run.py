@@ -12,8 +12,8 @@ What stays as ``run`` had it: the same validation and messages before any kernel
 Ctrl-C), rows of 0 tokens ended at once, and the ``progress`` callback. The counters are the
 engine's (``engine_requests`` counts the rows it admitted).
 
-:func:`session_reason` names what the engine cannot give (tensor parallel, streamed weights,
-a capacity the engine's slots cannot hold); :func:`~core.generation.generate.start` keeps the
+:func:`session_reason` names what the engine cannot give (a capacity the engine's slots
+cannot hold); :func:`~core.generation.generate.start` keeps the
 Session path for those requests only.
 """
 
@@ -36,17 +36,14 @@ def session_reason(runner, tensor_parallel: Any, input_ids: Sequence[Sequence[in
     """Why a request keeps the fixed-batch Session path, or None when the engine runs it.
 
     Args:
-        runner: the :class:`~core.runtime.runner.Runner` it would run on (None: tensor parallel).
-        tensor_parallel: the request's ``tensor_parallel``.
+        runner: the :class:`~core.runtime.runner.Runner` (or
+            :class:`~core.parallel.runner.TensorParallelRunner`) it would run on.
+        tensor_parallel: the request's ``tensor_parallel`` (the engine runs any R).
         input_ids, news: each row's prompt and ``max_new_tokens``.
         capacity: the KV positions per row the request gives (None: chosen for it).
     """
-    if tensor_parallel != 1 and not isinstance(tensor_parallel, bool):
-        return "tensor parallel runs on the Session of its rank processes"
     if runner is None:
         return "no runner in this process"
-    if runner.stream is not None or runner.placer is not None:
-        return "streamed weights (weight_budget / device_budget) keep the Session's streaming counters"
     need = engine_capacity(input_ids, news)
     if capacity is not None and need > capacity:
         return f"the engine's slots need {need} positions (prompt + max_new_tokens), capacity={capacity} gives fewer"

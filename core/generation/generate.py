@@ -266,6 +266,7 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
         name = provider if isinstance(provider, str) else getattr(provider, "name", None)
         model = resolve_model(model, *default_variant(name))
     runner = model if isinstance(model, Runner) else None
+    model_arg = model
     if runner is not None and provider is not None and provider not in (runner.provider, runner.provider.name):
         raise RequestError(f"this Runner runs on provider {runner.provider.name!r}, not {provider!r}")
     provider = "cpu_reference" if provider is None else provider
@@ -307,22 +308,25 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
         slots = asked if asked is not None else kvgeo.round_capacity(need, model.config.context_length)
         return Stream(None, EngineStream(runner, input_ids, max_new_tokens, sampling, stop, stop_token_ids,
                                          progress, slots, capture))
+    made = runner is not None and not isinstance(model_arg, Runner)  # made with the budgets by _on_engine
     session = Session(runner or model, provider, batch=len(input_ids), capacity=capacity,
                       kv_layout=kv_layout or (runner.kv_layout if runner else "head_major"),
-                      kv_policy="fixed", capture=capture, weight_budget=weight_budget,
-                      device_budget=device_budget, tensor_parallel=tensor_parallel)
+                      kv_policy="fixed", capture=capture, weight_budget=None if made else weight_budget,
+                      device_budget=None if made else device_budget, tensor_parallel=tensor_parallel)
     return Stream(session, Generation(session, input_ids, max_new_tokens, sampling, stop, stop_token_ids,
                                       progress))
 
 
 def _on_engine(runner: Runner | None, model: Model, provider: Any, kv_layout: str | None, capacity: Any,
                weight_budget: Any, device_budget: Any, tensor_parallel: Any, input_ids: Sequence[Sequence[int]],
-               news: Sequence[int]) -> tuple[Runner | None, int | None]:
+               news: Sequence[int]) -> tuple[Any, int | None]:
     """Where a request runs (docs/engine.md, "One decode path"): the engine, unless
-    :func:`core.generation.engine_run.session_reason` names a reason (tensor parallel, a weight
-    or device budget, streamed weights, a capacity the engine's slots cannot hold). Returns
-    (the runner, made here unless given; None where the Session makes its own) and the KV
-    positions an engine slot needs, or None for the Session path.
+    :func:`core.generation.engine_run.session_reason` names a reason (a capacity the engine's
+    slots cannot hold); a weight or device budget makes the Runner with it (its weights stream
+    through the engine's steps); ``tensor_parallel`` > 1 starts a
+    :class:`~core.parallel.runner.TensorParallelRunner` (its rank processes). Returns (the
+    runner, made here unless given; None where the Session makes its own) and the KV positions
+    an engine slot needs, or None for the Session path.
 
     Raises:
         RequestError: the Runner cannot be made (a KV layout or budget error, as a Session says).
@@ -330,15 +334,26 @@ def _on_engine(runner: Runner | None, model: Model, provider: Any, kv_layout: st
     from core.generation.engine_run import engine_capacity, session_reason
     from core.runtime.residency import BudgetError
 
-    if (tensor_parallel != 1 and not isinstance(tensor_parallel, bool)) or weight_budget is not None \
-            or device_budget is not None or (runner is not None and kv_layout not in (None, runner.kv_layout)):
-        return runner, None
+    tp = tensor_parallel != 1 and not isinstance(tensor_parallel, bool)
+    if (tp and (runner is not None or not isinstance(tensor_parallel, (int, np.integer)) or tensor_parallel < 2)) \
+            or (runner is not None and (kv_layout not in (None, runner.kv_layout) or device_budget is not None
+                                        or weight_budget not in (None, runner.weight_budget))):
+        return runner, None  # the Session refuses it (a Runner's layout and budgets are its own), with its message
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
                                  or not 2 <= capacity <= model.config.context_length):
         return runner, None  # the Session refuses it, with its message
+    if tp:  # the ranks start only where the engine's slots can hold the rows
+        need = engine_capacity(input_ids, news)
+        if (capacity is not None and need > capacity) or need > model.config.context_length:
+            return None, None  # a TensorParallelSession runs it
+        from core.parallel.runner import TensorParallelRunner
+
+        return TensorParallelRunner(model, provider, int(tensor_parallel), kv_layout or "head_major",
+                                    weight_budget, device_budget), need
     if runner is None:
         try:
-            runner = Runner(model, provider, kv_layout or "head_major")
+            runner = Runner(model, provider, kv_layout or "head_major", weight_budget=weight_budget,
+                            device_budget=device_budget)
         except (kvgeo.KVLayoutError, BudgetError) as exc:
             raise RequestError(str(exc)) from exc
     if session_reason(runner, tensor_parallel, input_ids, news, capacity) is not None:
@@ -378,6 +393,12 @@ class Stream:
         """End every running row now, between steps, keeping what it made (finish reason
         "interrupted"); returns the rows' last deltas. Close the iterator first."""
         return self.generation.interrupt()
+
+    def close_ranks(self) -> None:
+        """Stop the rank processes of a tensor-parallel request now (its
+        :class:`~core.parallel.session.TensorParallelSession`, or the engine's
+        :class:`~core.parallel.runner.TensorParallelRunner`), not when it is collected."""
+        (self.session if self.session is not None else self.generation.runner).close()
 
     def result(self) -> Result:
         """Finish the request (if not iterated to the end) and return its :class:`Result`."""
@@ -475,5 +496,5 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
     try:
         return st.result()
     finally:
-        if tensor_parallel != 1 and st.session is not None:  # stop the rank processes now, not at collection
-            st.session.close()
+        if tensor_parallel != 1:  # stop the rank processes now, not at collection
+            st.close_ranks()

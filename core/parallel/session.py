@@ -2,37 +2,25 @@
 
 ``Session(model, ..., tensor_parallel=R)`` (R >= 2) makes one. It plans the shards first
 (:func:`~core.parallel.shard.plan_shards`: a KV-head count R does not divide is a
-``ModelError`` before any process starts), then spawns R processes
-(``multiprocessing`` "spawn"), each running :func:`~core.parallel.worker.rank_main`: its
-shard in an ordinary :class:`~core.session.Session`, the ranks joined by a
-:class:`~core.parallel.comm.HostCommunicator`. ``prefill`` and ``step`` are sent to every
-rank; the ranks must agree on every token (they read the same all-reduced values), and rank
-0's answer is returned. :class:`~core.generation.stream.Generation` (``core.run``,
-``core.stream``) drives it like any session; the tokenizer and stop rules run here.
+``ModelError`` before any process starts), then starts R processes
+(:class:`~core.parallel.ranks.RankCalls`), each running its shard in an ordinary
+:class:`~core.session.Session`. ``prefill`` and ``step`` are sent to every rank; the ranks must
+agree on every token (they read the same all-reduced values), and rank 0's answer is returned.
+:class:`~core.generation.stream.Generation` drives it like any session; the tokenizer and stop
+rules run here. ``core.run`` decodes on the engine's step runner instead
+(:class:`~core.parallel.runner.TensorParallelRunner`), bitwise this session's rows; this
+fixed-batch session stays the facade of ``Session(tensor_parallel=R)`` and ``core.run``'s
+Session path (a capacity the engine's slots cannot hold).
 
-Failure: a rank waits at most :data:`RANK_TIMEOUT_S` seconds for a peer in a collective
-(``$LOCKSTEP_RANK_TIMEOUT`` overrides it) and the coordinator at most that plus
-:data:`CALL_GRACE_S` for a whole call (the start: :data:`START_TIMEOUT_S`). A rank that
-exits, crashes or stays silent past it ends the request with a :class:`RankError`; every rank is then killed
-and joined, and the session is closed. :meth:`close` (also run when the session is collected
-and at interpreter exit, the ranks being daemon processes) stops the ranks and joins them.
+Failures (a dead, failed or silent rank: :class:`~core.parallel.ranks.RankError`, every rank
+stopped, the session closed) are :mod:`core.parallel.ranks`'.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import multiprocessing
-import os
-import sys
-import threading
-import time
-import types
-import weakref
-from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterator, Sequence, cast
+from typing import Any, Sequence, cast
 
 import attrs
 import numpy as np
@@ -40,24 +28,14 @@ import numpy as np
 from core.counters import Counters
 from core.generation import sampling as sampling_mod
 from core.models.model import Model, load_model
+from core.parallel.ranks import RankCalls, RankError, rank_timeout
 from core.parallel.shard import ShardPlan, plan_shards
 from core.runtime.runner import Runner
 from core.runtime.step import StepOutput
 from core.session import PendingStep, RequestError, Session
 
-#: Seconds a call to the ranks (and a receive between ranks) may take before it is a failure.
-RANK_TIMEOUT_S = 300.0
-#: Seconds the ranks get to start (import, load and shard the model), at least the call timeout.
-START_TIMEOUT_S = 180.0
-#: Seconds a call waits beyond the ranks' receive timeout.
-CALL_GRACE_S = 5.0
-#: Seconds a rank gets to exit after ``close`` before it is killed.
-CLOSE_GRACE_S = 10.0
-
-
-class RankError(RuntimeError):
-    """A rank process died, failed or hung; the tensor-parallel session is closed and every
-    rank is stopped."""
+__all__ = ["GREEDY_ONLY", "RankError", "TensorParallelCounters", "TensorParallelSession", "check_greedy",
+           "rank_timeout"]
 
 
 @attrs.define
@@ -73,24 +51,6 @@ class TensorParallelCounters(Counters):
     tensor_parallel: int = 1
     all_reduces: int = 0
     all_reduce_bytes: int = 0
-
-
-def rank_timeout() -> float:
-    """:data:`RANK_TIMEOUT_S`, or ``$LOCKSTEP_RANK_TIMEOUT`` (seconds) when set.
-
-    Raises:
-        RequestError: the variable is not a positive number.
-    """
-    text = os.environ.get("LOCKSTEP_RANK_TIMEOUT")
-    if text is None:
-        return RANK_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise RequestError(f"LOCKSTEP_RANK_TIMEOUT must be a positive number of seconds, got {text!r}")
-    return value
 
 
 #: Why a sampled request is refused with tensor_parallel > 1.
@@ -115,43 +75,7 @@ def check_greedy(sampling: Any, batch: int, model: Model) -> list:
     return rows
 
 
-def _stop(procs: list, ctrls: list, graceful: bool) -> None:
-    """Stop every rank: ask it to close (graceful), wait, then kill what is left; join all."""
-    if graceful:
-        for conn in ctrls:
-            with contextlib.suppress(OSError, ValueError):
-                conn.send(("close",))
-        deadline = time.monotonic() + CLOSE_GRACE_S
-        for p in procs:
-            p.join(max(deadline - time.monotonic(), 0.0))
-    for p in procs:
-        if p.is_alive():
-            p.kill()  # SIGKILL also ends a stopped (SIGSTOP) rank
-    for p in procs:
-        p.join()
-    for conn in ctrls:
-        conn.close()
-
-
-_MAIN_SWAP = threading.Lock()
-
-
-@contextlib.contextmanager
-def _own_main() -> Iterator[None]:
-    """While a rank process starts, ``__main__`` is a bare module: "spawn" re-runs the parent's
-    main module in the child (by path or name), which fails for ``<stdin>`` and is never wanted
-    here (the rank's target lives in core.parallel.worker, and a caller's script must not run
-    twice). The swap covers only ``Process.start`` (the preparation data is read there)."""
-    with _MAIN_SWAP:
-        main = sys.modules["__main__"]
-        sys.modules["__main__"] = types.ModuleType("__main__")
-        try:
-            yield
-        finally:
-            sys.modules["__main__"] = main
-
-
-class TensorParallelSession(Session):
+class TensorParallelSession(RankCalls, Session):
     """A :class:`~core.session.Session` sharded over ``tensor_parallel`` rank processes
     (module docstring). Arguments as :class:`~core.session.Session`, plus:
 
@@ -205,112 +129,14 @@ class TensorParallelSession(Session):
         kwargs = dict(batch=batch, capacity=capacity, kv_layout=kv_layout, kv_policy=kv_policy, capture=capture,
                       max_capacity=max_capacity, weight_budget=weight_budget, device_budget=device_budget,
                       prefill_groups=prefill_groups)
-        self._procs, self._ctrls = self._spawn(str(self._model.folder), name, kwargs)
-        # Session types _release by its own finalizer (release_state(state)); this one takes no argument
-        self._release = weakref.finalize(self, functools.partial(_stop, self._procs, self._ctrls, True))  # type: ignore[call-arg]
-        try:
-            ready = self._call("start", send=False, timeout=max(START_TIMEOUT_S, self.timeout))
-        except BaseException:
-            self._release()
-            raise
+        ready = self._start_ranks(str(self._model.folder), name, kwargs, "session")
         info = ready[0]
         self.state = SimpleNamespace(kv=SimpleNamespace(limit=info["limit"]))
         self.vocab_ranges = [r["vocab"] for r in ready]
         self.all_reduces_per_run = info["all_reduces_per_run"]
         self._stats: dict = {"lengths": np.zeros(self.batch, np.int64), "capacity": None, "started": False}
 
-    def _spawn(self, folder: str, provider: str, kwargs: dict) -> tuple[list, list[Connection]]:
-        """Start the ranks. They run :func:`~core.parallel.worker.rank_main` and import nothing
-        of the caller's main module (:func:`_own_main`), so a script read from standard input,
-        ``python -c`` or a notebook starts them like any file."""
-        ctx = multiprocessing.get_context("spawn")
-        size = self.ranks
-        peers: list[dict[int, Connection]] = [{} for _ in range(size)]
-        for r in range(1, size):
-            a, b = ctx.Pipe(duplex=True)
-            peers[0][r], peers[r][0] = a, b
-        procs, ctrls, child_ends = [], [], []
-        from core.parallel.worker import rank_main
-
-        for r in range(size):
-            mine, theirs = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=rank_main, name=f"lockstep-tp-rank{r}", daemon=True,
-                            args=(r, size, folder, provider, kwargs, theirs, peers[r], self.timeout))
-            with _own_main():
-                p.start()
-            procs.append(p)
-            ctrls.append(mine)
-            child_ends.append(theirs)
-        for conn in child_ends:  # only the ranks hold these now: a dead rank's pipes close
-            conn.close()
-        for group in peers:
-            for conn in group.values():
-                conn.close()
-        return procs, ctrls
-
     # -- rank calls ------------------------------------------------------------------------
-    def _fail(self, message: str) -> RankError:
-        self._release.detach()
-        _stop(self._procs, self._ctrls, graceful=False)
-        return RankError(f"tensor parallel: {message}; every rank was stopped and the session is closed")
-
-    def _call(self, op: str, *args: Any, targets: Sequence[int] | None = None, send: bool = True,
-              timeout: float | None = None) -> list:
-        """Send ``(op, args)`` to ``targets`` (default every rank) and return their values in
-        rank order. A user error every rank raised is re-raised (the ranks stay usable); a
-        dead, failed or silent rank is a :class:`RankError` after every rank is stopped."""
-        ranks = list(range(self.ranks)) if targets is None else list(targets)
-        if send:
-            self._check_open()
-            for r in ranks:
-                try:
-                    self._ctrls[r].send((op, args))
-                except (OSError, ValueError):
-                    self._procs[r].join(1.0)  # a closed pipe: the rank is exiting, reap it
-                    if self._procs[r].is_alive():
-                        raise self._fail(f"rank {r} is gone (its pipe is closed) before {op}") from None
-                    raise self._fail(f"rank {r} died (exit code {self._procs[r].exitcode}) "
-                                     f"before {op}") from None
-        replies: dict[int, tuple] = {}
-        # a call outlasts the ranks' own receive timeout, so that a rank waiting on a silent
-        # peer reports it (naming the peer) before the coordinator gives up on both
-        limit = self.timeout + CALL_GRACE_S if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        by_conn = {id(self._ctrls[r]): r for r in ranks}
-        while len(replies) < len(ranks):
-            waiting = [self._ctrls[r] for r in ranks if r not in replies]
-            left = deadline - time.monotonic()
-            ready = wait(waiting + [p.sentinel for p in self._procs], timeout=max(left, 0.0)) if left > 0 else []
-            for obj in ready:
-                who = by_conn.get(id(obj))
-                if who is None:
-                    continue
-                try:
-                    replies[who] = cast(Connection, obj).recv()
-                except (EOFError, OSError):
-                    self._procs[who].join(1.0)  # its pipe closed: it is exiting
-                    replies[who] = ("dead", f"rank {who} closed its pipe during {op}")
-            dead = [f"rank {r} died (exit code {p.exitcode}) during {op}" for r, p in enumerate(self._procs)
-                    if not p.is_alive() and (r not in replies or replies[r][0] == "dead")]
-            dead += [msg for r, (kind, msg) in sorted(replies.items()) if kind == "dead" and self._procs[r].is_alive()]
-            fatal = [f"{msg}" for r, (kind, msg) in sorted(replies.items()) if kind == "fatal"]
-            if fatal and not dead:  # a rank saw a peer vanish: name the peer once it is reaped
-                wait([p.sentinel for p in self._procs], timeout=0.5)
-                dead = [f"rank {r} died (exit code {p.exitcode}) during {op}" for r, p in enumerate(self._procs)
-                        if not p.is_alive() and r not in replies]
-            if dead or fatal:
-                raise self._fail(f"{op} failed: " + "; ".join(dead + fatal))
-            if not ready:
-                silent = [r for r in ranks if r not in replies]
-                raise self._fail(f"rank {', '.join(map(str, silent))} did not answer {op} within "
-                                 f"{limit:g} s (hung?)")
-        errors = [msg for _, (kind, msg) in sorted(replies.items()) if kind == "error"]
-        if errors:
-            if len(errors) != len(ranks):
-                raise self._fail(f"the ranks disagree on {op}: some refused it ({errors[0]})")
-            raise errors[0]
-        return [replies[r][1] for r in ranks]
-
     def _stepped(self, outs: list) -> StepOutput:
         first = outs[0][0]
         for r, (out, _) in enumerate(outs[1:], 1):
@@ -356,19 +182,6 @@ class TensorParallelSession(Session):
     def started(self) -> bool:
         """True once a prefill ran for the current request."""
         return bool(self._stats["started"])
-
-    def close(self) -> None:
-        """Stop every rank (asked to exit, killed after :data:`CLOSE_GRACE_S`) and join them."""
-        self._release()
-
-    def alive_ranks(self) -> list[int]:
-        """Process ids of the rank processes still running (empty once closed)."""
-        return [p.pid for p in self._procs if p.is_alive()]
-
-    @property
-    def rank_pids(self) -> list[int]:
-        """Process id of every rank, in rank order."""
-        return [int(p.pid) for p in self._procs]
 
     def check_prompts(self, input_ids: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 1) -> None:
         """As :meth:`core.session.Session.check_prompts` (rank 0 checks)."""

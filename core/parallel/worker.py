@@ -1,9 +1,13 @@
-"""The rank process: one shard of the model in an ordinary Session, driven over a pipe.
+"""The rank process: one shard of the model in an ordinary Session or Runner, driven over a pipe.
 
 :func:`rank_main` is the target of each spawned rank. It loads the model folder, cuts its
 own shard with the same :class:`~core.parallel.shard.ShardPlan` as every other rank, wraps
-its provider in :class:`~core.parallel.provider.TensorParallelProvider` and makes a
-:class:`~core.session.Session` on the shard. Then it answers the coordinator's calls, one
+its provider in :class:`~core.parallel.provider.TensorParallelProvider` and makes, in mode
+"session", a :class:`~core.session.Session` on the shard (the fixed-batch
+:class:`~core.parallel.session.TensorParallelSession`), or in mode "runner" a
+:class:`~core.runtime.runner.Runner` whose engine slot states
+(:class:`~core.engine.slots.SlotState`, :mod:`core.parallel.slots`) the coordinator's
+:class:`~core.parallel.runner.TensorParallelRunner` makes and drives. Then it answers the coordinator's calls, one
 ``(op, args)`` message at a time, with ``("ok", value)``, ``("error", exc)`` for an error the
 user caused (raised before any work: the rank stays usable), or ``("fatal", text)`` after
 which it exits (a communicator failure or a bug: its state can no longer be trusted).
@@ -35,12 +39,13 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 def rank_main(rank: int, size: int, folder: str, provider: str, session_kwargs: dict, ctrl: Connection,
-              peers: dict[int, Connection], timeout: float) -> None:
+              peers: dict[int, Connection], timeout: float, mode: str = "session") -> None:
     """Run rank ``rank`` of ``size`` until closed (module docstring).
 
     Args:
         folder: the model folder; provider: the provider name each rank creates.
-        session_kwargs: :class:`~core.session.Session` keyword arguments (batch, capacity, ...).
+        session_kwargs: :class:`~core.session.Session` keyword arguments (batch, capacity, ...),
+            or in mode "runner" the :class:`~core.runtime.runner.Runner`'s (kv_layout, budgets).
         ctrl: the pipe to the coordinator; peers: the communicator's pipes
             (:class:`~core.parallel.comm.HostCommunicator`); timeout: its receive timeout (s).
     """
@@ -51,6 +56,7 @@ def rank_main(rank: int, size: int, folder: str, provider: str, session_kwargs: 
         from core.parallel.comm import CommError, HostCommunicator
         from core.parallel.provider import TensorParallelProvider
         from core.parallel.shard import plan_shards
+        from core.parallel.slots import RankSlots
         from core.plugins import get_provider
         from core.session import Session
     except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, then exit
@@ -63,6 +69,13 @@ def rank_main(rank: int, size: int, folder: str, provider: str, session_kwargs: 
         plan = plan_shards(model, size)
         start, end = plan.vocab_range(rank)
         wrapped = TensorParallelProvider(get_provider(provider), comm, start)
+        if mode == "runner":
+            slots = RankSlots(plan.shard(model, rank), wrapped, comm, session_kwargs)
+            ctrl.send(("ok", {"vocab": (start, end), "all_reduces_per_run": plan.all_reduces_per_run(),
+                              **slots.info()}))
+            _serve(rank, ctrl, comm, slots.handle, USER_ERRORS, CommError)
+            slots.close()
+            return
         session = Session(plan.shard(model, rank), wrapped, **session_kwargs)
         ctrl.send(("ok", {"vocab": (start, end), "limit": session.state.kv.limit,
                           "all_reduces_per_run": plan.all_reduces_per_run()}))
@@ -91,6 +104,13 @@ def rank_main(rank: int, size: int, folder: str, provider: str, session_kwargs: 
             return stats()
         raise ValueError(f"unknown rank call {op!r}")
 
+    _serve(rank, ctrl, comm, handle, USER_ERRORS, CommError)
+    session.close()
+
+
+def _serve(rank: int, ctrl: Connection, comm: Any, handle: Any, user_errors: tuple,
+           comm_error: type[BaseException]) -> None:
+    """Answer the coordinator's calls with ``handle(op, args)`` until closed (module docstring)."""
     while True:
         try:
             msg = ctrl.recv()
@@ -100,13 +120,12 @@ def rank_main(rank: int, size: int, folder: str, provider: str, session_kwargs: 
             break
         try:
             ctrl.send(("ok", handle(msg[0], msg[1])))
-        except CommError as exc:
+        except comm_error as exc:
             ctrl.send(("fatal", str(exc)))
             break
-        except USER_ERRORS as exc:
+        except user_errors as exc:
             ctrl.send(("error", _portable(exc)))
         except BaseException as exc:  # noqa: BLE001 - reported, then exit
             ctrl.send(("fatal", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
             break
     comm.close()
-    session.close()

@@ -11,16 +11,36 @@ its own thread (prometheus-client is thread safe):
 - ``lockstep_request_latency_seconds``: arrival to the last event;
 - ``lockstep_prompt_tokens_total``, ``lockstep_generation_tokens_total``: tokens in and out;
 - ``lockstep_requests_total{finish_reason}``: finished requests; ``lockstep_rejected_total{reason}``:
-  requests refused before queueing (full queue, bad input).
+  requests refused before queueing (full queue, bad input);
+- weight streaming (``--weight-budget`` / ``--device-budget``), read from the engine's counters
+  at every scrape: ``lockstep_htod_bytes_total`` (weight bytes copied host to device),
+  ``lockstep_page_ins_total`` (copies into staging slots), ``lockstep_evictions_total`` (copies
+  that overwrote another weight), ``lockstep_htod_bytes_per_token`` and
+  ``lockstep_page_ins_per_token`` (decode copies per generated token), and the plan's
+  ``lockstep_weight_bytes_streamed_per_step`` and ``lockstep_weight_bytes_resident`` (all 0
+  or resident-only when nothing streams).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from core.engine import Event, Request
+
+#: engine counters exported as Prometheus counters (name, help)
+STREAM_COUNTERS = (("htod_bytes", "Weight bytes copied host to device (streamed weights)"),
+                   ("page_ins", "Weight copies into staging slots"),
+                   ("evictions", "Weight copies that overwrote another weight in a staging slot"))
+#: engine counters exported as gauges (name, help)
+STREAM_GAUGES = (("htod_bytes_per_token", "Decode weight bytes copied per generated token"),
+                 ("page_ins_per_token", "Decode weight copies per generated token"),
+                 ("weight_bytes_streamed_per_step", "Weight bytes the residency plan streams per step"),
+                 ("weight_bytes_resident", "Weight bytes resident on the device"))
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -46,7 +66,8 @@ class Metrics:
         self.rejected = Counter("lockstep_rejected", "Requests refused before queueing", ["reason"], registry=r)
 
     def watch(self, engine) -> None:
-        """Read the gauges from ``engine`` at every scrape."""
+        """Read the gauges and the streaming counters from ``engine`` at every scrape."""
+        self.registry.register(StreamingCollector(engine))
         self.queue_depth.set_function(lambda: engine.waiting)
         self.running.set_function(lambda: engine.running)
         self.slot_usage.set_function(lambda: engine.running / engine.max_batch)
@@ -67,3 +88,19 @@ class Metrics:
             self.latency.observe(now - request.arrived)
             self.finished.labels(event.finish_reason).inc()
         return last
+
+
+class StreamingCollector(Collector):
+    """The weight-streaming counters of an engine (:data:`STREAM_COUNTERS`,
+    :data:`STREAM_GAUGES`), read from ``engine.counters`` when scraped (plain reads of numbers
+    the engine's thread updates)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Any]:
+        c = self.engine.counters
+        for name, text in STREAM_COUNTERS:
+            yield CounterMetricFamily(f"lockstep_{name}", text, value=float(getattr(c, name)))
+        for name, text in STREAM_GAUGES:
+            yield GaugeMetricFamily(f"lockstep_{name}", text, value=float(getattr(c, name)))

@@ -1,6 +1,7 @@
-"""The cuda twin of tests/unit/test_run_engine.py (GPU only): ``core.run`` goes through the
-engine (captured decode buckets) and its rows are bitwise the fixed-batch Session path's for
-unequal prompts, greedy and seeded."""
+"""The cuda twin of tests/unit/test_run_engine.py and test_run_engine_budget.py (GPU only):
+``core.run`` goes through the engine (captured decode buckets) and its rows are bitwise the
+fixed-batch Session path's for unequal prompts, greedy and seeded, with weights resident or
+streamed under a weight budget."""
 
 from _gpu import require_gpu
 
@@ -29,3 +30,32 @@ def test_core_run_on_the_engine_is_bitwise_the_session_path_on_cuda(model_dir, s
     session.close()
     assert [r.output_ids for r in got.rows] == [w.output_ids for w in want]
     assert [r.finish_reason for r in got.rows] == [w.finish_reason for w in want]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_weight_budget_streams_through_the_engine_bitwise_on_cuda(model_dir, sampled, monkeypatch):
+    """Streamed weights on the engine's captured buckets: bitwise the resident engine and the
+    streamed Session path, the streaming counters metered as the Session meters them."""
+    from core.runtime import residency
+
+    monkeypatch.setattr(residency, "SMALL_BYTES", 512)  # the tiny models' matrices stream too
+    runner = Runner(model_dir, "cuda", weight_budget=0.5)
+    r = runner.residency
+    assert r.streams
+    sampling = [{"do_sample": True, "temperature": 0.9, "top_k": 40, "seed": 21 + i} for i in range(4)] \
+        if sampled else None
+    news = [8] * 4
+    got = core.run(runner, input_ids=PROMPTS, max_new_tokens=news, sampling=sampling)
+    c = got.counters
+    assert c["engine_requests"] == 4 and c["captures"] >= 1  # the engine, captured
+    assert c["htod_bytes"] > 0 and c["page_ins"] > 0 and c["htod_bytes_per_token"] > 0
+    resident = core.run(Runner(model_dir, "cuda"), input_ids=PROMPTS, max_new_tokens=news, sampling=sampling)
+    assert [x.output_ids for x in got.rows] == [x.output_ids for x in resident.rows]
+    session = Session(runner, batch=4, capacity=64, kv_policy="fixed")
+    want = session.stream(PROMPTS, news, sampling=sampling).run()
+    s = session.counters
+    session.close()
+    assert [x.output_ids for x in got.rows] == [w.output_ids for w in want]
+    if all(len(x.output_ids) == 8 for x in got.rows):  # every step advanced every row on both paths
+        assert c["htod_bytes_per_token"] == s.htod_bytes_per_token
+        assert c["page_ins_per_token"] == s.page_ins_per_token

@@ -18,8 +18,8 @@ LAYERS = ("core.errors", "core.session", "core.generation.stream", "core.generat
           "core.generation.sampling", "core.generation.loop", "core.generation.generate",
           "core.parallel.session", "core.profile", "core.kernel_profile", "core.engine.request")
 #: Edges still allowed, each with its reason. Session(tensor_parallel=R > 1) returns a
-#: TensorParallelSession (Session.__new__), which subclasses Session; it goes when tensor
-#: parallel becomes a step runner the engine drives (issue 40).
+#: TensorParallelSession (Session.__new__), which subclasses Session: the fixed-batch facade
+#: stays (core.run's tensor parallel runs on the engine's step runner, core.parallel.runner).
 KNOWN = {("core.session", "core.parallel.session")}
 
 

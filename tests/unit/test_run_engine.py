@@ -1,7 +1,8 @@
 """One decode path: ``core.run``, ``core.stream`` and ``lockstep run`` go through the engine
 (its ``engine_requests`` counter says so), and their rows are bitwise the fixed-batch Session
 path's for a batch of unequal prompts, greedy and seeded; requests the engine cannot take keep
-the Session path (cpu_reference; the cuda twin is tests/cuda/test_run_engine_cuda.py)."""
+the Session path (cpu_reference; the cuda twin is tests/cuda/test_run_engine_cuda.py). Budgets:
+tests/unit/test_run_engine_budget.py; tensor parallel: tests/unit/test_tensor_parallel_engine.py."""
 
 from __future__ import annotations
 
@@ -71,11 +72,12 @@ def test_lockstep_run_json_reports_the_engine_counters(folder, capsys):
     assert [len(r["output_ids"]) for r in doc["rows"]] == [3, 3]
 
 
-def test_a_weight_budget_keeps_the_session_path_with_the_same_rows(folder, runner):
+def test_a_weight_budget_runs_on_the_engine_with_the_same_rows(folder, runner):
+    # budgets that stream are tests/unit/test_run_engine_budget.py
     engine = core.run(runner, input_ids=PROMPTS[:2], max_new_tokens=4)
-    kept = core.run(folder, input_ids=PROMPTS[:2], max_new_tokens=4, weight_budget="1GiB")
-    assert engine.counters["engine_requests"] == 2 and kept.counters["engine_requests"] == 0
-    assert [r.output_ids for r in kept.rows] == [r.output_ids for r in engine.rows]
+    budget = core.run(folder, input_ids=PROMPTS[:2], max_new_tokens=4, weight_budget="1GiB")
+    assert engine.counters["engine_requests"] == 2 and budget.counters["engine_requests"] == 2
+    assert [r.output_ids for r in budget.rows] == [r.output_ids for r in engine.rows]
 
 
 def test_a_capacity_the_slots_cannot_hold_keeps_the_session_path(runner):
