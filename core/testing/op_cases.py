@@ -597,6 +597,16 @@ OP_CASES: list[OpCase] = [
 ]
 
 
+def _register() -> None:
+    """Add the case modules' cases (each imports this module inside its ``cases()``)."""
+    from core.testing import router_cases
+
+    OP_CASES.extend(router_cases.cases())
+
+
+_register()
+
+
 # -- device_argmax (docs/cases.md 11, 12, 23) ------------------------------------------------------
 
 VOCAB = 2304  # > 2 * 1024, so ties {i, i + blockDim} fit for blockDim 256 and 1024
