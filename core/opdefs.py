@@ -256,8 +256,8 @@ def moe_unsupported(node) -> list[str]:
     if node.op_type == "QMoE":
         if str(attrs.get("quant_type", "int")) != "int":
             out.append(f"quant_type={attrs['quant_type']!r} (integer QMoE only)")
-        if int(attrs.get("weights_prepacked", -1)) == 1:
-            out.append("weights_prepacked=1 (a CUDA CUTLASS layout)")
+        if int(attrs.get("weights_prepacked", -1)) not in (-1, 0, 1):
+            out.append(f"weights_prepacked={attrs['weights_prepacked']} (-1, 0 or 1)")
         for name in ("expert_weight_bits", "fc1_expert_weight_bits", "fc2_expert_weight_bits",
                      "fc3_expert_weight_bits"):
             if name in attrs and int(attrs[name]) not in (2, 4, 8):
