@@ -52,7 +52,7 @@ __global__ void clip(const T* __restrict__ x, T* __restrict__ y, long long n, co
 }
 
 __device__ __forceinline__ bool before(float a, long long ia, float b, long long ib, int largest) {
-    const bool na = isnan(a), nb = isnan(b);
+    const bool na = a != a, nb = b != b;  // NaN (no fast-math: the comparison holds)
     if (na || nb) return na && nb ? ia < ib : nb;
     if (a == b) return ia < ib;
     return largest ? a > b : a < b;
