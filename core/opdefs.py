@@ -73,6 +73,35 @@ def reduce_sum_sub_cast_supports(node) -> bool:
     return data is not None and np.dtype(data).kind in "iu" and len(node.inputs) == 3
 
 
+# -- Slice (ONNX Slice-13) ------------------------------------------------------------------
+def slice_index(shape, starts, ends, axes=None, steps=None) -> tuple:
+    """The index (a tuple of slices) of ``data[starts:ends:steps]`` along ``axes`` for data of
+    ``shape``; the inputs are host integer tensors. Negative starts/ends add the dim, then
+    step > 0 clamps start and end to [0, dim], step < 0 clamps start to [0, dim-1] and end to
+    [-1, dim-1] (-1: before 0); axes default to 0..len(starts)-1, steps to 1.
+
+    Raises:
+        ValueError: a step of 0.
+    """
+    starts, ends = int_list(starts), int_list(ends)
+    axes = int_list(axes) if axes is not None else list(range(len(starts)))
+    steps = int_list(steps) if steps is not None else [1] * len(starts)
+    index = [slice(None)] * len(shape)
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        axis = normalize_axis(axis, len(shape))
+        dim = int(shape[axis])
+        if step == 0:
+            raise ValueError("Slice: step 0")
+        start = start + dim if start < 0 else start
+        end = end + dim if end < 0 else end
+        if step > 0:
+            start, end = min(max(start, 0), dim), min(max(end, 0), dim)
+        else:
+            start, end = min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
+        index[axis] = slice(start, None if end < 0 else end, step)
+    return tuple(index)
+
+
 # -- Constant (ONNX Constant-21) ------------------------------------------------------------
 #: Attribute of a Constant node -> numpy dtype of its value (None: the tensor's own dtype).
 CONSTANT_KINDS = {"value": None, "value_float": np.float32, "value_floats": np.float32,
@@ -227,8 +256,8 @@ def moe_unsupported(node) -> list[str]:
     if node.op_type == "QMoE":
         if str(attrs.get("quant_type", "int")) != "int":
             out.append(f"quant_type={attrs['quant_type']!r} (integer QMoE only)")
-        if int(attrs.get("weights_prepacked", -1)) == 1:
-            out.append("weights_prepacked=1 (a CUDA CUTLASS layout)")
+        if int(attrs.get("weights_prepacked", -1)) not in (-1, 0, 1):
+            out.append(f"weights_prepacked={attrs['weights_prepacked']} (-1, 0 or 1)")
         for name in ("expert_weight_bits", "fc1_expert_weight_bits", "fc2_expert_weight_bits",
                      "fc3_expert_weight_bits"):
             if name in attrs and int(attrs[name]) not in (2, 4, 8):

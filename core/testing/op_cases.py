@@ -512,14 +512,18 @@ MOE_SWIGLU = {"activation_type": "swiglu", "swiglu_fusion": 1, "activation_alpha
               "swiglu_limit": 7.0, "normalize_routing_weights": 1}
 
 
-def _moe_case(m, e, h, inter, k, quantized=False) -> OpCase:
-    """MoE (dense experts) or QMoE (int4, block 32) with gpt-oss's SwiGLU over M token rows,
-    with the row-invariance property (rows share experts)."""
+def _moe_case(m, e, h, inter, k, quantized=False, prepacked=False) -> OpCase:
+    """MoE (dense experts) or QMoE (int4, block 32; ``prepacked``: the codes in ONNX Runtime's
+    CUDA layout, core.qmoe_layout) with gpt-oss's SwiGLU over M token rows, with the
+    row-invariance property (rows share experts)."""
     def make(rng, dtype):
+        from core.qmoe_layout import to_cutlass
+
         inputs = {"x": _normal(rng, (m, h), dtype), "router": _normal(rng, (m, e), dtype, 2.0)}
         if quantized:
             for name, (n, kk) in (("1", (2 * inter, h)), ("2", (h, inter))):
-                inputs[f"w{name}"] = rng.integers(0, 256, (e, n, kk // 2), dtype=np.uint8)
+                codes = rng.integers(0, 256, (e, n, kk // 2), dtype=np.uint8)
+                inputs[f"w{name}"] = to_cutlass(codes, 4) if prepacked else codes
                 inputs[f"s{name}"] = (rng.uniform(0.5, 1.5, (e, n, kk // 32)) / (8 * np.sqrt(kk))).astype(dtype)
                 inputs[f"b{name}"] = _normal(rng, (e, n), dtype, 0.1)
             return inputs
@@ -529,9 +533,11 @@ def _moe_case(m, e, h, inter, k, quantized=False) -> OpCase:
                          "b2": _normal(rng, (e, h), dtype, 0.1)}
 
     op = "QMoE" if quantized else "MoE"
-    attrs = MOE_SWIGLU | {"k": k} | ({"expert_weight_bits": 4, "block_size": 32} if quantized else {})
+    attrs = (MOE_SWIGLU | {"k": k} | ({"expert_weight_bits": 4, "block_size": 32} if quantized else {})
+             | ({"weights_prepacked": 1} if prepacked else {}))
     weights = ("w1", "s1", "b1", "w2", "s2", "b2") if quantized else ("w1", "b1", "w2", "b2")
-    return OpCase(f"{op}/swiglu-E{e}-k{k}-H{h}-I{inter}-M{m}", op, make, domain="com.microsoft", attributes=attrs,
+    tag = "-prepacked" if prepacked else ""
+    return OpCase(f"{op}/swiglu-E{e}-k{k}-H{h}-I{inter}-M{m}{tag}", op, make, domain="com.microsoft", attributes=attrs,
                   constants=weights, rows=("x", "router"))
 
 
@@ -594,7 +600,18 @@ OP_CASES: list[OpCase] = [
     _mask_seqlens_case(64, 1, np.int32),
     _moe_case(9, 8, 64, 64, 2),
     _moe_case(17, 8, 64, 32, 4, quantized=True),
+    _moe_case(9, 8, 64, 64, 2, quantized=True, prepacked=True),
 ]
+
+
+def _register() -> None:
+    """Add the case modules' cases (each imports this module inside its ``cases()``)."""
+    from core.testing import router_cases
+
+    OP_CASES.extend(router_cases.cases())
+
+
+_register()
 
 
 # -- device_argmax (docs/cases.md 11, 12, 23) ------------------------------------------------------

@@ -5,9 +5,10 @@ fc1_scales, fc1_experts_bias, fc2_experts_weights uint8 [E, H, I*b2/8], fc2_scal
 fc2_experts_bias, fc3_experts_weights, fc3_scales, fc3_experts_bias, fc1/fc2/fc3_zero_points;
 inputs 14..20 (router_weights, FP4/FP8 scales) are refused (core.opdefs.moe_unsupported).
 Attributes: those of MoE, plus expert_weight_bits (2/4/8, default 4), fc1/fc2/fc3_expert_weight_bits
-(per-projection overrides), block_size, quant_type (only "int"), weights_prepacked (-1 or 0:
-the raw [E, N, K*bits/8] layout the builder writes for CPU; 1 refused), accuracy_level (ignored:
-exact fp32, as MatMulNBits).
+(per-projection overrides), block_size, quant_type (only "int"), weights_prepacked (0: the
+raw [E, N, K*bits/8] layout the builder writes for CPU; 1, or absent with the CUDA build's
+shapes: ONNX Runtime's CUDA layout [E, K, N*bits/8], repacked to raw once, core.qmoe_layout),
+accuracy_level (ignored: exact fp32, as MatMulNBits).
 Dequantization of projection row n of expert e, codes LSB-first along K (ops._quant):
 W[n, k] = (q - zp) * scale, with per block of ``block_size`` along K scales [E, N, K/bs] and
 zero points uint8 [E, N, ceil(K/bs*bits/8)]; without block_size one scale per row, scales
@@ -21,6 +22,7 @@ contrib op schema (onnxruntime 1.32).
 
 import numpy as np
 
+from core import qmoe_layout
 from core.opdefs import moe_unsupported
 from core.ops import run_memos
 from providers.cpu_reference.ops import matmul_nbits
@@ -77,6 +79,9 @@ def experts_of(ctx, hidden: int, fc1, s1, b1, fc2, s2, b2, fc3, s3, b3, z1, z2, 
     hit = run_memos(ctx).get("experts")
     if constant and hit is not None and all(x is y for x, y in zip(hit[0], parts)):
         return hit[1]
+    raw = qmoe_layout.as_raw(attrs, fc1, s1, fc2, s2, fc3, s3)
+    if raw is not None:
+        fc1, fc2, fc3 = raw
     bits = int(attrs.get("expert_weight_bits", 4))
     b1_bits = int(attrs.get("fc1_expert_weight_bits", bits))
     b2_bits = int(attrs.get("fc2_expert_weight_bits", bits))

@@ -7,22 +7,23 @@ fc2_experts_bias, fc3_experts_weights, fc3_scales, fc3_experts_bias, fc1/fc2/fc3
 Codes LSB-first along K, dequantised in registers as (q - zp) * scale in fp32 (zp 2^(b-1)
 when absent); b = 2, 4 or 8 (expert_weight_bits, fc*_expert_weight_bits). This provider
 runs the block-wise layout the builder writes (block_size set, K a multiple of it); a node
-without block_size is refused (support_reason). Kernels: kernels/moe.cu through ops/_moe.py.
+without block_size is refused (support_reason). The int4 CUDA build's codes (ONNX Runtime's
+CUDA layout) are repacked to the raw layout at plan time (prepare, core.qmoe_layout).
+Kernels: kernels/moe.cu through ops/_moe.py.
 Bad shapes or dtypes raise ValueError. Source: ORT contrib op schema (1.32).
 """
 
-from providers.cuda.ops import _moe
+import numpy as np
+
+from core import qmoe_layout
+from providers.cuda.ops import _moe, array_module
 
 OP_TYPE = "QMoE"
 DOMAIN = "com.microsoft"
 _FLOATS = (0, 1, 4, 7)  # input, router_probs, fc1_scales, fc2_scales: the float inputs
 
 
-def _bits(attrs: dict) -> tuple[int, int, int]:
-    """(fc1, fc2, fc3) bit widths (ONNX defaults: expert_weight_bits, fc3 as fc1)."""
-    bits = int(attrs.get("expert_weight_bits", 4))
-    b1 = int(attrs.get("fc1_expert_weight_bits", bits))
-    return b1, int(attrs.get("fc2_expert_weight_bits", bits)), int(attrs.get("fc3_expert_weight_bits", b1))
+_bits = qmoe_layout.projection_bits  # (fc1, fc2, fc3) bit widths
 
 
 def support_reason(node) -> str | None:
@@ -54,20 +55,19 @@ def run(ctx, x, router_probs, fc1, s1, b1=None, fc2=None, s2=None, b2=None, fc3=
                     None if fc3 is None else _moe.Projection(fc3, b3_bits, s3, z3, b3), block)
 
 
-def prepare(ctx, x, router_probs, fc1, s1, b1=None, fc2=None, *rest):
-    """Plan-time check (core.ops): constant expert codes must be in the raw [E, N, K*bits/8]
-    layout the builder writes for the CPU, read against fc2's hidden size. Prepares nothing.
+def prepare(ctx, x, router_probs, fc1, s1, b1=None, fc2=None, s2=None, b2=None, fc3=None, s3=None, *rest):
+    """Plan-time hook (core.ops): expert codes in ONNX Runtime's CUDA layout (the builder's int4
+    CUDA build: fc1 [E, H, F*I*bits/8], packed along the outputs; core.qmoe_layout) become
+    the raw [E, N, K*bits/8] codes the kernels read, once; raw codes prepare nothing.
 
     Raises:
-        ValueError: codes in another layout, e.g. the builder's CUDA int4 build, which stores
-            fc1 as [E, H, F*I*bits/8] (packed along the outputs, ONNX Runtime's CUDA layout).
+        ValueError: codes that fit neither layout, or sizes the CUDA layout cannot have.
     """
-    if fc1 is None or fc2 is None or getattr(fc1, "ndim", 0) != 3 or getattr(fc2, "ndim", 0) != 3:
+    if any(getattr(a, "ndim", 0) != 3 for a in (fc1, fc2)) or s1 is None or s2 is None:
         return None
-    b1_bits, _, _ = _bits(ctx.node.attrs)
-    hidden = int(fc2.shape[1])
-    if int(fc1.shape[2]) * 8 // b1_bits != hidden:
-        raise ValueError(f"QMoE {ctx.node.name!r} (cuda): fc1_experts_weights {tuple(fc1.shape)} is not "
-                         f"[E, F*I, {hidden}*{b1_bits}/8] for fc2's hidden size {hidden}; cuda runs the CPU "
-                         "build's raw layout (an int4 build with --target cpu), not ONNX Runtime's CUDA layout")
-    return None
+    xp = array_module(fc1)
+    host = [a if a is None or xp is np else a.get() for a in (fc1, s1, fc2, s2, fc3, s3)]
+    raw = qmoe_layout.as_raw(ctx.node.attrs, *host)
+    if raw is None:
+        return None
+    return {i: xp.asarray(w) for i, w in zip((2, 5, 8), raw) if w is not None}

@@ -1,0 +1,20 @@
+"""Neg (ONNX, default domain): y = -x (exact), fp16/fp32, computed in fp32
+and rounded once to the input dtype; kernels/router.cu ``unary`` (no reduction:
+batch-invariant). Source: ONNX Neg-13."""
+
+from providers.cuda.ops import _router
+
+OP_TYPE = "Neg"
+DOMAIN = ""
+
+
+def support_reason(node) -> str | None:
+    return _router.floats_only(node)
+
+
+def supports(node) -> bool:
+    return support_reason(node) is None
+
+
+def run(ctx, x):
+    return _router.unary(ctx, x, _router.NEG)
