@@ -141,17 +141,17 @@ def page_layout(sizes: Mapping[int, int]) -> tuple[np.ndarray, int]:
 class _Node:
     """One MoE node's pages: the bank (pinned, mapped), the resident store, its counters' rows."""
 
-    def __init__(self, provider, index: int, num_experts: int, arrays: dict[int, np.ndarray], resident: frozenset):
+    def __init__(self, provider, index: int, num_experts: int, arrays: dict[int, Any], resident: frozenset):
         cp = provider.cupy
         self.index, self.num_experts, self.key_base = index, num_experts, index * KEY_STRIDE
         sizes = {t: int(a.nbytes) // num_experts for t, a in arrays.items()}
         offsets, self.page_bytes = page_layout(sizes)
         mem = cp.cuda.alloc_pinned_memory(num_experts * self.page_bytes)
         self.bank = np.frombuffer(mem, np.uint8, num_experts * self.page_bytes).reshape(num_experts, self.page_bytes)
-        self.bank[:] = 0
-        for t, a in arrays.items():
-            for e in range(num_experts):  # one expert at a time: a memory-mapped weight is read once
-                self.bank[e, offsets[t]:offsets[t] + sizes[t]] = np.ascontiguousarray(a[e]).reshape(-1).view(np.uint8)
+        for t, a in arrays.items():  # the padding between tensors is never read
+            host = np.ascontiguousarray(provider.download(a))
+            self.bank[:, offsets[t]:offsets[t] + sizes[t]] = host.reshape(num_experts, -1).view(np.uint8)
+            del host
         self.bank_device = provider.map_host(self.bank)
         rows = sorted(resident)
         self.cold = num_experts - len(rows)
@@ -171,7 +171,7 @@ class CudaExpertResidency:
         nodes: MoE node name -> its pages.
     """
 
-    def __init__(self, provider, plan: ExpertPlan, arrays: Mapping[str, dict[int, np.ndarray]]):
+    def __init__(self, provider, plan: ExpertPlan, arrays: Mapping[str, dict[int, Any]]):
         cp = provider.cupy
         self.provider, self.plan = provider, plan
         self.nodes = {name: _Node(provider, i, plan.num_experts[name], arrays[name], plan.resident[name])
@@ -278,7 +278,9 @@ def use_expert_residency(session, budget_bytes: int | None, ring_slots: int = 2,
             if "expert_pager" in plan.contexts[i].cache:
                 raise ValueError(f"expert residency is already on for {node.name!r}")
             found[node.name] = i
-    arrays: dict[str, dict[int, np.ndarray]] = {}
+    if set(found) != set(counts):
+        raise ValueError(f"MoE nodes {sorted(set(counts) - set(found))} are not in the session's plan")
+    arrays: dict[str, dict[int, Any]] = {}  # node -> table entry -> the device tensor
     for name, i in found.items():
         node, e = plan.nodes[i], counts[name]
         arrays[name] = {}
@@ -288,9 +290,9 @@ def use_expert_residency(session, budget_bytes: int | None, ring_slots: int = 2,
                 continue
             value = plan.constants.get(tensor)
             if value is None or isinstance(value, np.ndarray) or int(value.shape[0]) != e:
-                raise ValueError(f"{name}: expert input {tensor!r} must be a device tensor [E={e}, ...]")
-            host = model.initializers.get(tensor)
-            arrays[name][entry] = provider.download(value) if host is None else host
+                raise ValueError(f"{name}: expert input {tensor!r} must be a device tensor [E={e}, ...] "
+                             "(the other weights resident)")
+            arrays[name][entry] = value  # the bytes the kernels read, prepared or not
     residency = CudaExpertResidency(provider, expert_plan, arrays)
     cp = provider.cupy
     for i in found.values():
@@ -299,5 +301,6 @@ def use_expert_residency(session, budget_bytes: int | None, ring_slots: int = 2,
             if index < len(node.inputs) and node.inputs[index]:
                 plan.constants[node.inputs[index]] = _placeholder(cp, plan.constants[node.inputs[index]])
         plan.contexts[i].cache["expert_pager"] = residency
+    provider.stream.synchronize()  # the pages and the ring are in place before any step
     provider.reset_peak()  # the dropped expert copies go back to the device
     return residency

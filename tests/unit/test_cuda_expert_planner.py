@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from core.runtime.experts import plan_experts
-from providers.cpu_reference.expert_pager import ExpertResidency
+from providers.cpu_reference.expert_pager import ExpertResidency, use_expert_residency
 from providers.cpu_reference.ops._moe import Experts, Routing
 from providers.cuda import expert_pager as pager
 
@@ -148,3 +148,17 @@ def test_the_launches_fit_the_kernels_and_never_depend_on_the_routing(monkeypatc
         assert [c[0] for c in calls] == ["moe_plan"] + ["moe_page_in", "moe_up_paged", "moe_down_paged"] * n_waves
         assert all(n == sig[kernel] for kernel, _, n in calls)
         assert calls[1][1] == (132, 2) and calls[2][1] == (rows * 4, 16)
+
+
+@pytest.mark.parametrize("placer,budget,match", [(object(), None, "weight_budget"), (None, 1, "device_budget"),
+                                                 (None, None, "no MoE")])
+def test_sessions_it_cannot_page_are_refused_before_any_work(placer, budget, match):
+    from types import SimpleNamespace
+
+    from onnx import helper
+
+    graph = helper.make_graph([], "g", [], [])
+    runner = SimpleNamespace(provider=SimpleNamespace(name="cuda"), placer=placer, device_budget=budget,
+                             model=SimpleNamespace(graph=graph, initializers={}), plan=None)
+    with pytest.raises(ValueError, match=match):
+        use_expert_residency(SimpleNamespace(runner=runner), 1 << 20)
