@@ -162,3 +162,79 @@ def test_sessions_it_cannot_page_are_refused_before_any_work(placer, budget, mat
                              model=SimpleNamespace(graph=graph, initializers={}), plan=None)
     with pytest.raises(ValueError, match=match):
         use_expert_residency(SimpleNamespace(runner=runner), 1 << 20)
+
+
+class _FakeCupy:
+    """The few CuPy calls use_expert_residency makes, on NumPy (no device)."""
+
+    uint8, int32, int64, uint64 = np.uint8, np.int32, np.int64, np.uint64
+    zeros, full = staticmethod(np.zeros), staticmethod(np.full)
+
+    class cuda:
+        alloc_pinned_memory = staticmethod(bytearray)
+
+    @staticmethod
+    def asarray(a):
+        return np.array(a)
+
+    @staticmethod
+    def empty(n, dtype):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(data=None)
+
+    @staticmethod
+    def ndarray(shape, dtype, memptr, strides):
+        return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape, strides)
+
+
+def test_the_pages_hold_each_experts_bytes_and_the_node_drops_its_copies():
+    """use_expert_residency on a one-node QMoE plan with NumPy standing in for the device: each
+    expert's page in the bank holds its tensors' bytes at the layout's offsets, the resident store
+    holds the resident experts' pages, and the node's constants become zero-stride views."""
+    from types import SimpleNamespace
+
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    e, h, inter = 8, 32, 16
+    tensors = {"w1": rng.integers(0, 256, (e, 2 * inter, h // 2), dtype=np.uint8),
+               "s1": rng.standard_normal((e, 2 * inter, h // 16)).astype(np.float16),
+               "b1": rng.standard_normal((e, 2 * inter)).astype(np.float16),
+               "w2": rng.integers(0, 256, (e, h, inter // 2), dtype=np.uint8),
+               "s2": rng.standard_normal((e, h, 1)).astype(np.float16)}
+    node = helper.make_node("QMoE", ["x", "r", "w1", "s1", "b1", "w2", "s2"], ["y"], "moe0", domain="com.microsoft",
+                            k=2, block_size=16, expert_weight_bits=4)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, h])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, h])],
+                              [numpy_helper.from_array(v, k) for k, v in tensors.items()])
+    provider = SimpleNamespace(name="cuda", cupy=_FakeCupy, download=lambda v: getattr(v, "a", v), map_host=lambda a: a,
+                               stream=SimpleNamespace(synchronize=lambda: None), reset_peak=lambda: None)
+    ctx = SimpleNamespace(cache={})
+    plan = SimpleNamespace(nodes=[SimpleNamespace(name="moe0", op_type="QMoE", inputs=list(node.input))],
+                           contexts=[ctx], constants={k: _FakeDevice(v) for k, v in tensors.items()})
+    runner = SimpleNamespace(provider=provider, placer=None, device_budget=None, plan=plan,
+                             model=SimpleNamespace(graph=graph, initializers=tensors))
+    per = sum(v.nbytes // e for v in tensors.values())
+    res = use_expert_residency(SimpleNamespace(runner=runner), 3 * per + 2 * per, ring_slots=2)
+    assert ctx.cache["expert_pager"] is res and res.plan.resident["moe0"] == frozenset({0, 1, 2})
+    pages = res.nodes["moe0"]
+    offsets, nbytes = pager.page_layout({t: tensors[n].nbytes // e for n, t in
+                                         zip(("w1", "s1", "b1", "w2", "s2"), (0, 1, 3, 4, 5))})
+    assert pages.page_bytes == nbytes == res.slot_bytes and pages.cold == 5
+    for name, t in zip(("w1", "s1", "b1", "w2", "s2"), (0, 1, 3, 4, 5)):
+        size = tensors[name].nbytes // e
+        for x in range(e):
+            assert pages.bank[x, offsets[t]:offsets[t] + size].tobytes() == tensors[name][x].tobytes()
+        assert plan.constants[name].shape == tensors[name].shape and not any(plan.constants[name].strides)
+    assert np.array_equal(pages.resident.reshape(3, -1), pages.bank[:3])
+    assert pages.resident_row.tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
+    with pytest.raises(ValueError, match="already"):
+        use_expert_residency(SimpleNamespace(runner=runner), None)
+
+
+class _FakeDevice:
+    """A device tensor to the pager (not a host value): the NumPy array ``a`` it stands for."""
+
+    def __init__(self, a):
+        self.a, self.shape, self.dtype, self.nbytes, self.ndim = a, a.shape, a.dtype, a.nbytes, a.ndim
