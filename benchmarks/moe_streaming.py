@@ -8,9 +8,10 @@ host-to-device bytes per token and the copy floor (docs/moe.md, "Expert streamin
 The folder is built once under ``--out`` (``--build-only`` stops there) from a random gpt-oss
 checkpoint of gpt-oss-20b's geometry (hidden 2880, 32 experts of inter 2880, top 4, 64 query
 and 8 KV heads of 64, vocabulary 201,088) with ``--layers`` layers (24 in the released model;
-fewer keep the checkpoint, about 3.9 GB of fp32 per layer, and the build on the disk): fp16 is
-the builder's CUDA build (MoE), int4 its CPU build (QMoE, fp32 activations). The checkpoint is
-deleted after the build unless ``--keep-hf``.
+fewer keep the disk and the build time down: the fp16 checkpoint takes about 1.6 GB a layer
+plus 1.2 GB of embeddings, the build as much again): fp16 is the builder's CUDA build (MoE),
+int4 its CPU build (QMoE, fp32 activations; an fp32 + MXFP4 checkpoint, about 4 GB a layer).
+The checkpoint is deleted after the build unless ``--keep-hf``.
 
 Each budget (GiB of expert pages: resident experts plus a ring of ``--ring-slots`` slots) gets
 one Runner whose experts are paged (``use_expert_residency``, uniform plan, or the routing
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -52,20 +52,40 @@ def geometry(layers: int) -> dict:
                                  "rope_theta": 150000.0})
 
 
-def build(out: Path, layers: int, precision: str, keep_hf: bool) -> Path:
-    """The builder folder under ``out`` (built on first use; its path kept in ``out/folder.txt``)."""
-    marker = out / f"folder-{precision}-{layers}.txt"
-    if marker.exists():
-        return Path(marker.read_text().strip())
-    from core.models.prepare import Variant, prepare
+def write_hf(out: Path, layers: int, precision: str) -> Path:
+    """A random checkpoint of :func:`geometry`: fp16 dense experts for the fp16 build (the
+    builder's CUDA build reads the dense weights; half the disk of fp32), the tiny family's
+    fp32 + MXFP4 checkpoint for the int4 build (which reads the MXFP4 tensors)."""
     from core.testing.families import write_checkpoint
 
-    hf = write_checkpoint("gpt-oss", out / f"hf-{layers}", init_std=0.02, overrides=geometry(layers))
-    os.environ["LOCKSTEP_CACHE"] = str(out / "cache")
-    folder = prepare(Variant(str(hf), precision, "cuda" if precision == "fp16" else "cpu"))
+    if precision == "int4":
+        return write_checkpoint("gpt-oss", out, init_std=0.02, overrides=geometry(layers))
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from core.testing.families import _placeholder_tokenizer, hf_config
+
+    torch.manual_seed(0)
+    cfg = hf_config("gpt-oss", 0.02, geometry(layers))
+    AutoModelForCausalLM.from_config(cfg).to(torch.float16).save_pretrained(out)
+    _placeholder_tokenizer(cfg.vocab_size).save_pretrained(out)
+    return out
+
+
+def build(out: Path, layers: int, precision: str, keep_hf: bool) -> Path:
+    """The builder folder ``out/model-{precision}-{layers}`` (built on first use)."""
+    from core.testing.families import run_builder
+
+    folder = out / f"model-{precision}-{layers}"
+    if (folder / "model.onnx").exists():
+        return folder
+    hf = write_hf(out / f"hf-{precision}-{layers}", layers, precision)
+    proc = run_builder(hf, folder, precision, "cuda" if precision == "fp16" else "cpu", out / "builder-cache")
+    shutil.rmtree(out / "builder-cache", ignore_errors=True)
     if not keep_hf:
         shutil.rmtree(hf)
-    marker.write_text(str(folder))
+    if proc.returncode != 0 or not (folder / "model.onnx").exists():
+        raise RuntimeError(f"the builder failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return folder
 
 
