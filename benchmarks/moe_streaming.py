@@ -3,17 +3,18 @@ against expert residency under device budgets for the experts; tok/s at each bat
 host-to-device bytes per token and the copy floor (docs/moe.md, "Expert streaming on cuda").
 
     python benchmarks/moe_streaming.py --out /tmp/moe20b [--layers 8] [--precision fp16] \\
-        [--budgets 8,4] [--batches 1,8,32,64] [--tokens 32] [--ring-slots 8] [--calibrate] [--json out.json]
+        [--budgets all,8,4] [--batches 1,8,32,64] [--tokens 32] [--ring-slots 8] [--calibrate] [--json out.json]
 
 The folder is built once under ``--out`` (``--build-only`` stops there) from a random gpt-oss
 checkpoint of gpt-oss-20b's geometry (hidden 2880, 32 experts of inter 2880, top 4, 64 query
 and 8 KV heads of 64, vocabulary 201,088) with ``--layers`` layers (24 in the released model;
 fewer keep the disk and the build time down: the fp16 checkpoint takes about 1.6 GB a layer
-plus 1.2 GB of embeddings, the build as much again): fp16 is the builder's CUDA build (MoE),
+plus 2.3 GB of embedding and lm_head, the build as much again): fp16 is the builder's CUDA build (MoE),
 int4 its CPU build (QMoE, fp32 activations; an fp32 + MXFP4 checkpoint, about 4 GB a layer).
 The checkpoint is deleted after the build unless ``--keep-hf``.
 
-Each budget (GiB of expert pages: resident experts plus a ring of ``--ring-slots`` slots) gets
+Each budget (GiB of expert pages: resident experts plus a ring of ``--ring-slots`` slots; ``all``:
+every expert resident in the paged layout, the paged kernels' cost without copies) gets
 one Runner whose experts are paged (``use_expert_residency``, uniform plan, or the routing
 frequencies of a resident calibration run with ``--calibrate``); every batch decodes
 ``--tokens`` captured steps after 4 warm-up steps from 16-token random prompts. The copy floor
@@ -94,8 +95,10 @@ def _counts(residency) -> tuple[int, int, int, int]:
     return c.routed, c.hits, c.page_ins, c.page_in_bytes
 
 
-def rows_for(model, budget_gib: float | None, batches, tokens: int, ring_slots: int, frequencies) -> list[dict]:
-    """One Runner (budget None: every expert resident, the plain kernels) over every batch."""
+def rows_for(model, budget_gib: float | str | None, batches, tokens: int, ring_slots: int,
+             frequencies) -> list[dict]:
+    """One Runner over every batch; ``budget_gib`` None: every expert resident, the plain kernels;
+    "all": every expert resident in the paged layout (the paged kernels' own cost)."""
     from providers.cuda.expert_pager import use_expert_residency
 
     runner = Runner(model, "cuda")
@@ -106,7 +109,8 @@ def rows_for(model, budget_gib: float | None, batches, tokens: int, ring_slots: 
     for b in batches:
         s = Session(runner, batch=b, capacity=64, kv_policy="fixed", capture=True)
         if budget_gib is not None and residency is None:
-            residency = use_expert_residency(s, int(budget_gib * 2**30), ring_slots, frequencies)
+            nbytes = None if budget_gib == "all" else int(float(budget_gib) * 2**30)
+            residency = use_expert_residency(s, nbytes, ring_slots, frequencies)
         prompts = [list(np.random.default_rng(b).integers(3, vocab, 16)) for _ in range(b)]
         marks: list[tuple[int, int, int, int]] = []
 
@@ -157,7 +161,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=Path("/tmp/lockstep-moe-streaming"))
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--precision", choices=("fp16", "int4"), default="fp16")
-    p.add_argument("--budgets", default="8,4", help="GiB of expert pages, comma-separated")
+    p.add_argument("--budgets", default="all,8,4",
+                   help="GiB of expert pages, comma-separated; all: every expert resident, paged")
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--ring-slots", type=int, default=8)
@@ -181,8 +186,9 @@ def main(argv=None) -> None:
     batches = [int(b) for b in a.batches.split(",")]
     frequencies = calibrate(model, a.tokens) if a.calibrate else None
     rows = rows_for(model, None, batches, a.tokens, a.ring_slots, None)
-    for budget in (float(x) for x in a.budgets.split(",")):
-        rows += rows_for(model, budget, batches, a.tokens, a.ring_slots, frequencies)
+    for budget in a.budgets.split(","):
+        rows += rows_for(model, budget if budget == "all" else float(budget), batches, a.tokens, a.ring_slots,
+                         frequencies)
     if a.json:
         a.json.write_text(json.dumps({"title": f"gpt-oss-20b geometry, {a.layers} layers, {a.precision}",
                                       "expert_gib": expert_gib, "calibrated": a.calibrate, "rows": rows}, indent=1))
