@@ -30,6 +30,7 @@ import argparse
 import gc
 import json
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,7 @@ from core.runtime.runner import Runner
 from core.session import Session
 
 WARMUP = 4
+PROMPT = 16
 
 
 def geometry(layers: int) -> dict:
@@ -95,6 +97,29 @@ def _counts(residency) -> tuple[int, int, int, int]:
     return c.routed, c.hits, c.page_ins, c.page_in_bytes
 
 
+def _timed(s, prompts, tokens: int, residency) -> tuple[float, list]:
+    """(ms per step, counters before and after) of ``tokens`` decode steps after the prefill and
+    WARMUP steps, queued ahead as core.generation.loop.decode does (MAX_UNREAD unread)."""
+    from core.session import MAX_UNREAD
+
+    s.prefill(prompts)
+    for _ in range(WARMUP):
+        s.step()
+    marks = [] if residency is None else [_counts(residency)]
+    t0 = time.perf_counter()
+    queued: list = []
+    for _ in range(tokens):
+        if len(queued) == MAX_UNREAD or (queued and not s.can_run_ahead()):
+            queued.pop(0).result()
+        queued.append(s.step_async())
+    for q in queued:
+        q.result()
+    ms = (time.perf_counter() - t0) / tokens * 1e3
+    if residency is not None:
+        marks.append(_counts(residency))
+    return ms, marks
+
+
 def rows_for(model, budget_gib: float | str | None, batches, tokens: int, ring_slots: int,
              frequencies) -> list[dict]:
     """One Runner over every batch; ``budget_gib`` None: every expert resident, the plain kernels;
@@ -107,30 +132,22 @@ def rows_for(model, budget_gib: float | str | None, batches, tokens: int, ring_s
     residency = None
     rows = []
     for b in batches:
-        s = Session(runner, batch=b, capacity=64, kv_policy="fixed", capture=True)
+        s = Session(runner, batch=b, capacity=PROMPT + WARMUP + tokens + 8, kv_policy="fixed", capture=True)
         if budget_gib is not None and residency is None:
             nbytes = None if budget_gib == "all" else int(float(budget_gib) * 2**30)
             residency = use_expert_residency(s, nbytes, ring_slots, frequencies)
-        prompts = [list(np.random.default_rng(b).integers(3, vocab, 16)) for _ in range(b)]
-        marks: list[tuple[int, int, int, int]] = []
-
-        def observe(t, *_, res=residency, marks=marks):
-            if res is not None and t in (WARMUP, tokens + WARMUP):
-                marks.append(_counts(res))
-            return False
-
-        trace = decode(s, prompts, tokens + WARMUP, observer=observe)
-        ms = float(np.median(trace.seconds[WARMUP + 1:])) * 1e3
+        prompts = [list(np.random.default_rng(b).integers(3, vocab, PROMPT)) for _ in range(b)]
+        ms, marks = _timed(s, prompts, tokens, residency)
         row = dict(budget_gib=budget_gib, batch=b, tok_s=b / ms * 1e3, step_ms=ms, captures=s.counters.captures,
                    fallbacks=len(s.counters.fallbacks), h2d_gb_s=h2d / 1e9)
         if residency is not None and len(marks) == 2:
-            routed, hits, page_ins, nbytes = (after - before for before, after in zip(*marks))
-            floor_ms = nbytes / tokens / h2d * 1e3
+            routed, hits, page_ins, moved = (after - before for before, after in zip(*marks))
+            floor_ms = moved / tokens / h2d * 1e3
             plan = residency.plan
             row.update(ring_slots=plan.ring_slots, resident_experts=sum(len(r) for r in plan.resident.values()),
                        experts=sum(plan.num_experts.values()), resident_gib=plan.resident_bytes / 2**30,
                        ring_gib=plan.ring_bytes / 2**30, hit_rate=hits / routed if routed else 1.0,
-                       page_ins_per_step=page_ins / tokens, htod_bytes_per_token=nbytes / (tokens * b),
+                       page_ins_per_step=page_ins / tokens, htod_bytes_per_token=moved / (tokens * b),
                        copy_floor_ms=floor_ms, floor_ratio=ms / floor_ms if floor_ms else None)
         rows.append(row)
         print(json.dumps(row), flush=True)
