@@ -95,3 +95,37 @@ def test_the_plan_from_measured_frequencies_is_bitwise_too(gpt_oss):
     assert min(kept) >= max(left)
     assert residency.counters.page_ins > 0
     assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_the_device_planner_decides_as_its_numpy_model(gpt_oss, precision):
+    """After every eager decode step at batch 8, plan_step replayed on each node's routed experts
+    (read back from the node's scratch) gives the device's ring keys, cursor and counters."""
+    from providers.cuda.expert_pager import plan_step, waves
+
+    model = gpt_oss(precision)
+    budget, _ = _budget(model)
+    session = Session(model, "cuda", batch=len(PROMPTS), capacity=CAPACITY, capture=False)
+    res = use_expert_residency(session, budget, 2)
+    plan, download = session.runner.plan, session.runner.provider.download
+    nodes = [(i, res.nodes[n.name], int(n.attrs.get("k", 1))) for i, n in enumerate(plan.nodes) if n.name in res.nodes]
+    state: dict = {}
+
+    def observe(t, *_):
+        if t == 0:  # after the prefill: the device state the decode steps start from
+            state.update(holds=download(res.holds), cursor=int(download(res.cursor)[0]),
+                         counts=download(res._counts)[:, :3].copy())
+            return False
+        for i, node, k in nodes:
+            experts = download(plan.contexts[i].output("moe_experts", (len(PROMPTS), k), np.int32))
+            n_waves = waves(experts.size, node.cold, res.slots)
+            sp = plan_step(experts, download(node.resident_row), state["holds"], state["cursor"], n_waves,
+                           node.key_base)
+            state.update(holds=sp.holds, cursor=sp.cursor)
+            state["counts"][node.index] += (sp.routed, sp.hits, sp.page_ins)
+        assert np.array_equal(download(res.holds), state["holds"]) and int(download(res.cursor)[0]) == state["cursor"]
+        assert np.array_equal(download(res._counts)[:, :3], state["counts"]), f"step {t}"
+        return False
+
+    decode(session, PROMPTS, STEPS, observer=observe)
+    assert res.counters.page_ins > 0
