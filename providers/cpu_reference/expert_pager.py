@@ -13,6 +13,7 @@ turns it off.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -95,19 +96,26 @@ class ExpertResidency:
 
 
 def use_expert_residency(session, budget_bytes: int | None, ring_slots: int = 2,
-                         frequencies: Mapping[str, Sequence[float]] | None = None) -> ExpertResidency:
+                         frequencies: Mapping[str, Sequence[float]] | None = None) -> Any:
     """Plan the experts of ``session``'s model under ``budget_bytes`` (core.runtime.experts.plan_experts)
     and run its MoE / QMoE nodes under that plan from the next call on; returns the residency
     (its ``counters``). The budget covers the resident experts and the ring, not other weights.
+    A cuda session goes to providers.cuda.expert_pager.use_expert_residency (the same
+    arguments and counters; call it before the session's first run).
 
     Raises:
-        ValueError: the session's provider is not cpu_reference, or the model has no MoE node.
+        ValueError: the session's provider is neither cpu_reference nor cuda, or the model has
+            no MoE node.
         core.runtime.experts.ExpertBudgetError: the budget cannot hold the ring, or leaves
             experts with no slot.
     """
     provider = session.runner.provider
+    if provider.name == "cuda":
+        from providers.cuda.expert_pager import use_expert_residency as on_cuda
+
+        return on_cuda(session, budget_bytes, ring_slots, frequencies)
     if provider.name != "cpu_reference":
-        raise ValueError(f"expert residency runs on cpu_reference only, not {provider.name!r}")
+        raise ValueError(f"expert residency runs on cpu_reference and cuda, not {provider.name!r}")
     model = session.runner.model
     counts, sizes = moe_layout(model.graph, model.initializers)
     if not counts:

@@ -21,8 +21,9 @@ KERNELS = Path(__file__).parent / "kernels"
 
 
 #: Kernel files compiled after another file of kernels/ whose device functions they call:
-#: ``linear_gemv4.cu`` runs ``linear_mma.cu``'s int4 arithmetic (its instantiations only are compiled).
-AFTER = {"linear_gemv4": "linear_mma"}
+#: ``linear_gemv4.cu`` runs ``linear_mma.cu``'s int4 arithmetic, ``moe_paged.cu`` ``moe.cu``'s per-pair
+#: products (their instantiations only are compiled).
+AFTER = {"linear_gemv4": "linear_mma", "moe_paged": "moe"}
 
 
 def source(name: str) -> str:

@@ -151,16 +151,21 @@ def run(ctx, x, router, fc1: Projection, fc2: Projection, fc3: Projection | None
     lin = fc3 if fc3 is not None and act_name == "swiglu" and not fused else fc1
     steps = (2, 0, 2, 1) if fusion == 1 else (1, 0, 1, inter) if fusion == 2 else (1, 0, 1, 0)
     limit = node_attrs.get("swiglu_limit")
-    function("moe", f"moe_up<{t}, {fc1.bits}>", EXPRS)(
-        (rows * k, -(-inter // _WARPS)), (32 * _WARPS,),
-        (x, experts, np.int64(k), np.int64(hidden), np.int64(inter), *_args(fc1), np.int64(n1),
-         *_args(lin), np.int64(lin.rows()[1]), *(np.int32(s) for s in steps), np.int32(block),
-         np.int32(ACTIVATIONS[act_name]), np.float32(node_attrs.get("activation_alpha", 1.0)),
-         np.float32(node_attrs.get("activation_beta", 0.0)), np.float32(0.0 if limit is None else limit),
-         np.int32(limit is not None), a))
-    function("moe", f"moe_down<{t}, {fc2.bits}>", EXPRS)(
-        (rows * k, -(-hidden // _WARPS)), (32 * _WARPS,),
-        (a, experts, np.int64(hidden), np.int64(inter), *_args(fc2), np.int32(block), y))
+    tail = (*(np.int32(s) for s in steps), np.int32(block), np.int32(ACTIVATIONS[act_name]),
+            np.float32(node_attrs.get("activation_alpha", 1.0)), np.float32(node_attrs.get("activation_beta", 0.0)),
+            np.float32(0.0 if limit is None else limit), np.int32(limit is not None))
+    pager = ctx.cache.get("expert_pager")  # experts read as pages (providers/cuda/expert_pager.py)
+    if pager is not None:
+        pager.launch(ctx, t, (fc1.bits, fc2.bits), x, experts, a, y, (rows, k, hidden, inter),
+                     (n1, 0 if lin is fc1 else 8, lin.rows()[1]), block, tail)
+    else:
+        function("moe", f"moe_up<{t}, {fc1.bits}>", EXPRS)(
+            (rows * k, -(-inter // _WARPS)), (32 * _WARPS,),
+            (x, experts, np.int64(k), np.int64(hidden), np.int64(inter), *_args(fc1), np.int64(n1),
+             *_args(lin), np.int64(lin.rows()[1]), *tail, a))
+        function("moe", f"moe_down<{t}, {fc2.bits}>", EXPRS)(
+            (rows * k, -(-hidden // _WARPS)), (32 * _WARPS,),
+            (a, experts, np.int64(hidden), np.int64(inter), *_args(fc2), np.int32(block), y))
     function("moe", f"moe_mix<{t}>", EXPRS)(
         grid_threads(rows * hidden, 256, 4096), (256,),
         (y, weights, out, np.int64(rows), np.int64(hidden), np.int32(k)))
