@@ -39,7 +39,10 @@ def test_a_weight_budget_streams_through_the_engine_bitwise_on_cuda(model_dir, s
     from core.runtime import residency
 
     monkeypatch.setattr(residency, "SMALL_BYTES", 512)  # the tiny models' matrices stream too
-    runner = Runner(model_dir, "cuda", weight_budget=0.5)
+    with pytest.raises(residency.BudgetError) as info:  # the smallest budget the cuda forms allow
+        Runner(model_dir, "cuda", weight_budget=1)
+    smallest = int(str(info.value).rsplit("is ", 1)[1].split()[0].replace(",", ""))
+    runner = Runner(model_dir, "cuda", weight_budget=smallest)
     r = runner.residency
     assert r.streams
     sampling = [{"do_sample": True, "temperature": 0.9, "top_k": 40, "seed": 21 + i} for i in range(4)] \
