@@ -144,12 +144,16 @@ class OpTable:
                 self.modules[(getattr(module, "DOMAIN", ""), op_type)] = module
 
     def supports(self, node: NodeInfo) -> bool:
-        """True when an op module exists for the node and its ``supports`` (if any) agrees."""
+        """True when an op module exists for the node and its ``supports`` (if any) agrees; a
+        module with ``support_reason`` and no ``supports`` accepts the node when it gives no reason."""
         module = self.modules.get((node.domain, node.op_type))
         if module is None:
             return False
         check = getattr(module, "supports", None)
-        return True if check is None else bool(check(node))
+        if check is None:
+            explain = getattr(module, "support_reason", None)
+            return explain is None or not explain(node)
+        return bool(check(node))
 
     def support_reason(self, node: NodeInfo) -> str | None:
         """None when :meth:`supports` accepts the node; else why not: "no op module for
@@ -159,8 +163,7 @@ class OpTable:
         module = self.modules.get((node.domain, node.op_type))
         if module is None:
             return f"no op module for {node.domain or 'ai.onnx'}.{node.op_type}"
-        check = getattr(module, "supports", None)
-        if check is None or check(node):
+        if self.supports(node):
             return None
         explain = getattr(module, "support_reason", None)
         reason = explain(node) if explain is not None else None

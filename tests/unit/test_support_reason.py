@@ -162,3 +162,13 @@ def test_gqa_sliding_window_cache_runs_on_the_built_in_providers_and_elsewhere_i
     assert "attention_bias" in ref.support_reason(biased)
     (reason,) = gqa_unsupported(ring)
     assert "sliding_window_cache=1" in reason and "windowed_kv_cache=false" in reason and "cpu_reference" in reason
+
+
+def test_an_op_module_with_only_a_reason_supports_what_it_gives_no_reason_for():
+    table = OpTable(ops)
+    table.modules[("", "Picky")] = types.SimpleNamespace(
+        __name__="fake.picky", OP_TYPE="Picky", run=None,
+        support_reason=lambda node: None if node.input_dtypes[0] == np.float32 else "float32 only")
+    assert table.supports(_node("Picky")) and table.support_reason(_node("Picky")) is None
+    half = _node("Picky", dtypes=(np.float16, None))
+    assert not table.supports(half) and table.support_reason(half) == "float32 only"

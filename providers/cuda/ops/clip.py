@@ -17,9 +17,6 @@ def support_reason(node) -> str | None:
     return _router.floats_only(node)
 
 
-def supports(node) -> bool:
-    return support_reason(node) is None
-
 
 def _bound(ctx, b, dtype, name: str) -> tuple:
     """(pointer, scalar, present) of one bound."""

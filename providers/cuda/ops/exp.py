@@ -12,9 +12,6 @@ def support_reason(node) -> str | None:
     return _router.floats_only(node)
 
 
-def supports(node) -> bool:
-    return support_reason(node) is None
-
 
 def run(ctx, x):
     return _router.unary(ctx, x, _router.EXP)

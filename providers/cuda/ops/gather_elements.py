@@ -18,9 +18,6 @@ def support_reason(node) -> str | None:
     return _router.copyable(node)
 
 
-def supports(node) -> bool:
-    return support_reason(node) is None
-
 
 def run(ctx, data, indices):
     data = _router.device(ctx, data, "data", "data")

@@ -27,9 +27,6 @@ def support_reason(node) -> str | None:
     return "; ".join(reasons) or None
 
 
-def supports(node) -> bool:
-    return support_reason(node) is None
-
 
 def run(ctx, data, indices, updates):
     fill = _router.host_fill(data) if is_host(data) else None

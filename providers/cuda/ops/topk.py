@@ -22,9 +22,6 @@ def support_reason(node) -> str | None:
     return "; ".join(reasons) or None
 
 
-def supports(node) -> bool:
-    return support_reason(node) is None
-
 
 def run(ctx, x, k):
     x = _router.float_input(ctx, x)
