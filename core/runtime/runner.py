@@ -172,27 +172,29 @@ class Runner:
         # plan's constants: not resident bytes
         return self.plan.weight_bytes(exclude=set(self.residency.streamed_tensors) | set(self.residency.mapped))
 
+    def _planned_weights(self) -> tuple:
+        """The weights a residency plan places, with the constants no step reads (folded inputs,
+        host integers), which are resident whatever the plan, as one more."""
+        if not self._other_bytes:
+            return tuple(self._weights)
+        return (*self._weights, residency.unread_weight(self._other_bytes))
+
     def _smallest_weight_budget(self) -> int:
         """The smallest weight budget :meth:`_plan_residency` finds a plan for."""
-        other = residency.unread_weight(self._other_bytes)
-        weights = (*self._weights, other) if self._other_bytes else self._weights
-        return residency.smallest_budget(weights, self._slots, bool(self.provider.capabilities().weight_streaming),
-                                         self._splits, self.page_bytes)
+        return residency.smallest_budget(self._planned_weights(), self._slots,
+                                         bool(self.provider.capabilities().weight_streaming), self._splits,
+                                         self.page_bytes)
 
     def _plan_residency(self, budget: int | None) -> residency.ResidencyPlan:
         """The residency plan for ``budget`` bytes (module core.runtime.residency), applied to
         the plan: streamed weights move to staged host memory and read a staging slot."""
-        # constants no step reads (folded inputs, host integers) are resident whatever the plan
-        other = residency.unread_weight(self._other_bytes)
         mappable = bool(self.provider.capabilities().weight_streaming)
-        plan = residency.plan_residency((*self._weights, other) if self._other_bytes else self._weights,
-                                        budget, self._slots, mappable, self._splits, self.page_bytes)
+        plan = residency.plan_residency(self._planned_weights(), budget, self._slots, mappable, self._splits,
+                                        self.page_bytes)
         if plan.streams and not self.provider.capabilities().weight_streaming:
             raise residency.BudgetError(f"provider {self.provider.name!r} cannot stream weights "
                                         "(capabilities().weight_streaming is False)")
         streaming.evict(self.plan, plan)  # device copies of newly streamed weights go first
-        if self.device_budget is not None:  # the budget counts what the driver holds: give the
-            self.provider.reset_peak()       # evicted copies back now, not to the allocator's cache
         if plan.streams or self.stream is not None or plan.mapped or self.plan.staged_weights:
             ring = (plan.slots, plan.slot_bytes)
             if self.stream is None or ring != (len(self.stream.slots), self.stream.slots[0].nbytes):
