@@ -213,9 +213,15 @@ def test_a_kv_cache_too_large_for_the_device_budget_names_the_smallest_working_o
             return Capabilities(dtypes=("float32",), graph_capture=True, weight_streaming=True)
 
     weights = sum(w.nbytes for w in residency.weights_of(Runner(model_dir, CpuReferenceProvider()).plan))
+    runner = Runner(model_dir, Streaming(), device_budget=weights)
     with pytest.raises(BudgetError, match="cannot hold a KV cache") as info:
-        Session(Runner(model_dir, Streaming(), device_budget=weights), batch=64, capacity=256)
+        Session(runner, batch=64, capacity=256)
     smallest = int(str(info.value).split("device budget for this KV cache is ")[1].split()[0].replace(",", ""))
+    # the refusal changed nothing: the same Runner serves the next session bitwise a fresh one's
+    assert runner.kv_device_bytes == 0
+    want = decode(Session(Runner(model_dir, CpuReferenceProvider()), batch=1, capacity=16), ROWS[:1], 8).tokens
+    runner.provider.session = s = Session(runner, batch=1, capacity=16)
+    assert np.array_equal(decode(s, ROWS[:1], 8).tokens, want)
     Session(Runner(model_dir, Streaming(), device_budget=smallest), batch=64, capacity=256).close()
     with pytest.raises(BudgetError, match="cannot hold a KV cache"):
         Session(Runner(model_dir, Streaming(), device_budget=smallest - 1), batch=64, capacity=256)
