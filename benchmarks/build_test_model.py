@@ -11,7 +11,8 @@ Architectures: smollm2-135m (LlamaForCausalLM, the default) and qwen2.5-1.5b (Qw
 hidden 1536, 28 layers, 12 heads / 2 kv heads, intermediate 8960, vocab 151,936, QKV bias,
 tied embeddings; the public config's geometry), qwen2.5-0.5b, llama-3.2-1b and llama-3.1-8b
 (hidden 4096, 32 layers, 32 / 8 heads of 128, intermediate 14336, vocab 128,256, untied: 16 GB
-in fp16; ``--hf-dtype float16`` halves the random checkpoint the builder reads).
+in fp16; ``--hf-dtype float16`` halves the random checkpoint the builder reads) and qwen2.5-14b
+(hidden 5120, 48 layers, 40 / 8 heads of 128, intermediate 13824, vocab 152,064, untied).
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ LLAMA32_1B = dict(
 LLAMA31_8B = dict(LLAMA32_1B, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                   num_key_value_heads=8, head_dim=128, num_hidden_layers=32, tie_word_embeddings=False,
                   rope_scaling=dict(LLAMA32_1B["rope_scaling"], factor=8.0))
+# Qwen2.5-14B (its published config.json geometry: untied embeddings, QKV bias)
+QWEN25_14B = dict(QWEN25_1_5B, hidden_size=5120, intermediate_size=13824, num_attention_heads=40,
+                  num_key_value_heads=8, num_hidden_layers=48, vocab_size=152064, tie_word_embeddings=False)
 ARCHS = {"smollm2-135m": SMOLLM2_135M, "qwen2.5-0.5b": QWEN25_0_5B, "qwen2.5-1.5b": QWEN25_1_5B,
-         "llama-3.2-1b": LLAMA32_1B, "llama-3.1-8b": LLAMA31_8B}
+         "llama-3.2-1b": LLAMA32_1B, "llama-3.1-8b": LLAMA31_8B, "qwen2.5-14b": QWEN25_14B}
 
 
 def _placeholder_tokenizer(vocab_size: int):
@@ -83,7 +87,8 @@ def build(out: Path, precision: str, target: str, layers: int | None, init_std: 
     with tempfile.TemporaryDirectory() as tmp:
         hf = keep_hf or Path(tmp) / "hf"
         if not (hf / "config.json").exists():
-            AutoModelForCausalLM.from_config(cfg).to(getattr(torch, hf_dtype)).save_pretrained(hf)
+            # initialised in the checkpoint's dtype: a 14B model in fp32 would need 56 GB of host memory
+            AutoModelForCausalLM.from_config(cfg, torch_dtype=getattr(torch, hf_dtype)).save_pretrained(hf)
         if tokenizer_from is not None:
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 if (tokenizer_from / name).exists():

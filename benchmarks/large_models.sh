@@ -5,22 +5,23 @@
 # budget with nvidia-smi polling the device's memory every 200 ms beside the profile's own driver
 # meter (cudaMemGetInfo every 2 ms). Optionally the GPU tests of the feature first (TESTS=1).
 #   carry: [".whl"] (the onnxruntime-genai cp312 wheel for the builder)
-#   M (model folder), BUDGETS ("8GiB 4GiB 12GiB"), BATCHES (1,8,32), TOKENS (32), DEADLINE (seconds
+#   ARCH (llama-3.1-8b; build_test_model.py's --arch), PRECISION (fp16 or int4), M (model folder), BUDGETS ("8GiB 4GiB 12GiB"), BATCHES (1,8,32), TOKENS (32), DEADLINE (seconds
 #   after which no new budget starts; default 480)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-LOG=/tmp/large; mkdir -p $LOG
-trap 'tar czf "$OUT/large.tgz" -C "$LOG" .' EXIT
+ARCH=${ARCH:-llama-3.1-8b}; PRECISION=${PRECISION:-fp16}
+LOG=/tmp/large-$ARCH-$PRECISION; mkdir -p $LOG
+trap 'tar czf "$OUT/large-$ARCH-$PRECISION.tgz" -C "$LOG" .' EXIT
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD COLUMNS=220
 START=$SECONDS
-M=${M:-/tmp/models/llama31-8b-fp16}
+M=${M:-/tmp/models/${ARCH}-${PRECISION}}
 [ -d /tmp/site/onnxruntime_genai ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site \
   ${WHL:-.whl}/onnxruntime_genai-*.whl || exit 1
 # the build runs in a session of its own, so it outlives this call when the call's limit comes first
 # (a back-to-back call on the still-warm machine then finds it done or under way)
 if [ ! -f $M/model.onnx ] && [ ! -f $LOG/build.started ]; then
   touch $LOG/build.started
-  setsid nohup bash -c "python3 benchmarks/build_test_model.py $M --arch llama-3.1-8b --precision fp16 \
+  setsid nohup bash -c "python3 benchmarks/build_test_model.py $M --arch $ARCH --precision $PRECISION \
     --target cuda --hf-dtype float16 > $LOG/build.txt 2>&1; echo done > $LOG/build.done" > /dev/null 2>&1 &
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee $LOG/gpu.txt
@@ -49,4 +50,4 @@ for B in ${BUDGETS:-8GiB 4GiB 12GiB}; do
     | tee -a $LOG/summary.txt
   tail -12 $LOG/profile_$B.txt
 done
-cp $LOG/*.json $LOG/summary.txt "$OUT"/ 2>/dev/null
+
