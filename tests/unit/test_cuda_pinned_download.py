@@ -13,7 +13,13 @@ they were destroyed.
 import gc
 
 import numpy as np
+import pytest
 
+from core.runtime.runner import Runner
+from core.session import Session
+from core.testing.faults import FaultyProvider, InjectedFault
+from core.testing.tiny_model import make_tiny_model
+from providers.cpu_reference.provider import CpuReferenceProvider
 from providers.cuda.provider import _PinnedDownload, _PinnedSlot
 
 
@@ -73,3 +79,39 @@ def test_a_read_handle_gives_its_slot_back_once_and_keeps_its_result():
     del h
     gc.collect()
     assert len(free) == 1
+
+
+class PinnedCpu(CpuReferenceProvider):
+    """cpu_reference whose ``download_async`` stages through the cuda provider's pinned slots
+    and handles (the fake CuPy's events refuse a record once destroyed, as the driver does)."""
+
+    def __init__(self):
+        super().__init__()
+        self._pinned_free: list = []
+
+    def download_async(self, tensor):
+        host = np.ascontiguousarray(self.download(tensor))
+        free = self._pinned_free
+        slot = free.pop(0) if free else _PinnedSlot(FakeCupy, 4096)
+        assert not slot.event.destroyed, "cudaEventRecord on a destroyed event (issue 39)"
+        slot.host[:host.nbytes] = host.reshape(-1).view(np.uint8)
+        return _PinnedDownload(free, slot, host.shape, host.dtype, host.nbytes)
+
+
+def test_a_download_fault_while_streaming_leaves_every_pinned_slot_usable(tmp_path):
+    model = make_tiny_model(tmp_path)
+    prompts, new = [[5, 6, 7], [8, 9]], [20, 17]
+    clean = Session(Runner(model, CpuReferenceProvider()), batch=2, capacity=48)
+    want = clean.stream(prompts, max_new_tokens=new).run()
+    prov = FaultyProvider(PinnedCpu())
+    s = Session(Runner(model, prov), batch=2, capacity=48, capture=False)
+    it = iter(s.stream(prompts, max_new_tokens=new))
+    for _ in range(6):
+        next(it)
+    prov.arm("download")
+    with pytest.raises(InjectedFault):
+        list(it)
+    gc.collect()  # the step queued ahead, dropped by the fault, lives only in the traceback's cycle
+    assert all(not slot.event.destroyed for slot in prov.inner._pinned_free)
+    got = s.stream(prompts, max_new_tokens=new).run()
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
