@@ -552,12 +552,16 @@ class Session:
             raise
 
     def _recover(self) -> None:
-        """After a failed step: drop the unread steps and rewrite the device lengths, mask and
-        fed tokens from the host, as :meth:`discard` does, so the same step can run again and
-        compute the same bits. If that fails too, the state is marked broken: the runner
-        drops it at close instead of pooling it, and the session refuses further steps."""
+        """After a failed step: wait for the device work already queued, drop the unread steps
+        and rewrite the device lengths, mask and fed tokens from the host, as :meth:`discard`
+        does, so the same step can run again and compute the same bits. The wait lets nothing
+        of the failed step outlive the call (a dropped step's staging copy, its events, its
+        kernels) and makes an asynchronous device error surface here, in the failed request,
+        not in the next one. If that fails too, the state is marked broken: the runner drops it
+        at close instead of pooling it, and the session refuses further steps."""
         state = self.state
         try:
+            self.provider.synchronize()
             dropped = self._unread[:]
             self._unread.clear()
             for q in dropped:

@@ -60,13 +60,26 @@ class _PinnedSlot:
 
 class _PinnedDownload:
     """The handle of :meth:`CudaProvider.download_async`: its slot goes back to the free list
-    once read (or when the handle is dropped; a later copy into the slot is queued behind this
-    one on the same stream, so it cannot overtake it)."""
+    once read, or when the handle is collected (a later copy into the slot is queued behind
+    this one on the same stream, so it cannot overtake it).
+
+    The slot is given back by a ``weakref.finalize``, never by ``__del__``: a handle dropped
+    inside a reference cycle (a failed stream's traceback holds the generator frame, its queued
+    steps and their handles) is reclaimed by the cycle collector, which first runs the finaliser
+    of every object only that cycle reaches, the slot's ``cupy.cuda.Event`` included, whose
+    ``__del__`` destroys the CUDA event and leaves ``ptr`` set. A ``__del__`` here that handed
+    the slot back would resurrect it with a destroyed event, and the next ``download_async``
+    taking it failed in ``cudaEventRecord`` (cudaErrorContextIsDestroyed,
+    cudaErrorDeviceUninitialized) or crashed (issue 39). The finaliser's registry holds the
+    slot, so the slot is never part of the handle's garbage.
+    """
 
     def __init__(self, free: list, slot: _PinnedSlot, shape: tuple, dtype: np.dtype, nbytes: int):
-        self._free, self._shape, self._dtype, self._n = free, shape, dtype, nbytes
+        self._shape, self._dtype, self._n = shape, dtype, nbytes
         self._slot: _PinnedSlot | None = slot
         self._out: np.ndarray | None = None
+        self._give_back = weakref.finalize(self, free.append, slot)
+        self._give_back.atexit = False
 
     def wait(self) -> np.ndarray:
         """Wait for the copy (its event only) and return it as a new host array."""
@@ -75,14 +88,9 @@ class _PinnedDownload:
             assert slot is not None
             slot.event.synchronize()
             self._out = slot.host[:self._n].view(self._dtype).reshape(self._shape).copy()
-            self._free.append(slot)
             self._slot = None
+            self._give_back()  # the slot back to the free list (a finalize runs once)
         return self._out
-
-    def __del__(self):
-        if self._slot is not None:
-            self._free.append(self._slot)
-            self._slot = None
 
 
 class _StreamBinding(PlanBinding):
