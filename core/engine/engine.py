@@ -34,15 +34,13 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from core import compiling
-from core.counters import Counters
 from core.engine.logprobs import chosen
 from core.engine.prefill import Prefills
 from core.engine.request import Event, Request, Sink, make_request
 from core.engine.scheduler import Scheduler
-from core.engine.slots import SlotState
 from core.errors import RequestError
 from core.runtime.kv import round_capacity
 from core.runtime.step import step_output
@@ -53,6 +51,29 @@ log = logging.getLogger("lockstep")
 DEFAULT_CAPACITY = 2048
 #: Default prompt positions per chunk of a chunked prefill (:class:`Engine` ``prefill_chunk``).
 DEFAULT_PREFILL_CHUNK = 256
+
+
+class StepRunner(Protocol):
+    """What an :class:`Engine` reads of its runner: the :class:`~core.runtime.runner.Runner`
+    and :class:`~core.parallel.runner.TensorParallelRunner` both are one (no member is probed).
+
+    Attributes:
+        model: the (unsharded) :class:`~core.models.model.Model`: config, tokenizer.
+        provider: its ``capabilities()`` say whether decode steps may be captured.
+        kv_windows: per layer, the sliding window of a ring KV cache (0: a full cache).
+        lock: serialises the engine iterations of threads sharing the runner.
+    """
+
+    model: Any
+    provider: Any
+    kv_windows: Any
+    lock: Any
+
+    def engine_slots(self, slots: int, capacity: int, capture: bool | None) -> Any:
+        """The engine's slot state: :class:`~core.engine.slots.SlotState`'s interface (``prefill``,
+        ``prefill_rows``, ``decode``, ``move``, ``start_logits``, ``row_logits``, ``close``,
+        ``filled``, ``can_sample``, ``capture``) and the :class:`~core.counters.Counters` it
+        fills (``counters``), for ``slots`` rows of ``capacity`` positions."""
 
 
 class QueueFullError(RequestError):
@@ -84,9 +105,9 @@ class Engine:
     """Continuous batching of requests on one Runner (module docstring).
 
     Args:
-        runner: the :class:`~core.runtime.runner.Runner`; only this engine may drive it. A step
-            runner of another kind (:class:`~core.parallel.runner.TensorParallelRunner`) has
-            ``engine_slots(max_batch, capacity, capture)``, which makes the engine's slot state.
+        runner: a :class:`StepRunner`: the :class:`~core.runtime.runner.Runner`, or
+            :class:`~core.parallel.runner.TensorParallelRunner`; only this engine may drive it.
+            Its ``engine_slots(max_batch, capacity, capture)`` makes the engine's slot state.
         max_batch: slots (rows of the KV cache), the largest decode bucket.
         capacity: KV positions per slot (default :data:`DEFAULT_CAPACITY`, at most the model's
             context, rounded up to 64).
@@ -113,7 +134,7 @@ class Engine:
             ``prefill_chunk``.
     """
 
-    def __init__(self, runner, max_batch: int = 8, capacity: int | None = None, max_waiting: int = 256,
+    def __init__(self, runner: StepRunner, max_batch: int = 8, capacity: int | None = None, max_waiting: int = 256,
                  prefill_tokens: int = 2048, capture: bool | None = None, run_ahead: bool = True,
                  compact: bool = True, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, reraise: bool = False):
         context = runner.model.config.context_length
@@ -127,17 +148,10 @@ class Engine:
             raise RequestError(f"capacity must be an integer in [2, {context}] (the model context), got {capacity!r}")
         self.runner, self.capacity, self.max_batch = runner, capacity, max_batch
         #: positions per prefill chunk (None: whole prompts; always None on a ring KV cache)
-        self.prefill_chunk = None if any(getattr(runner, "kv_windows", ())) else prefill_chunk
-        # a step runner other than a Runner (tensor parallel: core.parallel.runner) makes its own
-        # slot state, with SlotState's interface, and the counters it fills
-        make_slots = getattr(runner, "engine_slots", None)
-        if make_slots is not None:
-            self.slots = make_slots(max_batch, capacity, capture)
-            self.counters = self.slots.counters
-        else:
-            self.counters = Counters()
-            self.counters.set_residency(runner.residency.summary(), runner.weight_bytes)
-            self.slots = SlotState(runner, max_batch, capacity, capture, self.counters)
+        self.prefill_chunk = None if any(runner.kv_windows) else prefill_chunk
+        # the step runner makes the slot state (SlotState's interface) and the counters it fills
+        self.slots = runner.engine_slots(max_batch, capacity, capture)
+        self.counters = self.slots.counters
         self.scheduler = Scheduler(max_batch, prefill_tokens, max_waiting)
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
