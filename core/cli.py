@@ -682,7 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=_positive_int, default=64, help="KV slots: requests decoded at once "
                    "(default: %(default)s)")
     s.add_argument("--capacity", type=_positive_int, default=None, help="KV positions per slot, prompt plus "
-                   "max_tokens (default: 2048, at most the model context)")
+                   "max_tokens - 1 (default: 2048, at most the model context)")
     s.add_argument("--max-waiting", type=_positive_int, default=256, help="requests queued for a slot before "
                    "answering 429 (default: %(default)s)")
     s.add_argument("--prefill-chunk", type=_positive_int, default=256, help="prompt positions per prefill chunk; "

@@ -144,8 +144,8 @@ class Engine:
                 raise RequestError(f"{name} must be a positive integer, got {value!r}")
         if capacity is None:
             capacity = round_capacity(min(DEFAULT_CAPACITY, context), context)
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 2 <= capacity <= context:
-            raise RequestError(f"capacity must be an integer in [2, {context}] (the model context), got {capacity!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= context:
+            raise RequestError(f"capacity must be an integer in [1, {context}] (the model context), got {capacity!r}")
         self.runner, self.capacity, self.max_batch = runner, capacity, max_batch
         #: positions per prefill chunk (None: whole prompts; always None on a ring KV cache)
         self.prefill_chunk = None if any(runner.kv_windows) else prefill_chunk
