@@ -397,7 +397,7 @@ def cmd_serve(a) -> int:
     model = _resolve_model(a.model, a.provider)
     server = build_server(model, a.provider, a.max_batch, a.capacity, a.max_waiting, False if a.no_capture else None,
                           a.model_name or Path(a.model or DEFAULT_MODEL).name, a.api_key, a.prefill_chunk,
-                          a.weight_budget, a.device_budget)
+                          a.weight_budget, a.device_budget, a.tensor_parallel)
     serve(server, a.host, a.port, a.log_level)
     return 0
 
@@ -690,6 +690,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 routes")
     s.add_argument("--model-name", help="the name clients pass as model (default: MODEL's last path part)")
     s.add_argument("--no-capture", action="store_true", help="never capture decode steps")
+    s.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="R", help="shard the model over R "
+                   "rank processes (greedy requests only; default: %(default)s)")
     _budget_arg(s)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
