@@ -119,6 +119,11 @@ class Engine:
             absolute positions, one or more per iteration, with the running rows' decode steps
             between them. None: each prompt in one run. Models with a sliding-window ring KV
             cache prefill whole prompts (cuda runs no chunk into a ring).
+        decode_prefill_tokens: prompt positions prefilled per iteration while some row decodes
+            (None: ``prefill_tokens``; at least one chunk). One ``prefill_chunk`` gives the
+            decoding rows a step after every chunk instead of after ``prefill_tokens`` positions
+            (lower inter-token latency, a long prompt's first token later). Where the chunks
+            fall never changes, so no bit does.
         capture: graph capture of the decode buckets (None: where the provider supports it).
         run_ahead: queue the next decode step before reading the last one's tokens, so the
             device runs while the host feeds the requests (a row that ended meanwhile computes
@@ -130,16 +135,19 @@ class Engine:
             instead of ending its requests with "error" while the engine serves on (a server).
 
     Raises:
-        RequestError: a bad ``max_batch``, ``capacity``, ``max_waiting``, ``prefill_tokens`` or
-            ``prefill_chunk``.
+        RequestError: a bad ``max_batch``, ``capacity``, ``max_waiting``, ``prefill_tokens``,
+            ``decode_prefill_tokens`` or ``prefill_chunk``.
     """
 
     def __init__(self, runner: StepRunner, max_batch: int = 8, capacity: int | None = None, max_waiting: int = 256,
                  prefill_tokens: int = 2048, capture: bool | None = None, run_ahead: bool = True,
-                 compact: bool = True, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, reraise: bool = False):
+                 compact: bool = True, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, reraise: bool = False,
+                 decode_prefill_tokens: int | None = None):
         context = runner.model.config.context_length
         checked = [("max_batch", max_batch), ("max_waiting", max_waiting), ("prefill_tokens", prefill_tokens)]
-        for name, value in checked + ([("prefill_chunk", prefill_chunk)] if prefill_chunk is not None else []):
+        optional = [(n, v) for n, v in (("prefill_chunk", prefill_chunk), ("decode_prefill_tokens",
+                                                                           decode_prefill_tokens)) if v is not None]
+        for name, value in checked + optional:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise RequestError(f"{name} must be a positive integer, got {value!r}")
         if capacity is None:
@@ -153,6 +161,7 @@ class Engine:
         self.slots = runner.engine_slots(max_batch, capacity, capture)
         self.counters = self.slots.counters
         self.scheduler = Scheduler(max_batch, prefill_tokens, max_waiting)
+        self.decode_prefill_tokens = decode_prefill_tokens
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._queued = 0  # added and not yet admitted or aborted (read by add() on any thread)
@@ -306,6 +315,14 @@ class Engine:
             self.counters.decode_s += max(time.perf_counter() - t0 - self._take_compile_s(), 0.0)
         self._publish(events)
         return True
+
+    def prefill_budget(self) -> int:
+        """Prompt positions to prefill this iteration: ``decode_prefill_tokens`` while some
+        admitted row decodes (where set), else ``prefill_tokens`` (the owner's view)."""
+        decoding = any(r not in self._prefilling for r in self.scheduler.running.values())
+        if decoding and self.decode_prefill_tokens is not None:
+            return self.decode_prefill_tokens
+        return self.scheduler.prefill_tokens
 
     def _take_compile_s(self) -> float:
         """Kernel compile seconds since the last call, counted in ``compile_s`` (kept out of

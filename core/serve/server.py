@@ -22,7 +22,7 @@ def build_server(model: str | Path, provider: Any = "cpu_reference", max_batch: 
                  max_waiting: int = 256, capture: bool | None = None, served: str | None = None,
                  api_key: str | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
                  weight_budget: int | float | str | None = None, device_budget: int | str | None = None,
-                 tensor_parallel: int = 1) -> Server:
+                 tensor_parallel: int = 1, decode_prefill_tokens: int | None = None) -> Server:
     """A :class:`~core.serve.app.Server` that loads ``model`` on ``provider`` into an engine of
     ``max_batch`` slots of ``capacity`` positions, prompts prefilled in chunks of
     ``prefill_chunk`` positions (see :class:`core.engine.Engine`). ``weight_budget`` and
@@ -30,7 +30,8 @@ def build_server(model: str | Path, provider: Any = "cpu_reference", max_batch: 
     them stream every step (the KV slots are charged to a device budget once, at load).
     ``tensor_parallel`` R > 1 shards the model over R rank processes
     (:class:`~core.parallel.runner.TensorParallelRunner`, each rank's Runner taking the
-    budgets): greedy requests only, each rank's KV slots holding its shard."""
+    budgets): greedy requests only, each rank's KV slots holding its shard.
+    ``decode_prefill_tokens`` bounds the prefill between two decode steps (:class:`Engine`)."""
     def load() -> Engine:
         runner: StepRunner
         if tensor_parallel > 1:
@@ -41,7 +42,7 @@ def build_server(model: str | Path, provider: Any = "cpu_reference", max_batch: 
         else:
             runner = Runner(model, provider, weight_budget=weight_budget, device_budget=device_budget)
         engine = Engine(runner, max_batch=max_batch, capacity=capacity, max_waiting=max_waiting, capture=capture,
-                        prefill_chunk=prefill_chunk)
+                        prefill_chunk=prefill_chunk, decode_prefill_tokens=decode_prefill_tokens)
         log.info("engine: %d slots of %d positions, %.2f GB of KV%s", max_batch, engine.capacity,
                  engine.counters.kv_bytes / 1e9, f" per rank, {tensor_parallel} ranks" if tensor_parallel > 1 else "")
         return engine.start()
