@@ -397,7 +397,8 @@ def cmd_serve(a) -> int:
     model = _resolve_model(a.model, a.provider)
     server = build_server(model, a.provider, a.max_batch, a.capacity, a.max_waiting, False if a.no_capture else None,
                           a.model_name or Path(a.model or DEFAULT_MODEL).name, a.api_key, a.prefill_chunk,
-                          a.weight_budget, a.device_budget, a.tensor_parallel, a.decode_prefill_tokens)
+                          a.weight_budget, a.device_budget, tensor_parallel=a.tensor_parallel,
+                          decode_prefill_tokens=a.decode_prefill_tokens)
     serve(server, a.host, a.port, a.log_level)
     return 0
 

@@ -354,9 +354,10 @@ class Stream:
     row and step: new token ids, new text, the finish reason), then call :meth:`result`.
 
     Attributes:
-        session: the :class:`~core.session.Session` it runs on, or None on the engine.
+        session: the :class:`~core.session.Session` it runs on; None on the engine (every
+            :func:`start`).
         generation: the :class:`~core.generation.engine_run.EngineStream` of its rows on the
-            engine, or on the Session path the :class:`~core.generation.stream.Generation`.
+            engine, or a :class:`~core.generation.stream.Generation` on a Session.
     """
 
     def __init__(self, session: Session | None, generation: Any):

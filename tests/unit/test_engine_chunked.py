@@ -104,7 +104,7 @@ def test_a_bad_chunk_size_is_refused(runner, chunk):
         Engine(runner, max_batch=1, capacity=64, prefill_chunk=chunk)
 
 
-def test_serve_passes_prefill_chunk_to_the_engine(runner, monkeypatch):
+def test_serve_passes_prefill_chunk_and_the_decode_prefill_budget_to_the_engine(runner, monkeypatch):
     import core.serve.server as server_mod
     from core.cli import main
 
@@ -117,8 +117,8 @@ def test_serve_passes_prefill_chunk_to_the_engine(runner, monkeypatch):
     monkeypatch.setattr(server_mod, "Engine", engine)
     monkeypatch.setattr(server_mod, "serve", lambda server, *a: server.load())
     with pytest.raises(SystemExit):
-        main(["serve", str(runner.model.folder), "--prefill-chunk", "8"])
-    assert made[0]["prefill_chunk"] == 8
+        main(["serve", str(runner.model.folder), "--prefill-chunk", "8", "--decode-prefill-tokens", "8"])
+    assert made[0]["prefill_chunk"] == 8 and made[0]["decode_prefill_tokens"] == 8
 
 
 def test_a_request_aborted_before_its_first_chunk_leaves_the_others_right(runner):
