@@ -397,7 +397,8 @@ def cmd_serve(a) -> int:
     model = _resolve_model(a.model, a.provider)
     server = build_server(model, a.provider, a.max_batch, a.capacity, a.max_waiting, False if a.no_capture else None,
                           a.model_name or Path(a.model or DEFAULT_MODEL).name, a.api_key, a.prefill_chunk,
-                          a.weight_budget, a.device_budget)
+                          a.weight_budget, a.device_budget, tensor_parallel=a.tensor_parallel,
+                          decode_prefill_tokens=a.decode_prefill_tokens)
     serve(server, a.host, a.port, a.log_level)
     return 0
 
@@ -682,14 +683,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=_positive_int, default=64, help="KV slots: requests decoded at once "
                    "(default: %(default)s)")
     s.add_argument("--capacity", type=_positive_int, default=None, help="KV positions per slot, prompt plus "
-                   "max_tokens (default: 2048, at most the model context)")
+                   "max_tokens - 1 (default: 2048, at most the model context)")
     s.add_argument("--max-waiting", type=_positive_int, default=256, help="requests queued for a slot before "
                    "answering 429 (default: %(default)s)")
     s.add_argument("--prefill-chunk", type=_positive_int, default=256, help="prompt positions per prefill chunk; "
                    "the running requests decode between chunks (default: %(default)s)")
+    s.add_argument("--decode-prefill-tokens", type=_positive_int, help="prompt positions prefilled between two "
+                   "decode steps while requests decode (default: 2048; one chunk: lower inter-token latency)")
     s.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 routes")
     s.add_argument("--model-name", help="the name clients pass as model (default: MODEL's last path part)")
     s.add_argument("--no-capture", action="store_true", help="never capture decode steps")
+    s.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="R", help="shard the model over R "
+                   "rank processes (greedy requests only; default: %(default)s)")
     _budget_arg(s)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)

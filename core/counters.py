@@ -37,7 +37,7 @@ class Counters:
         rows_moved: running rows the engine moved to a lower slot so that its decode steps
             run a smaller bucket (:meth:`core.engine.scheduler.Scheduler.compaction`).
         engine_requests: requests the engine admitted into a slot (``core.run`` on the engine:
-            one per row that decodes; 0 on the fixed-batch Session path).
+            one per row that decodes; 0 on a fixed-batch Session).
         prefill_chunks: prompt chunks the engine's chunked prefill ran (each at most the
             engine's ``prefill_chunk`` positions, on the fixed grid of absolute positions).
         kv_bytes: bytes reserved for the KV cache (all layers, K and V).

@@ -9,7 +9,8 @@ See :mod:`core.engine.engine` (the loop), :mod:`core.engine.scheduler` (the poli
 :mod:`core.engine.slots` (the device side) and :mod:`core.engine.request` (one request).
 """
 
-from core.engine.engine import Engine, EngineClosedError, Handle, QueueFullError
+from core.engine.engine import Engine, EngineClosedError, Handle, QueueFullError, StepRunner
 from core.engine.request import FINISH_REASONS, Event, Request, Usage
 
-__all__ = ["Engine", "Handle", "EngineClosedError", "QueueFullError", "Event", "Request", "Usage", "FINISH_REASONS"]
+__all__ = ["Engine", "StepRunner", "Handle", "EngineClosedError", "QueueFullError", "Event", "Request", "Usage",
+           "FINISH_REASONS"]

@@ -34,15 +34,13 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from core import compiling
-from core.counters import Counters
 from core.engine.logprobs import chosen
 from core.engine.prefill import Prefills
 from core.engine.request import Event, Request, Sink, make_request
 from core.engine.scheduler import Scheduler
-from core.engine.slots import SlotState
 from core.errors import RequestError
 from core.runtime.kv import round_capacity
 from core.runtime.step import step_output
@@ -53,6 +51,29 @@ log = logging.getLogger("lockstep")
 DEFAULT_CAPACITY = 2048
 #: Default prompt positions per chunk of a chunked prefill (:class:`Engine` ``prefill_chunk``).
 DEFAULT_PREFILL_CHUNK = 256
+
+
+class StepRunner(Protocol):
+    """What an :class:`Engine` reads of its runner: the :class:`~core.runtime.runner.Runner`
+    and :class:`~core.parallel.runner.TensorParallelRunner` both are one (no member is probed).
+
+    Attributes:
+        model: the (unsharded) :class:`~core.models.model.Model`: config, tokenizer.
+        provider: its ``capabilities()`` say whether decode steps may be captured.
+        kv_windows: per layer, the sliding window of a ring KV cache (0: a full cache).
+        lock: serialises the engine iterations of threads sharing the runner.
+    """
+
+    model: Any
+    provider: Any
+    kv_windows: Any
+    lock: Any
+
+    def engine_slots(self, slots: int, capacity: int, capture: bool | None) -> Any:
+        """The engine's slot state: :class:`~core.engine.slots.SlotState`'s interface (``prefill``,
+        ``prefill_rows``, ``decode``, ``move``, ``start_logits``, ``row_logits``, ``close``,
+        ``filled``, ``can_sample``, ``capture``) and the :class:`~core.counters.Counters` it
+        fills (``counters``), for ``slots`` rows of ``capacity`` positions."""
 
 
 class QueueFullError(RequestError):
@@ -84,9 +105,9 @@ class Engine:
     """Continuous batching of requests on one Runner (module docstring).
 
     Args:
-        runner: the :class:`~core.runtime.runner.Runner`; only this engine may drive it. A step
-            runner of another kind (:class:`~core.parallel.runner.TensorParallelRunner`) has
-            ``engine_slots(max_batch, capacity, capture)``, which makes the engine's slot state.
+        runner: a :class:`StepRunner`: the :class:`~core.runtime.runner.Runner`, or
+            :class:`~core.parallel.runner.TensorParallelRunner`; only this engine may drive it.
+            Its ``engine_slots(max_batch, capacity, capture)`` makes the engine's slot state.
         max_batch: slots (rows of the KV cache), the largest decode bucket.
         capacity: KV positions per slot (default :data:`DEFAULT_CAPACITY`, at most the model's
             context, rounded up to 64).
@@ -98,6 +119,11 @@ class Engine:
             absolute positions, one or more per iteration, with the running rows' decode steps
             between them. None: each prompt in one run. Models with a sliding-window ring KV
             cache prefill whole prompts (cuda runs no chunk into a ring).
+        decode_prefill_tokens: prompt positions prefilled per iteration while some row decodes
+            (None: ``prefill_tokens``; at least one chunk). One ``prefill_chunk`` gives the
+            decoding rows a step after every chunk instead of after ``prefill_tokens`` positions
+            (lower inter-token latency, a long prompt's first token later). Where the chunks
+            fall never changes, so no bit does.
         capture: graph capture of the decode buckets (None: where the provider supports it).
         run_ahead: queue the next decode step before reading the last one's tokens, so the
             device runs while the host feeds the requests (a row that ended meanwhile computes
@@ -109,36 +135,33 @@ class Engine:
             instead of ending its requests with "error" while the engine serves on (a server).
 
     Raises:
-        RequestError: a bad ``max_batch``, ``capacity``, ``max_waiting``, ``prefill_tokens`` or
-            ``prefill_chunk``.
+        RequestError: a bad ``max_batch``, ``capacity``, ``max_waiting``, ``prefill_tokens``,
+            ``decode_prefill_tokens`` or ``prefill_chunk``.
     """
 
-    def __init__(self, runner, max_batch: int = 8, capacity: int | None = None, max_waiting: int = 256,
+    def __init__(self, runner: StepRunner, max_batch: int = 8, capacity: int | None = None, max_waiting: int = 256,
                  prefill_tokens: int = 2048, capture: bool | None = None, run_ahead: bool = True,
-                 compact: bool = True, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, reraise: bool = False):
+                 compact: bool = True, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, reraise: bool = False,
+                 decode_prefill_tokens: int | None = None):
         context = runner.model.config.context_length
         checked = [("max_batch", max_batch), ("max_waiting", max_waiting), ("prefill_tokens", prefill_tokens)]
-        for name, value in checked + ([("prefill_chunk", prefill_chunk)] if prefill_chunk is not None else []):
+        optional = [(n, v) for n, v in (("prefill_chunk", prefill_chunk), ("decode_prefill_tokens",
+                                                                           decode_prefill_tokens)) if v is not None]
+        for name, value in checked + optional:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise RequestError(f"{name} must be a positive integer, got {value!r}")
         if capacity is None:
             capacity = round_capacity(min(DEFAULT_CAPACITY, context), context)
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 2 <= capacity <= context:
-            raise RequestError(f"capacity must be an integer in [2, {context}] (the model context), got {capacity!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= context:
+            raise RequestError(f"capacity must be an integer in [1, {context}] (the model context), got {capacity!r}")
         self.runner, self.capacity, self.max_batch = runner, capacity, max_batch
         #: positions per prefill chunk (None: whole prompts; always None on a ring KV cache)
-        self.prefill_chunk = None if any(getattr(runner, "kv_windows", ())) else prefill_chunk
-        # a step runner other than a Runner (tensor parallel: core.parallel.runner) makes its own
-        # slot state, with SlotState's interface, and the counters it fills
-        make_slots = getattr(runner, "engine_slots", None)
-        if make_slots is not None:
-            self.slots = make_slots(max_batch, capacity, capture)
-            self.counters = self.slots.counters
-        else:
-            self.counters = Counters()
-            self.counters.set_residency(runner.residency.summary(), runner.weight_bytes)
-            self.slots = SlotState(runner, max_batch, capacity, capture, self.counters)
+        self.prefill_chunk = None if any(runner.kv_windows) else prefill_chunk
+        # the step runner makes the slot state (SlotState's interface) and the counters it fills
+        self.slots = runner.engine_slots(max_batch, capacity, capture)
+        self.counters = self.slots.counters
         self.scheduler = Scheduler(max_batch, prefill_tokens, max_waiting)
+        self.decode_prefill_tokens = decode_prefill_tokens
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._queued = 0  # added and not yet admitted or aborted (read by add() on any thread)
@@ -292,6 +315,14 @@ class Engine:
             self.counters.decode_s += max(time.perf_counter() - t0 - self._take_compile_s(), 0.0)
         self._publish(events)
         return True
+
+    def prefill_budget(self) -> int:
+        """Prompt positions to prefill this iteration: ``decode_prefill_tokens`` while some
+        admitted row decodes (where set), else ``prefill_tokens`` (the owner's view)."""
+        decoding = any(r not in self._prefilling for r in self.scheduler.running.values())
+        if decoding and self.decode_prefill_tokens is not None:
+            return self.decode_prefill_tokens
+        return self.scheduler.prefill_tokens
 
     def _take_compile_s(self) -> float:
         """Kernel compile seconds since the last call, counted in ``compile_s`` (kept out of

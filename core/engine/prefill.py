@@ -3,7 +3,8 @@ the policy that prefills them each iteration (docs/engine.md, "Chunked prefill")
 
 A prompt runs in chunks on a fixed grid of absolute positions, ``[kC, (k + 1)C)`` for the
 engine's ``prefill_chunk`` C (the whole prompt without one), oldest request first, at most
-``prefill_tokens`` positions an iteration (at least one chunk); the engine's decode step of the
+``prefill_tokens`` positions an iteration (``decode_prefill_tokens`` while some row decodes;
+at least one chunk); the engine's decode step of the
 running rows comes between two iterations' chunks. Requests admitted together into consecutive
 slots whose whole prompts are one chunk each prefill in padded runs split by length as a
 fixed-batch Session's prefill groups them (:meth:`~core.engine.slots.SlotState.prefill_rows`).
@@ -62,7 +63,7 @@ class Prefills:
         e = self.engine
         for req in [r for r in self.pending if r.finish_reason is not None]:
             del self.pending[req]  # aborted (or failed) before its prompt was done: its slot is free
-        budget, ran = e.scheduler.prefill_tokens, False
+        budget, ran = e.prefill_budget(), False
         t0 = time.perf_counter()
         for run in self._batched_runs(budget):
             budget -= sum(len(r.prompt_ids) for _, r in run)

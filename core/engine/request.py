@@ -206,7 +206,8 @@ def make_request(model: Any, prompt_ids: Any, max_tokens: Any, sampling: Any, st
         sampling: a dict of sampling options or a SamplingParams (None: the model's defaults).
         stop: a stop string or a list of them (None: none).
         stop_token_ids: token ids that end the request besides the model's EOS ids.
-        capacity: KV positions of one slot: prompt plus ``max_tokens`` must fit.
+        capacity: KV positions of one slot: prompt plus ``max_tokens`` minus one must fit (the
+            last token's KV is never written, as on a :class:`~core.session.Session`).
         sink: called with every :class:`Event` of the request, from the engine's thread.
         request_id: the request's id (default ``req-N``).
         can_sample: the provider has ``device_sample``.
@@ -222,8 +223,8 @@ def make_request(model: Any, prompt_ids: Any, max_tokens: Any, sampling: Any, st
     if ids.min() < 0 or ids.max() >= vocab:
         raise RequestError(f"the prompt has token ids outside [0, {vocab})")
     n = _max_tokens(max_tokens)
-    if len(ids) + n > capacity:
-        raise RequestError(f"the prompt has {len(ids)} tokens; with max_tokens={n} it needs {len(ids) + n} "
+    if len(ids) + n - 1 > capacity:  # the last token's KV is never written (a Session's count)
+        raise RequestError(f"the prompt has {len(ids)} tokens; with max_tokens={n} it needs {len(ids) + n - 1} "
                            f"positions, and a slot holds {capacity}")
     stops = _stop_strings(stop)
     if stops and model.tokenizer is None:

@@ -5,7 +5,7 @@ code, so it is unit-tested and fuzzed on its own.
 
 - **Slots.** The KV cache holds ``slots`` rows of ``capacity`` positions each. A request is
   admitted, first come first served, when a slot is free (every valid request fits any slot:
-  prompt plus ``max_tokens`` <= capacity is checked when it is made), so nothing is preempted.
+  prompt plus ``max_tokens`` - 1 <= capacity is checked when it is made), so nothing is preempted.
   It takes the lowest free slot, which keeps the running rows packed at the low slots.
 - **Buckets.** A decode step runs the rows of slots ``[0, bucket)``: the smallest of
   :func:`buckets` that covers the highest occupied slot. Free slots below it are padded lanes.

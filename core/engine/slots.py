@@ -32,7 +32,10 @@ copies by the rows it advanced (a padded lane or a row mid-prefill takes no toke
 **Padded lanes.** A free slot below the bucket steps with the others: it feeds token 0 at its
 own length into its own (free) KV slot, positions no live row reads, and its token is
 ignored. Its length is reset to 0 before it would reach the capacity (host writes of its
-length and mask row), so it never writes outside its slot.
+length and mask row), so it never writes outside its slot. So is a running row's whose length
+reached the capacity: a request needs prompt plus ``max_tokens`` minus one positions (the last
+token's KV is never written, as on a Session), so only a step queued ahead past its last token,
+whose token the engine drops, finds it there.
 """
 
 from __future__ import annotations
@@ -233,6 +236,8 @@ class SlotState:
                     self._set_length(s, 0)
             elif s in self.filled and self.lane_len[s] != self.filled[s]:
                 self._set_length(s, self.filled[s])  # mid-prefill: its lane writes at the next chunk's start
+            elif self.lane_len[s] >= self.capacity:
+                self._set_length(s, 0)  # past its last token (a step queued ahead): its token is never read
         bucket = self._buckets.get(batch)
         if bucket is None:
             bucket = self._buckets[batch] = _Bucket(self, batch, self.capture)

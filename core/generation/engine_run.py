@@ -12,9 +12,9 @@ What stays as ``run`` had it: the same validation and messages before any kernel
 Ctrl-C), rows of 0 tokens ended at once, and the ``progress`` callback. The counters are the
 engine's (``engine_requests`` counts the rows it admitted).
 
-:func:`session_reason` names what the engine cannot give (a capacity the engine's slots
-cannot hold); :func:`~core.generation.generate.start` keeps the
-Session path for those requests only.
+A slot holds what a Session's row does: prompt plus ``max_new_tokens`` minus one positions
+(the last token's KV is never written), so every request ``run`` takes runs here;
+:func:`check_options` refuses the rest with a Session's messages.
 """
 
 from __future__ import annotations
@@ -29,33 +29,58 @@ from core.errors import RequestError
 from core.generation import sampling as sampling_mod
 from core.generation.stream import Delta, Generation, RowState, _max_new, _per_row, eos_ids, per_row_stop_ids
 from core.generation.tokens import token_row
+from core.runtime import kv as kvgeo
 
 
-def session_reason(runner, tensor_parallel: Any, input_ids: Sequence[Sequence[int]], news: Sequence[int],
-                   capacity: int | None) -> str | None:
-    """Why a request keeps the fixed-batch Session path, or None when the engine runs it.
+def check_options(runner, model, kv_layout: Any, capacity: Any, weight_budget: Any, device_budget: Any,
+                  tensor_parallel: Any) -> None:
+    """Refuse what a :class:`~core.session.Session` refuses of ``run``'s options, with its
+    messages, before any Runner or rank starts.
 
-    Args:
-        runner: the :class:`~core.runtime.runner.Runner` (or
-            :class:`~core.parallel.runner.TensorParallelRunner`) it would run on.
-        tensor_parallel: the request's ``tensor_parallel`` (the engine runs any R).
-        input_ids, news: each row's prompt and ``max_new_tokens``.
-        capacity: the KV positions per row the request gives (None: chosen for it).
+    Raises:
+        RequestError: a bad ``tensor_parallel``, ``kv_layout`` or ``capacity``; a Runner given
+            with another KV layout, with budgets of its own or with ``tensor_parallel`` > 1.
     """
-    if runner is None:
-        return "no runner in this process"
-    need = engine_capacity(input_ids, news)
-    if capacity is not None and need > capacity:
-        return f"the engine's slots need {need} positions (prompt + max_new_tokens), capacity={capacity} gives fewer"
-    if need > runner.model.config.context_length:
-        return "prompt + max_new_tokens is one position past the model context"
-    return None
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, (int, np.integer)) \
+            or tensor_parallel < 1:
+        raise RequestError(f"tensor_parallel must be a positive integer, got {tensor_parallel!r}")
+    if tensor_parallel > 1 and runner is not None:
+        raise RequestError("tensor_parallel needs a model folder or a loaded Model; a Runner holds one "
+                           "provider's unsharded weights")
+    if kv_layout is not None and kv_layout not in kvgeo.LAYOUTS:
+        raise RequestError(f"kv_layout must be one of {kvgeo.LAYOUTS}, got {kv_layout!r}")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer))):
+        raise RequestError(f"capacity must be an integer, got {capacity!r}")
+    if runner is not None:
+        if kv_layout not in (None, runner.kv_layout):
+            raise RequestError(f"this Runner is planned for KV layout {runner.kv_layout!r}, not {kv_layout!r}")
+        if (weight_budget is not None and weight_budget != runner.weight_budget) or device_budget is not None:
+            raise RequestError("a Session on a Runner uses the runner's budgets; make a Runner with "
+                               "weight_budget= / device_budget= instead")
+    context = model.config.context_length
+    if capacity is not None and not 1 <= capacity <= context:
+        raise RequestError(f"capacity must be in [1, {context}] (the model context), got {capacity!r}")
 
 
 def engine_capacity(input_ids: Sequence[Sequence[int]], news: Sequence[int]) -> int:
-    """KV positions a slot needs for the rows: prompt plus ``max_new_tokens`` (a row ended
-    while a step was queued ahead computes one more), at least 2; rows of 0 tokens need none."""
-    return max([2] + [len(r) + n for r, n in zip(input_ids, news) if n > 0])
+    """KV positions a slot needs for the rows, counted as a Session counts them: prompt plus
+    ``max_new_tokens`` minus one (the last token's KV is never written; a step queued ahead
+    past it writes at the slot's start instead, :meth:`core.engine.slots.SlotState.decode`)."""
+    return max(len(r) + max(n - 1, 0) for r, n in zip(input_ids, news))
+
+
+def check_fit(input_ids: Sequence[Sequence[int]], news: Sequence[int], limit: int) -> None:
+    """Refuse a row that needs more than ``limit`` KV positions (:func:`check_rows`'s message),
+    before tensor parallel's ranks start.
+
+    Raises:
+        RequestError: prompt + max_new_tokens - 1 > limit for some row.
+    """
+    for b, (row, m) in enumerate(zip(input_ids, news)):
+        need = len(row) + max(m - 1, 0)
+        if need > limit:
+            raise RequestError(f"prompt {b} has {len(row)} tokens; with max_new_tokens={m} it needs {need} KV "
+                               f"positions but the capacity is {limit}")
 
 
 def check_rows(runner, input_ids: Sequence[Sequence[int]], max_new_tokens: Any, sampling: Any, stop: Any,

@@ -1,9 +1,8 @@
 """The main job: batch-N generation, as ``core.run``, ``core.stream`` and ``lockstep run``.
 
 Both drain a :class:`Stream`: the rows as engine requests
-(:class:`~core.generation.engine_run.EngineStream`), or on the Session path a
-:class:`~core.generation.stream.Generation` (:func:`_on_engine` says which), so a streamed
-request and a plain one give the same rows.
+(:class:`~core.generation.engine_run.EngineStream`, one decode path), so a streamed request
+and a plain one give the same rows.
 """
 
 from __future__ import annotations
@@ -266,7 +265,6 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
         name = provider if isinstance(provider, str) else getattr(provider, "name", None)
         model = resolve_model(model, *default_variant(name))
     runner = model if isinstance(model, Runner) else None
-    model_arg = model
     if runner is not None and provider is not None and provider not in (runner.provider, runner.provider.name):
         raise RequestError(f"this Runner runs on provider {runner.provider.name!r}, not {provider!r}")
     provider = "cpu_reference" if provider is None else provider
@@ -299,66 +297,44 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
         from core.parallel.session import check_greedy
 
         check_greedy(sampling, len(input_ids), model)
-    runner, need = _on_engine(runner, model, provider, kv_layout, asked, weight_budget, device_budget,
-                              tensor_parallel, input_ids, per_row)
-    if need is not None:  # one decode path: the engine (docs/engine.md)
-        from core.generation.engine_run import EngineStream
+    runner = _engine_runner(runner, model, provider, kv_layout, asked, weight_budget, device_budget,
+                            tensor_parallel, input_ids, per_row)
+    from core.generation.engine_run import EngineStream  # one decode path: the engine (docs/engine.md)
 
-        assert runner is not None
-        slots = asked if asked is not None else kvgeo.round_capacity(need, model.config.context_length)
-        return Stream(None, EngineStream(runner, input_ids, max_new_tokens, sampling, stop, stop_token_ids,
-                                         progress, slots, capture))
-    made = runner is not None and not isinstance(model_arg, Runner)  # made with the budgets by _on_engine
-    session = Session(runner or model, provider, batch=len(input_ids), capacity=capacity,
-                      kv_layout=kv_layout or (runner.kv_layout if runner else "head_major"),
-                      kv_policy="fixed", capture=capture, weight_budget=None if made else weight_budget,
-                      device_budget=None if made else device_budget, tensor_parallel=tensor_parallel)
-    return Stream(session, Generation(session, input_ids, max_new_tokens, sampling, stop, stop_token_ids,
-                                      progress))
+    return Stream(None, EngineStream(runner, input_ids, max_new_tokens, sampling, stop, stop_token_ids, progress,
+                                     int(capacity), capture))
 
 
-def _on_engine(runner: Runner | None, model: Model, provider: Any, kv_layout: str | None, capacity: Any,
-               weight_budget: Any, device_budget: Any, tensor_parallel: Any, input_ids: Sequence[Sequence[int]],
-               news: Sequence[int]) -> tuple[Any, int | None]:
-    """Where a request runs (docs/engine.md, "One decode path"): the engine, unless
-    :func:`core.generation.engine_run.session_reason` names a reason (a capacity the engine's
-    slots cannot hold); a weight or device budget makes the Runner with it (its weights stream
-    through the engine's steps); ``tensor_parallel`` > 1 starts a
-    :class:`~core.parallel.runner.TensorParallelRunner` (its rank processes). Returns (the
-    runner, made here unless given; None where the Session makes its own) and the KV positions
-    an engine slot needs, or None for the Session path.
+def _engine_runner(runner: Runner | None, model: Model, provider: Any, kv_layout: str | None, capacity: Any,
+                   weight_budget: Any, device_budget: Any, tensor_parallel: Any, input_ids: Sequence[Sequence[int]],
+                   news: Sequence[int]) -> Any:
+    """The step runner a request's engine drives (docs/engine.md, "One decode path"): the given
+    Runner, or one made with the budgets (its weights stream through the engine's steps), or
+    for ``tensor_parallel`` > 1 a :class:`~core.parallel.runner.TensorParallelRunner` (its rank
+    processes, started only once the rows fit the capacity).
 
     Raises:
-        RequestError: the Runner cannot be made (a KV layout or budget error, as a Session says).
+        RequestError: an option a Session refuses (:func:`~core.generation.engine_run.check_options`,
+            its messages), or the Runner cannot be made (a KV layout or budget error).
     """
-    from core.generation.engine_run import engine_capacity, session_reason
+    from core.generation.engine_run import check_fit, check_options
     from core.runtime.residency import BudgetError
 
-    tp = tensor_parallel != 1 and not isinstance(tensor_parallel, bool)
-    if (tp and (runner is not None or not isinstance(tensor_parallel, (int, np.integer)) or tensor_parallel < 2)) \
-            or (runner is not None and (kv_layout not in (None, runner.kv_layout) or device_budget is not None
-                                        or weight_budget not in (None, runner.weight_budget))):
-        return runner, None  # the Session refuses it (a Runner's layout and budgets are its own), with its message
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
-                                 or not 2 <= capacity <= model.config.context_length):
-        return runner, None  # the Session refuses it, with its message
-    if tp:  # the ranks start only where the engine's slots can hold the rows
-        need = engine_capacity(input_ids, news)
-        if (capacity is not None and need > capacity) or need > model.config.context_length:
-            return None, None  # a TensorParallelSession runs it
+    check_options(runner, model, kv_layout, capacity, weight_budget, device_budget, tensor_parallel)
+    if tensor_parallel > 1:
+        if capacity is not None:
+            check_fit(input_ids, news, int(capacity))
         from core.parallel.runner import TensorParallelRunner
 
         return TensorParallelRunner(model, provider, int(tensor_parallel), kv_layout or "head_major",
-                                    weight_budget, device_budget), need
+                                    weight_budget, device_budget)
     if runner is None:
         try:
             runner = Runner(model, provider, kv_layout or "head_major", weight_budget=weight_budget,
                             device_budget=device_budget)
         except (kvgeo.KVLayoutError, BudgetError) as exc:
             raise RequestError(str(exc)) from exc
-    if session_reason(runner, tensor_parallel, input_ids, news, capacity) is not None:
-        return runner, None
-    return runner, engine_capacity(input_ids, news)
+    return runner
 
 
 def _too_long(input_ids: Sequence[Sequence[int]], news: Sequence[int], context: int) -> str:
@@ -378,9 +354,10 @@ class Stream:
     row and step: new token ids, new text, the finish reason), then call :meth:`result`.
 
     Attributes:
-        session: the :class:`~core.session.Session` it runs on, or None on the engine.
+        session: the :class:`~core.session.Session` it runs on; None on the engine (every
+            :func:`start`).
         generation: the :class:`~core.generation.engine_run.EngineStream` of its rows on the
-            engine, or on the Session path the :class:`~core.generation.stream.Generation`.
+            engine, or a :class:`~core.generation.stream.Generation` on a Session.
     """
 
     def __init__(self, session: Session | None, generation: Any):
@@ -437,9 +414,8 @@ def run(model: str | Path | Model | Runner | None = None, provider: Any = None,
     """Run several prompts as one batch: greedy by default, sampled per row on request.
 
     Each row is a request of the continuous-batching engine (:mod:`core.generation.engine_run`,
-    docs/engine.md: one decode path), bitwise the fixed-batch Session's row; tensor parallel,
-    a weight or device budget and a ``capacity`` below prompt plus ``max_new_tokens`` run on
-    the Session instead.
+    docs/engine.md: one decode path), bitwise the fixed-batch Session's row, tensor parallel,
+    weight and device budgets and any ``capacity`` a Session takes included.
 
     Args:
         model: a builder model folder, a loaded Model, a Runner (weights already on the

@@ -9,8 +9,7 @@ agree on every token (they read the same all-reduced values), and rank 0's answe
 :class:`~core.generation.stream.Generation` drives it like any session; the tokenizer and stop
 rules run here. ``core.run`` decodes on the engine's step runner instead
 (:class:`~core.parallel.runner.TensorParallelRunner`), bitwise this session's rows; this
-fixed-batch session stays the facade of ``Session(tensor_parallel=R)`` and ``core.run``'s
-Session path (a capacity the engine's slots cannot hold).
+fixed-batch session stays the facade of ``Session(tensor_parallel=R)``.
 
 Failures (a dead, failed or silent rank: :class:`~core.parallel.ranks.RankError`, every rank
 stopped, the session closed) are :mod:`core.parallel.ranks`'.

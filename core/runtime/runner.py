@@ -323,3 +323,19 @@ class Runner:
         state.kv.release()
         if self.outputs_owner is state:
             self.outputs_owner = None
+
+    def engine_slots(self, slots: int, capacity: int, capture: bool | None):
+        """The slot state of an :class:`~core.engine.Engine` on this runner: a
+        :class:`~core.engine.slots.SlotState` of ``slots`` rows of ``capacity`` positions, with
+        fresh :class:`~core.counters.Counters` (``.counters``) holding this runner's residency.
+        A step runner of another kind answers with its own (tensor parallel:
+        :meth:`core.parallel.runner.TensorParallelRunner.engine_slots`).
+
+        Raises:
+            core.runtime.kv.KVFullError / core.runtime.residency.BudgetError: the cache does not fit.
+        """
+        from core.engine.slots import SlotState
+
+        counters = Counters()
+        counters.set_residency(self.residency.summary(), self.weight_bytes)
+        return SlotState(self, slots, capacity, capture, counters)

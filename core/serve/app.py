@@ -138,7 +138,7 @@ def _engine_request(server: Server, engine: Engine, parsed: api.Parsed, chat: bo
             ids = model.tokenizer.encode(parsed.prompt)
         else:
             ids = parsed.prompt
-        room = engine.capacity - len(ids)
+        room = engine.capacity - len(ids) + 1  # the last token's KV is never written
         max_tokens = parsed.max_tokens if parsed.max_tokens is not None else (max(room, 1) if chat else 16)
         return engine.request(ids, max_tokens, parsed.sampling, parsed.stop, sink=sink,
                               logprobs=parsed.logprobs is not None)

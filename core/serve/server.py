@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from core.engine import Engine
+from core.engine import Engine, StepRunner
 from core.engine.engine import DEFAULT_PREFILL_CHUNK
 from core.runtime.runner import Runner
 from core.serve.app import Server, make_app
@@ -21,18 +21,30 @@ log = logging.getLogger("lockstep")
 def build_server(model: str | Path, provider: Any = "cpu_reference", max_batch: int = 64, capacity: int | None = None,
                  max_waiting: int = 256, capture: bool | None = None, served: str | None = None,
                  api_key: str | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
-                 weight_budget: int | float | str | None = None, device_budget: int | str | None = None) -> Server:
+                 weight_budget: int | float | str | None = None, device_budget: int | str | None = None,
+                 tensor_parallel: int = 1, decode_prefill_tokens: int | None = None) -> Server:
     """A :class:`~core.serve.app.Server` that loads ``model`` on ``provider`` into an engine of
     ``max_batch`` slots of ``capacity`` positions, prompts prefilled in chunks of
     ``prefill_chunk`` positions (see :class:`core.engine.Engine`). ``weight_budget`` and
     ``device_budget`` are the Runner's (:class:`~core.runtime.runner.Runner`): the weights past
-    them stream every step (the KV slots are charged to a device budget once, at load)."""
+    them stream every step (the KV slots are charged to a device budget once, at load).
+    ``tensor_parallel`` R > 1 shards the model over R rank processes
+    (:class:`~core.parallel.runner.TensorParallelRunner`, each rank's Runner taking the
+    budgets): greedy requests only, each rank's KV slots holding its shard.
+    ``decode_prefill_tokens`` bounds the prefill between two decode steps (:class:`Engine`)."""
     def load() -> Engine:
-        runner = Runner(model, provider, weight_budget=weight_budget, device_budget=device_budget)
+        runner: StepRunner
+        if tensor_parallel > 1:
+            from core.parallel.runner import TensorParallelRunner
+
+            runner = TensorParallelRunner(model, provider, tensor_parallel, weight_budget=weight_budget,
+                                          device_budget=device_budget)
+        else:
+            runner = Runner(model, provider, weight_budget=weight_budget, device_budget=device_budget)
         engine = Engine(runner, max_batch=max_batch, capacity=capacity, max_waiting=max_waiting, capture=capture,
-                        prefill_chunk=prefill_chunk)
-        log.info("engine: %d slots of %d positions, %.2f GB of KV", max_batch, engine.capacity,
-                 engine.slots.state.kv.device_bytes / 1e9)
+                        prefill_chunk=prefill_chunk, decode_prefill_tokens=decode_prefill_tokens)
+        log.info("engine: %d slots of %d positions, %.2f GB of KV%s", max_batch, engine.capacity,
+                 engine.counters.kv_bytes / 1e9, f" per rank, {tensor_parallel} ranks" if tensor_parallel > 1 else "")
         return engine.start()
 
     return Server(load, served or Path(str(model)).name, api_key)

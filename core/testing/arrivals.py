@@ -52,7 +52,8 @@ class FuzzReport:
 def _draw(rng: np.random.Generator, vocab: int, capacity: int, text: bool, longest: int,
           prompt_share: float = 1 / 3) -> dict[str, Any]:
     prompt = rng.integers(3, vocab, int(rng.integers(1, max(2, int(capacity * prompt_share))))).tolist()
-    opts: dict[str, Any] = {"max_tokens": int(rng.integers(1, min(capacity - len(prompt), longest) + 1))}
+    # up to a slot filled to its last position: prompt + max_tokens - 1 = capacity (a Session's count)
+    opts: dict[str, Any] = {"max_tokens": int(rng.integers(1, min(capacity - len(prompt) + 1, longest) + 1))}
     if rng.random() < 0.5:
         opts["sampling"] = {"do_sample": True, "temperature": float(rng.choice([0.5, 1.0, 1.5])),
                             "top_k": int(rng.choice([0, 5, 50])), "top_p": float(rng.choice([1.0, 0.9])),

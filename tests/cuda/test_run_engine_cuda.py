@@ -33,6 +33,24 @@ def test_core_run_on_the_engine_is_bitwise_the_session_path_on_cuda(model_dir, s
 
 
 @pytest.mark.parametrize("sampled", [False, True])
+def test_a_slot_filled_to_its_last_position_on_cuda_equals_each_rows_session(model_dir, sampled):
+    """Row 0 needs exactly the capacity (30 + 3 - 1 = 32) while row 1 decodes on: the captured
+    steps queued past row 0's last token put its lane back to 0 (no write past its slot), and
+    each row equals its batch-1 Session at that capacity."""
+    runner = Runner(model_dir, "cuda")
+    ids, news = [PROMPTS[3][:30], PROMPTS[0]], [3, 20]
+    sampling = [{"do_sample": True, "temperature": 0.9, "top_k": 40, "seed": 21 + i} for i in range(2)] \
+        if sampled else None
+    got = core.run(runner, input_ids=ids, max_new_tokens=news, capacity=32, sampling=sampling)
+    assert got.counters["engine_requests"] == 2 and got.counters["run_ahead_steps"] > 0
+    for b in range(2):
+        session = Session(runner, batch=1, capacity=32, kv_policy="fixed")
+        want = session.stream([ids[b]], [news[b]], sampling=[sampling[b]] if sampled else None).run()[0]
+        session.close()
+        assert got.rows[b].output_ids == want.output_ids and len(want.output_ids) == news[b]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
 def test_a_weight_budget_streams_through_the_engine_bitwise_on_cuda(model_dir, sampled, monkeypatch):
     """Streamed weights on the engine's captured buckets: bitwise the resident engine and the
     streamed Session path, the streaming counters metered as the Session meters them."""

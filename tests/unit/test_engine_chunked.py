@@ -104,7 +104,7 @@ def test_a_bad_chunk_size_is_refused(runner, chunk):
         Engine(runner, max_batch=1, capacity=64, prefill_chunk=chunk)
 
 
-def test_serve_passes_prefill_chunk_to_the_engine(runner, monkeypatch):
+def test_serve_passes_prefill_chunk_and_the_decode_prefill_budget_to_the_engine(runner, monkeypatch):
     import core.serve.server as server_mod
     from core.cli import main
 
@@ -117,8 +117,8 @@ def test_serve_passes_prefill_chunk_to_the_engine(runner, monkeypatch):
     monkeypatch.setattr(server_mod, "Engine", engine)
     monkeypatch.setattr(server_mod, "serve", lambda server, *a: server.load())
     with pytest.raises(SystemExit):
-        main(["serve", str(runner.model.folder), "--prefill-chunk", "8"])
-    assert made[0]["prefill_chunk"] == 8
+        main(["serve", str(runner.model.folder), "--prefill-chunk", "8", "--decode-prefill-tokens", "8"])
+    assert made[0]["prefill_chunk"] == 8 and made[0]["decode_prefill_tokens"] == 8
 
 
 def test_a_request_aborted_before_its_first_chunk_leaves_the_others_right(runner):
@@ -157,3 +157,37 @@ def test_a_row_moved_into_a_slot_freed_mid_prefill_keeps_its_length(runner):
     want = alone.submit([5, 6], max_tokens=12)
     alone.run_until_idle()
     assert [t for e in kept for t in e.token_ids] == [t for e in want for t in e.token_ids]
+
+
+def test_a_decode_prefill_budget_of_one_chunk_steps_the_decoding_rows_after_every_chunk(runner):
+    """With ``decode_prefill_tokens`` one chunk, a long prompt arriving beside a decoding row
+    prefills one chunk an iteration (the whole budget of 64 only while nothing decodes), the
+    row taking a step after each; every request's tokens stay its solo run's."""
+    def tokens(handles):
+        return [[t for e in h for t in e.token_ids] for h in handles]
+
+    made, got = {}, {}
+    for budget in (None, 4):
+        engine = Engine(runner, max_batch=3, capacity=64, prefill_chunk=4, prefill_tokens=64,
+                        decode_prefill_tokens=budget)
+        short = engine.submit([5, 6], max_tokens=16)
+        engine.run_once()
+        long = engine.submit(LONG, max_tokens=3)
+        while long.events.empty():
+            engine.run_once()
+        made[budget] = short.events.qsize()  # the short row's tokens while the long prompt prefilled
+        late = engine.submit(LONG[:30], max_tokens=5)  # arrives while both decode
+        engine.run_until_idle()
+        got[budget] = tokens((short, long, late))
+        assert engine.counters.prefill_chunks == 12 + 8
+    assert made[None] <= 3 and made[4] >= made[None] + 10  # 12 chunks in one iteration, or one an iteration
+    alone = Engine(runner, max_batch=1, capacity=64, prefill_chunk=4)
+    want = [alone.submit(p, max_tokens=n) for p, n in (([5, 6], 16), (LONG, 3), (LONG[:30], 5))]
+    alone.run_until_idle()
+    assert got[None] == got[4] == tokens(want)
+
+
+@pytest.mark.parametrize("budget", [0, -3, 1.5])
+def test_a_bad_decode_prefill_budget_is_refused(runner, budget):
+    with pytest.raises(RequestError, match="decode_prefill_tokens must be a positive integer"):
+        Engine(runner, max_batch=1, capacity=64, decode_prefill_tokens=budget)

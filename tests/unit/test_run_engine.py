@@ -1,7 +1,7 @@
 """One decode path: ``core.run``, ``core.stream`` and ``lockstep run`` go through the engine
 (its ``engine_requests`` counter says so), and their rows are bitwise the fixed-batch Session
-path's for a batch of unequal prompts, greedy and seeded; requests the engine cannot take keep
-the Session path (cpu_reference; the cuda twin is tests/cuda/test_run_engine_cuda.py). Budgets:
+path's for a batch of unequal prompts, greedy and seeded, a slot as tight as a Session's row
+included (cpu_reference; the cuda twin is tests/cuda/test_run_engine_cuda.py). Budgets:
 tests/unit/test_run_engine_budget.py; tensor parallel: tests/unit/test_tensor_parallel_engine.py."""
 
 from __future__ import annotations
@@ -80,11 +80,25 @@ def test_a_weight_budget_runs_on_the_engine_with_the_same_rows(folder, runner):
     assert [r.output_ids for r in budget.rows] == [r.output_ids for r in engine.rows]
 
 
-def test_a_capacity_the_slots_cannot_hold_keeps_the_session_path(runner):
-    # 30 prompt tokens + 3 new need 32 positions on the Session (the last token's KV is never
-    # written) and 33 in an engine slot: capacity=32 runs on the Session
-    got = core.run(runner, input_ids=[PROMPTS[3][:30]], max_new_tokens=3, capacity=32)
-    assert got.counters["engine_requests"] == 0 and len(got.rows[0].output_ids) == 3
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_capacity_of_prompt_plus_new_minus_one_runs_on_the_engine_bitwise_the_session(runner, sampled):
+    # row 0 needs exactly the capacity (30 + 3 - 1 = 32: the last token's KV is never written);
+    # row 1 decodes on, so steps queued ahead run row 0 past its last token, where its length
+    # reaches the capacity (SlotState.decode puts it back to 0 instead of writing past the slot).
+    # Each row equals its Session run at that capacity (a batch-1 Session: the fixed-batch one
+    # stops with "KV cache full" when a finished row reaches the capacity, docs/status.md)
+    ids, news = [PROMPTS[3][:30], PROMPTS[0]], [3, 20]
+    sampling = _sampling(sampled)[:2] if sampled else None
+    got = core.run(runner, input_ids=ids, max_new_tokens=news, capacity=32, sampling=sampling)
+    assert got.counters["engine_requests"] == 2 and got.counters["run_ahead_steps"] > 0
+    for b in range(2):
+        session = Session(runner, batch=1, capacity=32, kv_policy="fixed")
+        want = session.stream([ids[b]], [news[b]], sampling=[sampling[b]] if sampled else None).run()[0]
+        session.close()
+        assert got.rows[b].output_ids == want.output_ids and len(want.output_ids) == news[b]
+        assert (got.rows[b].text, got.rows[b].finish_reason) == (want.text, want.finish_reason)
+    with pytest.raises(core.RequestError, match="it needs 33 KV positions but the capacity is 32"):
+        core.run(runner, input_ids=ids, max_new_tokens=[4, 20], capacity=32)
 
 
 def test_a_failing_step_raises_to_the_caller_of_core_run(runner, monkeypatch):

@@ -102,10 +102,10 @@ def test_a_device_budget_runs_on_the_engine_bitwise_the_resident_run(folder):
     assert [r.output_ids for r in got.rows] == [r.output_ids for r in resident.rows]
 
 
-def test_a_capacity_below_the_slots_with_a_budget_keeps_the_session_path(folder):
-    """The one fallback left for budgets: the Session path on the Runner made with the budget."""
+def test_a_capacity_as_tight_as_a_sessions_row_with_a_budget_runs_on_the_engine(folder):
+    """11 prompt tokens + 3 new in 13 positions (the last token's KV is never written), streamed."""
     got = core.run(folder, input_ids=[PROMPTS[1]], max_new_tokens=3, capacity=13, weight_budget=0.5)
-    assert got.counters["engine_requests"] == 0 and got.counters["htod_bytes"] > 0
+    assert got.counters["engine_requests"] == 1 and got.counters["htod_bytes"] > 0
     assert got.rows[0].output_ids == core.run(folder, input_ids=[PROMPTS[1]], max_new_tokens=3).rows[0].output_ids
 
 
@@ -120,7 +120,7 @@ def test_serve_takes_the_budgets_and_its_metrics_export_the_streaming_counters(f
     a = cli.build_parser().parse_args(["serve", str(folder), "--weight-budget", "50%", "--device-budget", "4GiB"])
     assert (a.weight_budget, a.device_budget) == ("50%", "4GiB")
     seen: dict = {}
-    monkeypatch.setattr(server_mod, "build_server", lambda *args: seen.setdefault("args", args))
+    monkeypatch.setattr(server_mod, "build_server", lambda *args, **kw: seen.setdefault("args", args))
     monkeypatch.setattr(server_mod, "serve", lambda *args: None)
     assert a.func(a) == 0
     assert seen["args"][-2:] == ("50%", "4GiB")

@@ -80,7 +80,7 @@ def solo(folder):
                            folder.name, chat)
         tok = runner.model.tokenizer
         ids = tok.encode(tok.render_chat(parsed.prompt)) if chat else tok.encode(parsed.prompt)
-        max_tokens = parsed.max_tokens or (CAPACITY - len(ids) if chat else 16)
+        max_tokens = parsed.max_tokens or (CAPACITY - len(ids) + 1 if chat else 16)
         with lock:
             req = engine.request(ids, max_tokens, parsed.sampling, parsed.stop)
             events = expected_events(engine, req, solo_tokens(session, req))

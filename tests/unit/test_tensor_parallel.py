@@ -58,7 +58,7 @@ def decode(session, prompts, steps=STEPS, force=None):
 
 
 def _tp_pids() -> list[int]:
-    return [p.pid for p in multiprocessing.active_children() if p.name.startswith("lockstep-tp-rank")]
+    return sorted(p.pid for p in multiprocessing.active_children() if p.name.startswith("lockstep-tp-rank"))
 
 
 def _gone(pid: int) -> bool:

@@ -122,7 +122,7 @@ def test_lockstep_run_tensor_parallel_goes_through_the_engine(tiny, capsys):
     assert _tp_pids() == before
 
 
-def test_sampling_is_refused_and_a_small_capacity_keeps_the_tp_session(tiny):
+def test_sampling_is_refused_and_a_capacity_as_tight_as_the_sessions_runs_on_the_engine(tiny):
     runner = TensorParallelRunner(tiny, tensor_parallel=2)
     try:
         engine = Engine(runner, max_batch=2, capacity=64)
@@ -134,9 +134,9 @@ def test_sampling_is_refused_and_a_small_capacity_keeps_the_tp_session(tiny):
         engine.shutdown()
     finally:
         runner.close()
-    # 7 prompt tokens + 3 new need 10 positions in an engine slot, 9 on the Session
+    # 7 prompt tokens + 3 new need 9 positions, in an engine slot as on the Session
     got = core.run(str(tiny), input_ids=[PROMPTS[0]], max_new_tokens=3, capacity=9, tensor_parallel=2)
-    assert got.counters["engine_requests"] == 0 and got.counters["tensor_parallel"] == 2
+    assert got.counters["engine_requests"] == 1 and got.counters["tensor_parallel"] == 2
     assert got.rows[0].output_ids == core.run(str(tiny), input_ids=[PROMPTS[0]], max_new_tokens=3).rows[0].output_ids
 
 
