@@ -692,7 +692,8 @@ class Session:
         meter = self.runner.expert_meter() if hasattr(self.runner, "expert_meter") else ()
         if meter:  # the runner's expert paging since this session's last prefill or step
             mark = self._expert_mark or (0, 0, 0, 0)
-            self.counters.add_experts(*(b - a for a, b in zip(mark, meter)), decode_tokens=decode_tokens)
+            routed, hits, page_ins, nbytes = (b - a for a, b in zip(mark, meter))
+            self.counters.add_experts(routed, hits, page_ins, nbytes, decode_tokens)
             self._expert_mark = meter
         if done:
             self.counters.add_streamed(done[0], done[1], self.runner.residency.slots, decode_tokens)

@@ -24,8 +24,8 @@ from core.counters import Counters, DeviceMemory
 from core.executor import Plan
 from core.models.model import Model, load_model
 from core.plugins import get_provider
-from core.runtime import kv as kvgeo
 from core.runtime import expert_budget as experts
+from core.runtime import kv as kvgeo
 from core.runtime import placement, residency, ring, rowblocks, streaming
 
 log = logging.getLogger("lockstep")
