@@ -115,6 +115,7 @@ class Counters:
     expert_bytes_per_step: float = 0.0
     expert_bytes_per_token: float = 0.0
     _decode_expert: tuple = attrs.field(default=(0, 0, 0, 0), repr=False)
+    _expert_mark: tuple = attrs.field(default=(), repr=False)
     _decode_htod: int = attrs.field(default=0, repr=False)
     _decode_page_ins: int = attrs.field(default=0, repr=False)
     _decode_tokens: int = attrs.field(default=0, repr=False)
@@ -138,6 +139,22 @@ class Counters:
             self._decode_tokens += decode_tokens
             self.htod_bytes_per_token = self._decode_htod / self._decode_tokens
             self.page_ins_per_token = self._decode_page_ins / self._decode_tokens
+
+    def mark_experts(self, runner) -> None:
+        """Start counting ``runner``'s expert paging from now (its ``expert_meter()``; a runner
+        without one: nothing)."""
+        meter = getattr(runner, "expert_meter", None)
+        self._expert_mark = meter() if meter is not None else ()
+
+    def count_experts(self, runner, decode_tokens: int = 0) -> None:
+        """Count the expert paging ``runner.expert_meter()`` (routed, hits, page-ins, bytes so
+        far; () when not paged, or no such method) moved since the last mark, and mark it."""
+        read = getattr(runner, "expert_meter", None)
+        meter = read() if read is not None else ()
+        if meter:
+            routed, hits, page_ins, nbytes = (b - a for a, b in zip(self._expert_mark or (0, 0, 0, 0), meter))
+            self.add_experts(routed, hits, page_ins, nbytes, decode_tokens)
+            self._expert_mark = meter
 
     def add_experts(self, routed: int, hits: int, page_ins: int, nbytes: int, decode_tokens: int = 0) -> None:
         """Count one prefill's or step's expert paging (``decode_tokens``: rows advanced, 0 for a

@@ -235,8 +235,7 @@ class Session:
         self.batch, self.kv_layout, self.kv_policy = batch, kv_layout, kv_policy
         self.counters = Counters()
         self.counters.set_residency(self.runner.residency.summary(), self.runner.weight_bytes)
-        #: the runner's expert meter at this session's last prefill or step (Runner.expert_meter)
-        self._expert_mark: tuple = self.runner.expert_meter() if hasattr(self.runner, "expert_meter") else ()
+        self.counters.mark_experts(self.runner)  # expert paging counted from here
         self.state = self.runner.acquire_state(batch, int(capacity), self.max_capacity, kv_policy, capture,
                                                self.counters)
         self._release = weakref.finalize(self, self.runner.release_state, self.state)
@@ -689,12 +688,7 @@ class Session:
                                f"{what} right after this session's step(), or give each session its own Runner")
 
     def _count_streamed(self, done: tuple, decode_tokens: int) -> None:
-        meter = self.runner.expert_meter() if hasattr(self.runner, "expert_meter") else ()
-        if meter:  # the runner's expert paging since this session's last prefill or step
-            mark = self._expert_mark or (0, 0, 0, 0)
-            routed, hits, page_ins, nbytes = (b - a for a, b in zip(mark, meter))
-            self.counters.add_experts(routed, hits, page_ins, nbytes, decode_tokens)
-            self._expert_mark = meter
+        self.counters.count_experts(self.runner, decode_tokens)  # expert paging since the last mark
         if done:
             self.counters.add_streamed(done[0], done[1], self.runner.residency.slots, decode_tokens)
 

@@ -21,14 +21,17 @@ log = logging.getLogger("lockstep")
 def build_server(model: str | Path, provider: Any = "cpu_reference", max_batch: int = 64, capacity: int | None = None,
                  max_waiting: int = 256, capture: bool | None = None, served: str | None = None,
                  api_key: str | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
-                 weight_budget: int | float | str | None = None, device_budget: int | str | None = None) -> Server:
+                 weight_budget: int | float | str | None = None, device_budget: int | str | None = None,
+                 expert_budget: int | float | str | None = None) -> Server:
     """A :class:`~core.serve.app.Server` that loads ``model`` on ``provider`` into an engine of
     ``max_batch`` slots of ``capacity`` positions, prompts prefilled in chunks of
     ``prefill_chunk`` positions (see :class:`core.engine.Engine`). ``weight_budget`` and
     ``device_budget`` are the Runner's (:class:`~core.runtime.runner.Runner`): the weights past
-    them stream every step (the KV slots are charged to a device budget once, at load)."""
+    them stream every step (the KV slots are charged to a device budget once, at load);
+    ``expert_budget`` pages a MoE model's experts within them (docs/moe.md)."""
     def load() -> Engine:
-        runner = Runner(model, provider, weight_budget=weight_budget, device_budget=device_budget)
+        runner = Runner(model, provider, weight_budget=weight_budget, device_budget=device_budget,
+                        expert_budget=expert_budget)
         engine = Engine(runner, max_batch=max_batch, capacity=capacity, max_waiting=max_waiting, capture=capture,
                         prefill_chunk=prefill_chunk)
         log.info("engine: %d slots of %d positions, %.2f GB of KV", max_batch, engine.capacity,
