@@ -84,6 +84,15 @@ def split(budget: int | None, expert_budget: int | None, dense_bytes: int, layou
     return max(budget - experts, 1), experts
 
 
+def refusal(budget: int | None, dense: int, experts: int) -> residency.BudgetError:
+    """The error of a ``budget`` that cannot hold the dense weights' smallest plan (``dense``
+    bytes) beside the experts' ``experts`` bytes: it names the smallest working budget."""
+    b = residency._bytes
+    return residency.BudgetError(
+        f"a budget of {b(budget or 0)} cannot hold the dense weights' smallest plan ({b(dense)}) beside the experts' "
+        f"{b(experts)} (resident experts and ring); the smallest working budget is {b(dense + experts)}")
+
+
 class ExpertPlacer:
     """The load's placer of a model whose experts are paged (module docstring).
 
@@ -117,11 +126,7 @@ class ExpertPlacer:
             weights = (*weights, residency.unread_weight(unread)) if unread else weights
             need = residency.smallest_budget(weights, inner.slots, inner.mappable, rowblocks.plan_splits(view),
                                              inner.page_bytes)
-            b = residency._bytes
-            raise residency.BudgetError(
-                f"a budget of {b(inner.budget + self.expert_bytes)} cannot hold the dense weights' smallest plan "
-                f"({b(need)}) beside the experts' {b(self.expert_bytes)} (resident experts and ring); the smallest "
-                f"working budget is {b(need + self.expert_bytes)}") from None
+            raise refusal(inner.budget + self.expert_bytes, need, self.expert_bytes) from None
 
     def prepare_on_device(self, plan, node) -> bool:
         if node.name in self.nodes:

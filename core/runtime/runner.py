@@ -129,10 +129,9 @@ class Runner:
             raise residency.BudgetError("an expert budget needs a model with MoE / QMoE nodes; this one has none")
         paged = bool(layout.counts) and (expert_budget is not None or budget is not None)
         dense_raw = raw - layout.total_bytes if paged else raw
-        expert_bytes = None
-        if paged:
-            budget, expert_bytes = experts.split(budget, residency.parse_budget(expert_budget, layout.total_bytes),
-                                                 dense_raw, layout, expert_slots)
+        whole, explicit, expert_bytes = budget, residency.parse_budget(expert_budget, layout.total_bytes), None
+        if paged:  # from the initializers' sizes for the load; again below from the loaded dense weights
+            budget, expert_bytes = experts.split(whole, explicit, dense_raw, layout, expert_slots)
         #: the load-time placement (core.runtime.placement), or None: every weight uploaded
         self.placer: Any = None
         if budget is not None and budget < dense_raw and self.provider.capabilities().weight_streaming:
@@ -157,9 +156,14 @@ class Runner:
         self._splits = rowblocks.plan_splits(self.plan)
         self._other_bytes = self.plan.unread_bytes()  # constants no step reads (folded inputs)
         self.replans = 0
+        if paged:
+            budget, expert_bytes = experts.split(whole, explicit, sum(w.nbytes for w in self._planned_weights()),
+                                                 layout, expert_slots)
         try:
             self.residency = self._plan_residency(budget)
         except residency.BudgetError as exc:
+            if paged:
+                exc = experts.refusal(whole, self._smallest_weight_budget(), expert_bytes or 0)
             raise self._budget_error(exc, weight_budget) from None
         if paged:
             self.expert_residency = experts.page(self, layout, expert_bytes, expert_slots)
