@@ -113,14 +113,14 @@ def use_expert_residency(session, budget_bytes: int | None, ring_slots: int = 2,
     runner = session.runner
     if getattr(runner, "expert_residency", None) is not None:
         raise ValueError("the session's Runner pages its experts already (an expert, weight or device budget)")
-    model = runner.model
-    counts, sizes = moe_layout(model.graph, model.initializers)
-    if not counts:
-        raise ValueError("the model has no MoE / QMoE node")
     if runner.provider.name == "cuda":
         from providers.cuda.expert_pager import use_expert_residency as on_cuda
 
         return on_cuda(session, budget_bytes, ring_slots, frequencies)
+    model = runner.model
+    counts, sizes = moe_layout(model.graph, model.initializers)
+    if not counts:
+        raise ValueError("the model has no MoE / QMoE node")
     residency = page_runner(runner, plan_experts(counts, sizes, budget_bytes, ring_slots, frequencies))
     runner.expert_residency = residency
     return residency
