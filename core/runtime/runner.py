@@ -161,7 +161,7 @@ class Runner:
                                                  layout, expert_slots)
         try:
             self.residency = self._plan_residency(budget)
-        except residency.BudgetError as exc:
+        except residency.BudgetError:
             if paged:
                 exc = experts.refusal(whole, self._smallest_weight_budget(), expert_bytes or 0)
             raise self._budget_error(exc, weight_budget) from None

@@ -51,19 +51,16 @@ def test_the_cuda_pager_builds_its_pages_from_host_experts(monkeypatch):
     """page_runner on constants the load kept on the host (the ExpertPlacer's arrays): the bank
     holds each expert's bytes and nothing is downloaded (the experts were never on the device)."""
     from onnx import TensorProto, helper, numpy_helper
-
-    from providers.cuda import expert_pager as pager
-    from core.runtime.experts import plan_experts
     from test_cuda_expert_planner import _FakeCupy
+
+    from core.runtime.experts import plan_experts
+    from providers.cuda import expert_pager as pager
 
     rng = np.random.default_rng(5)
     e, h, inter = 8, 32, 16
     tensors = {"w1": rng.standard_normal((e, 2 * inter, h)).astype(np.float16),
                "w2": rng.standard_normal((e, h, inter)).astype(np.float16)}
     node = helper.make_node("MoE", ["x", "r", "w1", "", "w2"], ["y"], "moe0", domain="com.microsoft", k=2)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, h])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, h])],
-                              [numpy_helper.from_array(v, k) for k, v in tensors.items()])
     provider = SimpleNamespace(name="cuda", cupy=_FakeCupy, map_host=lambda a: a,
                                download=lambda v: pytest.fail("downloaded an expert"),
                                stream=SimpleNamespace(synchronize=lambda: None), reset_peak=lambda: None)
