@@ -50,7 +50,7 @@ def test_the_placer_keeps_the_experts_as_host_arrays_and_never_uploads_them():
 def test_the_cuda_pager_builds_its_pages_from_host_experts(monkeypatch):
     """page_runner on constants the load kept on the host (the ExpertPlacer's arrays): the bank
     holds each expert's bytes and nothing is downloaded (the experts were never on the device)."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper
     from test_cuda_expert_planner import _FakeCupy
 
     from core.runtime.experts import plan_experts
