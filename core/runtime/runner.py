@@ -161,10 +161,9 @@ class Runner:
                                                  layout, expert_slots)
         try:
             self.residency = self._plan_residency(budget)
-        except residency.BudgetError:
-            if paged:
-                exc = experts.refusal(whole, self._smallest_weight_budget(), expert_bytes or 0)
-            raise self._budget_error(exc, weight_budget) from None
+        except residency.BudgetError as exc:
+            error = experts.refusal(whole, self._smallest_weight_budget(), expert_bytes or 0) if paged else exc
+            raise self._budget_error(error, weight_budget) from None
         if paged:
             self.expert_residency = experts.page(self, layout, expert_bytes, expert_slots)
         self.provider.reset_peak()  # blocks freed while loading go back
