@@ -26,7 +26,16 @@ from typing import NoReturn
 from rich.console import Console
 from rich.markup import escape
 
-from core.cli_work import compile_ahead, compiles, cpu_threads, drain, prompt_numbers, reply
+from core.cli_work import (
+    check_expert_budget,
+    compile_ahead,
+    compiles,
+    cpu_threads,
+    drain,
+    expert_runner,
+    prompt_numbers,
+    reply,
+)
 from core.models import cache as cache_command
 from core.models.prepare import (
     DEFAULT_MODEL,
@@ -227,6 +236,7 @@ def _run(a, prompts: list[str]) -> int:
         raise RequestError(GREEDY_ONLY.split(":")[0] + ": drop --do-sample")
     check_request(a.max_new_tokens, {k: v for k, v in options.items() if k not in ("stop", "system")},
                   options.get("stop"), a.weight_budget, a.device_budget, a.tensor_parallel)  # before any build
+    check_expert_budget(a)
     model = _resolve_model(a.model, a.provider)
     _note_greedy(a, model)
     if a.stream:
@@ -260,9 +270,11 @@ def _start(a, prompts: list[str], model, provider, options: dict, progress=None)
     """The :class:`~core.generation.generate.Stream` of ``lockstep run``'s request."""
     from core.generation.generate import start
 
-    return start(model, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens, chat=not a.raw,
+    runner = expert_runner(a, model, provider)  # --expert-budget: a Runner with the budgets
+    return start(runner, provider=provider, prompts=prompts, max_new_tokens=a.max_new_tokens, chat=not a.raw,
                  kv_layout=a.layout, capture=False if a.no_capture else None, weight_budget=a.weight_budget,
-                 device_budget=a.device_budget, progress=progress, tensor_parallel=a.tensor_parallel, **options)
+                 device_budget=a.device_budget if runner is model else None, progress=progress,
+                 tensor_parallel=a.tensor_parallel, **options)
 
 
 def _json(a, result) -> dict:
@@ -398,7 +410,7 @@ def cmd_serve(a) -> int:
     server = build_server(model, a.provider, a.max_batch, a.capacity, a.max_waiting, False if a.no_capture else None,
                           a.model_name or Path(a.model or DEFAULT_MODEL).name, a.api_key, a.prefill_chunk,
                           a.weight_budget, a.device_budget, tensor_parallel=a.tensor_parallel,
-                          decode_prefill_tokens=a.decode_prefill_tokens)
+                          decode_prefill_tokens=a.decode_prefill_tokens, expert_budget=a.expert_budget)
     serve(server, a.host, a.port, a.log_level)
     return 0
 
@@ -549,6 +561,7 @@ def _check_budgets(a) -> None:
         check_request(1, None, None, a.weight_budget, getattr(a, "device_budget", None))
     except RequestError as exc:
         raise RequestError(_flag_names(str(exc))) from None
+    check_expert_budget(a)
 
 
 def cmd_parity(a) -> int:
@@ -605,6 +618,8 @@ def _budget_arg(parser: argparse.ArgumentParser, device: bool = True) -> None:
     if device:
         parser.add_argument("--device-budget", metavar="BYTES", help="device bytes for weights and KV together "
                             "(4GiB): KV growth takes from the weight budget, so more weights stream")
+        parser.add_argument("--expert-budget", metavar="BYTES|PCT", help="device bytes for a MoE model's "
+                            "experts (1GiB, 25%%): the most-used stay, the rest page into a ring of expert slots")
 
 
 def _threads_arg(parser: argparse.ArgumentParser) -> None:

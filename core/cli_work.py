@@ -119,3 +119,45 @@ def compile_ahead(path: Path, console: Console, status: Callable) -> None:
                                                          f"{cache}: {what}")):
         spent = compiling.warm(path, provider)
     console.print(f"[dim]cuda kernels ready ({spent:.1f} s of compiling)[/dim]")
+
+
+def check_expert_budget(a: argparse.Namespace) -> None:
+    """``--expert-budget`` (where the command has it) read before any model work: bytes, a size
+    or a fraction of the experts' bytes; not with ``--tensor-parallel``.
+
+    Raises:
+        core.session.RequestError: a budget that reads as none, worded with its flag.
+    """
+    from core.runtime.residency import BudgetError, parse_budget
+    from core.session import RequestError
+
+    value = getattr(a, "expert_budget", None)
+    if value is None:
+        return
+    try:
+        parse_budget(value, 1 << 40)
+    except BudgetError as exc:
+        raise RequestError(f"--expert-budget: {exc}") from None
+    if getattr(a, "tensor_parallel", 1) != 1:
+        raise RequestError("--expert-budget runs on one device: drop --tensor-parallel")
+
+
+def expert_runner(a: argparse.Namespace, model, provider):
+    """``model`` itself, or under ``--expert-budget`` the Runner that pages its experts (with
+    ``--weight-budget`` / ``--device-budget`` as one budget: core.runtime.expert_budget).
+
+    Raises:
+        core.session.RequestError: the budgets cannot work (the smallest working one named), or
+            the model has no MoE node.
+    """
+    if getattr(a, "expert_budget", None) is None:
+        return model
+    from core.runtime.residency import BudgetError
+    from core.runtime.runner import Runner
+    from core.session import RequestError
+
+    try:
+        return Runner(model, provider, a.layout or "head_major", weight_budget=a.weight_budget,
+                      device_budget=a.device_budget, expert_budget=a.expert_budget)
+    except (BudgetError, ValueError) as exc:
+        raise RequestError(f"--expert-budget: {exc}") from None

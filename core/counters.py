@@ -59,6 +59,14 @@ class Counters:
         replans: residency plans changed because KV growth took device memory from the
             weights (elastic device budget); each also invalidates a captured graph, with
             its reason in ``invalidation_reasons``.
+        expert_routed, expert_hits, expert_page_ins: paged experts (a MoE model under an expert,
+            weight or device budget; docs/moe.md): distinct experts routed per MoE node call,
+            those found resident or still in the ring, those copied into a ring slot (misses);
+            summed over the session's prefills and steps.
+        expert_bytes_copied: the experts' stored bytes those page-ins copied.
+        expert_hit_rate: expert_hits / expert_routed (1.0 before any route).
+        expert_page_ins_per_step, expert_bytes_per_step: page-ins and bytes per decode step.
+        expert_bytes_per_token: expert bytes copied per generated token (per row).
     """
 
     prefill_tokens: int = 0
@@ -98,6 +106,16 @@ class Counters:
     hit_rate: float = 1.0
     byte_hit_rate: float = 1.0
     replans: int = 0
+    expert_routed: int = 0
+    expert_hits: int = 0
+    expert_page_ins: int = 0
+    expert_bytes_copied: int = 0
+    expert_hit_rate: float = 1.0
+    expert_page_ins_per_step: float = 0.0
+    expert_bytes_per_step: float = 0.0
+    expert_bytes_per_token: float = 0.0
+    _decode_expert: tuple = attrs.field(default=(0, 0, 0, 0), repr=False)
+    _expert_mark: tuple = attrs.field(default=(), repr=False)
     _decode_htod: int = attrs.field(default=0, repr=False)
     _decode_page_ins: int = attrs.field(default=0, repr=False)
     _decode_tokens: int = attrs.field(default=0, repr=False)
@@ -121,6 +139,38 @@ class Counters:
             self._decode_tokens += decode_tokens
             self.htod_bytes_per_token = self._decode_htod / self._decode_tokens
             self.page_ins_per_token = self._decode_page_ins / self._decode_tokens
+
+    def mark_experts(self, runner) -> None:
+        """Start counting ``runner``'s expert paging from now (its ``expert_meter()``; a runner
+        without one: nothing)."""
+        meter = getattr(runner, "expert_meter", None)
+        self._expert_mark = meter() if meter is not None else ()
+
+    def count_experts(self, runner, decode_tokens: int = 0) -> None:
+        """Count the expert paging ``runner.expert_meter()`` (routed, hits, page-ins, bytes so
+        far; () when not paged, or no such method) moved since the last mark, and mark it."""
+        read = getattr(runner, "expert_meter", None)
+        meter = read() if read is not None else ()
+        if meter:
+            routed, hits, page_ins, nbytes = (b - a for a, b in zip(self._expert_mark or (0, 0, 0, 0), meter))
+            self.add_experts(routed, hits, page_ins, nbytes, decode_tokens)
+            self._expert_mark = meter
+
+    def add_experts(self, routed: int, hits: int, page_ins: int, nbytes: int, decode_tokens: int = 0) -> None:
+        """Count one prefill's or step's expert paging (``decode_tokens``: rows advanced, 0 for a
+        prefill; a step counts one decode step)."""
+        self.expert_routed += routed
+        self.expert_hits += hits
+        self.expert_page_ins += page_ins
+        self.expert_bytes_copied += nbytes
+        self.expert_hit_rate = self.expert_hits / self.expert_routed if self.expert_routed else 1.0
+        if decode_tokens:
+            steps, pages, copied, tokens = self._decode_expert
+            self._decode_expert = (steps + 1, pages + page_ins, copied + nbytes, tokens + decode_tokens)
+            steps, pages, copied, tokens = self._decode_expert
+            self.expert_page_ins_per_step = pages / steps
+            self.expert_bytes_per_step = copied / steps
+            self.expert_bytes_per_token = copied / tokens
 
     def to_dict(self) -> dict:
         """The counters as plain JSON-ready data."""

@@ -26,7 +26,9 @@ from core.executor import is_host_constant, node_infos
 from core.models.model import Model, load_model
 from core.opdefs import constant_supports, constant_value
 from core.ops import Spec
+from core.runtime import expert_budget as expert_budget_mod
 from core.runtime import residency, rowblocks
+from core.runtime.experts import ExpertBudgetError
 from core.runtime.forecast import Forecast
 
 #: Ops whose folded output has the bytes of their first input.
@@ -45,6 +47,8 @@ class BatchPlan:
             (None: bandwidth unknown).
         expected_tok_s: tokens/s expected (module docstring; None: no bandwidth known).
         error: why no plan works at this batch (then ``residency`` is None).
+        expert_bytes: device bytes of a MoE model's paged experts (resident experts and the
+            ring; 0: not paged), beside ``residency``'s dense weights.
     """
 
     batch: int
@@ -53,6 +57,7 @@ class BatchPlan:
     copy_floor_s: float | None = None
     expected_tok_s: float | None = None
     error: str = ""
+    expert_bytes: int = 0
 
     def row(self) -> dict:
         """The plan as one JSON-able row."""
@@ -60,6 +65,7 @@ class BatchPlan:
         if r is None:
             return {"batch": self.batch, "kv_bytes": self.kv_bytes, "error": self.error}
         return {"batch": self.batch, "kv_bytes": self.kv_bytes, "weight_budget": r.budget,
+                "expert_bytes": self.expert_bytes,
                 "weight_bytes_resident": r.weight_bytes_resident,
                 "weight_bytes_streamed_per_step": r.weight_bytes_streamed_per_step,
                 "weight_bytes_mapped": r.weight_bytes_mapped, "staging_slots": r.slots,
@@ -191,7 +197,8 @@ def expected_rate(streamed: int, resident: int, batch: int, provider: Any = None
 def plan_model(model: Model | str, batches: Sequence[int], context: int, provider: Any = None,
                device_budget: int | str | None = None, weight_budget: int | float | str | None = None,
                slots: int | None = None, h2d: float | None = None,
-               device_bw: float | None = None, page_bytes: int | str | None = None) -> list[BatchPlan]:
+               device_bw: float | None = None, page_bytes: int | str | None = None,
+               expert_budget: int | float | str | None = None) -> list[BatchPlan]:
     """The plan of each batch size (module docstring).
 
     Args:
@@ -204,6 +211,8 @@ def plan_model(model: Model | str, batches: Sequence[int], context: int, provide
         slots: staging slots (default: the planner's).
         h2d, device_bw: bandwidths in bytes/s replacing the provider's measurements.
         page_bytes: the page size of row blocks (as the Runner's; default ``LOCKSTEP_PAGE_BYTES``).
+        expert_budget: as the Runner's: with it, or another budget on a MoE model, the experts
+            are paged (ring of 2 slots) and the dense weights planned beside them.
 
     Returns:
         one :class:`BatchPlan` per batch size; one whose budget is too small carries the reason
@@ -219,6 +228,13 @@ def plan_model(model: Model | str, batches: Sequence[int], context: int, provide
     total = sum(w.nbytes for w in weights)
     device = residency.parse_budget(device_budget, total, fractions=False)
     budget = residency.parse_budget(weight_budget, total)
+    layout = expert_budget_mod.ExpertLayout.of(model)
+    if expert_budget is not None and not layout.counts:
+        raise residency.BudgetError("an expert budget needs a model with MoE / QMoE nodes; this one has none")
+    paged = bool(layout.counts) and (expert_budget is not None or device is not None or budget is not None)
+    experts = residency.parse_budget(expert_budget, layout.total_bytes)
+    if paged:
+        weights = tuple(w for w in weights if not expert_budget_mod.is_expert(w, set(layout.counts)))
     mappable = provider is None or bool(provider.capabilities().weight_streaming)
     if h2d is None and provider is not None:
         h2d = provider.host_to_device_bandwidth()
@@ -236,15 +252,22 @@ def plan_model(model: Model | str, batches: Sequence[int], context: int, provide
                                                         f"bytes; this batch needs a device budget of at least {need:,} "
                                                         "bytes (its KV plus the smallest working weight budget)"))
                 continue
+        held = 0
         try:
+            if paged:
+                wb, got = expert_budget_mod.split(wb, experts, sum(w.nbytes for w in weights), layout, 2)
+                held = got or 0
             r = residency.plan_residency(weights, wb, slots, mappable, splits, page)
-        except residency.BudgetError as exc:
-            out.append(BatchPlan(b, kv, None, error=str(exc)))
+        except (residency.BudgetError, ExpertBudgetError) as exc:
+            more = "" if not held or isinstance(exc, ExpertBudgetError) else (
+                f"; beside the experts' {held:,} bytes the smallest working budget is "
+                f"{held + residency.smallest_budget(weights, slots, mappable, splits, page):,} bytes")
+            out.append(BatchPlan(b, kv, None, error=str(exc) + more))
             continue
         streamed = r.weight_bytes_streamed_per_step
         floor = streamed / h2d if h2d else (0.0 if not streamed else None)
         rate = expected_rate(streamed, r.weight_bytes_resident, b, None, h2d, device_bw)
-        out.append(BatchPlan(b, kv, r, floor, rate))
+        out.append(BatchPlan(b, kv, r, floor, rate, expert_bytes=held))
     return out
 
 
@@ -270,7 +293,7 @@ def main(a, console) -> int:
     h2d = a.h2d_gbps * 1e9 if a.h2d_gbps else None
     model = load_model(a.model)
     rows = plan_model(model, a.batch, a.context, provider, a.device_budget, a.weight_budget, a.staging_slots,
-                      h2d=h2d, page_bytes=a.page_size)
+                      h2d=h2d, page_bytes=a.page_size, expert_budget=a.expert_budget)
     if a.json:
         print(json.dumps({"model": str(model.folder), "provider": a.provider, "context": a.context,
                           "device_budget": a.device_budget, "weight_budget": a.weight_budget,

@@ -101,6 +101,7 @@ class ProfileRow:
     host_rss_peak_bytes: int = 0  # the process's peak resident set size so far (mapped weight pages included)
     host_anon_bytes: int | None = None  # anonymous resident bytes at the row's end (heap, pinned staging)
     predicted_tok_s: float | None = None  # the plan's expected rate at this batch (core.plan.expected_rate)
+    experts: dict | None = None  # the expert_* counters of a paged MoE model (docs/moe.md, "Expert budgets")
 
     @property
     def other_bytes(self) -> int | None:
@@ -152,7 +153,9 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capac
                      run_ahead=session.run_ahead, host_rss_peak_bytes=host_rss_peak_bytes(),
                      host_anon_bytes=host_anon_bytes(),
                      predicted_tok_s=expected_rate(streamed, runner.residency.weight_bytes_resident, batch, None,
-                                                   h2d, bandwidth) if streamed else None)
+                                                   h2d, bandwidth) if streamed else None,
+                     experts={k: v for k, v in c.to_dict().items() if k.startswith("expert_")}
+                     if getattr(runner, "expert_residency", None) is not None else None)
     if meter is not None:
         meter._sample()
         row = attrs.evolve(row, driver_peak_bytes=meter.peak_bytes, driver_baseline_bytes=meter.baseline_bytes)
@@ -219,7 +222,8 @@ def profile(model_dir, provider, batches: list[int], args, progress=None, announ
     meter = DriverMeter(provider)
     with meter:
         runner = Runner(model, provider, args.layout, weight_budget=getattr(args, "weight_budget", None),
-                        device_budget=getattr(args, "device_budget", None))
+                        device_budget=getattr(args, "device_budget", None),
+                        expert_budget=getattr(args, "expert_budget", None))
     load = {"load_s": runner.load_seconds, "load_driver_peak_bytes": meter.peak_bytes}
     h2d = h2d if runner.residency.streams else None
     if announce is not None:

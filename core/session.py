@@ -235,6 +235,7 @@ class Session:
         self.batch, self.kv_layout, self.kv_policy = batch, kv_layout, kv_policy
         self.counters = Counters()
         self.counters.set_residency(self.runner.residency.summary(), self.runner.weight_bytes)
+        self.counters.mark_experts(self.runner)  # expert paging counted from here
         self.state = self.runner.acquire_state(batch, int(capacity), self.max_capacity, kv_policy, capture,
                                                self.counters)
         self._release = weakref.finalize(self, self.runner.release_state, self.state)
@@ -691,6 +692,7 @@ class Session:
                                f"{what} right after this session's step(), or give each session its own Runner")
 
     def _count_streamed(self, done: tuple, decode_tokens: int) -> None:
+        self.counters.count_experts(self.runner, decode_tokens)  # expert paging since the last mark
         if done:
             self.counters.add_streamed(done[0], done[1], self.runner.residency.slots, decode_tokens)
 

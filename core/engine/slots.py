@@ -245,6 +245,7 @@ class SlotState:
         done = bucket.capture.run(self.counters)
         if done:
             self.counters.add_streamed(done[0], done[1], self.runner.residency.slots, advanced)
+        self.counters.count_experts(self.runner, advanced)
         self.runner.outputs_owner = self
         self.lane_len[:batch] += 1
         self.counters.decode_steps += 1
@@ -287,6 +288,7 @@ class SlotState:
         done = tuple(b - a for a, b in zip(before, self.runner.stream_meter()))
         if done:
             self.counters.add_streamed(done[0], done[1], self.runner.residency.slots, decode_tokens)
+        self.counters.count_experts(self.runner, decode_tokens)
 
     def _set_length(self, slot: int, n: int) -> None:
         row, p = self._rows[slot], self.provider

@@ -51,6 +51,8 @@ class BudgetPlacer:
         slots: staging slots (None: the planner's default).
         mappable: gathered tables may be mapped from pinned host memory.
         page_bytes: the page size of row blocks (:mod:`core.runtime.rowblocks`; None: default).
+        exclude_nodes: nodes whose weights this placer does not plan (a MoE model's paged
+            experts: core.runtime.expert_budget).
 
     Attributes:
         predicted: the residency plan from the raw sizes (set by :meth:`start`).
@@ -61,8 +63,10 @@ class BudgetPlacer:
         host_prepared: nodes whose prepare hook ran on the host arrays.
     """
 
-    def __init__(self, budget: int, slots: int | None = None, mappable: bool = False, page_bytes: int | None = None):
+    def __init__(self, budget: int, slots: int | None = None, mappable: bool = False, page_bytes: int | None = None,
+                 exclude_nodes: frozenset[str] = frozenset()):
         self.budget, self.slots, self.mappable, self.page_bytes = int(budget), slots, mappable, page_bytes
+        self.exclude_nodes = exclude_nodes
         self.predicted: residency.ResidencyPlan | None = None
         self.decisions: dict[str, str] = {}
         self.resident_bytes = self.peak_bytes = 0
@@ -80,7 +84,7 @@ class BudgetPlacer:
                 plus a staging ring (the message names the smallest working budget).
         """
         view = forecast.Forecast(plan)  # the prepared forms' names and sizes, from their shapes
-        weights = residency.weights_of(view)
+        weights = tuple(w for w in residency.weights_of(view) if (w.node or w.page) not in self.exclude_nodes)
         unread = view.unread_bytes()  # resident whatever the plan, as the Runner counts them
         weights = (*weights, residency.unread_weight(unread)) if unread else weights
         splits = rowblocks.plan_splits(view)

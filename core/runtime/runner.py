@@ -24,6 +24,7 @@ from core.counters import Counters, DeviceMemory
 from core.executor import Plan
 from core.models.model import Model, load_model
 from core.plugins import get_provider
+from core.runtime import expert_budget as experts
 from core.runtime import kv as kvgeo
 from core.runtime import placement, residency, ring, rowblocks, streaming
 
@@ -53,6 +54,12 @@ class Runner:
         page_bytes: the page size of streamed row blocks (core.runtime.rowblocks): bytes or a
             size ("64MiB"); default ``LOCKSTEP_PAGE_BYTES``, else the largest node that cannot
             be cut, at least 64 MiB. The staging slot is this size, so no single node sets it.
+        expert_budget: device bytes for a MoE model's experts (the resident ones and the ring of
+            expert slots): bytes, a fraction of the experts' bytes, or a string. With it, or with
+            a weight or device budget on a MoE model, the experts are paged
+            (core.runtime.expert_budget: one budget with the dense weights, experts streamed
+            first) and never uploaded whole.
+        expert_slots: the expert ring's slots (default 2).
 
     Thread safety: one Runner may serve sessions on several threads. Every call that runs the
     plan or changes the runner's state (a session's prefill, step, read, discard, rewind,
@@ -66,6 +73,7 @@ class Runner:
         lock: the re-entrant lock that serialises the calls above (``with runner.lock:`` to
             make several calls one atomic unit).
         weight_bytes: bytes of the resident constants (weights and folded values).
+        expert_residency: the provider's expert pager (its ``plan`` and ``counters``), or None.
         residency: the :class:`~core.runtime.residency.ResidencyPlan` (what streams).
         weight_upload_bytes: bytes the provider uploaded while the runner planned the graph.
 
@@ -84,7 +92,8 @@ class Runner:
     def __init__(self, model: str | Path | Model, provider: Any = "cpu_reference",
                  kv_layout: str = "head_major", weight_budget: int | float | str | None = None,
                  staging_slots: int | None = None, device_budget: int | str | None = None,
-                 page_bytes: int | str | None = None):
+                 page_bytes: int | str | None = None, expert_budget: int | float | str | None = None,
+                 expert_slots: int = 2):
         if kv_layout not in kvgeo.LAYOUTS:
             raise kvgeo.KVLayoutError(f"kv_layout must be one of {kvgeo.LAYOUTS}, got {kv_layout!r}")
         self.provider = get_provider(provider)
@@ -115,10 +124,21 @@ class Runner:
         self.auto_budget = budget is None and self._too_big(raw)
         if self.auto_budget:
             budget = int(self.provider.free_device_bytes() * AUTO_SHARE)
+        layout, self.expert_residency = experts.ExpertLayout.of(self.model), None
+        if expert_budget is not None and not layout.counts:
+            raise residency.BudgetError("an expert budget needs a model with MoE / QMoE nodes; this one has none")
+        paged = bool(layout.counts) and (expert_budget is not None or budget is not None)
+        dense_raw = raw - layout.total_bytes if paged else raw
+        whole, explicit, expert_bytes = budget, residency.parse_budget(expert_budget, layout.total_bytes), None
+        if paged:  # from the initializers' sizes for the load; again below from the loaded dense weights
+            budget, expert_bytes = experts.split(whole, explicit, dense_raw, layout, expert_slots)
         #: the load-time placement (core.runtime.placement), or None: every weight uploaded
-        self.placer = None
-        if budget is not None and budget < raw and self.provider.capabilities().weight_streaming:
-            self.placer = placement.BudgetPlacer(budget, staging_slots, mappable=True, page_bytes=self.page_bytes)
+        self.placer: Any = None
+        if budget is not None and budget < dense_raw and self.provider.capabilities().weight_streaming:
+            self.placer = placement.BudgetPlacer(budget, staging_slots, mappable=True, page_bytes=self.page_bytes,
+                                                 exclude_nodes=frozenset(layout.counts) if paged else frozenset())
+        if paged:
+            self.placer = experts.ExpertPlacer(layout.counts, self.placer, expert_bytes or 0)
         before = getattr(self.provider, "uploaded_bytes", 0)
         start = time.perf_counter()
         try:
@@ -127,13 +147,25 @@ class Runner:
             raise self._budget_error(exc, weight_budget) from None
         self.weight_upload_bytes = getattr(self.provider, "uploaded_bytes", 0) - before
         self._weights = residency.weights_of(self.plan)
+        #: constants of the paged experts (out of the dense plan and its accounting)
+        self._expert_names: set[str] = set()
+        if paged:
+            moe = set(layout.counts)
+            self._expert_names = {x for w in self._weights if experts.is_expert(w, moe) for x in (w.name, *w.aliases)}
+            self._weights = tuple(w for w in self._weights if not experts.is_expert(w, moe))
         self._splits = rowblocks.plan_splits(self.plan)
         self._other_bytes = self.plan.unread_bytes()  # constants no step reads (folded inputs)
         self.replans = 0
+        if paged:
+            budget, expert_bytes = experts.split(whole, explicit, sum(w.nbytes for w in self._planned_weights()),
+                                                 layout, expert_slots)
         try:
             self.residency = self._plan_residency(budget)
         except residency.BudgetError as exc:
-            raise self._budget_error(exc, weight_budget) from None
+            error = experts.refusal(whole, self._smallest_weight_budget(), expert_bytes or 0) if paged else exc
+            raise self._budget_error(error, weight_budget) from None
+        if paged:
+            self.expert_residency = experts.page(self, layout, expert_bytes, expert_slots)
         self.provider.reset_peak()  # blocks freed while loading go back
         #: seconds from planning the graph to the weights in place (the model files excluded)
         self.load_seconds = time.perf_counter() - start
@@ -170,7 +202,14 @@ class Runner:
         """Device bytes of resident constants (the staging ring not included)."""
         # the slot views of streamed weights and the host views of mapped tables stand in the
         # plan's constants: not resident bytes
-        return self.plan.weight_bytes(exclude=set(self.residency.streamed_tensors) | set(self.residency.mapped))
+        exclude = set(self.residency.streamed_tensors) | set(self.residency.mapped) | self._expert_names
+        return self.plan.weight_bytes(exclude=exclude) + self.expert_device_bytes
+
+    @property
+    def expert_device_bytes(self) -> int:
+        """Device bytes of the paged experts: the resident ones and the ring (0: not paged)."""
+        p = None if self.expert_residency is None else self.expert_residency.plan
+        return 0 if p is None else p.resident_bytes + p.ring_bytes
 
     def _planned_weights(self) -> tuple:
         """The weights a residency plan places, with the constants no step reads (folded inputs,
@@ -237,7 +276,7 @@ class Runner:
         used = self.weight_bytes + r.staging_bytes + self.kv_device_bytes
         if used <= self.device_budget:
             return None
-        budget = self.device_budget - self.kv_device_bytes
+        budget = self.device_budget - self.kv_device_bytes - self.expert_device_bytes
         try:
             self.residency = self._plan_residency(budget)
         except residency.BudgetError:
@@ -248,7 +287,8 @@ class Runner:
                 f"a device budget of {b(self.device_budget)} cannot hold a KV cache of "
                 f"{b(self.kv_device_bytes + extra)} beside the weights: {b(max(budget, 0))} would be left for them "
                 f"and they need at least {b(need)}; the smallest working device budget for this KV cache is "
-                f"{b(self.kv_device_bytes + extra + need)} (or lower the batch or the context)") from None
+                f"{b(self.kv_device_bytes + extra + need + self.expert_device_bytes)} (or lower the batch or the "
+                "context)") from None
         self.replans += 1
         return (f"weight plan changed: KV growth to {self.kv_device_bytes:,} bytes left {budget:,} bytes of the "
                 f"{self.device_budget:,} byte device budget for weights; "
@@ -270,6 +310,14 @@ class Runner:
         other.weight_upload_bytes = 0
         other._free = []
         return other
+
+    def expert_meter(self) -> tuple:
+        """(experts routed, hits, page-ins, bytes copied) so far by the paged experts; () when not
+        paged. On cuda this reads the device counters (it waits for the queued work)."""
+        if self.expert_residency is None:
+            return ()
+        c = self.expert_residency.counters
+        return (c.routed, c.hits, c.page_ins, c.page_in_bytes)
 
     def stream_meter(self) -> tuple:
         """(weight bytes copied, copies) so far on the staging ring; () when nothing streams."""

@@ -22,16 +22,24 @@ def build_server(model: str | Path, provider: Any = "cpu_reference", max_batch: 
                  max_waiting: int = 256, capture: bool | None = None, served: str | None = None,
                  api_key: str | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
                  weight_budget: int | float | str | None = None, device_budget: int | str | None = None,
-                 tensor_parallel: int = 1, decode_prefill_tokens: int | None = None) -> Server:
+                 tensor_parallel: int = 1, decode_prefill_tokens: int | None = None,
+                 expert_budget: int | float | str | None = None) -> Server:
     """A :class:`~core.serve.app.Server` that loads ``model`` on ``provider`` into an engine of
     ``max_batch`` slots of ``capacity`` positions, prompts prefilled in chunks of
     ``prefill_chunk`` positions (see :class:`core.engine.Engine`). ``weight_budget`` and
     ``device_budget`` are the Runner's (:class:`~core.runtime.runner.Runner`): the weights past
-    them stream every step (the KV slots are charged to a device budget once, at load).
+    them stream every step (the KV slots are charged to a device budget once, at load);
+    ``expert_budget`` pages a MoE model's experts within them (docs/moe.md).
     ``tensor_parallel`` R > 1 shards the model over R rank processes
     (:class:`~core.parallel.runner.TensorParallelRunner`, each rank's Runner taking the
     budgets): greedy requests only, each rank's KV slots holding its shard.
     ``decode_prefill_tokens`` bounds the prefill between two decode steps (:class:`Engine`)."""
+    if tensor_parallel > 1 and expert_budget is not None:
+        from core.session import RequestError
+
+        raise RequestError("an expert budget is not offered with tensor parallelism: drop --expert-budget "
+                         "or --tensor-parallel")
+
     def load() -> Engine:
         runner: StepRunner
         if tensor_parallel > 1:
@@ -40,7 +48,8 @@ def build_server(model: str | Path, provider: Any = "cpu_reference", max_batch: 
             runner = TensorParallelRunner(model, provider, tensor_parallel, weight_budget=weight_budget,
                                           device_budget=device_budget)
         else:
-            runner = Runner(model, provider, weight_budget=weight_budget, device_budget=device_budget)
+            runner = Runner(model, provider, weight_budget=weight_budget, device_budget=device_budget,
+                            expert_budget=expert_budget)
         engine = Engine(runner, max_batch=max_batch, capacity=capacity, max_waiting=max_waiting, capture=capture,
                         prefill_chunk=prefill_chunk, decode_prefill_tokens=decode_prefill_tokens)
         log.info("engine: %d slots of %d positions, %.2f GB of KV%s", max_batch, engine.capacity,

@@ -99,27 +99,47 @@ def use_expert_residency(session, budget_bytes: int | None, ring_slots: int = 2,
                          frequencies: Mapping[str, Sequence[float]] | None = None) -> Any:
     """Plan the experts of ``session``'s model under ``budget_bytes`` (core.runtime.experts.plan_experts)
     and run its MoE / QMoE nodes under that plan from the next call on; returns the residency
-    (its ``counters``). The budget covers the resident experts and the ring, not other weights.
-    A cuda session goes to providers.cuda.expert_pager.use_expert_residency (the same
-    arguments and counters; call it before the session's first run).
+    (its ``counters``). The budget covers the resident experts and the ring, not other weights
+    (for one budget with them: the Runner's ``expert_budget``, ``weight_budget`` or
+    ``device_budget``). A cuda session goes to providers.cuda.expert_pager (the same arguments
+    and counters; call it before the session's first run).
 
     Raises:
-        ValueError: the session's provider is neither cpu_reference nor cuda, or the model has
-            no MoE node.
+        ValueError: the session's provider is neither cpu_reference nor cuda, the model has no
+            MoE node, or its Runner pages its experts already.
         core.runtime.experts.ExpertBudgetError: the budget cannot hold the ring, or leaves
             experts with no slot.
     """
-    provider = session.runner.provider
-    if provider.name == "cuda":
+    runner = session.runner
+    if getattr(runner, "expert_residency", None) is not None:
+        raise ValueError("the session's Runner pages its experts already (an expert, weight or device budget)")
+    if runner.provider.name == "cuda":
         from providers.cuda.expert_pager import use_expert_residency as on_cuda
 
         return on_cuda(session, budget_bytes, ring_slots, frequencies)
-    if provider.name != "cpu_reference":
-        raise ValueError(f"expert residency runs on cpu_reference and cuda, not {provider.name!r}")
-    model = session.runner.model
+    model = runner.model
     counts, sizes = moe_layout(model.graph, model.initializers)
     if not counts:
         raise ValueError("the model has no MoE / QMoE node")
-    residency = ExpertResidency(plan_experts(counts, sizes, budget_bytes, ring_slots, frequencies))
+    residency = page_runner(runner, plan_experts(counts, sizes, budget_bytes, ring_slots, frequencies))
+    runner.expert_residency = residency
+    return residency
+
+
+def page_runner(runner, plan: ExpertPlan) -> Any:
+    """Run ``runner``'s MoE / QMoE nodes under the expert ``plan`` from its next call on, on
+    cpu_reference or cuda (providers.cuda.expert_pager.page_runner); returns the pager.
+
+    Raises:
+        ValueError: a provider other than cpu_reference and cuda.
+    """
+    provider = runner.provider
+    if provider.name == "cuda":
+        from providers.cuda.expert_pager import page_runner as on_cuda
+
+        return on_cuda(runner, plan)
+    if provider.name != "cpu_reference":
+        raise ValueError(f"expert residency runs on cpu_reference and cuda, not {provider.name!r}")
+    residency = ExpertResidency(plan)
     provider.expert_residency = residency
     return residency

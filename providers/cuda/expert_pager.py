@@ -149,7 +149,7 @@ class _Node:
         mem = cp.cuda.alloc_pinned_memory(num_experts * self.page_bytes)
         self.bank = np.frombuffer(mem, np.uint8, num_experts * self.page_bytes).reshape(num_experts, self.page_bytes)
         for t, a in arrays.items():  # the padding between tensors is never read
-            host = np.ascontiguousarray(provider.download(a))
+            host = np.ascontiguousarray(a if isinstance(a, np.ndarray) else provider.download(a))
             self.bank[:, offsets[t]:offsets[t] + sizes[t]] = host.reshape(num_experts, -1).view(np.uint8)
             del host
         self.bank_device = provider.map_host(self.bank)
@@ -253,25 +253,41 @@ def use_expert_residency(session, budget_bytes: int | None, ring_slots: int = 2,
     """Plan the experts of a cuda ``session``'s model under ``budget_bytes`` (as cpu_reference's
     pager: core.runtime.experts.plan_experts) and run its MoE / QMoE nodes from pages from the
     next call on; returns the residency (its ``counters``). Call it before the session's first
-    run: it drops the nodes' device copies of their experts. ``budget_bytes=None`` keeps every
-    expert resident (in the paged layout, counting routes for calibration).
+    run: it drops the nodes' device copies of their experts (which the load uploaded: a Runner
+    with ``expert_budget`` never uploads them). ``budget_bytes=None`` keeps every expert
+    resident (in the paged layout, counting routes for calibration).
 
     Raises:
         ValueError: the model has no MoE node; its runner streams weights (a weight or device
-            budget: the two plans do not share one budget yet); expert tensors not on the
-            device or not per expert; residency already on for this runner.
+            budget: give the Runner ``expert_budget`` for one budget); expert tensors not per
+            expert; residency already on for this runner.
         core.runtime.experts.ExpertBudgetError: the budget cannot hold the ring, or leaves
             experts with no slot.
     """
     runner = session.runner
-    provider, model, plan = runner.provider, runner.model, runner.plan
     if runner.placer is not None or runner.device_budget is not None:
-        raise ValueError("expert residency on cuda runs with the other weights resident: no weight_budget "
-                         "or device_budget on the Runner")
-    counts, sizes = moe_layout(model.graph, model.initializers)
+        raise ValueError("use_expert_residency on cuda runs with the other weights resident; for one budget with "
+                         "them give the Runner expert_budget, weight_budget or device_budget instead")
+    counts, sizes = moe_layout(runner.model.graph, runner.model.initializers)
     if not counts:
         raise ValueError("the model has no MoE / QMoE node")
-    expert_plan = plan_experts(counts, sizes, budget_bytes, ring_slots, frequencies)
+    residency = page_runner(runner, plan_experts(counts, sizes, budget_bytes, ring_slots, frequencies))
+    runner.expert_residency = residency
+    return residency
+
+
+def page_runner(runner, expert_plan: ExpertPlan) -> CudaExpertResidency:
+    """Page ``runner``'s experts under ``expert_plan``: the bank from the plan's expert
+    constants (device tensors, or host arrays in the kernels' layout when the load kept them off
+    the device: core.runtime.expert_budget.ExpertPlacer), the resident store and the ring on the
+    device; the constants become placeholders. Returns the residency.
+
+    Raises:
+        ValueError: expert tensors not per expert, a MoE node not in the plan, residency
+            already on.
+    """
+    provider, plan = runner.provider, runner.plan
+    counts = expert_plan.num_experts
     found = {}
     for i, node in enumerate(plan.nodes):
         if node.name in counts:
@@ -280,7 +296,7 @@ def use_expert_residency(session, budget_bytes: int | None, ring_slots: int = 2,
             found[node.name] = i
     if set(found) != set(counts):
         raise ValueError(f"MoE nodes {sorted(set(counts) - set(found))} are not in the session's plan")
-    arrays: dict[str, dict[int, Any]] = {}  # node -> table entry -> the device tensor
+    arrays: dict[str, dict[int, Any]] = {}  # node -> table entry -> the tensor (device or host)
     for name, i in found.items():
         node, e = plan.nodes[i], counts[name]
         arrays[name] = {}
@@ -289,9 +305,8 @@ def use_expert_residency(session, budget_bytes: int | None, ring_slots: int = 2,
             if not tensor:
                 continue
             value = plan.constants.get(tensor)
-            if value is None or isinstance(value, np.ndarray) or int(value.shape[0]) != e:
-                raise ValueError(f"{name}: expert input {tensor!r} must be a device tensor [E={e}, ...] "
-                             "(the other weights resident)")
+            if value is None or int(value.shape[0]) != e:
+                raise ValueError(f"{name}: expert input {tensor!r} must be a constant [E={e}, ...]")
             arrays[name][entry] = value  # the bytes the kernels read, prepared or not
     residency = CudaExpertResidency(provider, expert_plan, arrays)
     cp = provider.cupy
@@ -301,6 +316,7 @@ def use_expert_residency(session, budget_bytes: int | None, ring_slots: int = 2,
             if index < len(node.inputs) and node.inputs[index]:
                 plan.constants[node.inputs[index]] = _placeholder(cp, plan.constants[node.inputs[index]])
         plan.contexts[i].cache["expert_pager"] = residency
+    del arrays
     provider.stream.synchronize()  # the pages and the ring are in place before any step
     provider.reset_peak()  # the dropped expert copies go back to the device
     return residency

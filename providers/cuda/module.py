@@ -25,12 +25,21 @@ KERNELS = Path(__file__).parent / "kernels"
 #: products (their instantiations only are compiled).
 AFTER = {"linear_gemv4": "linear_mma", "moe_paged": "moe"}
 
+#: Headers of kernels/ prepended to one file (and so to the files compiled after it): moe.cu's
+#: expert activations, shared with moe_paged.cu.
+HEADERS = {"moe": ("moe_act.cuh",)}
+
 
 def source(name: str) -> str:
     """The CUDA C source compiled for ``kernels/<name>.cu``: kernels/pdl.cuh (the PDL_ENTER macros
-    every kernel uses), then the file named in :data:`AFTER` for it, if any, then the file.
-    Prepended rather than included, so the source text CuPy keys its disk cache on covers it."""
-    before = [KERNELS / "pdl.cuh"] + ([KERNELS / f"{AFTER[name]}.cu"] if name in AFTER else [])
+    every kernel uses), then the file named in :data:`AFTER` for it, if any, with its
+    :data:`HEADERS`, then the file with its own. Prepended rather than included, so the source
+    text CuPy keys its disk cache on covers it."""
+    files = [*(f for f in (AFTER.get(name),) if f), name]
+    before = [KERNELS / "pdl.cuh"]
+    for f in files[:-1]:
+        before += [*(KERNELS / h for h in HEADERS.get(f, ())), KERNELS / f"{f}.cu"]
+    before += [KERNELS / h for h in HEADERS.get(name, ())]
     return "".join(p.read_text() for p in (*before, KERNELS / f"{name}.cu"))
 
 

@@ -123,7 +123,7 @@ def test_serve_takes_the_budgets_and_its_metrics_export_the_streaming_counters(f
     monkeypatch.setattr(server_mod, "build_server", lambda *args, **kw: seen.setdefault("args", args))
     monkeypatch.setattr(server_mod, "serve", lambda *args: None)
     assert a.func(a) == 0
-    assert seen["args"][-2:] == ("50%", "4GiB")
+    assert seen["args"][-3:] == ("50%", "4GiB", None)  # weight, device and expert budgets
     bad = cli.build_parser().parse_args(["serve", str(folder), "--weight-budget", "0"])
     with pytest.raises(core.RequestError, match="--weight-budget"):
         bad.func(bad)

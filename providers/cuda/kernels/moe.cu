@@ -13,6 +13,7 @@
 // Weights: BITS = 0 dense T [E, N, K]; BITS = 2/4/8 uint8 codes [E, N, K*BITS/8], least
 // significant bits first along K, dequantised as (q - zp) * scale with scales T [E, N, K/block]
 // and zero points uint8 [E, N, ceil(K/block*BITS/8)] (absent: 2^(BITS-1)).
+// The activations (moe_act, moe_swiglu) are kernels/moe_act.cuh's, prepended to this file.
 #include <cuda_fp16.h>
 
 __device__ __forceinline__ float moe_f(float x) { return x; }
@@ -112,25 +113,13 @@ __global__ void moe_up(const T* __restrict__ x, const int* __restrict__ experts,
     float g = moe_dot<T, T, BITS>(row, w1, s1, z1, e, n1, hidden, block, gi);
     if (b1 != nullptr) g = __fadd_rn(g, moe_f(b1[e * n1 + gi]));
     float r;
-    if (act == 0) {
-        r = fmaxf(g, 0.f);
-    } else if (act == 1) {
-        const float inner = __fmul_rn(0.7978845608028654f, __fadd_rn(g, __fmul_rn(__fmul_rn(0.044715f, g), __fmul_rn(g, g))));
-        r = __fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.f, tanhf(inner)));
-    } else if (act == 2) {
-        r = __fdiv_rn(g, __fadd_rn(1.f, expf(-g)));
-    } else if (act == 3) {
-        r = g;
+    if (act != 4) {
+        r = moe_act(act, g);
     } else {
         const long long li = i * l_step + l_off;
         float lin = moe_dot<T, T, BITS>(row, wl, sl, zl, e, nl, hidden, block, li);
         if (bl != nullptr) lin = __fadd_rn(lin, moe_f(bl[e * nl + li]));
-        if (has_limit) {
-            g = fminf(g, limit);
-            lin = fminf(fmaxf(lin, -limit), limit);
-        }
-        const float gate = __fdiv_rn(g, __fadd_rn(1.f, expf(__fmul_rn(-alpha, g))));
-        r = __fmul_rn(gate, __fadd_rn(lin, beta));
+        r = moe_swiglu(g, lin, alpha, beta, limit, has_limit);
     }
     if ((threadIdx.x & 31) == 0) a[slot * inter + i] = r;
 }

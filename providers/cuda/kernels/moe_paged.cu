@@ -1,6 +1,7 @@
 // Expert residency on cuda (docs/moe.md, "Expert streaming on cuda"): the experts of a MoE node
 // are pages of their own. Compiled after moe.cu (providers/cuda/module.py AFTER), whose
-// moe_f / moe_store / moe_dot it calls, so a pair's arithmetic is moe.cu's to the bit.
+// moe_f / moe_store / moe_dot and (moe_act.cuh) moe_act / moe_swiglu it calls, so a pair's
+// arithmetic is moe.cu's to the bit.
 //   moe_plan:       one block: the step's routed experts -> resident storage or a ring slot
 //                   (first in first out, never a slot the current wave uses), the copy list per
 //                   wave, the step's pointer table, the counters.  ``waves`` is fixed by the
@@ -130,15 +131,8 @@ __global__ void moe_up_paged(const T* __restrict__ x, const int* __restrict__ ex
                                   reinterpret_cast<const unsigned char*>(p[2]), 0, n1, hidden, block, gi);
     if (b1 != nullptr) g = __fadd_rn(g, moe_f(b1[gi]));
     float r;
-    if (act == 0) {
-        r = fmaxf(g, 0.f);
-    } else if (act == 1) {
-        const float inner = __fmul_rn(0.7978845608028654f, __fadd_rn(g, __fmul_rn(__fmul_rn(0.044715f, g), __fmul_rn(g, g))));
-        r = __fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.f, tanhf(inner)));
-    } else if (act == 2) {
-        r = __fdiv_rn(g, __fadd_rn(1.f, expf(-g)));
-    } else if (act == 3) {
-        r = g;
+    if (act != 4) {
+        r = moe_act(act, g);
     } else {
         const unsigned long long* q = p + lin_base;
         const T* bl = reinterpret_cast<const T*>(q[3]);
@@ -146,12 +140,7 @@ __global__ void moe_up_paged(const T* __restrict__ x, const int* __restrict__ ex
         float lin = moe_dot<T, T, BITS>(row, reinterpret_cast<const void*>(q[0]), reinterpret_cast<const T*>(q[1]),
                                         reinterpret_cast<const unsigned char*>(q[2]), 0, nl, hidden, block, li);
         if (bl != nullptr) lin = __fadd_rn(lin, moe_f(bl[li]));
-        if (has_limit) {
-            g = fminf(g, limit);
-            lin = fminf(fmaxf(lin, -limit), limit);
-        }
-        const float gate = __fdiv_rn(g, __fadd_rn(1.f, expf(__fmul_rn(-alpha, g))));
-        r = __fmul_rn(gate, __fadd_rn(lin, beta));
+        r = moe_swiglu(g, lin, alpha, beta, limit, has_limit);
     }
     if ((threadIdx.x & 31) == 0) a[slot * inter + i] = r;
 }

@@ -1,0 +1,118 @@
+"""One budget for a MoE model's dense weights and experts on cuda (core.runtime.expert_budget,
+providers/cuda/expert_pager.py page_runner; GPU only).
+
+The tiny gpt-oss folders of core.testing.moe_families (fp16 CUDA build: MoE; int4 CPU build:
+QMoE), 2 MoE layers of 8 experts, top 2. A Runner with an expert budget loads its experts
+straight from the file into pinned host pages (never onto the device: the load's device peak
+stays below the all-resident load's by most of the cold experts), and decodes bitwise the
+all-resident run, eager and captured, at batch 1 and 8, with the session's expert counters
+showing the page-ins; a weight budget shared with the experts likewise; a budget too small is
+refused naming the smallest, which then runs bitwise.
+
+    pytest -q tests/cuda/test_moe_expert_budget_cuda.py      # builds 2 tiny folders (~20 s each)
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from _gpu import require_gpu
+
+require_gpu()
+pytest.importorskip("transformers")
+pytest.importorskip("onnxruntime_genai", reason="the builder (the models extra) makes the family folders")
+
+from core.generation.loop import decode  # noqa: E402
+from core.models.model import load_model  # noqa: E402
+from core.runtime.expert_budget import ExpertLayout  # noqa: E402
+from core.runtime.residency import BudgetError  # noqa: E402
+from core.runtime.runner import Runner  # noqa: E402
+from core.session import Session  # noqa: E402
+from core.testing.families import prepared_family  # noqa: E402
+
+STEPS = 10
+CAPACITY = 64
+PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 21)), [200, 7, 7, 31, 64, 128, 9, 250, 1, 33, 77, 12, 6],
+           [3, 3, 3], [90, 44, 23, 8, 1, 2], [250, 249, 248, 247], list(range(30, 52, 2)), [11, 64]]
+#: precision -> the builder target of the folder.
+FOLDERS = {"fp16": "cuda", "int4": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe-expert-budget")
+    built: dict[str, object] = {}
+
+    def get(precision: str):
+        if precision not in built:
+            built[precision] = load_model(prepared_family("gpt-oss", root / precision, precision, FOLDERS[precision]))
+        return built[precision]
+
+    return get
+
+
+def _run(model, rows, capture, **budgets):
+    """(tokens, logits, session, runner) under ``budgets`` (Runner kwargs; none: all resident)."""
+    runner = Runner(model, "cuda", **budgets)
+    session = Session(runner, batch=len(rows), capacity=CAPACITY, capture=capture)
+    logits: list[np.ndarray] = []
+    trace = decode(session, rows, STEPS,
+                   observer=lambda *_: logits.append(np.asarray(session.last_logits(), np.float32)))
+    return trace.tokens, np.stack(logits), session, runner
+
+
+def _paged(session, size):
+    c = session.counters
+    assert c.expert_page_ins > 0 and c.expert_routed == c.expert_hits + c.expert_page_ins
+    assert c.expert_bytes_copied == c.expert_page_ins * size and c.expert_bytes_per_token > 0
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_an_expert_budget_loads_the_experts_off_the_device_and_decodes_bitwise(gpt_oss, precision, batch, capture):
+    model = gpt_oss(precision)
+    layout = ExpertLayout.of(model)
+    size = max(layout.sizes.values())
+    budget = (2 * len(layout.counts) + 2) * size  # 2 experts a layer and a ring of 2
+    tokens, logits, _, full = _run(model, PROMPTS[:batch], capture)
+    paged_tokens, paged_logits, session, runner = _run(model, PROMPTS[:batch], capture, expert_budget=budget)
+    plan = runner.expert_residency.plan
+    assert all(len(r) == 2 for r in plan.resident.values())
+    _paged(session, size)
+    cold = layout.total_bytes - plan.resident_bytes
+    assert runner.plan.load_peak_bytes is not None and full.plan.load_peak_bytes is not None
+    assert runner.plan.load_peak_bytes <= full.plan.load_peak_bytes - cold // 2  # cold experts never uploaded
+    assert runner.weight_bytes < full.weight_bytes
+    if capture:
+        assert session.counters.captures == 1 and not session.counters.fallbacks
+    assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_a_weight_budget_shares_one_plan_with_the_experts(gpt_oss, precision):
+    model = gpt_oss(precision)
+    layout = ExpertLayout.of(model)
+    size = max(layout.sizes.values())
+    tokens, logits, _, full = _run(model, PROMPTS, True)
+    dense = full.weight_bytes - layout.total_bytes
+    paged_tokens, paged_logits, session, runner = _run(model, PROMPTS, True,
+                                                       weight_budget=dense + (len(layout.counts) + 2) * size)
+    assert runner.residency.weight_bytes_streamed_per_step == 0  # the experts stream first
+    assert 0 < runner.expert_residency.plan.resident_bytes <= len(layout.counts) * size
+    _paged(session, size)
+    assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)
+
+
+def test_a_budget_too_small_names_the_smallest_which_runs_bitwise(gpt_oss):
+    model = gpt_oss("fp16")
+    ring = ExpertLayout.of(model).ring_bytes(2)
+    with pytest.raises(BudgetError, match="smallest working budget is") as err:
+        Runner(model, "cuda", weight_budget=ring + 1000)
+    smallest = int(re.search(r"smallest working budget is ([\d,]+) bytes", str(err.value)).group(1).replace(",", ""))
+    tokens, logits, _, _ = _run(model, PROMPTS, True)
+    paged_tokens, paged_logits, session, runner = _run(model, PROMPTS, True, weight_budget=smallest)
+    assert session.counters.expert_page_ins > 0
+    assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)

@@ -1,0 +1,116 @@
+"""One budget for a MoE model's dense weights and its experts (core.runtime.expert_budget,
+docs/moe.md "Expert budgets"), on cpu_reference with the tiny folders of core.testing.moe_families.
+
+A Runner given an expert budget, or a weight or device budget on a MoE model, pages the experts
+(a plan of resident experts and a ring of 2 slots) and plans the other weights beside them. The
+greedy tokens and logits of three rows are bitwise the all-resident run's, the session's counters
+show the page-ins (the path ran), and a budget too small is refused naming the smallest one,
+which then works.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from core.generation.loop import decode
+from core.models.model import load_model
+from core.runtime.expert_budget import ExpertLayout
+from core.runtime.experts import ExpertBudgetError
+from core.runtime.residency import BudgetError
+from core.runtime.runner import Runner
+from core.session import Session
+from core.testing.families import prepared_family
+
+pytest.importorskip("onnxruntime_genai", reason="the builder (the models extra) makes the family folders")
+pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.model
+
+STEPS = 8
+CAPACITY = 64
+PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 21)), [200, 7, 7, 31, 64, 128, 9, 250, 1, 33, 77, 12, 6]]
+CASES = [("gpt-oss", "fp32"), ("lfm2-moe", "int4")]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe-budget")
+    built: dict = {}
+
+    def get(family: str, precision: str):
+        if (family, precision) not in built:
+            built[family, precision] = load_model(prepared_family(family, root / f"{family}-{precision}", precision,
+                                                                  "cpu"))
+        return built[family, precision]
+
+    return get
+
+
+def _run(model, **budgets):
+    """(tokens, logits, session, runner) of the three prompts under ``budgets`` (Runner kwargs)."""
+    runner = Runner(model, "cpu_reference", **budgets)
+    session = Session(runner, batch=len(PROMPTS), capacity=CAPACITY)
+    logits: list = []
+    trace = decode(session, PROMPTS, STEPS, observer=lambda *_: logits.append(session.last_logits()))
+    return trace.tokens, np.stack(logits), session, runner
+
+
+def _paged(session, runner, size):
+    c = session.counters
+    assert runner.expert_residency is not None
+    assert c.expert_page_ins > 0 and c.expert_routed == c.expert_hits + c.expert_page_ins
+    assert c.expert_bytes_copied == c.expert_page_ins * size and 0 < c.expert_hit_rate < 1
+    assert c.expert_bytes_per_step > 0 and c.expert_bytes_per_token > 0
+
+
+@pytest.mark.parametrize("family,precision", CASES)
+def test_an_expert_budget_pages_the_experts_bitwise_the_resident_run(folders, family, precision):
+    model = folders(family, precision)
+    layout = ExpertLayout.of(model)
+    size = max(layout.sizes.values())
+    tokens, logits, resident, full = _run(model)
+    assert resident.counters.expert_routed == 0 and full.expert_residency is None
+    paged_tokens, paged_logits, session, runner = _run(model, expert_budget=(2 * len(layout.counts) + 2) * size)
+    assert all(r == {0, 1} for r in runner.expert_residency.plan.resident.values())
+    _paged(session, runner, size)
+    assert runner.weight_bytes == full.weight_bytes - layout.total_bytes + (2 * len(layout.counts) + 2) * size
+    assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)
+
+
+@pytest.mark.parametrize("family,precision", CASES)
+def test_a_weight_or_device_budget_shares_one_plan_with_the_experts(folders, family, precision):
+    """The experts stream first: the dense weights stay resident and the experts get the rest
+    (a weight budget), or the expert budget given beside a device budget."""
+    model = folders(family, precision)
+    layout = ExpertLayout.of(model)
+    size = max(layout.sizes.values())
+    tokens, logits, resident, full = _run(model)
+    dense = full.weight_bytes - layout.total_bytes
+    experts = (len(layout.counts) + 2) * size  # the ring and one expert a layer
+    for budgets in ({"weight_budget": dense + experts},
+                    {"device_budget": dense + experts + resident.counters.kv_bytes + 4096, "expert_budget": experts}):
+        paged_tokens, paged_logits, session, runner = _run(model, **budgets)
+        assert runner.residency.weight_bytes_streamed_per_step == 0  # the dense weights stay resident
+        assert sum(len(r) for r in runner.expert_residency.plan.resident.values()) == len(layout.counts)
+        _paged(session, runner, size)
+        assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits), budgets
+
+
+def test_a_budget_too_small_names_the_smallest_working_one(folders):
+    model = folders("gpt-oss", "fp32")
+    layout = ExpertLayout.of(model)
+    ring = layout.ring_bytes(2)
+    with pytest.raises(BudgetError, match="smallest working budget is") as err:
+        Runner(model, "cpu_reference", weight_budget=ring + 1000)
+    smallest = int(re.search(r"smallest working budget is ([\d,]+) bytes", str(err.value)).group(1).replace(",", ""))
+    with pytest.raises(BudgetError):
+        Runner(model, "cpu_reference", weight_budget=smallest - 1)
+    tokens, logits, _, _ = _run(model)
+    paged_tokens, paged_logits, session, runner = _run(model, weight_budget=smallest)
+    assert runner.expert_residency.plan.ring_slots == 2
+    assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)
+    with pytest.raises(ExpertBudgetError, match=f"smallest expert budget is {ring:,} bytes"):
+        Runner(model, "cpu_reference", expert_budget=ring - 1)
