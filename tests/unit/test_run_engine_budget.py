@@ -120,10 +120,11 @@ def test_serve_takes_the_budgets_and_its_metrics_export_the_streaming_counters(f
     a = cli.build_parser().parse_args(["serve", str(folder), "--weight-budget", "50%", "--device-budget", "4GiB"])
     assert (a.weight_budget, a.device_budget) == ("50%", "4GiB")
     seen: dict = {}
-    monkeypatch.setattr(server_mod, "build_server", lambda *args, **kw: seen.setdefault("args", args))
+    monkeypatch.setattr(server_mod, "build_server", lambda *args, **kw: seen.update(args=args, kw=kw))
     monkeypatch.setattr(server_mod, "serve", lambda *args: None)
     assert a.func(a) == 0
-    assert seen["args"][-3:] == ("50%", "4GiB", None)  # weight, device and expert budgets
+    assert seen["args"][-2:] == ("50%", "4GiB")  # weight and device budgets
+    assert seen["kw"]["expert_budget"] is None
     bad = cli.build_parser().parse_args(["serve", str(folder), "--weight-budget", "0"])
     with pytest.raises(core.RequestError, match="--weight-budget"):
         bad.func(bad)
