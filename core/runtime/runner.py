@@ -224,17 +224,12 @@ class Runner:
         positions allocates (:mod:`core.runtime.workspace`): the provider's declared
         activations and scratch (``planned_workspace_bytes``) plus the state's own buffers.
         From the model's header (shapes only; nothing is read)."""
-        from core.plan import _Header
+        from core.plan import header_of
         from core.runtime import workspace
 
         if self._header is None:
-            from core.opdefs import is_host
-
-            self._header = _Header(self.model, self.provider, not is_host(self.provider.allocate((1,), "float32")))
-        h = self._header
-        shape_of = workspace.decode_shapes(self.model.graph, h.nodes, h.steps, h.constants, batch, capacity)
-        planned = int(self.provider.planned_workspace_bytes(h.nodes, h.steps, shape_of, batch, capacity))
-        return planned + workspace.state_bytes(batch, capacity, self.model.config.vocab_size, 4)
+            self._header = header_of(self.model, self.provider)
+        return workspace.estimate(self.model, self._header, self.provider, batch, capacity)
 
     def reserve_workspace(self, batch: int, capacity: int) -> str | None:
         """Reserve the workspace of a decode state of ``batch`` rows over ``capacity`` positions

@@ -91,11 +91,15 @@ def node_outputs(node: Any, ins: Sequence[Spec | None], constants: dict) -> list
         extra = {1: None, 2: None}
     elif op == "Gather" and len(ins) > 1 and ins[1] is not None:
         axis = int(a.get("axis", 0)) % max(first.ndim, 1)
-        shape = first.shape[:axis] + ins[1].shape + first.shape[axis + 1:]
+        # a table's row counted by its elements: a folded view of it may be forecast flat
+        rest = (first.size // max(first.shape[0], 1),) if axis == 0 and first.ndim else first.shape[axis + 1:]
+        shape = first.shape[:axis] + ins[1].shape + rest
     elif op == "GatherColumns" and len(ins) > 1 and ins[1] is not None:
         shape = ins[1].shape + (first.shape[0],)
     elif op == "GatherBlockQuantized" and len(ins) > 2 and ins[1] is not None and ins[2] is not None:
-        shape, dtype = ins[1].shape + (first.shape[-1] * 8 // int(a.get("bits", 4)),), ins[2].dtype
+        # the row from the scales [V, blocks] (the codes may be a folded view, forecast flat)
+        row = ins[2].size // max(ins[2].shape[0], 1) * int(a.get("block_size", 128))
+        shape, dtype = ins[1].shape + (row,), ins[2].dtype
     elif op == "Cast":
         dtype = helper.tensor_dtype_to_np_dtype(int(a["to"]))
     elif op in ("Shape", "Size"):
@@ -151,3 +155,13 @@ def state_bytes(batch: int, capacity: int, vocab: int, logits_itemsize: int) -> 
     [B, C], int32 result [B, 2], positions and lengths [B], sampling params and options
     [B, 4] and uint8 history [B, V], and the prompt logits [B, 1, V]."""
     return batch * (8 + 8 * capacity + 8 + 4 + 4 + 16 + 16 + vocab + vocab * logits_itemsize)
+
+
+def estimate(model: Any, header: Any, provider: Any, batch: int, capacity: int) -> int:
+    """Device bytes of the workspace of a decode state of ``batch`` rows over ``capacity`` KV
+    positions (module docstring): ``provider``'s declared activations and scratch
+    (``planned_workspace_bytes``) at the shapes :func:`decode_shapes` finds over ``header``
+    (:class:`core.plan._Header` of ``model``), plus the state's own buffers."""
+    shape_of = decode_shapes(model.graph, header.nodes, header.steps, header.constants, batch, capacity)
+    planned = int(provider.planned_workspace_bytes(header.nodes, header.steps, shape_of, batch, capacity))
+    return planned + state_bytes(batch, capacity, model.config.vocab_size, 4)
