@@ -87,3 +87,25 @@ def test_plan_shows_the_workspace_and_leaves_the_weights_the_rest(model_dir, cap
     assert cli.main(["plan", str(model_dir), "--provider", "cpu_reference", "--device-budget", str(device),
                      "--batch", "1,8", "--context", "64"]) == 0
     assert "workspace MiB" in capsys.readouterr().out
+
+
+def test_cuda_declares_its_scratch_beside_the_activations(tmp_path):
+    """cuda's declared workspace (no GPU needed: shapes only) is the activations plus the split-K
+    workspace, one split-KV workspace per attention shape and the argmax partials."""
+    from core.models.model import load_model
+    from core.plan import header_of
+    from core.runtime import workspace
+    from providers.cuda.ops import _mma_schedule
+    from providers.cuda.provider import CudaProvider
+
+    config = TinyConfig(layers=2, vocab=256, context=512)
+    model = load_model(make_tiny_model(tmp_path / "m", config=config))
+    h = header_of(model, CpuReferenceProvider())
+    batch, capacity = 8, 512
+    shape_of = workspace.decode_shapes(model.graph, h.nodes, h.steps, h.constants, batch, capacity)
+    base = CpuReferenceProvider().planned_workspace_bytes(h.nodes, h.steps, shape_of, batch, capacity)
+    cuda = object.__new__(CudaProvider).planned_workspace_bytes(h.nodes, h.steps, shape_of, batch, capacity)
+    chunks = capacity // 64 + 1  # a ring's chunk count, the larger of the two
+    gqa = batch * (config.heads * chunks * (config.head_size + 2) * 4 + config.kv_heads * 4)
+    split = _mma_schedule.SPLIT_BYTES + 4 * _mma_schedule.SPLIT_TICKETS
+    assert cuda == base + split + gqa + batch * 1 * 12
