@@ -101,6 +101,7 @@ class ProfileRow:
     host_rss_peak_bytes: int = 0  # the process's peak resident set size so far (mapped weight pages included)
     host_anon_bytes: int | None = None  # anonymous resident bytes at the row's end (heap, pinned staging)
     predicted_tok_s: float | None = None  # the plan's expected rate at this batch (core.plan.expected_rate)
+    workspace_reserved_bytes: int = 0  # the workspace a device budget reserved (Runner.workspace_reserved)
 
     @property
     def other_bytes(self) -> int | None:
@@ -150,7 +151,7 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capac
                      prefill_activation_bytes=runner.plan.transient_peak_bytes, settings=provider_settings(p),
                      device_ms_p50=float(np.percentile(device, 50)) * 1e3 if device else None,
                      run_ahead=session.run_ahead, host_rss_peak_bytes=host_rss_peak_bytes(),
-                     host_anon_bytes=host_anon_bytes(),
+                     host_anon_bytes=host_anon_bytes(), workspace_reserved_bytes=runner.workspace_reserved,
                      predicted_tok_s=expected_rate(streamed, runner.residency.weight_bytes_resident, batch, None,
                                                    h2d, bandwidth) if streamed else None)
     if meter is not None:
@@ -475,7 +476,8 @@ def profile_main(args, console, table_console) -> int:
     if rows:
         mib = 2**20
         load_peak = rows[0].load_driver_peak_bytes
-        title += (f"; load {rows[0].load_s:.1f} s" + ("" if load_peak is None else
+        title += (f"; load {rows[0].load_s:.1f} s" + (
+                  f", no driver figure ({args.provider} cannot tell its device bytes)" if load_peak is None else
                   f", driver peak {load_peak / mib:,.0f} MiB while loading "
                   f"({(rows[0].driver_baseline_bytes or 0) / mib:,.0f} MiB before)"))
     settings = next((r.settings for r in rows if r.settings), {})
