@@ -11,6 +11,7 @@ pack raw weights passed to a kernel directly.
 
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -125,26 +126,36 @@ def pack(xp, w, up=None):
     return out
 
 
-def _fragment_index(cols: int, glu: bool) -> np.ndarray:
-    """Per 64-row chunk of K, the source element of each packed element: into the chunk as
-    ``(half, k row, column)`` (``half``: gate 0 or up 1 with ``glu``; rows of ``cols``
-    columns), in packed order ``(nt, v, g, t, e2, e1, e0)`` (:data:`FRAGMENT_AXES`; a gate/up
-    pair: column 8 nt + g of half e1, else column 16 nt + 8 e1 + g)."""
-    tiles = cols // 8 if glu else cols // 16
+#: Tiles (16 output rows) one host gather of :func:`pack_into` packs: its index is this many
+#: tiles' 1024 elements (8 bytes each), small enough to stay in cache beside the block.
+HOST_TILES = 16
+
+
+@functools.lru_cache(maxsize=8)
+def _fragment_index(tiles: int, glu: bool) -> np.ndarray:
+    """The source element of each packed element of ``tiles`` tiles of one 64-row chunk of K,
+    into the block ``(half, k row, column)`` those tiles read (one half, or gate and up with
+    ``glu``; ``16 tiles`` columns a half, or 8 tiles with ``glu``), in packed order
+    ``(nt, v, g, t, e2, e1, e0)`` (:data:`FRAGMENT_AXES`): column 8 nt + g of half e1 for a
+    gate/up pair, else column 16 nt + 8 e1 + g."""
+    width = (8 if glu else 16) * tiles
     nt, v, g, t, e2, e1, e0 = np.ix_(*(np.arange(d) for d in (tiles, 4, 8, 4, 2, 2, 2)))
     row = 16 * t + 4 * v + 2 * e2 + e0
     if glu:
-        return (e1 * 64 * cols + row * cols + 8 * nt + g).reshape(-1).astype(np.intp)
-    return (row * cols + 16 * nt + 8 * e1 + g).reshape(-1).astype(np.intp)
+        index = e1 * 64 * width + row * width + 8 * nt + g
+    else:
+        index = row * width + 16 * nt + 8 * e1 + g
+    return index.reshape(-1).astype(np.intp)
 
 
 def pack_into(xp, w, up, out) -> None:
     """:func:`pack` written into ``out`` (1-D fp16, :func:`packed_size` elements: pinned host
     memory for a streamed weight, so the packed form is written once). On the device one
-    strided copy per input. On the host (``xp`` numpy) per 64-row chunk of K: one gather
-    (``np.take`` over a fixed index, :func:`_fragment_index`) of the chunk, read contiguously
-    from the weight while it is in cache, then one copy of whole 2 KiB tiles into ``out``; the
-    chunks spread over threads (NumPy's take and copies release the GIL). Every element is
+    strided copy per input. On the host (``xp`` numpy) per 64-row chunk of K and
+    :data:`HOST_TILES` tiles: the tiles' columns copied into a small block (runs of 128 or 256
+    contiguous elements), one gather of the block in packed order (``np.take`` over a fixed
+    index, :func:`_fragment_index`), one copy of those whole 2 KiB tiles into ``out``; the chunks spread over threads (NumPy's take and copies release the GIL), so the
+    host holds the result and a few small temporaries. Every element is
     copied, never computed: the bits are the transpose's whatever the split."""
     k, n = w.shape
     kp = -(-k // 64) * 64
@@ -160,13 +171,19 @@ def pack_into(xp, w, up, out) -> None:
             else:  # (kc, t, v, e2, e0, nt, g) -> (nt, kc, v, g, t, e2, e0) at e1
                 frag[:, :, :, :, :, :, e1, :] = src.reshape(kc, 4, 4, 2, 2, cols // 8, 8).transpose(5, 0, 2, 6, 1, 3, 4)
         return
-    index = _fragment_index(cols, up is not None)
+    width = 8 if up is not None else 16  # columns of one half a tile holds
 
     def chunk(c: int) -> None:
-        rows = [np.asarray(src[64 * c:64 * (c + 1)]).view(np.uint16) for src in srcs]
-        flat = rows[0].reshape(-1) if len(rows) == 1 else np.stack(rows).reshape(-1)
-        packed = np.take(flat, index, mode="wrap")  # every index is in range: no check pass
-        dst[:, c] = packed.view(np.float16).reshape(-1, 1024)
+        rows = [src[64 * c:64 * (c + 1)] for src in srcs]
+        block = np.empty((len(rows), 64, HOST_TILES * width), np.uint16)
+        for t0 in range(0, cols // width, HOST_TILES):
+            m = min(HOST_TILES, cols // width - t0)
+            part = block[:, :, :m * width] if m == HOST_TILES else np.empty((len(rows), 64, m * width), np.uint16)
+            for half, r in zip(part, rows):  # the tiles' columns, contiguous and in cache
+                half[...] = np.asarray(r[:, t0 * width:(t0 + m) * width]).view(np.uint16)
+            # every index is in range ("wrap" skips the bounds pass)
+            got = np.take(part.reshape(-1), _fragment_index(m, up is not None), mode="wrap")
+            dst[t0:t0 + m, c] = got.view(np.float16).reshape(m, 1024)
 
     workers = min(kc, os.cpu_count() or 1, 16)
     if workers <= 1:
