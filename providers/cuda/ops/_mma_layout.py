@@ -141,20 +141,19 @@ def _fragment_index(tiles: int, glu: bool) -> np.ndarray:
     width = (8 if glu else 16) * tiles
     nt, v, g, t, e2, e1, e0 = np.ix_(*(np.arange(d) for d in (tiles, 4, 8, 4, 2, 2, 2)))
     row = 16 * t + 4 * v + 2 * e2 + e0
-    if glu:
-        index = e1 * 64 * width + row * width + 8 * nt + g
-    else:
-        index = row * width + 16 * nt + 8 * e1 + g
-    return index.reshape(-1).astype(np.intp)
+    column = e1 * 64 * width + 8 * nt + g if glu else 16 * nt + 8 * e1 + g
+    return (row * width + column).reshape(-1).astype(np.intp)
 
 
 def pack_into(xp, w, up, out) -> None:
-    """:func:`pack` written into ``out`` (1-D fp16, :func:`packed_size` elements: pinned host
-    memory for a streamed weight, so the packed form is written once). On the device one
+    """:func:`pack` written into ``out`` (1-D fp16, :func:`packed_size` elements, the caller's:
+    a pinned buffer would let a streamed weight be written once; the hooks do not pass one
+    yet, docs/large-models.md Limits). On the device one
     strided copy per input. On the host (``xp`` numpy) per 64-row chunk of K and
     :data:`HOST_TILES` tiles: the tiles' columns copied into a small block (runs of 128 or 256
     contiguous elements), one gather of the block in packed order (``np.take`` over a fixed
-    index, :func:`_fragment_index`), one copy of those whole 2 KiB tiles into ``out``; the chunks spread over threads (NumPy's take and copies release the GIL), so the
+    index, :func:`_fragment_index`), one copy of those whole 2 KiB tiles into ``out``; the
+    chunks spread over threads (NumPy's take and copies release the GIL), so the
     host holds the result and a few small temporaries. Every element is
     copied, never computed: the bits are the transpose's whatever the split."""
     k, n = w.shape
