@@ -7,7 +7,8 @@ rules, so the pages are the nodes the provider will run; the planner is the one 
 (packed for the tensor cores: :mod:`core.runtime.forecast`), as the load plans them.
 
 Per batch size B, the device budget is shared as the Runner shares it once the KV cache of B
-rows at ``context`` tokens is allocated: the weight budget is the device budget less that KV.
+rows at ``context`` tokens and their decode workspace (:mod:`core.runtime.workspace`) are
+allocated: the weight budget is the device budget less that KV and that workspace.
 The copy floor of a step is the streamed bytes over the measured host-to-device bandwidth; the
 expected step is the longer of the copy floor and the time to read every weight byte once at
 the device bandwidth (copies overlap compute on their own stream), and the expected rate is B
@@ -42,6 +43,9 @@ class BatchPlan:
     Attributes:
         batch: rows decoded together.
         kv_bytes: KV cache bytes of ``batch`` rows at the plan's context.
+        workspace_bytes: the decode workspace of ``batch`` rows (activations, the provider's
+            scratch and the decode state's buffers: :mod:`core.runtime.workspace`), reserved
+            in a device budget beside the KV.
         residency: the residency plan for the weight budget left.
         copy_floor_s: seconds per step the streamed bytes take at the host-to-device bandwidth
             (None: bandwidth unknown).
@@ -58,14 +62,16 @@ class BatchPlan:
     expected_tok_s: float | None = None
     error: str = ""
     expert_bytes: int = 0
+    workspace_bytes: int = 0
 
     def row(self) -> dict:
         """The plan as one JSON-able row."""
         r = self.residency
         if r is None:
-            return {"batch": self.batch, "kv_bytes": self.kv_bytes, "error": self.error}
-        return {"batch": self.batch, "kv_bytes": self.kv_bytes, "weight_budget": r.budget,
-                "expert_bytes": self.expert_bytes,
+            return {"batch": self.batch, "kv_bytes": self.kv_bytes, "workspace_bytes": self.workspace_bytes,
+                    "error": self.error}
+        return {"batch": self.batch, "kv_bytes": self.kv_bytes, "workspace_bytes": self.workspace_bytes,
+                "weight_budget": r.budget, "expert_bytes": self.expert_bytes,
                 "weight_bytes_resident": r.weight_bytes_resident,
                 "weight_bytes_streamed_per_step": r.weight_bytes_streamed_per_step,
                 "weight_bytes_mapped": r.weight_bytes_mapped, "staging_slots": r.slots,
@@ -140,16 +146,22 @@ def _view_spec(node, spec: Spec, inits: dict) -> Spec:
     return Spec(shape if shape is not None else (spec.size,), spec.dtype, node.outputs[0])
 
 
-def _forecast(model: Model, provider: Any) -> Forecast:
-    """The header of ``model`` on ``provider`` (cpu_reference when None) as the load will prepare
-    it (:class:`core.runtime.forecast.Forecast`: the declared prepared forms)."""
+def header_of(model: Model, provider: Any) -> _Header:
+    """The header of ``model`` on ``provider`` (cpu_reference when None): its fused nodes and
+    the constants' shapes, nothing read."""
     if provider is None:
         from providers.cpu_reference.provider import CpuReferenceProvider
 
         provider = CpuReferenceProvider()
     from core.opdefs import is_host
 
-    return Forecast(_Header(model, provider, not is_host(provider.allocate((1,), np.float32))))
+    return _Header(model, provider, not is_host(provider.allocate((1,), np.float32)))
+
+
+def _forecast(model: Model, provider: Any) -> Forecast:
+    """The header of ``model`` on ``provider`` (cpu_reference when None) as the load will prepare
+    it (:class:`core.runtime.forecast.Forecast`: the declared prepared forms)."""
+    return Forecast(header_of(model, provider))
 
 
 def header_weights(model: Model, provider: Any = None) -> tuple[residency.Weight, ...]:
@@ -221,9 +233,12 @@ def plan_model(model: Model | str, batches: Sequence[int], context: int, provide
     Raises:
         core.runtime.residency.BudgetError: a malformed budget.
     """
+    from core.runtime import workspace
+
     if not isinstance(model, Model):
         model = load_model(model)
     weights = header_weights(model, provider)
+    header = header_of(model, provider)
     splits, page = header_splits(model, provider), rowblocks.page_bytes(page_bytes)
     total = sum(w.nbytes for w in weights)
     device = residency.parse_budget(device_budget, total, fractions=False)
@@ -243,14 +258,17 @@ def plan_model(model: Model | str, batches: Sequence[int], context: int, provide
     out = []
     for b in batches:
         kv = kv_bytes(model, b, context)
+        work = workspace.estimate(model, header, header.provider, b, context)
         wb = budget
         if device is not None:
-            wb = min(budget if budget is not None else device, device - kv)
-            if wb <= 0:
-                need = kv + residency.smallest_budget(weights, slots, mappable, splits, page)
-                out.append(BatchPlan(b, kv, None, error=f"the {kv:,} bytes of KV fill the device budget of {device:,} "
-                                                        f"bytes; this batch needs a device budget of at least {need:,} "
-                                                        "bytes (its KV plus the smallest working weight budget)"))
+            wb = min(budget if budget is not None else device, device - kv - work)
+            need = kv + work + residency.smallest_budget(weights, slots, mappable, splits, page)
+            if wb <= 0 or need > device:
+                out.append(BatchPlan(b, kv, None, workspace_bytes=work,
+                                     error=f"the {kv:,} bytes of KV and the {work:,} bytes of workspace leave the "
+                                           f"weights too little of the device budget of {device:,} bytes; this batch "
+                                           f"needs a device budget of at least {need:,} bytes (its KV and workspace "
+                                           "plus the smallest working weight budget)"))
                 continue
         held = 0
         try:
@@ -262,12 +280,12 @@ def plan_model(model: Model | str, batches: Sequence[int], context: int, provide
             more = "" if not held or isinstance(exc, ExpertBudgetError) else (
                 f"; beside the experts' {held:,} bytes the smallest working budget is "
                 f"{held + residency.smallest_budget(weights, slots, mappable, splits, page):,} bytes")
-            out.append(BatchPlan(b, kv, None, error=str(exc) + more))
+            out.append(BatchPlan(b, kv, None, workspace_bytes=work, error=str(exc) + more))
             continue
         streamed = r.weight_bytes_streamed_per_step
         floor = streamed / h2d if h2d else (0.0 if not streamed else None)
         rate = expected_rate(streamed, r.weight_bytes_resident, b, None, h2d, device_bw)
-        out.append(BatchPlan(b, kv, r, floor, rate, expert_bytes=held))
+        out.append(BatchPlan(b, kv, r, floor, rate, expert_bytes=held, workspace_bytes=work))
     return out
 
 
@@ -303,15 +321,16 @@ def main(a, console) -> int:
     gb = 1e9
     title = (f"{model.folder.name}: {model.weight_bytes() / gb:.2f} GB of weights, {a.context} tokens of KV per row"
              + (f" ({note})" if note else ""))
-    table = Table("batch", "KV GB", "weight budget GB", "resident GB", "mapped GB", "streamed GB/step",
+    table = Table("batch", "KV GB", "workspace MiB", "weight budget GB", "resident GB", "mapped GB", "streamed GB/step",
                   "ring", "copy floor ms", "expected tok/s", title=escape(title))
     for p in rows:
         r = p.residency
         if r is None:
-            table.add_row(str(p.batch), f"{p.kv_bytes / gb:.2f}", *["-"] * 7)
+            table.add_row(str(p.batch), f"{p.kv_bytes / gb:.2f}", f"{p.workspace_bytes / 2**20:.1f}", *["-"] * 7)
             continue
         ring = f"{r.slots} x {r.slot_bytes / 2**20:.0f} MiB, {r.page_ins_per_step} pages" if r.slots else "-"
-        table.add_row(str(p.batch), f"{p.kv_bytes / gb:.2f}", "-" if r.budget is None else f"{r.budget / gb:.2f}",
+        table.add_row(str(p.batch), f"{p.kv_bytes / gb:.2f}", f"{p.workspace_bytes / 2**20:.1f}",
+                      "-" if r.budget is None else f"{r.budget / gb:.2f}",
                       f"{r.weight_bytes_resident / gb:.2f}", f"{r.weight_bytes_mapped / gb:.2f}",
                       f"{r.weight_bytes_streamed_per_step / gb:.2f}", ring,
                       "?" if p.copy_floor_s is None else f"{p.copy_floor_s * 1e3:.1f}",

@@ -102,6 +102,7 @@ class ProfileRow:
     host_anon_bytes: int | None = None  # anonymous resident bytes at the row's end (heap, pinned staging)
     predicted_tok_s: float | None = None  # the plan's expected rate at this batch (core.plan.expected_rate)
     experts: dict | None = None  # the expert_* counters of a paged MoE model (docs/moe.md, "Expert budgets")
+    workspace_reserved_bytes: int = 0  # the workspace a device budget reserved (Runner.workspace_reserved)
 
     @property
     def other_bytes(self) -> int | None:
@@ -151,7 +152,7 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capac
                      prefill_activation_bytes=runner.plan.transient_peak_bytes, settings=provider_settings(p),
                      device_ms_p50=float(np.percentile(device, 50)) * 1e3 if device else None,
                      run_ahead=session.run_ahead, host_rss_peak_bytes=host_rss_peak_bytes(),
-                     host_anon_bytes=host_anon_bytes(),
+                     host_anon_bytes=host_anon_bytes(), workspace_reserved_bytes=runner.workspace_reserved,
                      predicted_tok_s=expected_rate(streamed, runner.residency.weight_bytes_resident, batch, None,
                                                    h2d, bandwidth) if streamed else None,
                      experts={k: v for k, v in c.to_dict().items() if k.startswith("expert_")}
@@ -479,7 +480,8 @@ def profile_main(args, console, table_console) -> int:
     if rows:
         mib = 2**20
         load_peak = rows[0].load_driver_peak_bytes
-        title += (f"; load {rows[0].load_s:.1f} s" + ("" if load_peak is None else
+        title += (f"; load {rows[0].load_s:.1f} s" + (
+                  f", no driver figure ({args.provider} cannot tell its device bytes)" if load_peak is None else
                   f", driver peak {load_peak / mib:,.0f} MiB while loading "
                   f"({(rows[0].driver_baseline_bytes or 0) / mib:,.0f} MiB before)"))
     settings = next((r.settings for r in rows if r.settings), {})

@@ -21,6 +21,7 @@ in a skipped case's message; default None), ``download_async(tensor)`` (a handle
 ``wait()`` returns the tensor as it was when the work queued before the call had run; default a
 synchronous download, so a session cannot queue a decode step before it reads the last one's
 tokens), the measurements ``peak_bytes``, ``reset_peak``, ``workspace_bytes``,
+``planned_workspace_bytes`` (default: the step's activations, :mod:`core.runtime.workspace`),
 ``device_bandwidth``, ``host_to_device_bandwidth``, ``device_used_bytes``,
 ``free_device_bytes`` (default None: cannot tell), ``node_timer`` (default None) and
 ``settings`` (default {}). ``reserve`` (VMM providers) and the capture trio are declared through
@@ -394,6 +395,12 @@ class ExecutionProvider(Protocol):
 
     def workspace_bytes(self) -> int | None:
         """Optional: device bytes of the provider's shared kernel scratch (default: None)."""
+
+    def planned_workspace_bytes(self, nodes: Sequence[NodeInfo], steps: Sequence[int],
+                                shape_of: Callable[[str], Any], batch: int, capacity: int) -> int:
+        """Optional: device bytes of the activations and scratch a decode step of ``batch``
+        rows over ``capacity`` KV positions will allocate, from the step's value shapes
+        (:mod:`core.runtime.workspace`; default: the activations, one buffer per output)."""
 
     def device_bandwidth(self) -> float | None:
         """Optional: measured device memory bandwidth in bytes/s (default: None)."""

@@ -41,6 +41,13 @@ def _none(*_args: Any) -> None:
     return None
 
 
+def _planned_activations(nodes: Sequence[Any], steps: Sequence[int], shape_of: Callable[[str], Any],
+                         batch: int, capacity: int) -> int:
+    from core.runtime.workspace import activation_bytes
+
+    return activation_bytes(nodes, steps, shape_of)
+
+
 def _async_download(provider: Any) -> Callable[[Any], ReadyDownload]:
     return lambda tensor: ReadyDownload(provider.download(tensor))
 
@@ -57,6 +64,7 @@ OPTIONAL_DEFAULTS: dict[str, Callable[[Any], Callable[..., Any]]] = {
     "peak_bytes": lambda p: _none,  # cannot tell
     "reset_peak": lambda p: _none,  # nothing to reset
     "workspace_bytes": lambda p: _none,
+    "planned_workspace_bytes": lambda p: _planned_activations,  # the activations alone
     "device_bandwidth": lambda p: _none,
     "host_to_device_bandwidth": lambda p: _none,
     "device_used_bytes": lambda p: _none,
@@ -347,6 +355,18 @@ class ProviderBase:
         by every node and plan of the provider), or None when it cannot tell. Part of the
         workspace :meth:`core.runtime.runner.Runner.memory` reports."""
         return None
+
+    def planned_workspace_bytes(self, nodes: Sequence[Any], steps: Sequence[int],
+                                shape_of: Callable[[str], Any], batch: int, capacity: int) -> int:
+        """Device bytes a decode step of ``batch`` rows over ``capacity`` KV positions makes
+        this provider allocate beside the weights and the KV cache, declared before it runs
+        (:mod:`core.runtime.workspace`): the per-step nodes' (``nodes[i]`` for ``i`` in
+        ``steps``) activation buffers at the shapes ``shape_of(value name) -> Spec | None``
+        gives, and the provider's scratch (:meth:`workspace_bytes` once allocated). A device
+        budget reserves it before the weights get what is left. The default: the activations
+        alone (one buffer per node output, :func:`core.runtime.workspace.activation_bytes`);
+        a provider with scratch adds it."""
+        return _planned_activations(nodes, steps, shape_of, batch, capacity)
 
     def device_bandwidth(self) -> float | None:
         """Measured device memory bandwidth in bytes/s (read + write), or None."""

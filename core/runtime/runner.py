@@ -118,6 +118,10 @@ class Runner:
         raw = self.model.weight_bytes()  # the initializers' sizes (memory maps: nothing read)
         self.device_budget = residency.parse_budget(device_budget, raw, fractions=False)
         self.kv_device_bytes = 0  # KV bytes held by this runner's decode states
+        #: device bytes reserved for the workspace of the largest decode state opened so far
+        #: (core.runtime.workspace; its buffers stay in the plan's contexts after the state)
+        self.workspace_reserved = 0
+        self._header: Any = None
         budget = residency.parse_budget(weight_budget, raw)
         if self.device_budget is not None:
             budget = min(budget or self.device_budget, self.device_budget)
@@ -254,6 +258,34 @@ class Runner:
             workspace += state.buffer_bytes()
         return DeviceMemory(self.weight_bytes, self.residency.staging_bytes, self.kv_device_bytes, workspace)
 
+    def workspace_estimate(self, batch: int, capacity: int) -> int:
+        """Device bytes of the workspace a decode state of ``batch`` rows over ``capacity`` KV
+        positions allocates (:mod:`core.runtime.workspace`): the provider's declared
+        activations and scratch (``planned_workspace_bytes``) plus the state's own buffers.
+        From the model's header (shapes only; nothing is read)."""
+        from core.plan import header_of
+        from core.runtime import workspace
+
+        if self._header is None:
+            self._header = header_of(self.model, self.provider)
+        return workspace.estimate(self.model, self._header, self.provider, batch, capacity)
+
+    def reserve_workspace(self, batch: int, capacity: int) -> str | None:
+        """Reserve the workspace of a decode state of ``batch`` rows over ``capacity`` positions
+        (:meth:`workspace_estimate`) when it is larger than the one reserved; under a device
+        budget the weight budget shrinks first, as for the KV cache (:meth:`reserve_kv`).
+
+        Returns:
+            None, or the reason the weight plan changed.
+
+        Raises:
+            core.runtime.residency.BudgetError: the weights, the KV cache and this workspace
+                cannot share the device budget (the smallest working one is named).
+        """
+        with self.lock:
+            extra = self.workspace_estimate(batch, capacity) - self.workspace_reserved
+            return self._reserve(0, extra) if extra > 0 else None
+
     def reserve_kv(self, extra: int) -> str | None:
         """Account ``extra`` more KV bytes (a decode state allocating or committing); under a
         device budget, shrink the weight budget first when they would not fit (elastic budget).
@@ -262,35 +294,41 @@ class Runner:
             None, or the reason the weight plan changed (its graphs are then invalid).
 
         Raises:
-            core.runtime.residency.BudgetError: weights and KV cannot share the device budget
-                even with the most weights streamed.
+            core.runtime.residency.BudgetError: weights, KV and the reserved workspace cannot
+                share the device budget even with the most weights streamed.
         """
         with self.lock:
-            return self._reserve_kv(extra)
+            return self._reserve(extra, 0)
 
-    def _reserve_kv(self, extra: int) -> str | None:
-        self.kv_device_bytes += extra
-        if self.device_budget is None or extra <= 0:
+    def _reserve(self, kv: int, work: int) -> str | None:
+        """Account ``kv`` more KV bytes and ``work`` more workspace bytes; re-plan the weights
+        under what the device budget leaves them when the sum would not fit."""
+        self.kv_device_bytes += kv
+        self.workspace_reserved += work
+        if self.device_budget is None or kv + work <= 0:
             return None
         r = self.residency
-        used = self.weight_bytes + r.staging_bytes + self.kv_device_bytes
+        used = self.weight_bytes + r.staging_bytes + self.kv_device_bytes + self.workspace_reserved
         if used <= self.device_budget:
             return None
-        budget = self.device_budget - self.kv_device_bytes - self.expert_device_bytes
+        budget = self.device_budget - self.kv_device_bytes - self.workspace_reserved - self.expert_device_bytes
         try:
             self.residency = self._plan_residency(budget)
         except residency.BudgetError:
-            self.kv_device_bytes -= extra
+            self.kv_device_bytes -= kv
+            self.workspace_reserved -= work
             need = self._smallest_weight_budget()
             b = residency._bytes
+            kv_all, work_all = self.kv_device_bytes + kv, self.workspace_reserved + work
             raise residency.BudgetError(
-                f"a device budget of {b(self.device_budget)} cannot hold a KV cache of "
-                f"{b(self.kv_device_bytes + extra)} beside the weights: {b(max(budget, 0))} would be left for them "
+                f"a device budget of {b(self.device_budget)} cannot hold a KV cache of {b(kv_all)} and a "
+                f"workspace of {b(work_all)} beside the weights: {b(max(budget, 0))} would be left for them "
                 f"and they need at least {b(need)}; the smallest working device budget for this KV cache is "
-                f"{b(self.kv_device_bytes + extra + need + self.expert_device_bytes)} (or lower the batch or the "
+                f"{b(kv_all + work_all + need + self.expert_device_bytes)} (or lower the batch or the "
                 "context)") from None
         self.replans += 1
-        return (f"weight plan changed: KV growth to {self.kv_device_bytes:,} bytes left {budget:,} bytes of the "
+        return (f"weight plan changed: KV of {self.kv_device_bytes:,} bytes and a workspace of "
+                f"{self.workspace_reserved:,} bytes left {budget:,} bytes of the "
                 f"{self.device_budget:,} byte device budget for weights; "
                 f"{self.residency.weight_bytes_streamed_per_step:,} bytes now stream per step")
 
@@ -340,8 +378,21 @@ class Runner:
                     del self._free[i]
                     state.attach(counters)
                     return state
-            # a state that fails to build has given back what it charged (KVCache, DecodeState)
-            return DecodeState(self, batch, capacity, max_capacity, policy, capture, counters, key)
+            before = self.workspace_reserved
+            # the workspace is reserved with the state's first KV bytes: one refusal names both
+            pending = [max(0, self.workspace_estimate(batch, max(capacity, max_capacity)) - before)]
+
+            def reserve(kv: int) -> str | None:
+                work, pending[0] = pending[0], 0
+                with self.lock:
+                    return self._reserve(kv, work)
+
+            try:
+                # a state that fails to build has given back what it charged (KVCache, DecodeState)
+                return DecodeState(self, batch, capacity, max_capacity, policy, capture, counters, key, reserve)
+            except BaseException:
+                self.workspace_reserved = before  # nor does the workspace of a state never built
+                raise
 
     def release_states(self) -> None:
         """Drop every pooled free decode state (their KV and buffers go back to the provider),

@@ -40,10 +40,12 @@ class DecodeState:
         capture: graph capture for decode steps (None: when the provider supports it).
         counters: the session counters charged until the next :meth:`attach`.
         pool_key: how the runner's pool matches this state to a later request.
+        reserve: what the KV cache calls with the device bytes it is about to take (default
+            ``runner.reserve_kv``; the runner's reserves the state's workspace with them).
     """
 
     def __init__(self, runner, batch: int, capacity: int, max_capacity: int, policy: str,
-                 capture: bool | None, counters: Counters, pool_key: tuple = ()):
+                 capture: bool | None, counters: Counters, pool_key: tuple = (), reserve=None):
         p, cfg = runner.provider, runner.model.config
         self.runner, self.batch, self.pool_key = runner, batch, pool_key
         self.counters = counters
@@ -52,7 +54,7 @@ class DecodeState:
         self.broken = False
         self.kv = KVCache(p, runner.kv_layout, batch, cfg.num_kv_heads, cfg.head_size, cfg.num_layers,
                           runner.model.io_dtype, capacity, max_capacity, policy, counters,
-                          reserve_bytes=runner.reserve_kv, windows=runner.kv_windows)
+                          reserve_bytes=reserve or runner.reserve_kv, windows=runner.kv_windows)
         try:
             self.input_ids = p.allocate((batch, 1), np.int64, zero=True)
             self.result = p.allocate((batch, 2), np.int32, zero=True)

@@ -96,13 +96,14 @@ def apply(plan, residency: ResidencyPlan, stream, splits: dict | None = None) ->
                               f"needs its staging slot; use more staging slots than {slots}")
     plan.set_hooks({})
     was = dict(plan.constants)
-    staged: dict = plan.staged_weights  # name -> staged host copy, kept for the plan's life
+    staged: dict = plan.staged_weights  # name -> staged host copy, kept while it streams or is mapped
     mapped = set(residency.mapped)
     streaming = set(residency.streamed_tensors)
     away = set(getattr(plan, "streamed_names", ())) | set(getattr(plan, "mapped_names", ()))
     away |= {name for name, host in staged.items() if plan.constants.get(name) is host}
     for name in sorted(away - streaming - mapped):
-        plan.constants[name] = provider.upload(staged[name])  # resident again
+        # resident again: its host copy goes (a later re-plan that streams it stages it anew)
+        plan.constants[name] = provider.upload(staged.pop(name))
     for name in sorted(mapped - set(getattr(plan, "mapped_names", ()))):
         if name not in staged:
             staged[name] = provider.stage(provider.download(plan.constants[name]))

@@ -63,15 +63,11 @@ class _PinnedDownload:
     once read, or when the handle is collected (a later copy into the slot is queued behind
     this one on the same stream, so it cannot overtake it).
 
-    The slot is given back by a ``weakref.finalize``, never by ``__del__``: a handle dropped
-    inside a reference cycle (a failed stream's traceback holds the generator frame, its queued
-    steps and their handles) is reclaimed by the cycle collector, which first runs the finaliser
-    of every object only that cycle reaches, the slot's ``cupy.cuda.Event`` included, whose
-    ``__del__`` destroys the CUDA event and leaves ``ptr`` set. A ``__del__`` here that handed
-    the slot back would resurrect it with a destroyed event, and the next ``download_async``
-    taking it failed in ``cudaEventRecord`` (cudaErrorContextIsDestroyed,
-    cudaErrorDeviceUninitialized) or crashed (issue 39). The finaliser's registry holds the
-    slot, so the slot is never part of the handle's garbage.
+    The slot goes back by a ``weakref.finalize``, never ``__del__``: a handle dropped in a
+    reference cycle (a failed stream's traceback) is reclaimed by the cycle collector, which
+    first finalises the slot's ``cupy.cuda.Event`` (destroying the CUDA event); a ``__del__``
+    handing the slot back resurrected it with a destroyed event, and the next ``download_async``
+    failed in ``cudaEventRecord`` (docs/reliability.md). The finaliser's registry holds the slot.
     """
 
     def __init__(self, free: list, slot: _PinnedSlot, shape: tuple, dtype: np.dtype, nbytes: int):
@@ -454,6 +450,38 @@ class CudaProvider(ProviderBase):
         held = [a for ws in self.__dict__.get("_gqa_workspace", {}).values() for a in ws]
         held += [a for scratch in self._argmax_scratch.values() for a in scratch]
         return sum(int(a.nbytes) for a in held) + _mma.split_workspace_bytes()
+
+    def planned_workspace_bytes(self, nodes: Sequence[NodeInfo], steps: Sequence[int], shape_of: Any,
+                                batch: int, capacity: int) -> int:
+        """The step's activations (the default's count) plus the scratch :meth:`workspace_bytes`
+        will hold at ``batch`` rows over ``capacity`` positions: the GEMMs' split-K workspace,
+        one split-KV workspace per GroupQueryAttention shape (partials ``[B, Nq, chunks, H + 2]``
+        float32 and tickets ``[B, Nkv]`` int32, chunks for a full cache or a ring, whichever is
+        more) and the argmax partials of the ``[B, V]`` logits."""
+        from providers.cuda.ops import _argmax
+        from providers.cuda.ops import _mma_schedule as schedule
+        from providers.cuda.ops.group_query_attention import decode_chunks
+
+        total = super().planned_workspace_bytes(nodes, steps, shape_of, batch, capacity)
+        total += schedule.SPLIT_BYTES + 4 * schedule.SPLIT_TICKETS
+        gqa = set()
+        for i in steps:
+            n = nodes[i]
+            if n.op_type != "GroupQueryAttention":
+                continue
+            past = shape_of(n.inputs[3]) if len(n.inputs) > 3 and n.inputs[3] else None
+            out = shape_of(n.outputs[0])
+            nq, nkv = int(n.attrs["num_heads"]), int(n.attrs["kv_num_heads"])
+            h = int(past.shape[-1]) if past is not None else (int(out.shape[-1]) // nq if out is not None else 0)
+            window = int(n.attrs.get("local_window_size", -1))
+            chunks = max(decode_chunks(capacity, window if window > 0 else capacity, ring)
+                         for ring in (False, True))
+            gqa.add((nq, nkv, chunks, h))
+        total += sum(batch * (nq * chunks * (h + 2) * 4 + nkv * 4) for nq, nkv, chunks, h in gqa)
+        logits = shape_of("logits")
+        if logits is not None:
+            total += batch * -(-int(logits.shape[-1]) // _argmax.CHUNK) * 12
+        return total
 
     def synchronize(self) -> None:
         self.stream.synchronize()

@@ -286,3 +286,37 @@ def test_a_replan_gives_the_moved_weights_device_memory_back(big_model, gpu):
     assert moved > 0 and freed >= moved - r.staging_bytes - SLACK
     del runner
     _free(gpu)
+
+
+def test_a_device_budget_holds_the_kv_and_the_workspace_by_the_drivers_count(big_model, gpu):
+    """Under a device budget the decode workspace (activations, split-K and split-KV scratch,
+    the state's buffers: core.runtime.workspace) is reserved beside the KV cache, so the
+    driver's figure stays within the budget (plus SLACK) through load, prefill and decode,
+    eager and captured, and the tokens are the resident run's."""
+    _free(gpu)
+    resident = Runner(big_model, gpu)
+    total, vocab = resident.weight_bytes, resident.model.config.vocab_size
+    rows = _rows(8, vocab)
+    want = _trace(resident, rows, 16, capture=False)
+    s = Session(resident, batch=8, capacity=128)
+    kv, work = resident.kv_device_bytes, resident.workspace_reserved
+    s.close()
+    del resident, s
+    _free(gpu)
+    budget = max(total // 3, _smallest(big_model, gpu)) + kv + work
+    meter = DriverMeter(gpu, interval_s=0.001)
+    with meter:
+        runner = Runner(big_model, gpu, device_budget=budget)
+        for capture in (False, True):
+            got = _trace(runner, rows, 16, capture=capture)
+            assert np.array_equal(want[0], got[0]) and np.array_equal(want[1], got[1]), f"capture {capture}"
+    peak = meter.peak_bytes - meter.baseline_bytes
+    held = runner.memory()
+    print(f"{big_model.name}: device budget {budget / MIB:.0f} MiB (KV {kv / MIB:.1f}, workspace "
+          f"{work / MIB:.1f} MiB reserved): driver +{peak / MIB:.1f} MiB, "
+          f"allocator workspace {held.workspace / MIB:.1f} MiB")
+    assert runner.residency.streams and runner.workspace_reserved == work
+    assert held.workspace <= work, "the workspace allocated is more than the one reserved"
+    assert peak <= budget + SLACK, f"the run took {peak:,} device bytes for a {budget:,} byte device budget"
+    del runner
+    _free(gpu)

@@ -104,6 +104,11 @@ def test_profile_sweep_on_cpu_reference_writes_json(tmp_path, capsys):
         assert r["weight_device_bytes"] == weights and r["kv_device_bytes"] == r["kv_bytes"] > 0
         assert r["workspace_bytes"] > 0 and r["other_bytes"] is None  # cpu_reference has no peak
     assert data["rows"][1]["workspace_bytes"] > data["rows"][0]["workspace_bytes"]  # batch 3's activations
+    # what the run took: the load time, the host's peak RSS; no driver figure on cpu_reference, and
+    # the title says so
+    assert all(r["load_s"] > 0 and r["host_rss_peak_bytes"] > 0 and r["driver_peak_bytes"] is None
+               for r in data["rows"])
+    assert "no driver figure" in " ".join(speed.split())
     # the prefill's live node buffers: counted, and three rows' worth of the one row's
     assert 0 < data["rows"][0]["prefill_activation_bytes"] < data["rows"][1]["prefill_activation_bytes"]
 

@@ -190,8 +190,10 @@ def test_a_replan_keeps_what_prepare_hooks_recorded(tmp_path):
     assert not runner.residency.streams
     least = residency.smallest_budget(runner._weights, mappable=True)
     assert least < weights
-    # KV takes all but a weight budget between the smallest and the whole: the re-plan streams
-    assert runner.reserve_kv(2 * weights - (least + weights) // 2) is not None
+    # KV takes all but a weight budget between the smallest and the whole (less the traced
+    # session's workspace, reserved with its KV): the re-plan streams
+    work = runner.workspace_estimate(2, 64)
+    assert runner.reserve_kv(2 * weights - (least + weights) // 2 - work) is not None
     assert runner.residency.streams and any(ctx.cache.get("transposed") for ctx in runner.plan.contexts)
     got = tokens_and_logits(runner, ROWS[:2], steps=8)
     assert np.array_equal(want[0], got[0]) and np.array_equal(want[1], got[1])

@@ -169,8 +169,9 @@ def test_kv_growth_under_a_device_budget_streams_more_weights_and_loses_nothing(
     weights = sum(w.nbytes for w in residency.weights_of(resident.plan))
     kv_per_position = 2 * 6 * 3 * 2 * 16 * 4  # K and V, layers, rows, kv heads, head size, fp32
     # room for every weight beside a small cache, not beside the grown one
-    # (the cache grows 16 -> 32 -> 64 -> 128 positions for 5 + 120 tokens)
-    runner = Runner(model_dir, prov, device_budget=int(0.6 * weights) + 128 * kv_per_position)
+    # (the cache grows 16 -> 32 -> 64 -> 128 positions for 5 + 120 tokens), and the workspace
+    work = resident.workspace_estimate(3, 200)
+    runner = Runner(model_dir, prov, device_budget=int(0.6 * weights) + 128 * kv_per_position + work)
     assert not runner.residency.streams
     s = Session(runner, batch=3, capacity=16, kv_policy="growing", max_capacity=200, capture=True)
     prov.session = s
@@ -180,7 +181,8 @@ def test_kv_growth_under_a_device_budget_streams_more_weights_and_loses_nothing(
     assert c.replans >= 1 and runner.residency.streams and c.htod_bytes > 0
     replan_reasons = [r for r in c.invalidation_reasons if r.startswith("weight plan changed")]
     assert len(replan_reasons) == c.replans
-    assert runner.weight_bytes + runner.residency.staging_bytes + runner.kv_device_bytes <= runner.device_budget
+    assert (runner.weight_bytes + runner.residency.staging_bytes + runner.kv_device_bytes
+            + runner.workspace_reserved <= runner.device_budget)
 
 
 def test_the_smallest_working_budget_in_the_error_is_exact(model_dir):

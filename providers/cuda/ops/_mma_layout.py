@@ -11,6 +11,9 @@ pack raw weights passed to a kernel directly.
 
 from __future__ import annotations
 
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -114,21 +117,81 @@ def pack(xp, w, up=None):
     projection [K, N]) the columns of W and up are interleaved in :func:`glu_rows` order
     (N' = glu_width(N)): tile column 8 e1 + g is gate feature 8 nt + g for e1 = 0, the same up
     feature for e1 = 1. ``xp`` is the array module of W (numpy packs on the host, cupy on the
-    device; the same reshapes and one strided copy per input on both, no index array), so
-    packing holds at most the raw weight, a padded copy when K or N is not aligned, and the
-    result."""
+    device; the same reshapes and strided copies on both, no index array), so packing holds at
+    most the raw weight, a padded copy when K or N is not aligned, and the result (on the host,
+    written once: :func:`pack_into`)."""
+    k, n = w.shape
+    out = xp.empty(packed_size(k, n, up is not None), xp.float16)
+    pack_into(xp, w, up, out)
+    return out
+
+
+#: Tiles (16 output rows) one host gather of :func:`pack_into` packs: its index is this many
+#: tiles' 1024 elements (8 bytes each), small enough to stay in cache beside the block.
+HOST_TILES = 16
+
+
+@functools.lru_cache(maxsize=8)
+def _fragment_index(tiles: int, glu: bool) -> np.ndarray:
+    """The source element of each packed element of ``tiles`` tiles of one 64-row chunk of K,
+    into the block ``(half, k row, column)`` those tiles read (one half, or gate and up with
+    ``glu``; ``16 tiles`` columns a half, or 8 tiles with ``glu``), in packed order
+    ``(nt, v, g, t, e2, e1, e0)`` (:data:`FRAGMENT_AXES`): column 8 nt + g of half e1 for a
+    gate/up pair, else column 16 nt + 8 e1 + g."""
+    width = (8 if glu else 16) * tiles
+    nt, v, g, t, e2, e1, e0 = np.ix_(*(np.arange(d) for d in (tiles, 4, 8, 4, 2, 2, 2)))
+    row = 16 * t + 4 * v + 2 * e2 + e0
+    column = e1 * 64 * width + 8 * nt + g if glu else 16 * nt + 8 * e1 + g
+    return (row * width + column).reshape(-1).astype(np.intp)
+
+
+def pack_into(xp, w, up, out) -> None:
+    """:func:`pack` written into ``out`` (1-D fp16, :func:`packed_size` elements, the caller's:
+    a pinned buffer would let a streamed weight be written once; the hooks do not pass one
+    yet, docs/large-models.md Limits). On the device one
+    strided copy per input. On the host (``xp`` numpy) per 64-row chunk of K and
+    :data:`HOST_TILES` tiles: the tiles' columns copied into a small block (runs of 128 or 256
+    contiguous elements), one gather of the block in packed order (``np.take`` over a fixed
+    index, :func:`_fragment_index`), one copy of those whole 2 KiB tiles into ``out``; the
+    chunks spread over threads (NumPy's take and copies release the GIL), so the
+    host holds the result and a few small temporaries. Every element is
+    copied, never computed: the bits are the transpose's whatever the split."""
     k, n = w.shape
     kp = -(-k // 64) * 64
-    if up is None:
-        np_ = -(-n // 16) * 16
-        src = _padded(xp, w, (kp, np_)).reshape(kp // 64, 4, 4, 2, 2, np_ // 16, 2, 8)
-        return xp.ascontiguousarray(src.transpose(5, 0, 2, 7, 1, 3, 6, 4)).reshape(-1)
-    n8 = -(-n // 8) * 8
-    out = xp.empty((n8 // 8, kp // 64, 4, 8, 4, 2, 2, 2), xp.float16)
-    for e1, half in enumerate((w, up)):
-        src = _padded(xp, half, (kp, n8)).reshape(kp // 64, 4, 4, 2, 2, n8 // 8, 8)
-        out[:, :, :, :, :, :, e1, :] = src.transpose(5, 0, 2, 6, 1, 3, 4)
-    return out.reshape(-1)
+    kc = kp // 64
+    cols = -(-n // 8) * 8 if up is not None else -(-n // 16) * 16
+    srcs = [_padded(xp, half, (kp, cols)) for half in ((w,) if up is None else (w, up))]
+    dst = out.reshape(-1, kc, 1024)  # (tile, chunk, its 16 x 64 elements in fragment order)
+    if xp is not np:  # one strided copy per input, into the fragment axes of ``out``
+        frag = out.reshape(-1, kc, 4, 8, 4, 2, 2, 2)
+        for e1, src in enumerate(srcs):
+            if up is None:  # (kc, t, v, e2, e0, nt, e1, g) -> (nt, kc, v, g, t, e2, e1, e0)
+                frag[...] = src.reshape(kc, 4, 4, 2, 2, cols // 16, 2, 8).transpose(5, 0, 2, 7, 1, 3, 6, 4)
+            else:  # (kc, t, v, e2, e0, nt, g) -> (nt, kc, v, g, t, e2, e0) at e1
+                frag[:, :, :, :, :, :, e1, :] = src.reshape(kc, 4, 4, 2, 2, cols // 8, 8).transpose(5, 0, 2, 6, 1, 3, 4)
+        return
+    width = 8 if up is not None else 16  # columns of one half a tile holds
+
+    def chunk(c: int) -> None:
+        rows = [src[64 * c:64 * (c + 1)] for src in srcs]
+        block = np.empty((len(rows), 64, HOST_TILES * width), np.uint16)
+        for t0 in range(0, cols // width, HOST_TILES):
+            m = min(HOST_TILES, cols // width - t0)
+            part = block[:, :, :m * width] if m == HOST_TILES else np.empty((len(rows), 64, m * width), np.uint16)
+            for half, r in zip(part, rows):  # the tiles' columns, contiguous and in cache
+                half[...] = np.asarray(r[:, t0 * width:(t0 + m) * width]).view(np.uint16)
+            # every index is in range ("wrap" skips the bounds pass)
+            got = np.take(part.reshape(-1), _fragment_index(m, up is not None), mode="wrap")
+            dst[t0:t0 + m, c] = got.view(np.float16).reshape(m, 1024)
+
+    workers = min(kc, os.cpu_count() or 1, 16)
+    if workers <= 1:
+        for c in range(kc):
+            chunk(c)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        for _ in pool.map(chunk, range(kc)):
+            pass
 
 
 #: ctx.cache key of a dense node whose weight prepare() packed: (K, N) of the raw weight.
