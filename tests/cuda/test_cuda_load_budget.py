@@ -276,7 +276,8 @@ def test_a_replan_gives_the_moved_weights_device_memory_back(big_model, gpu):
     pool = gpu.cupy.get_default_memory_pool()
     gc.collect()
     before = pool.used_bytes()
-    assert runner.reserve_kv(3 * total - total // 2) is not None  # half the weights must give way
+    # half the weights must give way (beside the workspace the trace's state reserved)
+    assert runner.reserve_kv(3 * total - total // 2 - runner.workspace_reserved) is not None
     gc.collect()
     r = runner.residency
     moved = sum(w.nbytes for w in r.weights if w.name in set(r.streamed))
