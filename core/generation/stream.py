@@ -315,13 +315,16 @@ class Generation:
         when the next step would pass the KV limit they are cut back to their own history
         first (their positions past it hold nothing anyone reads), so each row needs only
         its own prompt + max_new_tokens - 1 positions (what :meth:`Session.check_prompts`
-        checks per row)."""
+        checks per row). A finished row whose own history fills the limit steps in place, one
+        position back: it can never be continued (no room for its last token), so the position
+        it overwrites is never read."""
         s = self.session
         lengths = np.asarray(s.lengths, np.int64)
-        if int(lengths.max()) + 1 > s.state.kv.limit:
+        limit = s.state.kv.limit
+        if int(lengths.max()) + 1 > limit:
             own = [len(r.prompt_ids) + max(len(r.output_ids) - 1, 0) if r.finish_reason is not None else int(n)
                    for r, n in zip(self.rows, lengths)]
-            s.rewind([min(o, int(n)) for o, n in zip(own, lengths)])
+            s.rewind([max(min(o, int(n), limit - 1), 1) for o, n in zip(own, lengths)])
             self._request = s.request_id
         return s.step(force_tokens=self._forced())
 
@@ -346,6 +349,7 @@ class Generation:
         return (not any(r.forced for r in self.rows)
                 and any(r.finish_reason is None and len(r.output_ids) + ahead < r.max_new_tokens
                         for r in self.rows)
+                and max(self.session.lengths) + 1 <= self.session.state.kv.limit  # else _step cuts back
                 and self.session.can_run_ahead())  # False unless the session runs ahead
 
     def _forced(self) -> list[int] | None:

@@ -321,3 +321,25 @@ def test_a_system_prompt_with_raw_names_the_cli_flags(tiny, capsys):
     assert main(["run", "--model", str(tiny), "--prompt", "x", "--raw", "--system", "Be brief."]) == 2
     err = capsys.readouterr().err
     assert "--system" in err and "--raw" in err
+
+
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_a_row_that_fills_the_capacity_ends_while_another_decodes(runner, run_ahead):
+    """Each row needs only its own prompt + max_new_tokens - 1 positions (check_prompts): a row
+    that ends exactly at the capacity while another row decodes on is stepped in place (its KV
+    past its end is never read), the other row equals its batch-1 run, and the full row cannot
+    be continued (refused: no room) while the other can, equal to a fresh run."""
+    long, short = list(range(30, 60)), [7, 8, 9]
+    s = Session(runner, batch=2, capacity=32, run_ahead=run_ahead)
+    g = s.stream([long, short], max_new_tokens=[3, 20])
+    rows = [r.output_ids for r in g.run()]
+    for b, (p, n) in enumerate([(long, 3), (short, 20)]):
+        alone = Session(runner, batch=1, capacity=32).stream([p], max_new_tokens=n)
+        assert alone.run()[0].output_ids == rows[b], b
+    assert len(rows[1]) == 20
+    with pytest.raises(RequestError, match="limit"):
+        g.extend([[1], None])
+    g.extend([None, [5, 6]], max_new_tokens=3)
+    history = g.rows[1].prompt_ids
+    continued = [r.output_ids for r in g.run()][1]
+    assert continued == Session(runner, batch=1, capacity=32).stream([history], max_new_tokens=3).run()[0].output_ids
