@@ -35,6 +35,7 @@ from core.cli_work import (
     expert_runner,
     prompt_numbers,
     reply,
+    tcp_port,
 )
 from core.models import cache as cache_command
 from core.models.prepare import (
@@ -102,8 +103,7 @@ _FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetitio
 
 
 def _flag_names(message: str) -> str:
-    """A library error about a request option, worded with the command line's flag instead
-    (``top_p must be in (0, 1]`` -> ``--top-p must be in (0, 1]``)."""
+    """A library error about a request option, worded with its flag (``top_p`` -> ``--top-p``)."""
     for name in _FLAGS:
         message = re.sub(rf"(?<![\w-]){name}(?![\w])", "--" + name.replace("_", "-"), message)
     return message.replace("--do-sample=False", "--no-do-sample")
@@ -694,7 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: smollm2-135m)")
     s.add_argument("--provider", default="cpu_reference", help="execution provider (default: %(default)s)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    s.add_argument("--port", type=tcp_port, default=8000, help="port (default: %(default)s)")
     s.add_argument("--max-batch", type=_positive_int, default=64, help="KV slots: requests decoded at once "
                    "(default: %(default)s)")
     s.add_argument("--capacity", type=_positive_int, default=None, help="KV positions per slot, prompt plus "

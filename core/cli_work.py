@@ -161,3 +161,14 @@ def expert_runner(a: argparse.Namespace, model, provider):
                       device_budget=a.device_budget, expert_budget=a.expert_budget)
     except (BudgetError, ValueError) as exc:
         raise RequestError(f"--expert-budget: {exc}") from None
+
+
+def tcp_port(text: str) -> int:
+    """``--port``: a TCP port, 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {text}")
+    return port

@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from core.engine import Engine, EngineClosedError, Event, QueueFullError
 from core.engine.request import Request as EngineRequest
-from core.errors import RequestError
+from core.errors import USER_ERRORS, RequestError
 from core.models.model import ModelError
 from core.serve import openai_api as api
 from core.serve.metrics import Metrics
@@ -50,6 +50,8 @@ class Server:
         self.load, self.served, self.api_key = load, served, api_key
         self.engine: Engine | None = None
         self.failed: str | None = None
+        self.error: BaseException | None = None  # why loading failed (serve() exits with it)
+        self.on_failure: Callable[[], None] | None = None  # told when loading fails (serve() stops uvicorn)
         self.metrics = Metrics()
 
     def start_loading(self) -> threading.Thread:
@@ -57,9 +59,14 @@ class Server:
         def run() -> None:
             try:
                 engine = self.load()
-            except Exception as exc:  # noqa: BLE001 - reported by /health, the process stays up
-                log.exception("loading the model failed")
-                self.failed = str(exc)
+            except Exception as exc:  # noqa: BLE001 - reported by /health, and by serve() as it exits
+                if isinstance(exc, USER_ERRORS):
+                    log.error("loading the model failed: %s", exc)
+                else:
+                    log.exception("loading the model failed")
+                self.failed, self.error = str(exc), exc
+                if self.on_failure is not None:
+                    self.on_failure()
                 return
             self.metrics.watch(engine)
             self.engine = engine

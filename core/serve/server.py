@@ -60,8 +60,14 @@ def build_server(model: str | Path, provider: Any = "cpu_reference", max_batch: 
 
 
 def serve(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run ``server`` with uvicorn until interrupted (the engine shuts down with the app)."""
+    """Run ``server`` with uvicorn until interrupted (the engine shuts down with the app). A
+    model that fails to load stops the server, and the load's error is raised here (the command
+    line prints it and exits with status 2), not left behind a /health of 503."""
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    uvicorn.run(make_app(server), host=host, port=port, log_level=log_level)
+    web = uvicorn.Server(uvicorn.Config(make_app(server), host=host, port=port, log_level=log_level))
+    server.on_failure = lambda: setattr(web, "should_exit", True)
+    web.run()
+    if server.error is not None:
+        raise server.error

@@ -299,3 +299,22 @@ def test_logprobs_with_the_openai_client(folder, client):
 def test_logprobs_beyond_the_limit_are_a_400(folder, server, path, extra, word):
     status, _, answer = post(server, path, json.dumps(dict(extra, model=folder.name)).encode())
     assert status == 400 and word in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("flags, match", [
+    (("--capacity", "100000"), "capacity"),
+    (("--device-budget", "1"), "budget"),
+])
+def test_a_model_that_fails_to_load_stops_the_server_with_one_line_and_status_2(folder, flags, match):
+    """A setting only the load can judge (a capacity past the model's context, a budget too
+    small) ends `lockstep serve` with its named error and status 2, not a server left up
+    answering 503 (the port opened first: the load runs in the app's lifespan)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "core", "serve", str(folder), "--port", "0",
+                           "--log-level", "warning", *flags], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("lockstep serve: error:") and match in last, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
