@@ -198,8 +198,11 @@ class Runner:
     def _budget_error(self, exc: residency.BudgetError, weight_budget) -> residency.BudgetError:
         if self.device_budget is None or weight_budget is not None:
             return exc
+        why = str(exc).replace("the smallest working budget is", "the smallest working weight budget is")
         return residency.BudgetError(f"a device budget of {residency._bytes(self.device_budget)} leaves too little "
-                                     f"for the weights: {exc}")
+                                     f"for the weights: {why}; a device budget holds that plus the KV cache and the "
+                                     "workspace of the batch and context you run (`lockstep plan MODEL "
+                                     "--device-budget SIZE --batch N` gives the smallest per batch)")
 
     @property
     def weight_bytes(self) -> int:

@@ -91,7 +91,8 @@ def test_a_weight_or_device_budget_shares_one_plan_with_the_experts(folders, fam
     dense = full.weight_bytes - layout.total_bytes
     experts = (len(layout.counts) + 2) * size  # the ring and one expert a layer
     for budgets in ({"weight_budget": dense + experts},
-                    {"device_budget": dense + experts + resident.counters.kv_bytes + 4096, "expert_budget": experts}):
+                    {"device_budget": dense + experts + resident.counters.kv_bytes + full.workspace_reserved + 4096,
+                     "expert_budget": experts}):
         paged_tokens, paged_logits, session, runner = _run(model, **budgets)
         assert runner.residency.weight_bytes_streamed_per_step == 0  # the dense weights stay resident
         assert sum(len(r) for r in runner.expert_residency.plan.resident.values()) == len(layout.counts)
