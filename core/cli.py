@@ -53,6 +53,7 @@ from core.models.prepare import (
     resolve_model,
     source_kind,
 )
+from core.plugins import get_provider, registry
 from core.threads import ENV, ThreadsError
 
 console = Console(stderr=True, soft_wrap=True)  # an error stays one line in logs
@@ -224,7 +225,6 @@ def _run(a, prompts: list[str]) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from core.generation.generate import check_prompt_texts, check_request
-    from core.plugins import get_provider
     from core.session import RequestError
 
     check_prompt_texts(prompts)  # before any model build
@@ -396,7 +396,6 @@ def _run_streamed(a, prompts: list[str], model, provider, options: dict) -> int:
 
 def cmd_serve(a) -> int:
     """``lockstep serve``: an OpenAI-compatible server over the engine (core.serve, docs/serving.md)."""
-    from core.plugins import get_provider
     from core.session import RequestError
 
     try:
@@ -418,7 +417,6 @@ def cmd_serve(a) -> int:
 def cmd_chat(a) -> int:
     from core.generation.chat import Conversation
     from core.generation.generate import check_request
-    from core.plugins import get_provider
     from core.session import RequestError, Session
 
     provider = get_provider(a.provider)
@@ -527,7 +525,6 @@ def cmd_prepare(a) -> int:
 def cmd_providers(a) -> int:
     from rich.table import Table
 
-    from core.plugins import registry
 
     reg = registry()
     table = Table("provider", "package", "capabilities", "protocol", "description")
@@ -565,7 +562,6 @@ def _check_budgets(a) -> None:
 
 
 def cmd_parity(a) -> int:
-    from core.plugins import get_provider
     from core.testing.parity import run_kit
 
     _check_budgets(a)
@@ -586,11 +582,12 @@ def cmd_plan(a) -> int:
     from core.plan import main as plan_main
 
     _check_budgets(a)
+    if source_kind(a.model) != "builder":  # a name or a Hugging Face folder, as run takes
+        a.model = _resolve_model(a.model, a.provider if a.provider in registry().names() else "cpu_reference")
     return plan_main(a, _table_console())  # the plan is the command's output: stdout, full width
 
 
 def cmd_profile(a) -> int:
-    from core.plugins import get_provider
     from core.profile import check_outputs, profile_main
     from core.session import RequestError
     from core.sweep import apply_defaults
@@ -786,7 +783,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_profile)
     g = sub.add_parser("plan", help="the residency plan of a model under a budget, before loading it "
                        "(sizes from the ONNX header; no weight is read)")
-    g.add_argument("model", help="builder folder")
+    g.add_argument("model", help="builder folder or model name (as run's --model)")
     g.add_argument("--provider", default="cuda", help="provider whose fusion rules and measured bandwidths "
                    "the plan uses (default: %(default)s; cpu_reference's rules when it cannot start)")
     g.add_argument("--batch", type=_int_list, default=[1, 8, 32], help="batch sizes (default: 1,8,32)")

@@ -301,8 +301,11 @@ def main(a, console) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from core.plugins import get_provider
+    from core.errors import ProviderError
+    from core.plugins import get_provider, registry
 
+    if a.provider not in registry().names():  # installed but unusable here (no GPU) plans on
+        raise ProviderError(f"unknown provider {a.provider!r}; installed: {registry().describe()}")
     provider, note = None, ""
     try:
         provider = get_provider(a.provider)
