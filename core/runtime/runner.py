@@ -290,7 +290,8 @@ class Runner:
         capacity, ring layers counted whole) and the workspace at the model context (what a
         Session reserves, :meth:`workspace_estimate`). From the model's header; nothing is read."""
         cfg = self.model.config
-        kv = kvgeo.cache_bytes(cfg, batch, min(capacity, cfg.context_length), np.dtype(self.model.io_dtype).itemsize)
+        positions = max(1, min(capacity, cfg.context_length))
+        kv = kvgeo.cache_bytes(cfg, batch, positions, np.dtype(self.model.io_dtype).itemsize)
         return kv + self.workspace_estimate(batch, cfg.context_length)
 
     def reserve_workspace(self, batch: int, capacity: int) -> str | None:
