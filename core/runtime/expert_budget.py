@@ -107,10 +107,12 @@ class ExpertPlacer:
         expert_bytes: the experts' share (resident experts and ring).
         reserved: bytes a plain device budget sets aside for the decode states (named in a
             refusal's smallest working budget).
+        budget: the budget a refusal names (default: the dense budget plus the experts' share).
     """
 
-    def __init__(self, nodes, inner=None, expert_bytes: int = 0, reserved: int = 0):
+    def __init__(self, nodes, inner=None, expert_bytes: int = 0, reserved: int = 0, budget: int | None = None):
         self.nodes, self.inner, self.expert_bytes, self.reserved = frozenset(nodes), inner, expert_bytes, reserved
+        self.budget = budget
         #: constant name -> its host array (the experts, in the kernels' layout)
         self.experts: dict[str, Any] = {}
 
@@ -133,8 +135,8 @@ class ExpertPlacer:
             weights = (*weights, residency.unread_weight(unread)) if unread else weights
             need = residency.smallest_budget(weights, inner.slots, inner.mappable, rowblocks.plan_splits(view),
                                              inner.page_bytes)
-            raise refusal(inner.budget + self.expert_bytes + self.reserved, need, self.expert_bytes,
-                          self.reserved) from None
+            budget = inner.budget + self.expert_bytes if self.budget is None else self.budget
+            raise refusal(budget, need, self.expert_bytes, self.reserved) from None
 
     def prepare_on_device(self, plan, node) -> bool:
         if node.name in self.nodes:

@@ -155,7 +155,8 @@ class Runner:
             self.placer = placement.BudgetPlacer(budget, staging_slots, mappable=True, page_bytes=self.page_bytes,
                                                  exclude_nodes=frozenset(layout.counts) if paged else frozenset())
         if paged:
-            self.placer = experts.ExpertPlacer(layout.counts, self.placer, expert_bytes or 0, self.expert_reserve)
+            self.placer = experts.ExpertPlacer(layout.counts, self.placer, expert_bytes or 0, self.expert_reserve,
+                                               self.device_budget if self.expert_reserve else None)
         before = getattr(self.provider, "uploaded_bytes", 0)
         start = time.perf_counter()
         try:
