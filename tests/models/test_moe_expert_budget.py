@@ -120,11 +120,12 @@ def test_a_budget_too_small_names_the_smallest_working_one(folders):
         Runner(model, "cpu_reference", expert_budget=ring - 1)
 
 
-def _within(runner, budget):
+def _within(runner, budget, workspace=True):
     """The Runner's device accounting (weights with the resident experts and ring, staging, KV,
-    reserved workspace) is within ``budget``."""
+    reserved workspace: an engine's slots reserve none) is within ``budget``."""
     used = runner.weight_bytes + runner.residency.staging_bytes + runner.kv_device_bytes + runner.workspace_reserved
-    assert runner.kv_device_bytes > 0 and runner.workspace_reserved > 0 and used <= budget, (used, budget)
+    assert runner.kv_device_bytes > 0 and (runner.workspace_reserved > 0) == workspace
+    assert used <= budget, (used, budget)
 
 
 @pytest.mark.parametrize("family,precision", CASES)
@@ -186,3 +187,26 @@ def test_a_state_beyond_the_reservation_is_refused_naming_the_fix(folders):
     alone = decode(Session(model, "cpu_reference", batch=1, capacity=8), [PROMPTS[0][:4]], 4).tokens
     assert np.array_equal(decode(Session(runner, batch=1, capacity=8), [PROMPTS[0][:4]], 4).tokens, alone)
     _within(runner, smallest)
+
+
+def test_serve_reserves_its_slots_before_the_experts_share(folders):
+    """``lockstep serve`` (build_server) makes its Runner for --max-batch slots of --capacity
+    positions: under a plain device budget the engine's slots open and decode its tokens."""
+    pytest.importorskip("fastapi", reason="the serve extra")
+    from core.serve.server import build_server
+
+    model = folders("gpt-oss", "fp32")
+    layout = ExpertLayout.of(model)
+    _, _, _, full = _run(model)
+    reserve = full.reservation(len(PROMPTS), CAPACITY)
+    budget = full.weight_bytes - layout.total_bytes + (len(layout.counts) + 2) * max(layout.sizes.values()) + reserve
+    engine = build_server(model, "cpu_reference", max_batch=len(PROMPTS), capacity=CAPACITY, served="moe",
+                          device_budget=budget).load()
+    try:
+        assert engine.runner.expert_reserve == reserve and engine.runner.expert_residency is not None
+        handle = engine.submit(PROMPTS[0], max_tokens=5)
+        want = run(model, "cpu_reference", input_ids=[PROMPTS[0]], max_new_tokens=5).rows[0].output_ids
+        assert [t for e in handle for t in e.token_ids] == want
+        _within(engine.runner, budget, workspace=False)
+    finally:
+        engine.shutdown()
