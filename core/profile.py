@@ -224,7 +224,8 @@ def profile(model_dir, provider, batches: list[int], args, progress=None, announ
     with meter:
         runner = Runner(model, provider, args.layout, weight_budget=getattr(args, "weight_budget", None),
                         device_budget=getattr(args, "device_budget", None),
-                        expert_budget=getattr(args, "expert_budget", None))
+                        expert_budget=getattr(args, "expert_budget", None),
+                        reserve_for=(max(batches), max(capacities)))  # the sweep's largest state
     load = {"load_s": runner.load_seconds, "load_driver_peak_bytes": meter.peak_bytes}
     h2d = h2d if runner.residency.streams else None
     if announce is not None:

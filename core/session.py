@@ -220,7 +220,7 @@ class Session:
         else:
             try:
                 self.runner = Runner(model, provider, kv_layout, weight_budget=weight_budget,
-                                     device_budget=device_budget)
+                                     device_budget=device_budget, reserve_for=(batch, capacity or 256))
             except (kvgeo.KVLayoutError, BudgetError) as exc:
                 raise RequestError(str(exc)) from exc
         cfg = self.model.config

@@ -298,7 +298,7 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
 
         check_greedy(sampling, len(input_ids), model)
     runner = _engine_runner(runner, model, provider, kv_layout, asked, weight_budget, device_budget,
-                            tensor_parallel, input_ids, per_row)
+                            tensor_parallel, input_ids, per_row, int(capacity))
     from core.generation.engine_run import EngineStream  # one decode path: the engine (docs/engine.md)
 
     return Stream(None, EngineStream(runner, input_ids, max_new_tokens, sampling, stop, stop_token_ids, progress,
@@ -307,11 +307,13 @@ def start(model: str | Path | Model | Runner | None = None, provider: Any = None
 
 def _engine_runner(runner: Runner | None, model: Model, provider: Any, kv_layout: str | None, capacity: Any,
                    weight_budget: Any, device_budget: Any, tensor_parallel: Any, input_ids: Sequence[Sequence[int]],
-                   news: Sequence[int]) -> Any:
+                   news: Sequence[int], reserve_capacity: int | None = None) -> Any:
     """The step runner a request's engine drives (docs/engine.md, "One decode path"): the given
     Runner, or one made with the budgets (its weights stream through the engine's steps), or
     for ``tensor_parallel`` > 1 a :class:`~core.parallel.runner.TensorParallelRunner` (its rank
-    processes, started only once the rows fit the capacity).
+    processes, started only once the rows fit the capacity). A Runner made here reserves the
+    engine's rows at ``reserve_capacity`` (``Runner(reserve_for=...)``: a MoE model's experts
+    leave room for them under a device budget).
 
     Raises:
         RequestError: an option a Session refuses (:func:`~core.generation.engine_run.check_options`,
@@ -330,8 +332,9 @@ def _engine_runner(runner: Runner | None, model: Model, provider: Any, kv_layout
                                     weight_budget, device_budget)
     if runner is None:
         try:
+            reserve = None if reserve_capacity is None else (len(input_ids), reserve_capacity)
             runner = Runner(model, provider, kv_layout or "head_major", weight_budget=weight_budget,
-                            device_budget=device_budget)
+                            device_budget=device_budget, reserve_for=reserve)
         except (kvgeo.KVLayoutError, BudgetError) as exc:
             raise RequestError(str(exc)) from exc
     return runner

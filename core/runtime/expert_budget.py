@@ -84,13 +84,17 @@ def split(budget: int | None, expert_budget: int | None, dense_bytes: int, layou
     return max(budget - experts, 1), experts
 
 
-def refusal(budget: int | None, dense: int, experts: int) -> residency.BudgetError:
+def refusal(budget: int | None, dense: int, experts: int, reserved: int = 0) -> residency.BudgetError:
     """The error of a ``budget`` that cannot hold the dense weights' smallest plan (``dense``
-    bytes) beside the experts' ``experts`` bytes: it names the smallest working budget."""
+    bytes) beside the experts' ``experts`` bytes and the ``reserved`` bytes a plain device
+    budget sets aside for the decode states' KV and workspace: it names the smallest working
+    budget."""
     b = residency._bytes
+    room = f" and the {b(reserved)} reserved for the KV cache and workspace" if reserved else ""
     return residency.BudgetError(
         f"a budget of {b(budget or 0)} cannot hold the dense weights' smallest plan ({b(dense)}) beside the experts' "
-        f"{b(experts)} (resident experts and ring); the smallest working budget is {b(dense + experts)}")
+        f"{b(experts)} (resident experts and ring){room}; the smallest working budget is "
+        f"{b(dense + experts + reserved)}")
 
 
 class ExpertPlacer:
@@ -100,10 +104,15 @@ class ExpertPlacer:
         nodes: the MoE node names.
         inner: the dense weights' placer (core.runtime.placement.BudgetPlacer, planning without
             the experts) or None.
+        expert_bytes: the experts' share (resident experts and ring).
+        reserved: bytes a plain device budget sets aside for the decode states (named in a
+            refusal's smallest working budget).
+        budget: the budget a refusal names (default: the dense budget plus the experts' share).
     """
 
-    def __init__(self, nodes, inner=None, expert_bytes: int = 0):
-        self.nodes, self.inner, self.expert_bytes = frozenset(nodes), inner, expert_bytes
+    def __init__(self, nodes, inner=None, expert_bytes: int = 0, reserved: int = 0, budget: int | None = None):
+        self.nodes, self.inner, self.expert_bytes, self.reserved = frozenset(nodes), inner, expert_bytes, reserved
+        self.budget = budget
         #: constant name -> its host array (the experts, in the kernels' layout)
         self.experts: dict[str, Any] = {}
 
@@ -126,7 +135,8 @@ class ExpertPlacer:
             weights = (*weights, residency.unread_weight(unread)) if unread else weights
             need = residency.smallest_budget(weights, inner.slots, inner.mappable, rowblocks.plan_splits(view),
                                              inner.page_bytes)
-            raise refusal(inner.budget + self.expert_bytes, need, self.expert_bytes) from None
+            budget = inner.budget + self.expert_bytes if self.budget is None else self.budget
+            raise refusal(budget, need, self.expert_bytes, self.reserved) from None
 
     def prepare_on_device(self, plan, node) -> bool:
         if node.name in self.nodes:

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from core.counters import Counters, DeviceMemory
 from core.executor import Plan
 from core.models.model import Model, load_model
@@ -60,6 +62,11 @@ class Runner:
             (core.runtime.expert_budget: one budget with the dense weights, experts streamed
             first) and never uploaded whole.
         expert_slots: the expert ring's slots (default 2).
+        reserve_for: (batch, capacity) of the largest decode state the caller will open. With a
+            device budget and no expert budget on a MoE model, the experts' share at load leaves
+            room for that state's KV cache and workspace (:meth:`reservation`), since the expert
+            plan does not shrink when a state opens. Default: a default Session's (batch 1,
+            capacity 256 or the model context).
 
     Thread safety: one Runner may serve sessions on several threads. Every call that runs the
     plan or changes the runner's state (a session's prefill, step, read, discard, rewind,
@@ -93,7 +100,7 @@ class Runner:
                  kv_layout: str = "head_major", weight_budget: int | float | str | None = None,
                  staging_slots: int | None = None, device_budget: int | str | None = None,
                  page_bytes: int | str | None = None, expert_budget: int | float | str | None = None,
-                 expert_slots: int = 2):
+                 expert_slots: int = 2, reserve_for: tuple[int, int] | None = None):
         if kv_layout not in kvgeo.LAYOUTS:
             raise kvgeo.KVLayoutError(f"kv_layout must be one of {kvgeo.LAYOUTS}, got {kv_layout!r}")
         self.provider = get_provider(provider)
@@ -134,6 +141,12 @@ class Runner:
         paged = bool(layout.counts) and (expert_budget is not None or budget is not None)
         dense_raw = raw - layout.total_bytes if paged else raw
         whole, explicit, expert_bytes = budget, residency.parse_budget(expert_budget, layout.total_bytes), None
+        #: bytes a plain device budget leaves aside at load for the KV and workspace of the decode
+        #: states (a MoE model's experts sized around them); 0: none
+        self.expert_reserve = 0
+        if paged and explicit is None and self.device_budget is not None:
+            self.expert_reserve = self.reservation(*(reserve_for or (1, min(256, self.model.config.context_length))))
+            whole = max(min(budget or self.device_budget, self.device_budget - self.expert_reserve), 1)
         if paged:  # from the initializers' sizes for the load; again below from the loaded dense weights
             budget, expert_bytes = experts.split(whole, explicit, dense_raw, layout, expert_slots)
         #: the load-time placement (core.runtime.placement), or None: every weight uploaded
@@ -142,7 +155,8 @@ class Runner:
             self.placer = placement.BudgetPlacer(budget, staging_slots, mappable=True, page_bytes=self.page_bytes,
                                                  exclude_nodes=frozenset(layout.counts) if paged else frozenset())
         if paged:
-            self.placer = experts.ExpertPlacer(layout.counts, self.placer, expert_bytes or 0)
+            self.placer = experts.ExpertPlacer(layout.counts, self.placer, expert_bytes or 0, self.expert_reserve,
+                                               self.device_budget if self.expert_reserve else None)
         before = getattr(self.provider, "uploaded_bytes", 0)
         start = time.perf_counter()
         try:
@@ -166,7 +180,8 @@ class Runner:
         try:
             self.residency = self._plan_residency(budget)
         except residency.BudgetError as exc:
-            error = experts.refusal(whole, self._smallest_weight_budget(), expert_bytes or 0) if paged else exc
+            error = (experts.refusal(self.device_budget or whole, self._smallest_weight_budget(), expert_bytes or 0,
+                                     self.expert_reserve) if paged else exc)
             raise self._budget_error(error, weight_budget) from None
         if paged:
             self.expert_residency = experts.page(self, layout, expert_bytes, expert_slots)
@@ -273,6 +288,16 @@ class Runner:
             self._header = header_of(self.model, self.provider)
         return workspace.estimate(self.model, self._header, self.provider, batch, capacity)
 
+    def reservation(self, batch: int, capacity: int) -> int:
+        """Device bytes a decode state of ``batch`` rows over ``capacity`` KV positions reserves
+        at most: its KV cache (:func:`core.runtime.kv.cache_bytes`: every layer at full
+        capacity, ring layers counted whole) and the workspace at the model context (what a
+        Session reserves, :meth:`workspace_estimate`). From the model's header; nothing is read."""
+        cfg = self.model.config
+        positions = max(1, min(capacity, cfg.context_length))
+        kv = kvgeo.cache_bytes(cfg, batch, positions, np.dtype(self.model.io_dtype).itemsize)
+        return kv + self.workspace_estimate(batch, cfg.context_length)
+
     def reserve_workspace(self, batch: int, capacity: int) -> str | None:
         """Reserve the workspace of a decode state of ``batch`` rows over ``capacity`` positions
         (:meth:`workspace_estimate`) when it is larger than the one reserved; under a device
@@ -323,6 +348,12 @@ class Runner:
             need = self._smallest_weight_budget()
             b = residency._bytes
             kv_all, work_all = self.kv_device_bytes + kv, self.workspace_reserved + work
+            if self.expert_reserve:  # the experts' share grows with the budget: only a larger reservation helps
+                raise residency.BudgetError(
+                    f"a device budget of {b(self.device_budget)} cannot hold a KV cache of {b(kv_all)} and a "
+                    f"workspace of {b(work_all)}: the experts' {b(self.expert_device_bytes)} were planned at load "
+                    f"around {b(self.expert_reserve)} for the KV cache and workspace; make the Runner with "
+                    "reserve_for=(batch, capacity) of this state, or give an expert budget") from None
             raise residency.BudgetError(
                 f"a device budget of {b(self.device_budget)} cannot hold a KV cache of {b(kv_all)} and a "
                 f"workspace of {b(work_all)} beside the weights: {b(max(budget, 0))} would be left for them "

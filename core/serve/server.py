@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from core.engine import Engine, StepRunner
-from core.engine.engine import DEFAULT_PREFILL_CHUNK
+from core.engine.engine import DEFAULT_CAPACITY, DEFAULT_PREFILL_CHUNK
 from core.runtime.runner import Runner
 from core.serve.app import Server, make_app
 
@@ -49,7 +49,7 @@ def build_server(model: str | Path, provider: Any = "cpu_reference", max_batch: 
                                           device_budget=device_budget)
         else:
             runner = Runner(model, provider, weight_budget=weight_budget, device_budget=device_budget,
-                            expert_budget=expert_budget)
+                            expert_budget=expert_budget, reserve_for=(max_batch, capacity or DEFAULT_CAPACITY))
         engine = Engine(runner, max_batch=max_batch, capacity=capacity, max_waiting=max_waiting, capture=capture,
                         prefill_chunk=prefill_chunk, decode_prefill_tokens=decode_prefill_tokens)
         log.info("engine: %d slots of %d positions, %.2f GB of KV%s", max_batch, engine.capacity,

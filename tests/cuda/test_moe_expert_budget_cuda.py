@@ -6,8 +6,9 @@ QMoE), 2 MoE layers of 8 experts, top 2. A Runner with an expert budget loads it
 straight from the file into pinned host pages (never onto the device: the load's device peak
 stays below the all-resident load's by most of the cold experts), and decodes bitwise the
 all-resident run, eager and captured, at batch 1 and 8, with the session's expert counters
-showing the page-ins; a weight budget shared with the experts likewise; a budget too small is
-refused naming the smallest, which then runs bitwise.
+showing the page-ins; a weight budget shared with the experts likewise, and a plain device budget
+(the experts sized around the session's KV cache and workspace, ``reserve_for``) within its
+accounting; a budget too small is refused naming the smallest, which then runs bitwise.
 
     pytest -q tests/cuda/test_moe_expert_budget_cuda.py      # builds 2 tiny folders (~20 s each)
 """
@@ -115,4 +116,22 @@ def test_a_budget_too_small_names_the_smallest_which_runs_bitwise(gpt_oss):
     tokens, logits, _, _ = _run(model, PROMPTS, True)
     paged_tokens, paged_logits, session, runner = _run(model, PROMPTS, True, weight_budget=smallest)
     assert session.counters.expert_page_ins > 0
+    assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_a_plain_device_budget_leaves_the_experts_room_for_the_kv_cache(gpt_oss, precision):
+    model = gpt_oss(precision)
+    layout = ExpertLayout.of(model)
+    size = max(layout.sizes.values())
+    tokens, logits, _, full = _run(model, PROMPTS, True)
+    budget = full.weight_bytes - layout.total_bytes + (len(layout.counts) + 2) * size
+    budget += full.reservation(len(PROMPTS), CAPACITY)
+    paged_tokens, paged_logits, session, runner = _run(model, PROMPTS, True, device_budget=budget,
+                                                       reserve_for=(len(PROMPTS), CAPACITY))
+    assert runner.expert_residency is not None and runner.replans == 0
+    assert session.counters.captures == 1 and not session.counters.fallbacks
+    _paged(session, size)
+    used = runner.weight_bytes + runner.residency.staging_bytes + runner.kv_device_bytes + runner.workspace_reserved
+    assert used <= budget
     assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)

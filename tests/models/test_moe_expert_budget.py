@@ -5,7 +5,9 @@ A Runner given an expert budget, or a weight or device budget on a MoE model, pa
 (a plan of resident experts and a ring of 2 slots) and plans the other weights beside them. The
 greedy tokens and logits of three rows are bitwise the all-resident run's, the session's counters
 show the page-ins (the path ran), and a budget too small is refused naming the smallest one,
-which then works.
+which then works. A plain device budget sizes the experts' share around the KV cache and
+workspace of the decode states the caller will open (``Runner(reserve_for=...)``), so the
+session opens within the budget.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import re
 import numpy as np
 import pytest
 
+from core.generation.generate import run
 from core.generation.loop import decode
 from core.models.model import load_model
 from core.runtime.expert_budget import ExpertLayout
@@ -91,7 +94,7 @@ def test_a_weight_or_device_budget_shares_one_plan_with_the_experts(folders, fam
     dense = full.weight_bytes - layout.total_bytes
     experts = (len(layout.counts) + 2) * size  # the ring and one expert a layer
     for budgets in ({"weight_budget": dense + experts},
-                    {"device_budget": dense + experts + resident.counters.kv_bytes + full.workspace_reserved + 4096,
+                    {"device_budget": dense + experts + full.reservation(len(PROMPTS), CAPACITY),
                      "expert_budget": experts}):
         paged_tokens, paged_logits, session, runner = _run(model, **budgets)
         assert runner.residency.weight_bytes_streamed_per_step == 0  # the dense weights stay resident
@@ -115,3 +118,95 @@ def test_a_budget_too_small_names_the_smallest_working_one(folders):
     assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)
     with pytest.raises(ExpertBudgetError, match=f"smallest expert budget is {ring:,} bytes"):
         Runner(model, "cpu_reference", expert_budget=ring - 1)
+
+
+def _within(runner, budget, workspace=True):
+    """The Runner's device accounting (weights with the resident experts and ring, staging, KV,
+    reserved workspace: an engine's slots reserve none) is within ``budget``."""
+    used = runner.weight_bytes + runner.residency.staging_bytes + runner.kv_device_bytes + runner.workspace_reserved
+    assert runner.kv_device_bytes > 0 and (runner.workspace_reserved > 0) == workspace
+    assert used <= budget, (used, budget)
+
+
+@pytest.mark.parametrize("family,precision", CASES)
+def test_a_plain_device_budget_leaves_the_experts_room_for_the_kv_cache(folders, family, precision):
+    """A device budget alone: the experts get what the dense weights and the decode state's KV
+    and workspace leave (before, they took everything the dense weights left and the session was
+    refused); bitwise the resident run, page-ins counted, the accounting within the budget."""
+    model = folders(family, precision)
+    layout = ExpertLayout.of(model)
+    size = max(layout.sizes.values())
+    tokens, logits, resident, full = _run(model)
+    dense = full.weight_bytes - layout.total_bytes
+    reserve = full.reservation(len(PROMPTS), CAPACITY)
+    experts = (len(layout.counts) + 2) * size  # the ring and one expert a layer
+    budget = dense + experts + reserve
+    paged_tokens, paged_logits, session, runner = _run(model, device_budget=budget,
+                                                       reserve_for=(len(PROMPTS), CAPACITY))
+    assert runner.expert_reserve == reserve and runner.expert_device_bytes == experts
+    assert runner.residency.weight_bytes_streamed_per_step == 0 and runner.replans == 0
+    _paged(session, runner, size)
+    _within(runner, budget)
+    assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)
+    # a Session made from the model, and lockstep run's path (generate.run), pass their own batch and capacity
+    session = Session(model, "cpu_reference", batch=len(PROMPTS), capacity=CAPACITY, device_budget=budget)
+    assert np.array_equal(decode(session, PROMPTS, STEPS).tokens, tokens)
+    _within(session.runner, budget)
+    plain = run(model, "cpu_reference", input_ids=PROMPTS, max_new_tokens=STEPS)
+    result = run(model, "cpu_reference", input_ids=PROMPTS, max_new_tokens=STEPS, device_budget=budget)
+    assert [r.output_ids for r in result.rows] == [r.output_ids for r in plain.rows]
+    assert result.counters["expert_page_ins"] > 0
+
+
+def test_a_plain_device_budget_too_small_names_the_smallest_working_one(folders):
+    model = folders("gpt-oss", "fp32")
+    shape = (len(PROMPTS), CAPACITY)
+    with pytest.raises(BudgetError, match="reserved for the KV cache and workspace") as err:
+        Runner(model, "cpu_reference", device_budget=ExpertLayout.of(model).ring_bytes(2) + 1000, reserve_for=shape)
+    smallest = int(re.search(r"smallest working budget is ([\d,]+) bytes", str(err.value)).group(1).replace(",", ""))
+    with pytest.raises(BudgetError):
+        Runner(model, "cpu_reference", device_budget=smallest - 1, reserve_for=shape)
+    tokens, logits, _, _ = _run(model)
+    paged_tokens, paged_logits, session, runner = _run(model, device_budget=smallest, reserve_for=shape)
+    assert runner.expert_residency.plan.ring_slots == 2 and session.counters.expert_page_ins > 0
+    _within(runner, smallest)
+    assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)
+
+
+def test_a_state_beyond_the_reservation_is_refused_naming_the_fix(folders):
+    """The expert plan does not shrink when a state opens: a state larger than the Runner was made
+    for is refused (naming reserve_for), and the Runner serves the state it was made for."""
+    model = folders("gpt-oss", "fp32")
+    with pytest.raises(BudgetError) as err:
+        Runner(model, "cpu_reference", device_budget=1000, reserve_for=(1, 8))
+    smallest = int(re.search(r"smallest working budget is ([\d,]+) bytes", str(err.value)).group(1).replace(",", ""))
+    runner = Runner(model, "cpu_reference", device_budget=smallest, reserve_for=(1, 8))
+    with pytest.raises(BudgetError, match=r"reserve_for=\(batch, capacity\)"):
+        Session(runner, batch=len(PROMPTS), capacity=CAPACITY)
+    assert runner.kv_device_bytes == 0 and runner.workspace_reserved == 0
+    alone = decode(Session(model, "cpu_reference", batch=1, capacity=8), [PROMPTS[0][:4]], 4).tokens
+    assert np.array_equal(decode(Session(runner, batch=1, capacity=8), [PROMPTS[0][:4]], 4).tokens, alone)
+    _within(runner, smallest)
+
+
+def test_serve_reserves_its_slots_before_the_experts_share(folders):
+    """``lockstep serve`` (build_server) makes its Runner for --max-batch slots of --capacity
+    positions: under a plain device budget the engine's slots open and decode its tokens."""
+    pytest.importorskip("fastapi", reason="the serve extra")
+    from core.serve.server import build_server
+
+    model = folders("gpt-oss", "fp32")
+    layout = ExpertLayout.of(model)
+    _, _, _, full = _run(model)
+    reserve = full.reservation(len(PROMPTS), CAPACITY)
+    budget = full.weight_bytes - layout.total_bytes + (len(layout.counts) + 2) * max(layout.sizes.values()) + reserve
+    engine = build_server(model, "cpu_reference", max_batch=len(PROMPTS), capacity=CAPACITY, served="moe",
+                          device_budget=budget).load()
+    try:
+        assert engine.runner.expert_reserve == reserve and engine.runner.expert_residency is not None
+        handle = engine.submit(PROMPTS[0], max_tokens=5)
+        want = run(model, "cpu_reference", input_ids=[PROMPTS[0]], max_new_tokens=5).rows[0].output_ids
+        assert [t for e in handle for t in e.token_ids] == want
+        _within(engine.runner, budget, workspace=False)
+    finally:
+        engine.shutdown()

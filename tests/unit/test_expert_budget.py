@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from core.counters import Counters
-from core.runtime.expert_budget import ExpertLayout, ExpertPlacer, split
+from core.runtime.expert_budget import ExpertLayout, ExpertPlacer, refusal, split
 from core.runtime.experts import ExpertBudgetError
 
 LAYOUT = ExpertLayout({"l0": 8, "l1": 8}, {"l0": 100, "l1": 100})
@@ -31,6 +31,13 @@ def test_the_experts_stream_first_under_a_shared_budget():
 def test_an_expert_budget_that_cannot_work_is_refused_with_the_smallest(budget, experts, match):
     with pytest.raises(ExpertBudgetError, match=match):
         split(budget, experts, 1000, LAYOUT, 2)
+
+
+def test_a_refusal_under_a_plain_device_budget_counts_the_reserved_kv_and_workspace():
+    error = str(refusal(1000, 700, 200, 300))
+    assert "a budget of 1,000 bytes" in error and "300 bytes reserved for the KV cache and workspace" in error
+    assert error.endswith("the smallest working budget is 1,200 bytes")
+    assert "reserved" not in str(refusal(1000, 700, 200)) and str(refusal(1000, 700, 200)).endswith("900 bytes")
 
 
 def test_the_placer_keeps_the_experts_as_host_arrays_and_never_uploads_them():
