@@ -2,7 +2,7 @@
 it answers with (completions, chat completions, their SSE chunks, errors).
 
 Accepted: ``model``, ``prompt`` (completions: a string, or a list of one string or of token
-ids), ``messages`` (chat: ``{"role", "content"}`` with string contents), ``max_tokens``
+ids), ``messages`` (chat: ``{"role", "content"}``, a content a string or a list of text parts), ``max_tokens``
 (``max_completion_tokens`` for chat), ``stop`` (a string or up to 4), ``temperature``
 (0: greedy; > 0: sampled; absent: the model's defaults), ``top_p``, ``top_k``, ``seed``,
 ``n`` (1 only), ``stream``, ``stream_options.include_usage``, and ``user``,
@@ -191,10 +191,20 @@ def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("messages must be a non-empty list", param="messages")
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise APIError("each message needs a role and a string content", param="messages")
-    return [{"role": m.get("role"), "content": m["content"]} for m in messages]
+    return [{"role": m.get("role"), "content": _content(m)} for m in messages]
+
+
+def _content(message) -> str:
+    """A message's text: a string, or OpenAI's list of content parts when every part is text
+    (``{"type": "text", "text": ...}``, joined in order); images and audio are refused."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise APIError("each message needs a role and a content: a string or a list of text parts "
+                   '({"type": "text", "text": ...}); this model reads text only', param="messages")
 
 
 def new_id(chat: bool) -> str:

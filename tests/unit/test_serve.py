@@ -120,6 +120,14 @@ def test_chat_streamed_and_not_equal_solo(folder, client, solo):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want[0]
     assert chunks[-1].usage.completion_tokens == want[2]
+    parts = dict(body, messages=[{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                                 {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                              {"type": "text", "text": "there"}]}])
+    msg = client.chat.completions.create(model=folder.name, **parts).choices[0].message
+    assert msg.content == want[0]  # text parts are the string they join to
+    with pytest.raises(openai.BadRequestError, match="text parts"):
+        client.chat.completions.create(model=folder.name, max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}])
 
 
 def test_32_concurrent_streams_each_equal_its_solo_run(folder, client, solo):
