@@ -52,7 +52,6 @@ from core.protocol import SamplingTensors
 from core.runtime import prompts
 from core.runtime import step as steps
 from core.runtime.capture import CapturedStep
-from core.runtime.state import DecodeState
 from core.runtime.step import StepOutput
 
 
@@ -128,7 +127,7 @@ class SlotState:
     def __init__(self, runner, slots: int, capacity: int, capture: bool | None, counters: Counters):
         self.runner, self.slots, self.capacity, self.counters = runner, slots, capacity, counters
         self.provider = runner.provider
-        self.state = DecodeState(runner, slots, capacity, capacity, "fixed", False, counters)
+        self.state = runner.open_state(slots, capacity, capacity, "fixed", False, counters)  # KV + workspace
         self.state.reserve(capacity)  # every page backed now: no commit ever happens mid-step
         self.can_sample = hasattr(self.provider, "device_sample")
         if self.can_sample:

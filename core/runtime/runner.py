@@ -162,7 +162,7 @@ class Runner:
         try:
             self.plan = Plan(self.model.graph, self.model.initializers, self.provider, kv_layout, placer=self.placer)
         except residency.BudgetError as exc:
-            raise self._budget_error(exc, weight_budget) from None
+            raise self._budget_error(exc, weight_budget, paged) from None
         self.weight_upload_bytes = getattr(self.provider, "uploaded_bytes", 0) - before
         self._weights = residency.weights_of(self.plan)
         #: constants of the paged experts (out of the dense plan and its accounting)
@@ -182,7 +182,7 @@ class Runner:
         except residency.BudgetError as exc:
             error = (experts.refusal(self.device_budget or whole, self._smallest_weight_budget(), expert_bytes or 0,
                                      self.expert_reserve) if paged else exc)
-            raise self._budget_error(error, weight_budget) from None
+            raise self._budget_error(error, weight_budget, paged) from None
         if paged:
             self.expert_residency = experts.page(self, layout, expert_bytes, expert_slots)
         self.provider.reset_peak()  # blocks freed while loading go back
@@ -210,14 +210,18 @@ class Runner:
                 f"{self.provider.name}: streaming {r.weight_bytes_streamed_per_step / 1e9:.2f} GB per step under a "
                 f"{(r.budget or 0) / 2**30:.2f} GiB weight budget; expect about {per_s} at batch 1")
 
-    def _budget_error(self, exc: residency.BudgetError, weight_budget) -> residency.BudgetError:
+    def _budget_error(self, exc: residency.BudgetError, weight_budget, paged: bool) -> residency.BudgetError:
+        """A load's refusal under a device budget: the weight minimum named as such, with how to
+        find the device budget per batch (a paged MoE refusal already names a device budget)."""
         if self.device_budget is None or weight_budget is not None:
             return exc
+        head = f"a device budget of {residency._bytes(self.device_budget)} leaves too little for the weights: "
+        if paged:
+            return residency.BudgetError(head + str(exc))
         why = str(exc).replace("the smallest working budget is", "the smallest working weight budget is")
-        return residency.BudgetError(f"a device budget of {residency._bytes(self.device_budget)} leaves too little "
-                                     f"for the weights: {why}; a device budget holds that plus the KV cache and the "
-                                     "workspace of the batch and context you run (`lockstep plan MODEL "
-                                     "--device-budget SIZE --batch N` gives the smallest per batch)")
+        return residency.BudgetError(head + f"{why}; a device budget holds that plus the KV cache and the workspace "
+                                     "of the batch and context you run (`lockstep plan MODEL --device-budget SIZE "
+                                     "--batch N` gives the smallest per batch)")
 
     @property
     def weight_bytes(self) -> int:
@@ -403,8 +407,6 @@ class Runner:
         Raises:
             kv.KVLayoutError: a policy the layout cannot grow under (see :class:`kv.KVCache`).
         """
-        from core.runtime.state import DecodeState
-
         key = (batch, capacity if policy == "fixed" else None, max_capacity, policy, capture)
         with self.lock:
             for i, state in enumerate(self._free):
@@ -412,8 +414,18 @@ class Runner:
                     del self._free[i]
                     state.attach(counters)
                     return state
+            return self.open_state(batch, capacity, max_capacity, policy, capture, counters, key)
+
+    def open_state(self, batch: int, capacity: int, max_capacity: int, policy: str, capture: bool | None,
+                   counters: Counters, key: tuple = ()) -> Any:
+        """A new :class:`~core.runtime.state.DecodeState` (not pooled: :meth:`acquire_state`
+        pools; the engine's slots hold theirs) whose workspace (:meth:`workspace_estimate`) is
+        reserved with its first KV bytes, so one refusal names both; a state that fails to
+        build has given back what it charged."""
+        from core.runtime.state import DecodeState
+
+        with self.lock:
             before = self.workspace_reserved
-            # the workspace is reserved with the state's first KV bytes: one refusal names both
             pending = [max(0, self.workspace_estimate(batch, max(capacity, max_capacity)) - before)]
 
             def reserve(kv: int) -> str | None:
@@ -422,7 +434,6 @@ class Runner:
                     return self._reserve(kv, work)
 
             try:
-                # a state that fails to build has given back what it charged (KVCache, DecodeState)
                 return DecodeState(self, batch, capacity, max_capacity, policy, capture, counters, key, reserve)
             except BaseException:
                 self.workspace_reserved = before  # nor does the workspace of a state never built

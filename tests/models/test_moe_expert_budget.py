@@ -120,11 +120,11 @@ def test_a_budget_too_small_names_the_smallest_working_one(folders):
         Runner(model, "cpu_reference", expert_budget=ring - 1)
 
 
-def _within(runner, budget, workspace=True):
+def _within(runner, budget):
     """The Runner's device accounting (weights with the resident experts and ring, staging, KV,
-    reserved workspace: an engine's slots reserve none) is within ``budget``."""
+    reserved workspace) is within ``budget``."""
     used = runner.weight_bytes + runner.residency.staging_bytes + runner.kv_device_bytes + runner.workspace_reserved
-    assert runner.kv_device_bytes > 0 and (runner.workspace_reserved > 0) == workspace
+    assert runner.kv_device_bytes > 0 and runner.workspace_reserved > 0
     assert used <= budget, (used, budget)
 
 
@@ -207,6 +207,6 @@ def test_serve_reserves_its_slots_before_the_experts_share(folders):
         handle = engine.submit(PROMPTS[0], max_tokens=5)
         want = run(model, "cpu_reference", input_ids=[PROMPTS[0]], max_new_tokens=5).rows[0].output_ids
         assert [t for e in handle for t in e.token_ids] == want
-        _within(engine.runner, budget, workspace=False)
+        _within(engine.runner, budget)  # the slots reserve their workspace (Runner.open_state)
     finally:
         engine.shutdown()
