@@ -26,6 +26,7 @@ from typing import NoReturn
 from rich.console import Console
 from rich.markup import escape
 
+from core import plugins
 from core.cli_work import (
     check_expert_budget,
     compile_ahead,
@@ -53,7 +54,6 @@ from core.models.prepare import (
     resolve_model,
     source_kind,
 )
-from core.plugins import get_provider, registry
 from core.threads import ENV, ThreadsError
 
 console = Console(stderr=True, soft_wrap=True)  # an error stays one line in logs
@@ -228,7 +228,7 @@ def _run(a, prompts: list[str]) -> int:
     from core.session import RequestError
 
     check_prompt_texts(prompts)  # before any model build
-    provider = get_provider(a.provider)  # a missing provider is reported before any model build
+    provider = plugins.get_provider(a.provider)  # a missing provider is reported before any model build
     options = _generation_options(a)
     if a.tensor_parallel != 1 and a.do_sample:
         from core.parallel.session import GREEDY_ONLY
@@ -404,7 +404,7 @@ def cmd_serve(a) -> int:
         raise RequestError(f"lockstep serve needs the serve extra ({exc.name} is missing): "
                            'pip install -e ".[serve]"') from None
     _check_budgets(a)
-    get_provider(a.provider)
+    plugins.get_provider(a.provider)
     model = _resolve_model(a.model, a.provider)
     server = build_server(model, a.provider, a.max_batch, a.capacity, a.max_waiting, False if a.no_capture else None,
                           a.model_name or Path(a.model or DEFAULT_MODEL).name, a.api_key, a.prefill_chunk,
@@ -419,7 +419,7 @@ def cmd_chat(a) -> int:
     from core.generation.generate import check_request
     from core.session import RequestError, Session
 
-    provider = get_provider(a.provider)
+    provider = plugins.get_provider(a.provider)
     options = _generation_options(a)
     system = options.pop("system", None)
     options.pop("stop", None)
@@ -526,7 +526,7 @@ def cmd_providers(a) -> int:
     from rich.table import Table
 
 
-    reg = registry()
+    reg = plugins.registry()
     table = Table("provider", "package", "capabilities", "protocol", "description")
     for name in reg.names():
         entry = reg.entries[name]
@@ -565,7 +565,7 @@ def cmd_parity(a) -> int:
     from core.testing.parity import run_kit
 
     _check_budgets(a)
-    provider = get_provider(a.provider)  # a missing provider is reported before any model build
+    provider = plugins.get_provider(a.provider)  # a missing provider is reported before any model build
     model = _resolve_model(a.model, a.provider)
     mode = "full" if a.full else "quick"
     with _status(f"parity of {a.provider} against cpu_reference ({mode} mode)") as update:
@@ -583,7 +583,7 @@ def cmd_plan(a) -> int:
 
     _check_budgets(a)
     if source_kind(a.model) != "builder":  # a name or a Hugging Face folder, as run takes
-        a.model = _resolve_model(a.model, a.provider if a.provider in registry().names() else "cpu_reference")
+        a.model = _resolve_model(a.model, a.provider if a.provider in plugins.registry().names() else "cpu_reference")
     return plan_main(a, _table_console())  # the plan is the command's output: stdout, full width
 
 
@@ -597,7 +597,7 @@ def cmd_profile(a) -> int:
     if a.tensor_tflops is not None and not a.kernels:
         raise RequestError("--tensor-tflops sets the FLOPs floor of the --kernels table; add --kernels")
     _check_budgets(a)
-    get_provider(a.provider)  # a missing or unusable provider is reported before any model build
+    plugins.get_provider(a.provider)  # a missing or unusable provider is reported before any model build
     if not a.kernels:
         check_outputs(a)  # --plot, --json and --anchor too
     a.model = _resolve_model(a.model, a.provider)
