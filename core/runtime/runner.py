@@ -302,22 +302,6 @@ class Runner:
         kv = kvgeo.cache_bytes(cfg, batch, positions, np.dtype(self.model.io_dtype).itemsize)
         return kv + self.workspace_estimate(batch, cfg.context_length)
 
-    def reserve_workspace(self, batch: int, capacity: int) -> str | None:
-        """Reserve the workspace of a decode state of ``batch`` rows over ``capacity`` positions
-        (:meth:`workspace_estimate`) when it is larger than the one reserved; under a device
-        budget the weight budget shrinks first, as for the KV cache (:meth:`reserve_kv`).
-
-        Returns:
-            None, or the reason the weight plan changed.
-
-        Raises:
-            core.runtime.residency.BudgetError: the weights, the KV cache and this workspace
-                cannot share the device budget (the smallest working one is named).
-        """
-        with self.lock:
-            extra = self.workspace_estimate(batch, capacity) - self.workspace_reserved
-            return self._reserve(0, extra) if extra > 0 else None
-
     def reserve_kv(self, extra: int) -> str | None:
         """Account ``extra`` more KV bytes (a decode state allocating or committing); under a
         device budget, shrink the weight budget first when they would not fit (elastic budget).

@@ -20,7 +20,7 @@ and the weight's N columns; a norm, rotary or element-wise op the shape of its i
 ``num_heads * head_size`` columns (its present KV is the cache itself, already counted). An op
 without a rule is taken as element-wise over its inputs. The walk counts each node's outputs
 once, so it is the workspace of one batch size; a Runner reserves that of the largest decode
-state it has opened (:meth:`core.runtime.runner.Runner.reserve_workspace`).
+state it has opened (:meth:`core.runtime.runner.Runner.open_state`).
 """
 
 from __future__ import annotations

@@ -82,3 +82,21 @@ def assert_rows_agree(runner, e_tokens: list[list[int]], e_logits: list[list[np.
         assert n == s_tokens.shape[1] or (n > 0 and row[-1] in eos), (label, b, row)
         assert row == s_tokens[b, :n].tolist(), (label, b)
         assert all(np.array_equal(e_logits[b][t], s_logits[b, t]) for t in range(n)), (label, b)
+
+
+def assert_tight_capacity_rows(runner, ids: list[list[int]], news: list[int], capacity: int,
+                               sampling: list | None = None) -> None:
+    """``core.run`` of ``ids`` on the engine at a ``capacity`` as tight as a Session's row (some
+    row needs exactly ``capacity`` positions, its last token's KV never written, while another
+    decodes on, so steps queued ahead run it past its last token): each row must equal its
+    batch-1 Session run at that capacity, text and finish reason included."""
+    import core
+
+    got = core.run(runner, input_ids=ids, max_new_tokens=news, capacity=capacity, sampling=sampling)
+    assert got.counters["engine_requests"] == len(ids) and got.counters["run_ahead_steps"] > 0
+    for b in range(len(ids)):
+        session = Session(runner, batch=1, capacity=capacity, kv_policy="fixed")
+        want = session.stream([ids[b]], [news[b]], sampling=[sampling[b]] if sampling else None).run()[0]
+        session.close()
+        assert got.rows[b].output_ids == want.output_ids and len(want.output_ids) == news[b]
+        assert (got.rows[b].text, got.rows[b].finish_reason) == (want.text, want.finish_reason)

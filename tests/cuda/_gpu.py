@@ -13,3 +13,8 @@ def require_gpu():
     if count < 1:
         pytest.skip("no visible GPU", allow_module_level=True)
     return cupy
+
+
+#: the prompts of the tiny gpt-oss expert tests (test_moe_streaming_cuda, test_moe_expert_budget_cuda)
+MOE_PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 21)), [200, 7, 7, 31, 64, 128, 9, 250, 1, 33, 77, 12, 6],
+               [3, 3, 3], [90, 44, 23, 8, 1, 2], [250, 249, 248, 247], list(range(30, 52, 2)), [11, 64]]

@@ -43,3 +43,25 @@ def model_dir(request, tmp_path_factory):
         return Path(os.environ["LOCKSTEP_CUDA_MODELS"]) / variant
     dtype, quant = VARIANTS[variant]
     return make_tiny_model(tmp_path_factory.mktemp(variant), dtype=dtype, quant=quant)
+
+
+#: precision -> the builder target of a tiny gpt-oss folder (fp16 CUDA build: MoE; int4 CPU build: QMoE)
+GPT_OSS_TARGETS = {"fp16": "cuda", "int4": "cpu"}
+
+
+@pytest.fixture(scope="session")
+def gpt_oss(tmp_path_factory):
+    """precision -> the loaded tiny gpt-oss model (core.testing.moe_families), built once a run."""
+    from core.models.model import load_model
+    from core.testing.families import prepared_family
+
+    root = tmp_path_factory.mktemp("gpt-oss")
+    built: dict[str, object] = {}
+
+    def get(precision: str):
+        if precision not in built:
+            built[precision] = load_model(prepared_family("gpt-oss", root / precision, precision,
+                                                          GPT_OSS_TARGETS[precision]))
+        return built[precision]
+
+    return get

@@ -19,39 +19,21 @@ import re
 
 import numpy as np
 import pytest
-from _gpu import require_gpu
+from _gpu import MOE_PROMPTS, require_gpu
 
 require_gpu()
 pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime_genai", reason="the builder (the models extra) makes the family folders")
 
 from core.generation.loop import decode  # noqa: E402
-from core.models.model import load_model  # noqa: E402
 from core.runtime.expert_budget import ExpertLayout  # noqa: E402
 from core.runtime.residency import BudgetError  # noqa: E402
 from core.runtime.runner import Runner  # noqa: E402
 from core.session import Session  # noqa: E402
-from core.testing.families import prepared_family  # noqa: E402
 
 STEPS = 10
 CAPACITY = 64
-PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 21)), [200, 7, 7, 31, 64, 128, 9, 250, 1, 33, 77, 12, 6],
-           [3, 3, 3], [90, 44, 23, 8, 1, 2], [250, 249, 248, 247], list(range(30, 52, 2)), [11, 64]]
-#: precision -> the builder target of the folder.
-FOLDERS = {"fp16": "cuda", "int4": "cpu"}
-
-
-@pytest.fixture(scope="module")
-def gpt_oss(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe-expert-budget")
-    built: dict[str, object] = {}
-
-    def get(precision: str):
-        if precision not in built:
-            built[precision] = load_model(prepared_family("gpt-oss", root / precision, precision, FOLDERS[precision]))
-        return built[precision]
-
-    return get
+PROMPTS = MOE_PROMPTS
 
 
 def _run(model, rows, capture, **budgets):

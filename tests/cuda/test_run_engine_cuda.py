@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 import core  # noqa: E402
 from core.runtime.runner import Runner  # noqa: E402
 from core.session import Session  # noqa: E402
+from core.testing.engine_twins import assert_tight_capacity_rows  # noqa: E402
 
 PROMPTS = [[int(t) for t in np.random.default_rng(5).integers(3, 250, n)] for n in (3, 21, 8, 34)]
 NEWS = [9, 5, 12, 7]
@@ -41,13 +42,7 @@ def test_a_slot_filled_to_its_last_position_on_cuda_equals_each_rows_session(mod
     ids, news = [PROMPTS[3][:30], PROMPTS[0]], [3, 20]
     sampling = [{"do_sample": True, "temperature": 0.9, "top_k": 40, "seed": 21 + i} for i in range(2)] \
         if sampled else None
-    got = core.run(runner, input_ids=ids, max_new_tokens=news, capacity=32, sampling=sampling)
-    assert got.counters["engine_requests"] == 2 and got.counters["run_ahead_steps"] > 0
-    for b in range(2):
-        session = Session(runner, batch=1, capacity=32, kv_policy="fixed")
-        want = session.stream([ids[b]], [news[b]], sampling=[sampling[b]] if sampled else None).run()[0]
-        session.close()
-        assert got.rows[b].output_ids == want.output_ids and len(want.output_ids) == news[b]
+    assert_tight_capacity_rows(runner, ids, news, 32, sampling)
 
 
 @pytest.mark.parametrize("sampled", [False, True])

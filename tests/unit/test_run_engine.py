@@ -15,6 +15,7 @@ import core
 from core.cli import main
 from core.runtime.runner import Runner
 from core.session import Session
+from core.testing.engine_twins import assert_tight_capacity_rows
 from core.testing.tiny_model import make_tiny_model, write_byte_tokenizer
 
 PROMPTS = [[int(t) for t in np.random.default_rng(5).integers(3, 250, n)] for n in (3, 21, 8, 34)]
@@ -84,19 +85,10 @@ def test_a_weight_budget_runs_on_the_engine_with_the_same_rows(folder, runner):
 def test_a_capacity_of_prompt_plus_new_minus_one_runs_on_the_engine_bitwise_the_session(runner, sampled):
     # row 0 needs exactly the capacity (30 + 3 - 1 = 32: the last token's KV is never written);
     # row 1 decodes on, so steps queued ahead run row 0 past its last token, where its length
-    # reaches the capacity (SlotState.decode puts it back to 0 instead of writing past the slot).
-    # Each row equals its Session run at that capacity (a batch-1 Session: the fixed-batch one
-    # stops with "KV cache full" when a finished row reaches the capacity, docs/status.md)
+    # reaches the capacity (SlotState.decode puts it back to 0 instead of writing past the slot)
     ids, news = [PROMPTS[3][:30], PROMPTS[0]], [3, 20]
     sampling = _sampling(sampled)[:2] if sampled else None
-    got = core.run(runner, input_ids=ids, max_new_tokens=news, capacity=32, sampling=sampling)
-    assert got.counters["engine_requests"] == 2 and got.counters["run_ahead_steps"] > 0
-    for b in range(2):
-        session = Session(runner, batch=1, capacity=32, kv_policy="fixed")
-        want = session.stream([ids[b]], [news[b]], sampling=[sampling[b]] if sampled else None).run()[0]
-        session.close()
-        assert got.rows[b].output_ids == want.output_ids and len(want.output_ids) == news[b]
-        assert (got.rows[b].text, got.rows[b].finish_reason) == (want.text, want.finish_reason)
+    assert_tight_capacity_rows(runner, ids, news, 32, sampling)
     with pytest.raises(core.RequestError, match="it needs 33 KV positions but the capacity is 32"):
         core.run(runner, input_ids=ids, max_new_tokens=[4, 20], capacity=32)
 
