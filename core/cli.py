@@ -582,8 +582,10 @@ def cmd_plan(a) -> int:
     from core.plan import main as plan_main
 
     _check_budgets(a)
+    if a.provider not in plugins.registry().names():  # installed but unusable here (no GPU) plans on
+        raise plugins.ProviderError(f"unknown provider {a.provider!r}; installed: {plugins.registry().describe()}")
     if source_kind(a.model) != "builder":  # a name or a Hugging Face folder, as run takes
-        a.model = _resolve_model(a.model, a.provider if a.provider in plugins.registry().names() else "cpu_reference")
+        a.model = _resolve_model(a.model, a.provider)
     return plan_main(a, _table_console())  # the plan is the command's output: stdout, full width
 
 

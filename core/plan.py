@@ -301,12 +301,9 @@ def main(a, console) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from core.errors import ProviderError
-    from core.plugins import get_provider, registry
+    from core.plugins import get_provider
 
-    if a.provider not in registry().names():  # installed but unusable here (no GPU) plans on
-        raise ProviderError(f"unknown provider {a.provider!r}; installed: {registry().describe()}")
-    provider, note = None, ""
+    provider, note = None, ""  # an unknown provider name is refused by the command (core.cli)
     try:
         provider = get_provider(a.provider)
     except Exception as exc:  # noqa: BLE001 - an unusable provider: plan with the reference fusion rules

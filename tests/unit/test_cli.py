@@ -646,3 +646,12 @@ def test_plan_prints_its_title_verbatim_and_names_the_budget_a_batch_needs(tmp_p
     assert "needs a device budget of at least" in out.out and "expected tok/s" in out.out  # not cut to 80 columns
     code, out = run(capsys, "plan", str(folder), "--weight-budget", "150%")
     assert code != 0 and "--weight-budget" in out.err and "'150%'" in out.err
+
+
+def test_serve_port_and_plan_provider_are_refused_before_any_work(capsys, monkeypatch):
+    monkeypatch.setattr("core.cli.resolve_model", lambda *a, **k: pytest.fail("model built"))
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--port", "99999"])
+    assert exc.value.code == 2 and "must be a port in [0, 65535], got 99999" in capsys.readouterr().err
+    code, out = run(capsys, "plan", "smollm2-135m", "--provider", "nosuch")
+    assert code == 2 and "unknown provider 'nosuch'" in out.err
