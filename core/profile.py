@@ -11,8 +11,16 @@ turns it off) includes queueing the steps after it while the device runs. The "d
 is the median device time of a measured step (the provider's node timer around the step's work,
 :attr:`core.session.PendingStep.device_s`): ms/step minus it is what the host added.
 The check column compares row 0's token stream with the batch-1 stream of the same L, bitwise.
-The prefill column is the prefill's wall time; the peak column the provider's peak device
-bytes (``provider.peak_bytes()`` after ``reset_peak()``, when it can tell) over the row's
+The prefill is timed in steady state: each point first runs one untimed prefill of the same
+shape (same rows, prompt length and capacity: the shape's allocations, plan buffers and, on
+cuda, its kernel compiles happen there), then the timed one, whose wall time ends when the
+``[B, 2]`` result is on the host (``download`` synchronises; the device is synchronised before it
+starts), so it is device-complete. "prefill ms" is that time, "prefill tok/s" is batch x prompt
+length / that time, beside the decode tok/s; the JSON keeps the untimed first prefill's wall time
+as ``first_prefill_ms`` (what ``benchmarks/ort_genai_decode.py`` reports for the anchor). The warm-up
+prefill is the only extra cost (one prefill a point; the batch-1 reference run of a sweep without
+batch 1 runs none), and it is counted where the session counts prefills (``prefill_runs``, the
+expert counters of a paged MoE model). The peak column is the provider's peak device bytes (``provider.peak_bytes()`` after ``reset_peak()``, when it can tell) over the row's
 prefill and steps ("peak MiB"). Beside it, what holds those bytes at the end of the row
 (:meth:`core.runtime.runner.Runner.memory`), so that peak = weights + KV + work + other: the
 resident weights in the kernels' layout (the staging ring included when weights stream), the
@@ -42,6 +50,7 @@ bytes/s, when the provider offers it).
 from __future__ import annotations
 
 import json
+import time
 
 import attrs
 import numpy as np
@@ -83,7 +92,7 @@ class ProfileRow:
     copy_floor_ms: float | None = None
     prompt_len: int = 0
     capacity: int = 0
-    prefill_ms: float = 0.0
+    prefill_ms: float = 0.0  # the steady-state prefill (the second of its shape; module docstring)
     anchor_tokens_per_s: float | None = None
     anchor_note: str = ""
     refused: str = ""  # why this point did not run (out of memory); its numbers are 0
@@ -103,6 +112,9 @@ class ProfileRow:
     predicted_tok_s: float | None = None  # the plan's expected rate at this batch (core.plan.expected_rate)
     experts: dict | None = None  # the expert_* counters of a paged MoE model (docs/moe.md, "Expert budgets")
     workspace_reserved_bytes: int = 0  # the workspace a device budget reserved (Runner.workspace_reserved)
+    prefill_tokens_per_s: float = 0.0  # batch x prompt length / prefill_ms
+    first_prefill_ms: float = 0.0  # the shape's first prefill (allocations, compiles), untimed in the rates
+    anchor_prefill_ms: float | None = None  # the anchor's steady-state prefill_ms at this point
 
     @property
     def other_bytes(self) -> int | None:
@@ -123,7 +135,10 @@ def settings_text(settings: dict[str, str]) -> str:
     return ", ".join(f"{k}={v}" for k, v in settings.items())
 
 
-def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capacity=None, meter=None):
+def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capacity=None, meter=None,
+            warm_prefill=True):
+    """One sweep point: (its row, row 0's tokens). ``warm_prefill``: run the untimed first prefill
+    of the shape before :func:`decode` (module docstring; off for the batch-1 reference run)."""
     vocab = runner.model.config.vocab_size
     rows = [prompt] + [list(rng.integers(3, vocab, len(prompt))) for _ in range(batch - 1)]
     capacity = capacity or args.context
@@ -135,6 +150,12 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capac
     p.reset_peak()
     if meter is not None:
         meter.reset()
+    first_s = 0.0
+    if warm_prefill:  # the shape's first prefill: the timed one (decode's) is the second
+        t0 = time.perf_counter()
+        session.prefill(rows)
+        first_s = time.perf_counter() - t0
+        p.synchronize()
     trace = decode(session, rows, args.warmup + args.tokens)
     times_ms = np.array(trace.seconds[1 + args.warmup:]) * 1e3
     device = [d for d in trace.device_seconds[args.warmup:] if d is not None]
@@ -156,7 +177,8 @@ def _stream(runner: Runner, batch, args, prompt, rng, bandwidth, h2d=None, capac
                      predicted_tok_s=expected_rate(streamed, runner.residency.weight_bytes_resident, batch, None,
                                                    h2d, bandwidth) if streamed else None,
                      experts={k: v for k, v in c.to_dict().items() if k.startswith("expert_")}
-                     if getattr(runner, "expert_residency", None) is not None else None)
+                     if getattr(runner, "expert_residency", None) is not None else None,
+                     prefill_tokens_per_s=batch * len(prompt) / trace.seconds[0], first_prefill_ms=first_s * 1e3)
     if meter is not None:
         meter._sample()
         row = attrs.evolve(row, driver_peak_bytes=meter.peak_bytes, driver_baseline_bytes=meter.baseline_bytes)
@@ -260,7 +282,7 @@ def _sweep(runner, model, batches, args, lengths, capacities, rng, bandwidth, h2
                 continue
             if reference is None:
                 reference = stream if batch == 1 else _stream(runner, 1, args, prompt, rng, None, None,
-                                                              capacity)[1]
+                                                              capacity, warm_prefill=False)[1]
             rows.append(attrs.evolve(row, row0_matches_batch1=stream == reference))
             runner.release_states()  # no later point has this shape: free its KV before the next
             if progress is not None:
@@ -314,7 +336,8 @@ def load_anchor(path: str) -> dict[tuple[int, int], dict]:
 
 
 def with_anchor(rows: list[ProfileRow], anchor: dict[tuple[int, int], dict]) -> list[ProfileRow]:
-    """``rows`` with the anchor's tokens/s (or why it has none) at the same prompt length and batch."""
+    """``rows`` with the anchor's tokens/s and prefill ms (or why it has none) at the same
+    prompt length and batch."""
     out = []
     for r in rows:
         a = anchor.get((r.prompt_len, r.batch))
@@ -323,14 +346,17 @@ def with_anchor(rows: list[ProfileRow], anchor: dict[tuple[int, int], dict]) -> 
         elif a.get("tokens_per_s") is None:
             out.append(attrs.evolve(r, anchor_note=f"refused: {a.get('refused') or '?'}"))
         else:
+            prefill = a.get("prefill_ms")
             out.append(attrs.evolve(r, anchor_tokens_per_s=float(a["tokens_per_s"]),
+                                    anchor_prefill_ms=None if prefill is None else float(prefill),
                                     anchor_note="graph" if a.get("graph") else ""))
     return out
 
 
 def render(rows: list[ProfileRow], title: str):
-    """The sweep as two rich Tables in a Group, one row per batch size: speed (tok/s, step times,
-    floor, prefill, batch invariance, the weight-stream and anchor columns when present), then
+    """The sweep as two rich Tables in a Group, one row per batch size: speed (decode and prefill
+    tok/s, step times, floor, prefill ms, batch invariance, the weight-stream and anchor columns
+    when present; the anchor's prefill ms when its file has them), then
     capture and device memory (captures, replays, fallbacks, KV bytes moved, the peak and its
     parts). Two tables of about 100 columns each rather than one of 220."""
     from rich.console import Group
@@ -339,12 +365,13 @@ def render(rows: list[ProfileRow], title: str):
     streams = any(r.weight_bytes_streamed_per_step for r in rows)
     anchored = any(r.anchor_note or r.anchor_tokens_per_s is not None for r in rows)
     timed = any(r.device_ms_p50 is not None for r in rows)
-    speed_cols = ["prompt", "batch", "tok/s", "ms/step p50", "p95", *(["device ms"] if timed else []), "floor ms",
-                  "prefill ms", "row0==b1"]
+    anchor_prefill = any(r.anchor_prefill_ms is not None for r in rows)
+    speed_cols = ["prompt", "batch", "decode tok/s", "prefill tok/s", "ms/step p50", "p95",
+                  *(["device ms"] if timed else []), "floor ms", "prefill ms", "row0==b1"]
     if streams:
         speed_cols += ["copy floor ms", "plan tok/s", "htod MiB/tok", "page-ins/tok", "byte hit"]
     if anchored:
-        speed_cols += ["anchor tok/s", "x anchor"]
+        speed_cols += ["anchor tok/s", "x anchor", *(["anchor prefill ms"] if anchor_prefill else [])]
     memory_cols = ["prompt", "batch", "captures", "replays", "fallbacks", "invalid.", "kv moved", "peak MiB",
                    "= weights", "+ KV", "+ work", "+ other", "driver MiB", "host RSS MiB", "anon MiB"]
     speed, memory = Table(title=title), Table(title="capture and device memory")
@@ -359,7 +386,8 @@ def render(rows: list[ProfileRow], title: str):
             speed.add_row(*head, note, *["-"] * (len(speed_cols) - 3))
             memory.add_row(*head, note, *["-"] * (len(memory_cols) - 3))
             continue
-        speed.add_row(*head, _rate(r.tokens_per_s), f"{r.step_ms_p50:.3f}", f"{r.step_ms_p95:.3f}",
+        speed.add_row(*head, _rate(r.tokens_per_s), _rate(r.prefill_tokens_per_s), f"{r.step_ms_p50:.3f}",
+                      f"{r.step_ms_p95:.3f}",
                       *(["-" if r.device_ms_p50 is None else f"{r.device_ms_p50:.3f}"] if timed else []),
                       "-" if r.floor_ms is None else f"{r.floor_ms:.3f}", f"{r.prefill_ms:,.1f}",
                       "yes" if r.row0_matches_batch1 else "[red]NO[/red]",
@@ -368,7 +396,9 @@ def render(rows: list[ProfileRow], title: str):
                          f"{r.htod_bytes_per_token / 2**20:,.2f}", f"{r.page_ins_per_token:.1f}",
                          f"{r.byte_hit_rate:.2f}"] if streams else []),
                       *([_anchor_cell(r), "-" if not r.anchor_tokens_per_s else
-                         f"{r.tokens_per_s / r.anchor_tokens_per_s:.2f}"] if anchored else []))
+                         f"{r.tokens_per_s / r.anchor_tokens_per_s:.2f}"] if anchored else []),
+                      *(["-" if r.anchor_prefill_ms is None else f"{r.anchor_prefill_ms:,.1f}"]
+                        if anchor_prefill else []))
         memory.add_row(*head, str(r.captures), str(r.replays), str(r.fallbacks), str(r.invalidations),
                        str(r.kv_bytes_moved), mib(r.peak_device_bytes), mib(r.weight_device_bytes),
                        mib(r.kv_device_bytes or r.kv_bytes), mib(r.workspace_bytes), mib(r.other_bytes),

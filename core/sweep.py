@@ -44,14 +44,15 @@ def estimate_s(provider: str, batches: Sequence[int], lengths: Sequence[int], wa
                step_s: float, prefill_s: float) -> float:
     """Expected seconds of a sweep, from a batch-1 decode step of ``step_s`` seconds and a
     batch-1 prefill of ``prefill_s`` seconds at the first prompt length (prefills scale with
-    rows x prompt tokens; steps by :data:`GROWTH`)."""
+    rows x prompt tokens; steps by :data:`GROWTH`). A swept point runs two prefills (an untimed
+    warm-up and the timed one, :mod:`core.profile`), the batch-1 reference run one."""
     growth = _of(GROWTH, provider)
-    reference = [] if 1 in batches else [1]
+    points = [(b, 2) for b in batches] + ([] if 1 in batches else [(1, 1)])
     total = 0.0
     for length in lengths:
-        for b in list(batches) + reference:
+        for b, prefills in points:
             total += (warmup + tokens) * step_s * (1 + growth * (b - 1))
-            total += prefill_s * b * length / lengths[0]
+            total += prefills * prefill_s * b * length / lengths[0]
     return total
 
 

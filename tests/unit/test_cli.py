@@ -182,6 +182,7 @@ def test_profile_puts_the_anchor_beside_its_rows(tmp_path, capsys):
     assert code == 0 and "anchor tok/s" in out.out
     assert [(r["anchor_tokens_per_s"], r["anchor_note"]) for r in rows] == [
         (123.0, "graph"), (None, "refused: batch too large"), (None, "not run")]
+    assert [r["anchor_prefill_ms"] for r in rows] == [1.0, None, None] and "anchor prefill ms" in out.out
     (tmp_path / "bad.json").write_text("{")
     code, out = run(capsys, "profile", str(folder), "--anchor", str(tmp_path / "bad.json"))
     assert code == 2 and "anchor file" in out.err

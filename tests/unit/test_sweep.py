@@ -29,12 +29,13 @@ def test_given_values_are_kept():
 
 
 def test_the_estimate_counts_every_step_and_prefill():
-    # batch 1: 2 steps x 0.1 s + prefill 0.2 s; batch 2: 2 x 0.1 x (1 + 0.6) + 0.2 x 2 rows
-    assert estimate_s("cpu_reference", [1, 2], [16], 1, 1, 0.1, 0.2) == pytest.approx(0.4 + 0.72)
-    # without batch 1 in the sweep, the batch-1 reference run is counted too
-    assert estimate_s("cpu_reference", [2], [16], 1, 1, 0.1, 0.2) == pytest.approx(0.72 + 0.4)
+    # batch 1: 2 steps x 0.1 s + two prefills (warm-up, timed) of 0.2 s; batch 2: 2 x 0.1 x (1 + 0.6)
+    # + two prefills of 0.2 x 2 rows
+    assert estimate_s("cpu_reference", [1, 2], [16], 1, 1, 0.1, 0.2) == pytest.approx(0.6 + 1.12)
+    # without batch 1 in the sweep, the batch-1 reference run is counted too (one prefill: no warm-up)
+    assert estimate_s("cpu_reference", [2], [16], 1, 1, 0.1, 0.2) == pytest.approx(1.12 + 0.4)
     # a prompt twice as long: its prefills take twice as long
-    assert estimate_s("cuda", [1], [16, 32], 0, 1, 0.0, 1.0) == pytest.approx(3.0)
+    assert estimate_s("cuda", [1], [16, 32], 0, 1, 0.0, 1.0) == pytest.approx(6.0)
     assert planned_steps([1, 2, 4], [16, 32], 8, 16) == 3 * 2 * 24 and planned_steps([2], [16], 1, 1) == 4
 
 
