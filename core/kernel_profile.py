@@ -1,4 +1,5 @@
-"""``lockstep profile MODEL --kernels``: where the time of one decode step goes, node by node.
+"""``lockstep profile MODEL --kernels``: where the time of one decode step and of one prefill
+goes, node by node.
 
 A :class:`NodeObserver` set as :attr:`core.executor.Plan.observer` is told about every node a
 plan run executes. It counts, per node: calls, the positions its first input holds (rows of
@@ -24,6 +25,15 @@ is floor / measured time.
 Decode steps run eagerly (no capture: a replayed graph cannot be timed per node); the
 ``decode_advance`` and ``device_argmax`` launches that surround the plan are timed once each
 after the measured steps and shown as rows of their own.
+
+Prefill (:func:`profile_prefill`): after the decode steps, one prefill of the point's rows
+(batch x prompt length, all of one length: one padded plan run, core.runtime.prompts) is timed
+whole (wall, device-complete) and then one more node by node with the same observer, both after
+the point's first prefill of that shape (the warm-up: allocations, compiles). Its KV buffers
+count the prompt's positions read and written (prompt length / capacity of each). Its table
+covers the plan's nodes (the uploads of the prompt and the argmax after the plan are not in it);
+a node's positions are the rows of its first input per call: batch x prompt length for the
+projections of the layers, batch for those after the last-position gather (the lm_head).
 """
 
 from __future__ import annotations
@@ -95,6 +105,8 @@ def _short_kernel(kernel: Any) -> str:
 
 class NodeObserver:
     """A :attr:`core.executor.Plan.observer` that counts (and optionally times) every node.
+    ``hold_next``: set it to make the timer's ``hold()`` (where it has one) wait the GPU just
+    before the next node's first mark (after the run's uploads), once.
 
     Args:
         plan: the plan observed (its constants tell weights from activations).
@@ -112,6 +124,7 @@ class NodeObserver:
         self.plan, self.timer = plan, timer
         self.kv = {id(t) for t in kv_buffers}
         self.kv_read_fraction = self.kv_write_fraction = 1.0
+        self.hold_next = False
         self.stats: dict[str, NodeStats] = {}
         self._pending: list[tuple[NodeStats, Any, Any]] = []
         self._start: Any = None
@@ -119,6 +132,9 @@ class NodeObserver:
 
     def begin(self, node: NodeInfo) -> None:
         """Called by the plan before ``node``'s kernel."""
+        if self.hold_next and hasattr(self.timer, "hold"):
+            self.timer.hold()
+        self.hold_next = False
         if self.timer is not None:
             self._start = self.timer.mark()
 
@@ -177,7 +193,8 @@ def role(name: str) -> str:
 
 @attrs.frozen
 class KernelRow:
-    """One row of the kernel table (per decode step; times in microseconds, sizes in bytes)."""
+    """One row of the kernel table (per decode step or per prefill; times in microseconds,
+    sizes in bytes; ``positions``: rows of the first input per call, 0 in the totals row)."""
 
     node: str
     op: str
@@ -188,6 +205,7 @@ class KernelRow:
     flops: float
     floor_us: float | None
     pct_of_floor: float | None
+    positions: float = 0.0
 
 
 def table_rows(stats: list[NodeStats], steps: int, bandwidth: float | None,
@@ -203,8 +221,10 @@ def table_rows(stats: list[NodeStats], steps: int, bandwidth: float | None,
         nbytes = sum(s.bytes_read + s.bytes_written for s in sts) / steps
         flops = sum(s.flops for s in sts) / steps
         floor = _floor(nbytes, flops, bandwidth, tensor_flops)
-        rows.append(KernelRow(node, op, kernel, sum(s.calls for s in sts) / steps, us, nbytes, flops, floor,
-                              None if floor is None or us <= 0 else 100.0 * floor / us))
+        calls = sum(s.calls for s in sts)
+        rows.append(KernelRow(node, op, kernel, calls / steps, us, nbytes, flops, floor,
+                              None if floor is None or us <= 0 else 100.0 * floor / us,
+                              sum(s.positions for s in sts) / max(1, calls)))
     rows.sort(key=lambda r: -r.us)
     return rows
 
@@ -246,7 +266,8 @@ def profile_kernels(model_dir, provider, batches: list[int], args, progress=None
         One dict per (prompt length, batch): ``prompt_len``, ``batch``, ``capacity``,
         ``steps``, ``step_ms`` (eager wall time per step, median), ``bandwidth`` (bytes/s or
         None), ``tensor_flops`` (FLOP/s or None), ``kernels`` (:class:`KernelRow` dicts, per
-        step, the longest first) and ``total`` (their totals).
+        step, the longest first), ``total`` (their totals) and ``prefill`` (one prefill of the
+        point's rows node by node: :func:`profile_prefill`).
 
     Raises:
         core.session.RequestError: the provider cannot time its nodes, or a prompt length with
@@ -303,11 +324,43 @@ def profile_kernels(model_dir, provider, batches: list[int], args, progress=None
             out.append({"prompt_len": length, "batch": batch, "capacity": capacity, "steps": args.tokens,
                         "step_ms": float(np.median(walls)) * 1e3, "bandwidth": bandwidth, "tensor_flops": rate,
                         "kernels": [attrs.asdict(r) for r in kernels],
-                        "total": attrs.asdict(totals(kernels, bandwidth, rate)), "settings": provider_settings(p)})
+                        "total": attrs.asdict(totals(kernels, bandwidth, rate)), "settings": provider_settings(p),
+                        "prefill": profile_prefill(session, rows, timer, bandwidth, rate)})
             session.close()
             if progress is not None:
                 progress(len(out), len(lengths) * len(batches))
     return out
+
+
+def profile_prefill(session, rows: list, timer, bandwidth: float | None, tensor_flops: float | None) -> dict:
+    """One prefill of ``rows`` (equal lengths) on ``session``, which ran one of that shape
+    already (the warm-up), timed whole and then node by node (module docstring, "Prefill").
+
+    Returns:
+        ``positions`` (batch x prompt length), ``prefill_ms`` (wall, device-complete: the device
+        synchronised before, the ``[B, 2]`` result downloaded at the end), ``tokens_per_s``
+        (positions / that time), ``kernels`` (:class:`KernelRow` dicts for the one prefill, the
+        longest first) and ``total``.
+    """
+    p, state = session.provider, session.state
+    p.synchronize()
+    t0 = time.perf_counter()
+    session.prefill(rows)
+    wall = time.perf_counter() - t0
+    obs = NodeObserver(session.plan, timer, state.kv.buffers())
+    obs.kv_read_fraction = obs.kv_write_fraction = len(rows[0]) / state.kv.geometry.capacity
+    obs.hold_next = True  # the GPU waits while the host enqueues the prefill's nodes
+    session.plan.observer = obs
+    try:
+        session.prefill(rows)
+        obs.collect()
+    finally:
+        session.plan.observer = None
+    kernels = table_rows(list(obs.stats.values()), 1, bandwidth, tensor_flops)
+    positions = len(rows) * len(rows[0])
+    return {"positions": positions, "prefill_ms": wall * 1e3, "tokens_per_s": positions / wall,
+            "kernels": [attrs.asdict(r) for r in kernels],
+            "total": attrs.asdict(totals(kernels, bandwidth, tensor_flops))}
 
 
 def _loop_stats(p, timer, state, steps: int) -> list[NodeStats]:
@@ -337,19 +390,28 @@ def _loop_stats(p, timer, state, steps: int) -> list[NodeStats]:
     return out
 
 
-def render(result: dict, title: str):
-    """A rich Table of one :func:`profile_kernels` entry (the totals row last)."""
+def render(result: dict, title: str, prefill: bool = False):
+    """A rich Table of one :func:`profile_kernels` entry (the totals row last): its decode step,
+    or with ``prefill`` its prefill (per prefill, with the positions and GFLOPs of each row)."""
     from rich.table import Table
 
-    table = Table(title=f"{title}: prompt {result['prompt_len']}, batch {result['batch']}, "
-                        f"eager step {result['step_ms']:.3f} ms wall")
+    head = f"{title}: prompt {result['prompt_len']}, batch {result['batch']}, "
+    if prefill:
+        result = result["prefill"]
+        table = Table(title=f"{head}prefill of {result['positions']:,} positions, {result['prefill_ms']:,.3f} ms "
+                            f"wall ({result['tokens_per_s']:,.0f} tok/s)")
+    else:
+        table = Table(title=f"{head}per decode step, eager step {result['step_ms']:.3f} ms wall")
     for col in ("node", "op", "kernel"):
         table.add_column(col, overflow="fold")
-    for col in ("calls", "us/step", "MB/step", "floor us", "% of floor"):
+    cols = ("calls", "positions", "us", "MB", "GFLOP") if prefill else ("calls", "us/step", "MB/step")
+    for col in (*cols, "floor us", "% of floor"):
         table.add_column(col, justify="right")
 
     def line(r: dict, style: str = "") -> None:
-        cells = [r["node"], r["op"], r["kernel"], f"{r['calls']:g}", f"{r['us']:,.1f}", f"{r['bytes'] / 1e6:,.3f}",
+        extra = ([f"{r['positions']:,.0f}" if r["positions"] else "-"] if prefill else [])
+        cells = [r["node"], r["op"], r["kernel"], f"{r['calls']:g}", *extra, f"{r['us']:,.1f}",
+                 f"{r['bytes'] / 1e6:,.3f}", *([f"{r['flops'] / 1e9:,.3f}"] if prefill else []),
                  "-" if r["floor_us"] is None else f"{r['floor_us']:,.1f}",
                  "-" if r["pct_of_floor"] is None else f"{r['pct_of_floor']:.0f}%"]
         table.add_row(*cells, style=style)
@@ -382,7 +444,7 @@ def kernels_main(args, console, table_console) -> int:
     if args.tensor_tflops is not None and not args.tensor_tflops > 0:
         raise RequestError(f"--tensor-tflops must be a positive number, got {args.tensor_tflops}")
     batches = list(args.batch_sweep)
-    title = f"{args.model} on {args.provider}, {args.layout}, eager, per decode step"
+    title = f"{args.model} on {args.provider}, {args.layout}, eager"
     with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("timing nodes", total=len(batches))
         results = profile_kernels(args.model, args.provider, batches, args,
@@ -393,6 +455,7 @@ def kernels_main(args, console, table_console) -> int:
         title += f"; {settings_text(results[0]['settings'])}"
     for result in results:
         table_console.print(render(result, title))
+        table_console.print(render(result, title, prefill=True))
     bw = results[0]["bandwidth"] if results else None
     rate = results[0]["tensor_flops"] if results else None
     clock = "CUDA events (GPU time)" if args.provider == "cuda" else "the provider's node timer"
@@ -402,7 +465,8 @@ def kernels_main(args, console, table_console) -> int:
         parts = ([] if bw is None else [f"bytes over {bw / 1e9:,.0f} GB/s measured"]) + (
             [] if rate is None else [f"FLOPs over {rate / 1e12:,.0f} TFLOP/s stated"])
         floor = f"floor: {' or '.join(parts)} (the larger); % of floor = floor / time"
-    table_console.print(f"us/step: {clock}, per node per decode step; {floor}")
+    table_console.print(f"us/step: {clock}, per node per decode step; prefill tables: per node of one prefill "
+                        f"(after a warm-up prefill of its shape); {floor}")
     if args.json_out:
         with open(Path(args.json_out).expanduser(), "w") as f:
             json.dump({"title": title, "results": results}, f, indent=2)

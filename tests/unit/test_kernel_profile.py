@@ -1,4 +1,5 @@
-"""``lockstep profile --kernels``: every node of a decode step timed and counted on cpu_reference."""
+"""``lockstep profile --kernels``: every node of a decode step and of a prefill timed and counted on
+cpu_reference."""
 
 import argparse
 import json
@@ -85,8 +86,10 @@ def test_cli_kernels_prints_the_table_and_writes_json(model_dir, tmp_path, capsy
                  "--context", "32", "--prompt-len", "4", "--json", str(out)])
     text = capsys.readouterr().out
     assert code == 0 and "/lm_head/MatMul" in text and "total" in text and "us/step" in text
+    assert "prefill of 8 positions" in " ".join(text.split()) and "GFLOP" in text
     data = json.loads(out.read_text())
     assert data["results"][0]["batch"] == 2 and np.isfinite(data["results"][0]["total"]["us"])
+    assert data["results"][0]["prefill"]["positions"] == 8 and np.isfinite(data["results"][0]["prefill"]["total"]["us"])
     code = main(["profile", str(model_dir), "--kernels", "--tensor-tflops", "-1"])
     assert code == 2 and "tensor-tflops" in capsys.readouterr().err
 
@@ -132,3 +135,65 @@ def test_the_launches_around_the_plan_are_timed_behind_a_gpu_hold(model_dir):
     stats = _loop_stats(session.runner.provider, Timer(), session.state, 4)
     assert calls == ["hold", "mark", "mark", "mark"]
     assert [st.name for st in stats] == ["(device_argmax)", "(decode_advance)"] and all(st.calls == 4 for st in stats)
+
+
+def test_the_prefill_section_counts_batch_times_prompt_positions_per_projection(model_dir):
+    """One prefill of 3 rows x 5 tokens, node by node: the layers' projections each compute 15
+    positions (5 times a decode step's FLOPs at the same batch), the lm_head only the 3 last
+    positions (the last-position gather before it), and every node of the prefill's program is timed."""
+    r = profile_kernels(model_dir, "cpu_reference", [3], _args(prompt_len=[5]))[0]
+    pre = r["prefill"]
+    assert pre["positions"] == 15 and pre["prefill_ms"] > 0
+    assert pre["tokens_per_s"] == pytest.approx(15 / (pre["prefill_ms"] / 1e3))
+    rows = {k["node"]: k for k in pre["kernels"]}
+    decode = {k["node"]: k for k in r["kernels"]}
+    projections = [n for n, k in rows.items() if k["op"] in ("MatMul", "SiluGatedMatMul") and "layers.*" in n]
+    assert len(projections) >= 3  # qkv, o, gated MLP, down
+    for n in projections:
+        assert rows[n]["positions"] == 15 and decode[n]["positions"] == 3
+        assert rows[n]["flops"] == pytest.approx(5 * decode[n]["flops"])
+    assert rows["/lm_head/MatMul"]["positions"] == 3
+    plan = Runner(model_dir, CpuReferenceProvider()).plan
+    assert sum(k["calls"] for k in pre["kernels"]) == len(plan.last_position_steps)
+    assert all(k["us"] > 0 for k in pre["kernels"]) and "(device_argmax)" not in rows
+    assert pre["total"]["us"] == pytest.approx(sum(k["us"] for k in pre["kernels"]))
+
+
+def test_the_observed_prefill_comes_after_a_warm_up_of_its_shape(model_dir, monkeypatch):
+    from core.runtime import step as steps
+
+    real, seen = steps.prefill, []
+
+    def prefill(state, input_ids, *a, **kw):
+        seen.append((len(input_ids), len(input_ids[0]), state.runner.plan.observer is not None))
+        return real(state, input_ids, *a, **kw)
+
+    monkeypatch.setattr(steps, "prefill", prefill)
+    profile_kernels(model_dir, "cpu_reference", [2], _args(prompt_len=[4]))
+    # decode's prefill (the warm-up), the wall-timed one, then the one timed node by node
+    assert seen == [(2, 4, False), (2, 4, False), (2, 4, True)]
+
+
+def test_the_prefill_holds_the_gpu_once_before_its_first_node(model_dir):
+    from core.kernel_profile import profile_prefill
+    from core.session import Session
+
+    calls: list[str] = []
+
+    class Timer:
+        def hold(self):
+            calls.append("hold")
+
+        def mark(self):
+            calls.append("mark")
+            return len(calls)
+
+        def seconds(self, a, b):
+            return 1e-6 * (b - a)
+
+    session = Session(Runner(model_dir, CpuReferenceProvider()), batch=2, capacity=16)
+    session.prefill([[5, 6, 7], [8, 9, 10]])
+    pre = profile_prefill(session, [[5, 6, 7], [8, 9, 10]], Timer(), None, None)
+    assert calls[0] == "hold" and calls.count("hold") == 1
+    assert calls.count("mark") == 2 * sum(k["calls"] for k in pre["kernels"])
+    assert pre["positions"] == 6 and session.plan.observer is None
