@@ -770,9 +770,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--no-capture", action="store_true", help="run every step eagerly")
     f.add_argument("--no-run-ahead", action="store_true", help="read each step's tokens before queueing the "
                    "next (the synchronous loop, for comparison; default: the next steps are queued first)")
-    f.add_argument("--kernels", action="store_true", help="time every node of eager decode steps and print "
-                   "where a step's time goes (op, kernel, calls, GPU us, bytes, floor); needs a provider "
-                   "that can time its nodes")
+    f.add_argument("--kernels", action="store_true", help="time every node of eager decode steps and of "
+                   "one prefill, and print where their time goes (op, kernel, calls, GPU us, bytes, floor); "
+                   "needs a provider that can time its nodes")
     f.add_argument("--tensor-tflops", type=float, default=None, metavar="TFLOPS", help="with --kernels: "
                    "the tensor rate the FLOPs floor uses (default: bytes floor only)")
     _budget_arg(f)

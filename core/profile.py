@@ -20,16 +20,18 @@ length / that time, beside the decode tok/s; the JSON keeps the untimed first pr
 as ``first_prefill_ms`` (what ``benchmarks/ort_genai_decode.py`` reports for the anchor). The warm-up
 prefill is the only extra cost (one prefill a point; the batch-1 reference run of a sweep without
 batch 1 runs none), and it is counted where the session counts prefills (``prefill_runs``, the
-expert counters of a paged MoE model). The peak column is the provider's peak device bytes (``provider.peak_bytes()`` after ``reset_peak()``, when it can tell) over the row's
-prefill and steps ("peak MiB"). Beside it, what holds those bytes at the end of the row
-(:meth:`core.runtime.runner.Runner.memory`), so that peak = weights + KV + work + other: the
-resident weights in the kernels' layout (the staging ring included when weights stream), the
-KV cache, the workspace (activation buffers, the provider's shared kernel scratch, the decode
-state's buffers) and "other", the peak minus those three: pool blocks freed during the row and
-cached (a prefill's activations, freed node by node as the run goes, its temporaries, a grouped
-prefill's KV scratch). The JSON's ``prefill_activation_bytes`` is the most bytes the prefill's node
-buffers held at once (:attr:`core.executor.Plan.transient_peak_bytes`): the part of "other" the
-prefill's activations explain.
+expert counters of a paged MoE model).
+The peak column is the provider's peak device bytes (``provider.peak_bytes()`` after
+``reset_peak()``, when it can tell) over the row's prefills and steps ("peak MiB"). Beside it,
+what holds those bytes at the end of the row (:meth:`core.runtime.runner.Runner.memory`), so
+that peak = weights + KV + work + other: the resident weights in the kernels' layout (the
+staging ring included when weights stream), the KV cache, the workspace (activation buffers, the
+provider's shared kernel scratch, the decode state's buffers) and "other", the peak minus those
+three: pool blocks freed during the row and cached (a prefill's activations, freed node by node
+as the run goes, its temporaries, a grouped prefill's KV scratch). The JSON's
+``prefill_activation_bytes`` is the most bytes the prefill's node buffers held at once
+(:attr:`core.executor.Plan.transient_peak_bytes`): the part of "other" the prefill's activations
+explain.
 
 What a run really took: "driver MiB" is the driver's figure of device bytes in use
 (``provider.device_used_bytes()``: cudaMemGetInfo, the CUDA context and every pool included),

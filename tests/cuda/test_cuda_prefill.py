@@ -72,4 +72,5 @@ def test_kernel_profile_times_every_node_with_cuda_events(model_dir, gpu):
         lm = next(k for n, k in rows.items() if "lm_head" in n)
         assert lm["floor_us"] > 0 and lm["pct_of_floor"] > 0
         assert r["total"]["us"] == pytest.approx(sum(k["us"] for k in r["kernels"]))
+        assert r["prefill"]["positions"] == 32 * r["batch"] and r["prefill"]["total"]["us"] > 0
         print(r["batch"], f"{r['total']['us']:.1f} us of GPU time per step, step {r['step_ms']:.3f} ms wall")

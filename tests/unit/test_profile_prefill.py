@@ -4,6 +4,7 @@ first, then the timed one, reported as prefill tokens/s beside decode tokens/s (
 import argparse
 import json
 import time
+import weakref
 
 import pytest
 
@@ -32,12 +33,12 @@ def _args(**kw):
 def slow_first_prefill(monkeypatch):
     """The first prefill of each decode state takes :data:`FIRST_S` longer (what a new shape's
     allocations and compiles cost on a GPU); returns the batch of every prefill run, in order."""
-    real, seen, batches = steps.prefill, set(), []
+    real, seen, batches = steps.prefill, weakref.WeakSet(), []  # not ids: a freed state's id comes back
 
     def prefill(state, input_ids, *a, **kw):
         batches.append(len(input_ids))
-        if id(state) not in seen:
-            seen.add(id(state))
+        if state not in seen:
+            seen.add(state)
             time.sleep(FIRST_S)
         return real(state, input_ids, *a, **kw)
 
