@@ -232,6 +232,8 @@ def profile(model_dir, provider, batches: list[int], args, progress=None, announ
     """Run the sweep on one Runner (the weights are uploaded once); returns one
     :class:`ProfileRow` per prompt length and batch size (prompt lengths outermost).
     ``announce``, when given, gets one line with the sweep's size and expected duration first.
+    Each point runs one untimed prefill of its shape before the timed one (the steady-state
+    prefill, module docstring): one prefill more a point than it reports.
 
     Raises:
         core.session.RequestError: a prompt length with its steps exceeds the model context.
