@@ -164,6 +164,7 @@ class SlotState:
         if not 0 <= start < stop <= n:
             raise ValueError(f"prefill chunk [{start}, {stop}) of a prompt of {n} tokens")
         before = self.runner.stream_meter()
+        self.counters.end_decode_span()  # the prefill's expert paging apart from the steps'
         if start == 0 and stop == n:
             row.logits, positions = prompts.run_prompts(row, [prompt_ids], False, "off")
         else:
@@ -211,6 +212,7 @@ class SlotState:
             p.write(rows.sampling.history, hist)
         lens = np.array([len(ids) for ids in prompt_ids], np.int32)
         before = self.runner.stream_meter()
+        self.counters.end_decode_span()  # the prefill's expert paging apart from the steps'
         rows.logits, positions = prompts.run_prompts(rows, prompt_ids, False, "off")
         self._count_streamed(before, 0)
         steps.select(rows, positions, p.upload(lens), None)

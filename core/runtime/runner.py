@@ -373,11 +373,18 @@ class Runner:
 
     def expert_meter(self) -> tuple:
         """(experts routed, hits, page-ins, bytes copied) so far by the paged experts; () when not
-        paged. On cuda this reads the device counters (it waits for the queued work)."""
+        paged. On cuda this reads the device counters (it waits for the queued work: the
+        session counters read :meth:`expert_meter_async` instead)."""
         if self.expert_residency is None:
             return ()
         c = self.expert_residency.counters
         return (c.routed, c.hits, c.page_ins, c.page_in_bytes)
+
+    def expert_meter_async(self) -> Any:
+        """A handle whose ``wait()`` gives :meth:`expert_meter` as the work queued so far leaves
+        it, without waiting for that work here (the residency's ``meter_async``: on cuda a copy
+        of the device counters queued behind it); None when not paged."""
+        return None if self.expert_residency is None else self.expert_residency.meter_async()
 
     def stream_meter(self) -> tuple:
         """(weight bytes copied, copies) so far on the staging ring; () when nothing streams."""

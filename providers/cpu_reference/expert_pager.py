@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from core.provider import ReadyDownload
 from core.runtime.experts import ExpertCounters, ExpertPlan, SlotRing, moe_layout, plan_experts
 from providers.cpu_reference.ops._moe import Expert, Experts, Routing
 
@@ -35,6 +36,12 @@ class ExpertResidency:
         self.ring = SlotRing(plan.ring_slots)
         self.counters = ExpertCounters(moe_nodes=len(plan.num_experts))
         self._slots: list[Expert | None] = [None] * plan.ring_slots
+
+    def meter_async(self) -> ReadyDownload:
+        """(routed, hits, page-ins, page-in bytes) so far, as a finished handle (``wait()``):
+        the host counters are current."""
+        c = self.counters
+        return ReadyDownload(np.array([c.routed, c.hits, c.page_ins, c.page_in_bytes], np.int64))
 
     def _page_in(self, slot: int, source: Expert) -> Expert:
         """Copy ``source`` into ``slot`` (reusing its arrays when the shapes match)."""

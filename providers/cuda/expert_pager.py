@@ -162,6 +162,19 @@ class _Node:
         self.offsets = cp.asarray(offsets)
 
 
+class _Meter:
+    """The handle of :meth:`CudaExpertResidency.meter_async`."""
+
+    def __init__(self, download: Any, page_bytes: list[int]):
+        self._download, self._page_bytes = download, page_bytes
+
+    def wait(self) -> tuple[int, int, int, int]:
+        """(routed, hits, page-ins, page-in bytes) from the copied counts [nodes, 4]."""
+        counts = self._download.wait()
+        return (int(counts[:, 0].sum()), int(counts[:, 1].sum()), int(counts[:, 2].sum()),
+                sum(int(counts[i, 2]) * b for i, b in enumerate(self._page_bytes)))
+
+
 class CudaExpertResidency:
     """The plan, the ring and the device counters of a cuda session's experts.
 
@@ -198,6 +211,14 @@ class CudaExpertResidency:
             page_in_bytes=sum(int(counts[i, 2]) * self.plan.expert_bytes[n] for i, n in enumerate(names)),
             token_rows=int(counts[:, 3].sum()), moe_nodes=len(names),
             routed_counts={n: routes[i, :self.nodes[n].num_experts].astype(np.int64) for i, n in enumerate(names)})
+
+    def meter_async(self) -> _Meter:
+        """(routed, hits, page-ins, page-in bytes) as the work queued so far leaves the device
+        counters, as a handle: the copy of the counts is queued on the provider stream behind
+        that work (``provider.download_async``), so only ``wait()`` waits, and for the copy
+        alone. The same figures as :attr:`counters`."""
+        per_node = [self.plan.expert_bytes[n] for n in self.nodes]
+        return _Meter(self.provider.download_async(self._counts), per_node)
 
     def launch(self, ctx, t: str, bits: tuple[int, int], x, experts, a, y, sizes: tuple[int, int, int, int],
                rows_of: tuple[int, int, int], block: int, tail: tuple) -> None:

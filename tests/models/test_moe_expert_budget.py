@@ -210,3 +210,42 @@ def test_serve_reserves_its_slots_before_the_experts_share(folders):
         _within(engine.runner, budget)  # the slots reserve their workspace (Runner.open_state)
     finally:
         engine.shutdown()
+
+
+def test_the_expert_counters_read_the_meter_once_a_request_and_equal_per_step_reads(folders):
+    """A decode step never reads the expert meter (on cuda that read waits for the step, and
+    run-ahead loses its overlap): a request copies it a fixed number of times however many steps
+    it runs, and the counters then equal those of a run that read them after every step (what
+    each step did before), per-step figures the decode total over the steps."""
+    model = folders("gpt-oss", "fp32")
+    layout = ExpertLayout.of(model)
+    budget = (2 * len(layout.counts) + 2) * max(layout.sizes.values())
+
+    def session():
+        runner = Runner(model, "cpu_reference", expert_budget=budget)
+        calls: list = []
+        meter, read = runner.expert_meter_async, runner.expert_meter
+        runner.expert_meter_async = lambda: calls.append("copy") or meter()
+        runner.expert_meter = lambda: calls.append("read") or read()  # the read that waits: never per step
+        return Session(runner, batch=len(PROMPTS), capacity=CAPACITY), calls
+
+    copies = []
+    for steps in (STEPS, 3 * STEPS):
+        lazy, calls = session()
+        tokens = decode(lazy, PROMPTS, steps).tokens  # run ahead: no observer
+        copies.append(len(calls))
+        figures = {k: v for k, v in lazy.counters.to_dict().items() if k.startswith("expert_")}
+        assert calls == ["copy"] * (copies[-1] + 1)  # reading the counters copies the meter once more
+    assert copies[0] == copies[1] <= 3
+    assert figures["expert_page_ins"] == lazy.runner.expert_residency.counters.page_ins > 0
+    eager, _ = session()
+    seen: list = []
+    eager_tokens = decode(eager, PROMPTS, 3 * STEPS,
+                          observer=lambda *_: seen.append((eager.counters.expert_page_ins,
+                                                           eager.counters.expert_bytes_copied))).tokens
+    c = eager.counters
+    assert np.array_equal(eager_tokens, tokens)
+    assert {k: v for k, v in c.to_dict().items() if k.startswith("expert_")} == figures
+    steps_run, (prefill_pages, prefill_bytes) = c.decode_steps, seen[0]
+    assert c.expert_page_ins_per_step == (c.expert_page_ins - prefill_pages) / steps_run
+    assert c.expert_bytes_per_token == (c.expert_bytes_copied - prefill_bytes) / (steps_run * len(PROMPTS))
