@@ -106,8 +106,9 @@ class _Bucket(_Rows):
         if self.sampling is not None:
             buffers += [self.sampling.params, self.sampling.options, self.sampling.history]
         buffers += [t for pair in self.kv.layers for t in pair]
+        paged = self.runner.expert_residency  # a re-planned expert set rebuilds the cuda resident store
         return (self.batch, self.kv.geometry.capacity, id(self.runner.plan), id(self.runner.residency),
-                tuple(id(b) for b in buffers))
+                id(None if paged is None else paged.plan), tuple(id(b) for b in buffers))
 
 
 class SlotState:

@@ -174,8 +174,9 @@ def test_a_plain_device_budget_too_small_names_the_smallest_working_one(folders)
 
 
 def test_a_state_beyond_the_reservation_is_refused_naming_the_fix(folders):
-    """The expert plan does not shrink when a state opens: a state larger than the Runner was made
-    for is refused (naming reserve_for), and the Runner serves the state it was made for."""
+    """At the smallest budget the experts keep the ring alone, so they have nothing to give back:
+    a state larger than the Runner was made for is refused (naming reserve_for), and the Runner
+    serves the state it was made for."""
     model = folders("gpt-oss", "fp32")
     with pytest.raises(BudgetError) as err:
         Runner(model, "cpu_reference", device_budget=1000, reserve_for=(1, 8))
@@ -249,3 +250,50 @@ def test_the_expert_counters_read_the_meter_once_a_request_and_equal_per_step_re
     steps_run, (prefill_pages, prefill_bytes) = c.decode_steps, seen[0]
     assert c.expert_page_ins_per_step == (c.expert_page_ins - prefill_pages) / steps_run
     assert c.expert_bytes_per_token == (c.expert_bytes_copied - prefill_bytes) / (steps_run * len(PROMPTS))
+
+
+def test_kv_growth_past_the_reservation_moves_resident_experts_to_the_ring(folders):
+    """A plain device budget sizes the experts around a KV cache of 16 positions; a growing
+    cache then doubles twice (to 64): the experts give the KV's bytes back (resident experts
+    moved to the ring, highest index first) instead of the dense weights streaming, every
+    step stays within the budget, and the tokens and logits are bitwise the resident run's."""
+    model = folders("gpt-oss", "fp32")
+    layout = ExpertLayout.of(model)
+    size = max(layout.sizes.values())
+    full = Runner(model, "cpu_reference")
+    dense = full.weight_bytes - layout.total_bytes
+    reserve = full.reservation(len(PROMPTS), 16)
+    budget = dense + (2 * len(layout.counts) + 2) * size + reserve  # the ring and two experts a layer
+    want = Session(model, "cpu_reference", batch=len(PROMPTS), capacity=CAPACITY)
+    logits: list = []
+    tokens = decode(want, PROMPTS, 3 * STEPS, observer=lambda *_: logits.append(want.last_logits())).tokens
+    runner = Runner(model, "cpu_reference", device_budget=budget, reserve_for=(len(PROMPTS), 16))
+    assert all(r == {0, 1} for r in runner.expert_residency.plan.resident.values())
+    session = Session(runner, batch=len(PROMPTS), capacity=16, max_capacity=CAPACITY, kv_policy="growing")
+    used: list = []
+    got: list = []
+
+    def observe(*_):
+        used.append(runner.weight_bytes + runner.residency.staging_bytes + runner.kv_device_bytes
+                    + runner.workspace_reserved)
+        got.append(session.last_logits())
+
+    assert np.array_equal(decode(session, PROMPTS, 3 * STEPS, observer=observe).tokens, tokens)
+    assert np.array_equal(np.stack(got), np.stack(logits))
+    c = session.counters
+    assert c.growth_events == 2 and session.state.kv.capacity == CAPACITY
+    assert max(used) <= budget and runner.kv_device_bytes > reserve - runner.workspace_reserved
+    resident = runner.expert_residency.plan.resident
+    moved = 2 * len(layout.counts) - sum(len(r) for r in resident.values())
+    assert moved >= 1 and all(r <= {0, 1} for r in resident.values())
+    assert used[-1] + size > budget  # no more moved than needed: one expert back would not fit
+    assert runner.residency.weight_bytes_streamed_per_step == 0  # the dense weights stay resident
+    assert c.replans == runner.replans >= 1 and c.expert_page_ins > 0
+    _within(runner, budget)
+    # one byte past the budget moves exactly one more expert, and says so
+    over = budget - used[-1] + 1
+    assert runner.reserve_kv(over).startswith("expert plan changed")
+    assert 2 * len(layout.counts) - sum(len(r) for r in runner.expert_residency.plan.resident.values()) == moved + 1
+    _within(runner, budget)
+    runner.reserve_kv(-over)
+    assert np.array_equal(decode(session, PROMPTS, STEPS).tokens, tokens[:STEPS + 1])  # the session serves on
