@@ -496,7 +496,8 @@ class Runner:
     def engine_slots(self, slots: int, capacity: int, capture: bool | None):
         """The slot state of an :class:`~core.engine.Engine` on this runner: a
         :class:`~core.engine.slots.SlotState` of ``slots`` rows of ``capacity`` positions, with
-        fresh :class:`~core.counters.Counters` (``.counters``) holding this runner's residency.
+        fresh :class:`~core.counters.Counters` (``.counters``) holding this runner's residency
+        (its expert paging counted from now).
         A step runner of another kind answers with its own (tensor parallel:
         :meth:`core.parallel.runner.TensorParallelRunner.engine_slots`).
 
@@ -507,4 +508,5 @@ class Runner:
 
         counters = Counters()
         counters.set_residency(self.residency.summary(), self.weight_bytes)
+        counters.mark_experts(self)  # the engine's expert paging, not an earlier session's on this runner
         return SlotState(self, slots, capacity, capture, counters)

@@ -213,6 +213,16 @@ def test_serve_reserves_its_slots_before_the_experts_share(folders):
         engine.shutdown()
 
 
+def _metered(runner):
+    """(the list ``runner``'s expert meter calls go to: "copy" for ``expert_meter_async``, "read"
+    for ``expert_meter``, the read that waits on cuda; the unwrapped ``expert_meter``)."""
+    calls: list = []
+    meter, read = runner.expert_meter_async, runner.expert_meter
+    runner.expert_meter_async = lambda: calls.append("copy") or meter()
+    runner.expert_meter = lambda: calls.append("read") or read()
+    return calls, read
+
+
 def test_the_expert_counters_read_the_meter_once_a_request_and_equal_per_step_reads(folders):
     """A decode step never reads the expert meter (on cuda that read waits for the step, and
     run-ahead loses its overlap): a request copies it a fixed number of times however many steps
@@ -224,11 +234,7 @@ def test_the_expert_counters_read_the_meter_once_a_request_and_equal_per_step_re
 
     def session():
         runner = Runner(model, "cpu_reference", expert_budget=budget)
-        calls: list = []
-        meter, read = runner.expert_meter_async, runner.expert_meter
-        runner.expert_meter_async = lambda: calls.append("copy") or meter()
-        runner.expert_meter = lambda: calls.append("read") or read()  # the read that waits: never per step
-        return Session(runner, batch=len(PROMPTS), capacity=CAPACITY), calls
+        return Session(runner, batch=len(PROMPTS), capacity=CAPACITY), _metered(runner)[0]
 
     copies = []
     for steps in (STEPS, 3 * STEPS):
@@ -297,3 +303,26 @@ def test_kv_growth_past_the_reservation_moves_resident_experts_to_the_ring(folde
     _within(runner, budget)
     runner.reserve_kv(-over)
     assert np.array_equal(decode(session, PROMPTS, STEPS).tokens, tokens[:STEPS + 1])  # the session serves on
+
+
+def test_the_engine_counts_its_own_expert_paging_without_reading_the_meter_per_step(folders):
+    """``core.run`` (the engine) on a Runner that already served a Session: the engine's expert
+    counters start at its slots (the Session's paging is not in them), the meter is copied a
+    fixed number of times however many tokens the request decodes, and never read with a wait."""
+    model = folders("gpt-oss", "fp32")
+    layout = ExpertLayout.of(model)
+    budget = (2 * len(layout.counts) + 2) * max(layout.sizes.values())
+    copies = []
+    for tokens in (STEPS, 3 * STEPS):
+        runner = Runner(model, "cpu_reference", expert_budget=budget)
+        decode(Session(runner, batch=1, capacity=CAPACITY), [PROMPTS[1]], STEPS)
+        before = runner.expert_meter()
+        calls, read = _metered(runner)
+        result = run(runner, input_ids=[PROMPTS[0]], max_new_tokens=tokens)
+        assert len(result.rows[0].output_ids) == tokens and "read" not in calls
+        copies.append(len(calls))
+        after = read()
+        assert [result.counters[k] for k in ("expert_routed", "expert_hits", "expert_page_ins",
+                                             "expert_bytes_copied")] == [b - a for a, b in zip(before, after)]
+        assert result.counters["expert_page_ins"] > 0
+    assert copies[0] == copies[1] <= 4
