@@ -151,7 +151,7 @@ class Counters:
     def mark_experts(self, runner) -> None:
         """Start counting ``runner``'s expert paging from now (its ``expert_meter_async()``; a
         runner without one, or not paged: nothing is counted). Without a mark, counting starts
-        from the runner's first page-in."""
+        where the runner's meter does (its load)."""
         self._expert_open, self._expert_spans[:] = (None, 0, 0), []
         read = getattr(runner, "expert_meter_async", None)
         handle = read() if read is not None else None
@@ -171,11 +171,15 @@ class Counters:
     def count_experts(self, runner, decode_tokens: int = 0) -> None:
         """Count the expert paging of the prefill (``decode_tokens`` 0) or decode step
         (``decode_tokens``: rows advanced) just queued on ``runner`` (one whose
-        ``expert_residency`` pages experts; others: nothing). A step is only remembered
-        (its paging is read with the steps around it, when the counters are read or after
-        the next :meth:`end_decode_span`): on cuda the meter lives on the device, and reading it per step
-        would wait for the step and cost run-ahead its overlap. A prefill ends a span whose
-        meter copy is queued now and read later."""
+        ``expert_residency`` pages experts; others: nothing). A step is only remembered (its
+        paging is read with the steps around it, when the counters are read or after the next
+        :meth:`end_decode_span`): on cuda the meter lives on the device, and reading it per
+        step would wait for the step and cost run-ahead its overlap. A prefill ends a span
+        whose meter copy is queued now and read later.
+
+        Raises:
+            RuntimeError: a prefill after decode steps with no :meth:`end_decode_span` between.
+        """
         owner, steps, tokens = self._expert_open
         if decode_tokens:
             if getattr(runner, "expert_residency", None) is not None:  # paged: its meter moves
