@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
+
+#: The expert counters (properties that read the runner's meter when they are read: :class:`Counters`).
+EXPERT_COUNTERS = ("expert_routed", "expert_hits", "expert_page_ins", "expert_bytes_copied", "expert_hit_rate",
+                   "expert_page_ins_per_step", "expert_bytes_per_step", "expert_bytes_per_token")
+
+#: Closed spans of expert paging :meth:`Counters.end_decode_span` leaves unread (their meter
+#: copies may still be queued behind device work; older ones are read).
+SPANS_KEPT = 8
 
 
 @attrs.define
@@ -62,7 +72,10 @@ class Counters:
         expert_routed, expert_hits, expert_page_ins: paged experts (a MoE model under an expert,
             weight or device budget; docs/moe.md): distinct experts routed per MoE node call,
             those found resident or still in the ring, those copied into a ring slot (misses);
-            summed over the session's prefills and steps.
+            summed over the session's prefills and steps. The expert counters are properties
+            read from the runner's meter when they are read (:meth:`count_experts`: a decode
+            step never waits for the device to count them); read them on the thread that
+            drives the session or engine.
         expert_bytes_copied: the experts' stored bytes those page-ins copied.
         expert_hit_rate: expert_hits / expert_routed (1.0 before any route).
         expert_page_ins_per_step, expert_bytes_per_step: page-ins and bytes per decode step.
@@ -106,16 +119,11 @@ class Counters:
     hit_rate: float = 1.0
     byte_hit_rate: float = 1.0
     replans: int = 0
-    expert_routed: int = 0
-    expert_hits: int = 0
-    expert_page_ins: int = 0
-    expert_bytes_copied: int = 0
-    expert_hit_rate: float = 1.0
-    expert_page_ins_per_step: float = 0.0
-    expert_bytes_per_step: float = 0.0
-    expert_bytes_per_token: float = 0.0
+    _expert_sums: tuple = attrs.field(default=(0, 0, 0, 0), repr=False)
     _decode_expert: tuple = attrs.field(default=(0, 0, 0, 0), repr=False)
-    _expert_mark: tuple = attrs.field(default=(), repr=False)
+    _expert_base: Any = attrs.field(default=(0, 0, 0, 0), repr=False, eq=False)
+    _expert_spans: list = attrs.field(factory=list, repr=False, eq=False)
+    _expert_open: tuple = attrs.field(default=(None, 0, 0), repr=False, eq=False)
     _decode_htod: int = attrs.field(default=0, repr=False)
     _decode_page_ins: int = attrs.field(default=0, repr=False)
     _decode_tokens: int = attrs.field(default=0, repr=False)
@@ -141,40 +149,143 @@ class Counters:
             self.page_ins_per_token = self._decode_page_ins / self._decode_tokens
 
     def mark_experts(self, runner) -> None:
-        """Start counting ``runner``'s expert paging from now (its ``expert_meter()``; a runner
-        without one: nothing)."""
-        meter = getattr(runner, "expert_meter", None)
-        self._expert_mark = meter() if meter is not None else ()
+        """Start counting ``runner``'s expert paging from now (its ``expert_meter_async()``; a
+        runner without one, or not paged: nothing is counted). Without a mark, counting starts
+        where the runner's meter does (its load)."""
+        self._expert_open, self._expert_spans[:] = (None, 0, 0), []
+        read = getattr(runner, "expert_meter_async", None)
+        handle = read() if read is not None else None
+        self._expert_base = (0, 0, 0, 0) if handle is None else handle
+
+    def end_decode_span(self) -> None:
+        """End the span of decode steps counted since the last span (call it before queueing a
+        prefill, so that the prefill's expert paging is told apart from the steps'): the meter
+        is copied behind the queued work and read later, never waited for here. All but the
+        last :data:`SPANS_KEPT` spans are read now (their copies are long done: a result was
+        read since), so a long-running engine keeps a bounded list."""
+        owner, steps, tokens = self._expert_open
+        if steps:
+            self._close_span(owner, steps, tokens)
+        self._settle(len(self._expert_spans) - SPANS_KEPT)
 
     def count_experts(self, runner, decode_tokens: int = 0) -> None:
-        """Count the expert paging ``runner.expert_meter()`` (routed, hits, page-ins, bytes so
-        far; () when not paged, or no such method) moved since the last mark, and mark it."""
-        read = getattr(runner, "expert_meter", None)
-        meter = read() if read is not None else ()
-        if meter:
-            routed, hits, page_ins, nbytes = (b - a for a, b in zip(self._expert_mark or (0, 0, 0, 0), meter))
-            self.add_experts(routed, hits, page_ins, nbytes, decode_tokens)
-            self._expert_mark = meter
+        """Count the expert paging of the prefill (``decode_tokens`` 0) or decode step
+        (``decode_tokens``: rows advanced) just queued on ``runner`` (one whose
+        ``expert_residency`` pages experts; others: nothing). A step is only remembered (its
+        paging is read with the steps around it, when the counters are read or after the next
+        :meth:`end_decode_span`): on cuda the meter lives on the device, and reading it per
+        step would wait for the step and cost run-ahead its overlap. A prefill ends a span
+        whose meter copy is queued now and read later.
 
-    def add_experts(self, routed: int, hits: int, page_ins: int, nbytes: int, decode_tokens: int = 0) -> None:
-        """Count one prefill's or step's expert paging (``decode_tokens``: rows advanced, 0 for a
-        prefill; a step counts one decode step)."""
-        self.expert_routed += routed
-        self.expert_hits += hits
-        self.expert_page_ins += page_ins
-        self.expert_bytes_copied += nbytes
-        self.expert_hit_rate = self.expert_hits / self.expert_routed if self.expert_routed else 1.0
+        Raises:
+            RuntimeError: a prefill after decode steps with no :meth:`end_decode_span` between.
+        """
+        owner, steps, tokens = self._expert_open
         if decode_tokens:
-            steps, pages, copied, tokens = self._decode_expert
-            self._decode_expert = (steps + 1, pages + page_ins, copied + nbytes, tokens + decode_tokens)
-            steps, pages, copied, tokens = self._decode_expert
-            self.expert_page_ins_per_step = pages / steps
-            self.expert_bytes_per_step = copied / steps
-            self.expert_bytes_per_token = copied / tokens
+            if getattr(runner, "expert_residency", None) is not None:  # paged: its meter moves
+                self._expert_open = (runner, steps + 1, tokens + decode_tokens)
+            return
+        if steps:
+            raise RuntimeError("count_experts: a prefill counted after decode steps with no end_decode_span() "
+                               "between them (its paging would be charged to the steps)")
+        self._close_span(runner, 0, 0)
+
+    def settle_experts(self) -> None:
+        """Read the expert paging counted so far into the ``expert_*`` counters (one read of the
+        meter: on cuda a wait for the work queued so far). Reading any ``expert_*`` counter or
+        :meth:`to_dict` does this first."""
+        owner, steps, tokens = self._expert_open
+        if steps:
+            self._close_span(owner, steps, tokens)
+        self._settle(len(self._expert_spans))
+
+    def _close_span(self, runner, steps: int, tokens: int) -> None:
+        """Queue a copy of ``runner``'s meter ending a span of ``steps`` decode steps of
+        ``tokens`` rows (0: a prefill); nothing when the runner pages no experts."""
+        self._expert_open = (None, 0, 0)
+        read = getattr(runner, "expert_meter_async", None)
+        handle = read() if read is not None else None
+        if handle is not None:
+            self._expert_spans.append((handle, steps, tokens))
+
+    def _settle(self, n: int) -> None:
+        """Read the first ``n`` closed spans' meters and count the paging between them."""
+        if n <= 0:
+            return
+        base = self._expert_base
+        prev = base if isinstance(base, tuple) else tuple(int(x) for x in base.wait())
+        for handle, steps, tokens in self._expert_spans[:n]:
+            meter = tuple(int(x) for x in handle.wait())
+            routed, hits, page_ins, nbytes = (b - a for a, b in zip(prev, meter))
+            self.add_experts(routed, hits, page_ins, nbytes, tokens, steps)
+            prev = meter
+        self._expert_base = prev
+        del self._expert_spans[:n]
+
+    def add_experts(self, routed: int, hits: int, page_ins: int, nbytes: int, decode_tokens: int = 0,
+                    steps: int = 1) -> None:
+        """Count the expert paging of one prefill or of ``steps`` decode steps (``decode_tokens``:
+        rows they advanced, 0 for a prefill)."""
+        r, h, p, b = self._expert_sums
+        self._expert_sums = (r + routed, h + hits, p + page_ins, b + nbytes)
+        if decode_tokens:
+            n, pages, copied, tokens = self._decode_expert
+            self._decode_expert = (n + steps, pages + page_ins, copied + nbytes, tokens + decode_tokens)
+
+    def _sums(self) -> tuple:
+        self.settle_experts()
+        return self._expert_sums
+
+    @property
+    def expert_routed(self) -> int:
+        """Distinct experts routed per MoE node call, summed (class docstring)."""
+        return self._sums()[0]
+
+    @property
+    def expert_hits(self) -> int:
+        """Routed experts found resident or still in the ring."""
+        return self._sums()[1]
+
+    @property
+    def expert_page_ins(self) -> int:
+        """Routed experts copied into a ring slot."""
+        return self._sums()[2]
+
+    @property
+    def expert_bytes_copied(self) -> int:
+        """The experts' stored bytes the page-ins copied."""
+        return self._sums()[3]
+
+    @property
+    def expert_hit_rate(self) -> float:
+        """expert_hits / expert_routed (1.0 before any route)."""
+        routed, hits, _, _ = self._sums()
+        return hits / routed if routed else 1.0
+
+    def _per_step(self, i: int, per: int) -> float:
+        self.settle_experts()
+        d = self._decode_expert
+        return d[i] / d[per] if d[per] else 0.0
+
+    @property
+    def expert_page_ins_per_step(self) -> float:
+        """Expert page-ins per decode step (total / steps; 0.0 before a step)."""
+        return self._per_step(1, 0)
+
+    @property
+    def expert_bytes_per_step(self) -> float:
+        """Expert bytes copied per decode step (total / steps)."""
+        return self._per_step(2, 0)
+
+    @property
+    def expert_bytes_per_token(self) -> float:
+        """Expert bytes copied per generated token (per row; total / tokens)."""
+        return self._per_step(2, 3)
 
     def to_dict(self) -> dict:
-        """The counters as plain JSON-ready data."""
-        return attrs.asdict(self, filter=lambda a, _v: not a.name.startswith("_"))
+        """The counters as plain JSON-ready data (the expert counters read first: :meth:`settle_experts`)."""
+        out = attrs.asdict(self, filter=lambda a, _v: not a.name.startswith("_"))
+        return {**out, **{name: getattr(self, name) for name in EXPERT_COUNTERS}}
 
 
 @attrs.frozen

@@ -413,6 +413,7 @@ class Session:
         self._compiled_at = compiling.seconds()  # a compile before the prefill is not the prefill's
         t0 = time.perf_counter()
         before = self.runner.stream_meter()
+        self.counters.end_decode_span()  # the prefill's expert paging apart from the steps'
         # a fault here leaves the state not started (begin_request): the next prefill rewrites it all
         steps.prefill(state, input_ids, self.all_logits, self.prefill_groups)
         self.runner.outputs_owner = state
@@ -692,7 +693,7 @@ class Session:
                                f"{what} right after this session's step(), or give each session its own Runner")
 
     def _count_streamed(self, done: tuple, decode_tokens: int) -> None:
-        self.counters.count_experts(self.runner, decode_tokens)  # expert paging since the last mark
+        self.counters.count_experts(self.runner, decode_tokens)  # read lazily (Counters.count_experts)
         if done:
             self.counters.add_streamed(done[0], done[1], self.runner.residency.slots, decode_tokens)
 

@@ -106,8 +106,9 @@ class _Bucket(_Rows):
         if self.sampling is not None:
             buffers += [self.sampling.params, self.sampling.options, self.sampling.history]
         buffers += [t for pair in self.kv.layers for t in pair]
+        paged = self.runner.expert_residency  # a re-planned expert set rebuilds the cuda resident store
         return (self.batch, self.kv.geometry.capacity, id(self.runner.plan), id(self.runner.residency),
-                tuple(id(b) for b in buffers))
+                id(None if paged is None else paged.plan), tuple(id(b) for b in buffers))
 
 
 class SlotState:
@@ -164,6 +165,7 @@ class SlotState:
         if not 0 <= start < stop <= n:
             raise ValueError(f"prefill chunk [{start}, {stop}) of a prompt of {n} tokens")
         before = self.runner.stream_meter()
+        self.counters.end_decode_span()  # the prefill's expert paging apart from the steps'
         if start == 0 and stop == n:
             row.logits, positions = prompts.run_prompts(row, [prompt_ids], False, "off")
         else:
@@ -211,6 +213,7 @@ class SlotState:
             p.write(rows.sampling.history, hist)
         lens = np.array([len(ids) for ids in prompt_ids], np.int32)
         before = self.runner.stream_meter()
+        self.counters.end_decode_span()  # the prefill's expert paging apart from the steps'
         rows.logits, positions = prompts.run_prompts(rows, prompt_ids, False, "off")
         self._count_streamed(before, 0)
         steps.select(rows, positions, p.upload(lens), None)

@@ -93,6 +93,37 @@ def plan_experts(num_experts: Mapping[str, int], expert_bytes: Mapping[str, int]
                       ring_slots)
 
 
+def shrink(plan: ExpertPlan, nbytes: int) -> ExpertPlan:
+    """``plan`` with resident experts moved to the ring until at least ``nbytes`` are given
+    back, or none is left resident (the ring stays): the highest expert index first, the later
+    node first among equals (the reverse of :func:`plan_experts`' uniform order, so a uniform
+    plan stays one). The moved experts are paged like any cold one: the results do not change.
+    A plan without a ring (everything resident) is returned as it is.
+    """
+    if plan.ring_slots == 0:
+        return plan
+    order = sorted(((e, i, node) for i, (node, r) in enumerate(plan.resident.items()) for e in r), reverse=True)
+    resident = {n: set(r) for n, r in plan.resident.items()}
+    freed = 0
+    for e, _, node in order:
+        if freed >= nbytes:
+            break
+        resident[node].discard(e)
+        freed += plan.expert_bytes[node]
+    return attrs.evolve(plan, resident={n: frozenset(r) for n, r in resident.items()})
+
+
+def check_shrunk(old: ExpertPlan, new: ExpertPlan) -> None:
+    """Refuse a re-plan that is not ``old`` with fewer resident experts (the pagers' ``replan``).
+
+    Raises:
+        ValueError: other nodes, another ring, or an expert resident in ``new`` only.
+    """
+    if (new.num_experts != old.num_experts or new.ring_slots != old.ring_slots or new.ring_slots == 0
+            or any(not new.resident[n] <= old.resident[n] for n in old.resident)):
+        raise ValueError("an expert re-plan may only move resident experts to the ring")
+
+
 class SlotRing:
     """The ring of expert slots: which (node, expert) each slot holds, filled first in first out.
 

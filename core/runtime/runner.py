@@ -29,6 +29,7 @@ from core.plugins import get_provider
 from core.runtime import expert_budget as experts
 from core.runtime import kv as kvgeo
 from core.runtime import placement, residency, ring, rowblocks, streaming
+from core.runtime.experts import shrink
 
 log = logging.getLogger("lockstep")
 
@@ -64,9 +65,10 @@ class Runner:
         expert_slots: the expert ring's slots (default 2).
         reserve_for: (batch, capacity) of the largest decode state the caller will open. With a
             device budget and no expert budget on a MoE model, the experts' share at load leaves
-            room for that state's KV cache and workspace (:meth:`reservation`), since the expert
-            plan does not shrink when a state opens. Default: a default Session's (batch 1,
-            capacity 256 or the model context).
+            room for that state's KV cache and workspace (:meth:`reservation`); KV beyond it is
+            paid by moving resident experts to the ring (:meth:`_reserve`), which pages more
+            per step. Default: a default Session's (batch 1, capacity 256 or the model
+            context).
 
     Thread safety: one Runner may serve sessions on several threads. Every call that runs the
     plan or changes the runner's state (a session's prefill, step, read, discard, rewind,
@@ -304,7 +306,8 @@ class Runner:
 
     def reserve_kv(self, extra: int) -> str | None:
         """Account ``extra`` more KV bytes (a decode state allocating or committing); under a
-        device budget, shrink the weight budget first when they would not fit (elastic budget).
+        device budget, shrink the weight budget first when they would not fit (elastic budget:
+        on a MoE model under a plain device budget, resident experts move to the ring first).
 
         Returns:
             None, or the reason the weight plan changed (its graphs are then invalid).
@@ -317,16 +320,18 @@ class Runner:
             return self._reserve(extra, 0)
 
     def _reserve(self, kv: int, work: int) -> str | None:
-        """Account ``kv`` more KV bytes and ``work`` more workspace bytes; re-plan the weights
-        under what the device budget leaves them when the sum would not fit."""
+        """Account ``kv`` more KV bytes and ``work`` more workspace bytes; when the sum would not
+        fit the device budget, move resident experts to the ring (:meth:`_shrink_experts`), then
+        re-plan the dense weights under what is left if that is not enough."""
         self.kv_device_bytes += kv
         self.workspace_reserved += work
         if self.device_budget is None or kv + work <= 0:
             return None
-        r = self.residency
-        used = self.weight_bytes + r.staging_bytes + self.kv_device_bytes + self.workspace_reserved
-        if used <= self.device_budget:
+        if self._used() <= self.device_budget:
             return None
+        experts_moved = self._shrink_experts(self._used() - self.device_budget)  # experts give back first
+        if experts_moved is not None and self._used() <= self.device_budget:
+            return experts_moved
         budget = self.device_budget - self.kv_device_bytes - self.workspace_reserved - self.expert_device_bytes
         try:
             self.residency = self._plan_residency(budget)
@@ -349,10 +354,39 @@ class Runner:
                 f"{b(kv_all + work_all + need + self.expert_device_bytes)} (or lower the batch or the "
                 "context)") from None
         self.replans += 1
-        return (f"weight plan changed: KV of {self.kv_device_bytes:,} bytes and a workspace of "
-                f"{self.workspace_reserved:,} bytes left {budget:,} bytes of the "
-                f"{self.device_budget:,} byte device budget for weights; "
-                f"{self.residency.weight_bytes_streamed_per_step:,} bytes now stream per step")
+        changed = (f"weight plan changed: KV of {self.kv_device_bytes:,} bytes and a workspace of "
+                   f"{self.workspace_reserved:,} bytes left {budget:,} bytes of the "
+                   f"{self.device_budget:,} byte device budget for weights; "
+                   f"{self.residency.weight_bytes_streamed_per_step:,} bytes now stream per step")
+        return changed if experts_moved is None else f"{experts_moved}; {changed}"
+
+    def _used(self) -> int:
+        """Device bytes the budget counts: weights (with the paged experts), staging, KV, workspace."""
+        return self.weight_bytes + self.residency.staging_bytes + self.kv_device_bytes + self.workspace_reserved
+
+    def _shrink_experts(self, over: int) -> str | None:
+        """Under a plain device budget (the experts sized at load around ``expert_reserve``),
+        give ``over`` bytes back from the resident experts (core.runtime.experts.shrink: moved to
+        the ring, the results unchanged). When they cannot give enough, they give all only if
+        the dense weights' smallest plan then fits what is left (the caller re-plans those);
+        else nothing moves and the caller refuses. Returns the reason the plan changed, or None.
+        """
+        res, budget = self.expert_residency, self.device_budget
+        if (budget is None or not self.expert_reserve or res is None or not res.plan.ring_slots
+                or not res.plan.resident_bytes):
+            return None
+        plan = res.plan
+        smaller = shrink(plan, over)
+        freed = plan.resident_bytes - smaller.resident_bytes
+        if freed < over and (budget - self.kv_device_bytes - self.workspace_reserved - smaller.ring_bytes
+                             < self._smallest_weight_budget()):
+            return None
+        res.replan(smaller)
+        self.replans += 1
+        return (f"expert plan changed: KV of {self.kv_device_bytes:,} bytes and a workspace of "
+                f"{self.workspace_reserved:,} bytes grew past what the {budget:,} byte device budget "
+                f"reserved for them at load; {freed:,} bytes of resident experts moved to the ring "
+                f"({smaller.resident_bytes:,} bytes of experts stay resident)")
 
     def with_layout(self, kv_layout: str) -> Runner:
         """A Runner for another KV layout over the same weights: nothing is planned or uploaded
@@ -373,11 +407,18 @@ class Runner:
 
     def expert_meter(self) -> tuple:
         """(experts routed, hits, page-ins, bytes copied) so far by the paged experts; () when not
-        paged. On cuda this reads the device counters (it waits for the queued work)."""
+        paged. On cuda this reads the device counters (it waits for the queued work: the
+        session counters read :meth:`expert_meter_async` instead)."""
         if self.expert_residency is None:
             return ()
         c = self.expert_residency.counters
         return (c.routed, c.hits, c.page_ins, c.page_in_bytes)
+
+    def expert_meter_async(self) -> Any:
+        """A handle whose ``wait()`` gives :meth:`expert_meter` as the work queued so far leaves
+        it, without waiting for that work here (the residency's ``meter_async``: on cuda a copy
+        of the device counters queued behind it); None when not paged."""
+        return None if self.expert_residency is None else self.expert_residency.meter_async()
 
     def stream_meter(self) -> tuple:
         """(weight bytes copied, copies) so far on the staging ring; () when nothing streams."""
@@ -455,7 +496,8 @@ class Runner:
     def engine_slots(self, slots: int, capacity: int, capture: bool | None):
         """The slot state of an :class:`~core.engine.Engine` on this runner: a
         :class:`~core.engine.slots.SlotState` of ``slots`` rows of ``capacity`` positions, with
-        fresh :class:`~core.counters.Counters` (``.counters``) holding this runner's residency.
+        fresh :class:`~core.counters.Counters` (``.counters``) holding this runner's residency
+        (its expert paging counted from now).
         A step runner of another kind answers with its own (tensor parallel:
         :meth:`core.parallel.runner.TensorParallelRunner.engine_slots`).
 
@@ -466,4 +508,5 @@ class Runner:
 
         counters = Counters()
         counters.set_residency(self.residency.summary(), self.weight_bytes)
+        counters.mark_experts(self)  # the engine's expert paging, not an earlier session's on this runner
         return SlotState(self, slots, capacity, capture, counters)

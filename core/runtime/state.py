@@ -109,8 +109,9 @@ class DecodeState:
         if self.sampling is not None:  # sampling or argmax: a different step, a different graph
             buffers += [self.sampling.params, self.sampling.options, self.sampling.history]
         buffers += self.kv.buffers()
+        paged = self.runner.expert_residency  # a re-planned expert set rebuilds the cuda resident store
         return (self.batch, self.kv.geometry.capacity, self.runner.kv_layout, id(self.runner.plan),
-                id(self.runner.residency), tuple(id(b) for b in buffers))
+                id(self.runner.residency), id(None if paged is None else paged.plan), tuple(id(b) for b in buffers))
 
     def _new_mask(self, geometry) -> object:
         """A mask of the width of ``geometry`` written from the host lengths (before a switch)."""

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from core.runtime.experts import ExpertCounters, ExpertPlan, SlotRing, moe_layout, plan_experts
+from core.provider import ReadyDownload
+from core.runtime.experts import ExpertCounters, ExpertPlan, SlotRing, check_shrunk, moe_layout, plan_experts
 from providers.cpu_reference.ops._moe import Expert, Experts, Routing
 
 
@@ -35,6 +36,23 @@ class ExpertResidency:
         self.ring = SlotRing(plan.ring_slots)
         self.counters = ExpertCounters(moe_nodes=len(plan.num_experts))
         self._slots: list[Expert | None] = [None] * plan.ring_slots
+
+    def replan(self, plan: ExpertPlan) -> None:
+        """Run under ``plan`` from the next call on: the current plan with fewer resident
+        experts (core.runtime.experts.shrink); the ones moved are paged from the bank like any
+        cold expert, so the results do not change.
+
+        Raises:
+            ValueError: ``plan`` is not the current one with fewer resident experts.
+        """
+        check_shrunk(self.plan, plan)
+        self.plan = plan
+
+    def meter_async(self) -> ReadyDownload:
+        """(routed, hits, page-ins, page-in bytes) so far, as a finished handle (``wait()``):
+        the host counters are current."""
+        c = self.counters
+        return ReadyDownload(np.array([c.routed, c.hits, c.page_ins, c.page_in_bytes], np.int64))
 
     def _page_in(self, slot: int, source: Expert) -> Expert:
         """Copy ``source`` into ``slot`` (reusing its arrays when the shapes match)."""

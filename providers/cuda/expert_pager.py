@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from core.runtime.experts import ExpertCounters, ExpertPlan, moe_layout, plan_experts
+from core.runtime.experts import ExpertCounters, ExpertPlan, check_shrunk, moe_layout, plan_experts
 
 #: Entries of a page's pointer table: fc1 (weights, scales, zero points, bias), fc2, fc3.
 NT = 12
@@ -153,13 +153,30 @@ class _Node:
             self.bank[:, offsets[t]:offsets[t] + sizes[t]] = host.reshape(num_experts, -1).view(np.uint8)
             del host
         self.bank_device = provider.map_host(self.bank)
+        self.keep(cp, resident)
+        self.offsets = cp.asarray(offsets)
+
+    def keep(self, cp, resident: frozenset) -> None:
+        """The resident store of the pages of ``resident`` (from the bank) and their rows."""
         rows = sorted(resident)
-        self.cold = num_experts - len(rows)
+        self.cold = self.num_experts - len(rows)
         self.resident = cp.asarray(self.bank[rows]) if rows else cp.zeros(ALIGN, cp.uint8)
-        row = np.full(num_experts, -1, np.int32)
+        row = np.full(self.num_experts, -1, np.int32)
         row[rows] = np.arange(len(rows), dtype=np.int32)
         self.resident_row = cp.asarray(row)
-        self.offsets = cp.asarray(offsets)
+
+
+class _Meter:
+    """The handle of :meth:`CudaExpertResidency.meter_async`."""
+
+    def __init__(self, download: Any, page_bytes: list[int]):
+        self._download, self._page_bytes = download, page_bytes
+
+    def wait(self) -> tuple[int, int, int, int]:
+        """(routed, hits, page-ins, page-in bytes) from the copied counts [nodes, 4]."""
+        counts = self._download.wait()
+        return (int(counts[:, 0].sum()), int(counts[:, 1].sum()), int(counts[:, 2].sum()),
+                sum(int(counts[i, 2]) * b for i, b in enumerate(self._page_bytes)))
 
 
 class CudaExpertResidency:
@@ -198,6 +215,31 @@ class CudaExpertResidency:
             page_in_bytes=sum(int(counts[i, 2]) * self.plan.expert_bytes[n] for i, n in enumerate(names)),
             token_rows=int(counts[:, 3].sum()), moe_nodes=len(names),
             routed_counts={n: routes[i, :self.nodes[n].num_experts].astype(np.int64) for i, n in enumerate(names)})
+
+    def replan(self, plan: ExpertPlan) -> None:
+        """Run under ``plan`` from the next call on: the current plan with fewer resident
+        experts (core.runtime.experts.shrink), each node's resident store rebuilt from its bank
+        (the moved experts are paged like any cold one; the ring is kept). The caller has
+        waited for the work that reads the old stores and drops the captured graphs that hold
+        their addresses (Runner._reserve returns the reason).
+
+        Raises:
+            ValueError: ``plan`` is not the current one with fewer resident experts.
+        """
+        check_shrunk(self.plan, plan)
+        self.provider.stream.synchronize()
+        for name, node in self.nodes.items():
+            node.keep(self.provider.cupy, plan.resident[name])
+        self.plan = plan
+        self.provider.stream.synchronize()  # the new stores are in place before any step
+
+    def meter_async(self) -> _Meter:
+        """(routed, hits, page-ins, page-in bytes) as the work queued so far leaves the device
+        counters, as a handle: the copy of the counts is queued on the provider stream behind
+        that work (``provider.download_async``), so only ``wait()`` waits, and for the copy
+        alone. The same figures as :attr:`counters`."""
+        per_node = [self.plan.expert_bytes[n] for n in self.nodes]
+        return _Meter(self.provider.download_async(self._counts), per_node)
 
     def launch(self, ctx, t: str, bits: tuple[int, int], x, experts, a, y, sizes: tuple[int, int, int, int],
                rows_of: tuple[int, int, int], block: int, tail: tuple) -> None:

@@ -117,3 +117,37 @@ def test_a_plain_device_budget_leaves_the_experts_room_for_the_kv_cache(gpt_oss,
     used = runner.weight_bytes + runner.residency.staging_bytes + runner.kv_device_bytes + runner.workspace_reserved
     assert used <= budget
     assert np.array_equal(paged_tokens, tokens) and np.array_equal(paged_logits, logits)
+
+
+def test_kv_growth_moves_resident_experts_to_the_ring_and_steps_never_read_the_counters(gpt_oss, monkeypatch):
+    """A plain device budget sized around a KV cache of 16 positions, a growing captured session
+    past it (run ahead): the resident stores shrink (CudaExpertResidency.replan) instead of the
+    dense weights streaming, within the budget, bitwise the all-resident growing session; the
+    device counters are never read while decoding (Counters reads a queued copy of them when
+    they are read), and then equal the pager's."""
+    from providers.cuda.expert_pager import CudaExpertResidency
+
+    model = gpt_oss("fp16")
+    layout = ExpertLayout.of(model)
+    size = max(layout.sizes.values())
+    context = model.config.context_length
+    shape = dict(batch=len(PROMPTS), capacity=16, max_capacity=context, kv_policy="growing", capture=True)
+    want = decode(Session(model, "cuda", **shape), PROMPTS, STEPS).tokens
+    full = Runner(model, "cuda")
+    budget = full.weight_bytes - layout.total_bytes + (2 * len(layout.counts) + 2) * size
+    budget += full.reservation(len(PROMPTS), 16)
+    runner = Runner(model, "cuda", device_budget=budget, reserve_for=(len(PROMPTS), 16))
+    before = runner.expert_residency.plan.resident_bytes
+    reads: list = []
+    counters = CudaExpertResidency.counters
+    monkeypatch.setattr(CudaExpertResidency, "counters", property(lambda self: reads.append(1) or counters.fget(self)))
+    session = Session(runner, **shape)
+    got = decode(session, PROMPTS, STEPS).tokens
+    assert reads == [] and np.array_equal(got, want)
+    c = session.counters
+    monkeypatch.undo()
+    assert c.expert_page_ins == runner.expert_residency.counters.page_ins > 0
+    assert runner.expert_residency.plan.resident_bytes < before and runner.replans >= 1
+    assert runner.residency.weight_bytes_streamed_per_step == 0
+    used = runner.weight_bytes + runner.residency.staging_bytes + runner.kv_device_bytes + runner.workspace_reserved
+    assert used <= budget

@@ -174,8 +174,9 @@ def test_a_plain_device_budget_too_small_names_the_smallest_working_one(folders)
 
 
 def test_a_state_beyond_the_reservation_is_refused_naming_the_fix(folders):
-    """The expert plan does not shrink when a state opens: a state larger than the Runner was made
-    for is refused (naming reserve_for), and the Runner serves the state it was made for."""
+    """At the smallest budget the experts keep the ring alone, so they have nothing to give back:
+    a state larger than the Runner was made for is refused (naming reserve_for), and the Runner
+    serves the state it was made for."""
     model = folders("gpt-oss", "fp32")
     with pytest.raises(BudgetError) as err:
         Runner(model, "cpu_reference", device_budget=1000, reserve_for=(1, 8))
@@ -210,3 +211,118 @@ def test_serve_reserves_its_slots_before_the_experts_share(folders):
         _within(engine.runner, budget)  # the slots reserve their workspace (Runner.open_state)
     finally:
         engine.shutdown()
+
+
+def _metered(runner):
+    """(the list ``runner``'s expert meter calls go to: "copy" for ``expert_meter_async``, "read"
+    for ``expert_meter``, the read that waits on cuda; the unwrapped ``expert_meter``)."""
+    calls: list = []
+    meter, read = runner.expert_meter_async, runner.expert_meter
+    runner.expert_meter_async = lambda: calls.append("copy") or meter()
+    runner.expert_meter = lambda: calls.append("read") or read()
+    return calls, read
+
+
+def test_the_expert_counters_read_the_meter_once_a_request_and_equal_per_step_reads(folders):
+    """A decode step never reads the expert meter (on cuda that read waits for the step, and
+    run-ahead loses its overlap): a request copies it a fixed number of times however many steps
+    it runs, and the counters then equal those of a run that read them after every step (what
+    each step did before), per-step figures the decode total over the steps."""
+    model = folders("gpt-oss", "fp32")
+    layout = ExpertLayout.of(model)
+    budget = (2 * len(layout.counts) + 2) * max(layout.sizes.values())
+
+    def session():
+        runner = Runner(model, "cpu_reference", expert_budget=budget)
+        return Session(runner, batch=len(PROMPTS), capacity=CAPACITY), _metered(runner)[0]
+
+    copies = []
+    for steps in (STEPS, 3 * STEPS):
+        lazy, calls = session()
+        tokens = decode(lazy, PROMPTS, steps).tokens  # run ahead: no observer
+        copies.append(len(calls))
+        figures = {k: v for k, v in lazy.counters.to_dict().items() if k.startswith("expert_")}
+        assert calls == ["copy"] * (copies[-1] + 1)  # reading the counters copies the meter once more
+    assert copies[0] == copies[1] <= 3
+    assert figures["expert_page_ins"] == lazy.runner.expert_residency.counters.page_ins > 0
+    eager, _ = session()
+    seen: list = []
+    eager_tokens = decode(eager, PROMPTS, 3 * STEPS,
+                          observer=lambda *_: seen.append((eager.counters.expert_page_ins,
+                                                           eager.counters.expert_bytes_copied))).tokens
+    c = eager.counters
+    assert np.array_equal(eager_tokens, tokens)
+    assert {k: v for k, v in c.to_dict().items() if k.startswith("expert_")} == figures
+    steps_run, (prefill_pages, prefill_bytes) = c.decode_steps, seen[0]
+    assert c.expert_page_ins_per_step == (c.expert_page_ins - prefill_pages) / steps_run
+    assert c.expert_bytes_per_token == (c.expert_bytes_copied - prefill_bytes) / (steps_run * len(PROMPTS))
+
+
+def test_kv_growth_past_the_reservation_moves_resident_experts_to_the_ring(folders):
+    """A plain device budget sizes the experts around a KV cache of 16 positions; a growing
+    cache then doubles twice (to 64): the experts give the KV's bytes back (resident experts
+    moved to the ring, highest index first) instead of the dense weights streaming, every
+    step stays within the budget, and the tokens and logits are bitwise the resident run's."""
+    model = folders("gpt-oss", "fp32")
+    layout = ExpertLayout.of(model)
+    size = max(layout.sizes.values())
+    full = Runner(model, "cpu_reference")
+    dense = full.weight_bytes - layout.total_bytes
+    reserve = full.reservation(len(PROMPTS), 16)
+    budget = dense + (2 * len(layout.counts) + 2) * size + reserve  # the ring and two experts a layer
+    want = Session(model, "cpu_reference", batch=len(PROMPTS), capacity=CAPACITY)
+    logits: list = []
+    tokens = decode(want, PROMPTS, 3 * STEPS, observer=lambda *_: logits.append(want.last_logits())).tokens
+    runner = Runner(model, "cpu_reference", device_budget=budget, reserve_for=(len(PROMPTS), 16))
+    assert all(r == {0, 1} for r in runner.expert_residency.plan.resident.values())
+    session = Session(runner, batch=len(PROMPTS), capacity=16, max_capacity=CAPACITY, kv_policy="growing")
+    used: list = []
+    got: list = []
+
+    def observe(*_):
+        used.append(runner.weight_bytes + runner.residency.staging_bytes + runner.kv_device_bytes
+                    + runner.workspace_reserved)
+        got.append(session.last_logits())
+
+    assert np.array_equal(decode(session, PROMPTS, 3 * STEPS, observer=observe).tokens, tokens)
+    assert np.array_equal(np.stack(got), np.stack(logits))
+    c = session.counters
+    assert c.growth_events == 2 and session.state.kv.capacity == CAPACITY
+    assert max(used) <= budget and runner.kv_device_bytes > reserve - runner.workspace_reserved
+    resident = runner.expert_residency.plan.resident
+    moved = 2 * len(layout.counts) - sum(len(r) for r in resident.values())
+    assert moved >= 1 and all(r <= {0, 1} for r in resident.values())
+    assert used[-1] + size > budget  # no more moved than needed: one expert back would not fit
+    assert runner.residency.weight_bytes_streamed_per_step == 0  # the dense weights stay resident
+    assert c.replans == runner.replans >= 1 and c.expert_page_ins > 0
+    _within(runner, budget)
+    # one byte past the budget moves exactly one more expert, and says so
+    over = budget - used[-1] + 1
+    assert runner.reserve_kv(over).startswith("expert plan changed")
+    assert 2 * len(layout.counts) - sum(len(r) for r in runner.expert_residency.plan.resident.values()) == moved + 1
+    _within(runner, budget)
+    runner.reserve_kv(-over)
+    assert np.array_equal(decode(session, PROMPTS, STEPS).tokens, tokens[:STEPS + 1])  # the session serves on
+
+
+def test_the_engine_counts_its_own_expert_paging_without_reading_the_meter_per_step(folders):
+    """``core.run`` (the engine) on a Runner that already served a Session: the engine's expert
+    counters start at its slots (the Session's paging is not in them), the meter is copied a
+    fixed number of times however many tokens the request decodes, and never read with a wait."""
+    model = folders("gpt-oss", "fp32")
+    layout = ExpertLayout.of(model)
+    budget = (2 * len(layout.counts) + 2) * max(layout.sizes.values())
+    copies = []
+    for tokens in (STEPS, 3 * STEPS):
+        runner = Runner(model, "cpu_reference", expert_budget=budget)
+        decode(Session(runner, batch=1, capacity=CAPACITY), [PROMPTS[1]], STEPS)
+        before = runner.expert_meter()
+        calls, read = _metered(runner)
+        result = run(runner, input_ids=[PROMPTS[0]], max_new_tokens=tokens)
+        assert len(result.rows[0].output_ids) == tokens and "read" not in calls
+        copies.append(len(calls))
+        after = read()
+        assert [result.counters[k] for k in ("expert_routed", "expert_hits", "expert_page_ins",
+                                             "expert_bytes_copied")] == [b - a for a, b in zip(before, after)]
+        assert result.counters["expert_page_ins"] > 0
+    assert copies[0] == copies[1] <= 4

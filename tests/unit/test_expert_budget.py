@@ -87,21 +87,55 @@ def test_the_cuda_pager_builds_its_pages_from_host_experts(monkeypatch):
     assert res.plan.resident["moe0"] == frozenset({0, 1}) and ctx.cache["expert_pager"] is res
 
 
-def test_the_counters_count_each_steps_expert_paging_from_the_runners_meter():
-    meter = [(0, 0, 0, 0)]
-    runner = SimpleNamespace(expert_meter=lambda: meter[0])
-    c = Counters()
-    meter[0] = (4, 1, 3, 300)  # before the session: not its traffic
+class _Meter:
+    """A runner's expert meter as a device keeps it: ``expert_meter_async`` queues a copy of the
+    counts as they are now (the work queued so far) and only ``wait()`` reads it."""
+
+    expert_residency = "paged"
+
+    def __init__(self):
+        self.now, self.copies, self.reads = (0, 0, 0, 0), 0, 0
+
+    def expert_meter_async(self):
+        self.copies += 1
+        value = self.now
+        return SimpleNamespace(wait=lambda: self._read(value))
+
+    def _read(self, value):
+        self.reads += 1
+        return value
+
+
+def test_the_counters_read_the_expert_meter_per_span_not_per_step():
+    """A decode step only counts itself: the meter is copied when a span ends (the first mark,
+    before and after a prefill) and read when a counter is read, once, and the figures are the
+    exact totals of the spans (per step: the steps' total over their number)."""
+    runner, c = _Meter(), Counters()
+    runner.now = (4, 1, 3, 300)  # before the session: not its traffic
     c.mark_experts(runner)
-    meter[0] = (8, 2, 5, 500)
-    c.count_experts(runner)  # a prefill
-    meter[0] = (10, 3, 6, 600)
-    c.count_experts(runner, decode_tokens=2)  # a step of two rows
-    assert (c.expert_routed, c.expert_hits, c.expert_page_ins, c.expert_bytes_copied) == (6, 2, 3, 300)
-    assert c.expert_hit_rate == pytest.approx(2 / 6)
+    c.end_decode_span()  # nothing decoded yet
+    runner.now = (8, 2, 5, 500)
+    c.count_experts(runner)  # a prefill: 4 routed, 1 hit, 2 page-ins, 200 bytes
+    for step in range(1, 11):  # ten steps of two rows, one page-in of 100 bytes each
+        runner.now = (8 + 2 * step, 2 + step, 5 + step, 500 + 100 * step)
+        c.count_experts(runner, decode_tokens=2)
+    assert (runner.copies, runner.reads) == (2, 0)  # the steps neither copied nor read the meter
+    assert (c.expert_routed, c.expert_hits, c.expert_page_ins, c.expert_bytes_copied) == (24, 11, 12, 1200)
+    assert (runner.copies, runner.reads) == (3, 3)  # one copy ends the steps' span; the counters read once
+    assert c.expert_hit_rate == 11 / 24
     assert c.expert_page_ins_per_step == 1 and c.expert_bytes_per_step == 100 and c.expert_bytes_per_token == 50
-    c.count_experts(SimpleNamespace())  # a runner without paging: nothing
-    assert "expert_page_ins" in c.to_dict() and "_expert_mark" not in c.to_dict()
+    assert c.to_dict()["expert_page_ins"] == 12 and "_expert_sums" not in c.to_dict() and runner.reads == 3
+    c.count_experts(runner, decode_tokens=2)
+    with pytest.raises(RuntimeError, match="end_decode_span"):
+        c.count_experts(runner)  # a prefill must end the steps' span first
+    c.end_decode_span()
+    assert c.expert_page_ins_per_step == 10 / 11 and c.expert_bytes_per_token == 1000 / 22  # it paged nothing
+    plain = SimpleNamespace()  # a runner without paging: nothing is counted
+    c.mark_experts(plain)
+    c.count_experts(plain, decode_tokens=2)
+    c.end_decode_span()
+    c.count_experts(plain)
+    assert c.expert_routed == 24 and c.expert_page_ins_per_step == 10 / 11
 
 
 @pytest.mark.parametrize("command", [["run", "--prompt", "hi"], ["profile", "m", "--provider", "cpu_reference"],

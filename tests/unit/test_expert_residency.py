@@ -80,3 +80,43 @@ def test_paged_qmoe_node_is_bitwise_the_resident_node_and_counts_its_page_ins(on
     assert c.page_ins >= 2 * (routed - 1) - 2  # at most the 2 ring slots survive into the second run
     assert c.page_in_bytes == 1000 * c.page_ins and c.bytes_per_token == c.page_in_bytes / 10
     assert c.frequencies()[node].sum() == pytest.approx(1.0)
+
+
+def test_shrink_moves_the_last_admitted_experts_to_the_ring_until_the_bytes_are_given_back():
+    from core.runtime.experts import check_shrunk, shrink
+
+    plan = plan_experts(NODES, SIZES, budget_bytes=6 * 100, ring_slots=2)  # 0, 1 of each layer
+    smaller = shrink(plan, 150)  # two experts: 1 of l1, then 1 of l0
+    assert smaller.resident == {"l0": frozenset({0}), "l1": frozenset({0})} and smaller.ring_slots == 2
+    assert shrink(plan, 10_000).resident == {"l0": frozenset(), "l1": frozenset()}
+    assert shrink(plan, 0) == plan
+    check_shrunk(plan, smaller)
+    with pytest.raises(ValueError, match="only move resident experts"):
+        check_shrunk(smaller, plan)  # growing back is no shrink
+    everything = plan_experts(NODES, SIZES, None, ring_slots=2)
+    assert shrink(everything, 100) is everything  # no ring to page into
+
+
+def test_the_cpu_pager_replanned_to_fewer_resident_experts_gives_the_same_bits(one_node, rng):
+    from core.executor import Plan
+    from core.runtime.experts import shrink
+    from providers.cpu_reference.provider import CpuReferenceProvider
+
+    model, inputs = _qmoe(one_node, rng)
+    (want,) = one_node.ref(model, inputs)
+    provider = CpuReferenceProvider()
+    node = model.graph.node[0].name or "QMoE_0"
+    plan = plan_experts({node: 8}, {node: 1000}, budget_bytes=6000, ring_slots=2)
+    residency = provider.expert_residency = ExpertResidency(plan)
+    feeds = {k: v for k, v in inputs.items() if v is not None}
+    graph_plan = Plan(model.graph, {}, provider)
+    assert np.array_equal(graph_plan.run(feeds)["y"], want)
+    before = residency.counters.page_ins
+    residency.replan(shrink(plan, 4000))
+    assert residency.plan.resident[node] == frozenset()
+    assert np.array_equal(graph_plan.run(feeds)["y"], want)
+    routed = set(np.unique(np.argsort(-inputs["router"], axis=1)[:, :2]).tolist())
+    assert len(routed & {0, 1, 2, 3}) > 2  # more experts that were resident than the ring holds
+    assert residency.counters.page_ins - before >= len(routed) - 2  # only the ring's two can still hit
+    with pytest.raises(ValueError):
+        residency.replan(plan)
