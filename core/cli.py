@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import sys
@@ -87,6 +88,16 @@ def _positive_int(text: str) -> int:
     value = _int(text, "a positive integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
@@ -789,13 +800,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--provider", default="cuda", help="provider whose fusion rules and measured bandwidths "
                    "the plan uses (default: %(default)s; cpu_reference's rules when it cannot start)")
     g.add_argument("--batch", type=_int_list, default=[1, 8, 32], help="batch sizes (default: 1,8,32)")
-    g.add_argument("--context", type=_positive_int, default=2048, help="KV tokens per row (default: %(default)s)")
+    g.add_argument("--context", type=_positive_int, default=None, help="KV tokens per row, at most the model "
+                   "context (default: 2048, or the model context when shorter)")
     g.add_argument("--staging-slots", type=_positive_int, default=None, help="staging ring slots "
                    "(default: one layer's streamed pages plus one)")
     g.add_argument("--page-size", default=None, metavar="BYTES", help="page size of streamed row blocks, "
                    "bytes or a size (64MiB) (default: $LOCKSTEP_PAGE_BYTES, else the largest node that cannot "
                    "be cut, at least 64 MiB)")
-    g.add_argument("--h2d-gbps", type=float, default=None, help="host-to-device GB/s for the copy floor "
+    g.add_argument("--h2d-gbps", type=_positive_float, default=None, help="host-to-device GB/s for the copy floor "
                    "(default: measured by the provider)")
     g.add_argument("--json", action="store_true", help="print the rows as JSON")
     _budget_arg(g)

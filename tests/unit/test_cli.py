@@ -655,3 +655,19 @@ def test_serve_port_and_plan_provider_are_refused_before_any_work(capsys, monkey
     assert exc.value.code == 2 and "must be a port in [0, 65535], got 99999" in capsys.readouterr().err
     code, out = run(capsys, "plan", "smollm2-135m", "--provider", "nosuch")
     assert code == 2 and "unknown provider 'nosuch'" in out.err
+
+
+def test_plan_refuses_a_context_beyond_the_model_and_defaults_to_at_most_it(tmp_path, capsys):
+    folder = make_tiny_model(tmp_path / "m")  # context 128
+    code, out = run(capsys, "plan", str(folder), "--provider", "cpu_reference", "--context", "100000")
+    assert code == 2 and "--context 100000 is more than the model context of 128 positions" in out.err
+    code, out = run(capsys, "plan", str(folder), "--provider", "cpu_reference", "--json")
+    assert code == 0 and '"context": 128' in out.out
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "fast"])
+def test_plan_refuses_a_bandwidth_that_is_not_positive(capsys, monkeypatch, value):
+    monkeypatch.setattr("core.cli.resolve_model", lambda *a, **k: pytest.fail("model built"))
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "smollm2-135m", "--h2d-gbps", value])
+    assert exc.value.code == 2 and "--h2d-gbps: must be a positive number" in capsys.readouterr().err
