@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import math
 import os
@@ -416,6 +417,10 @@ def cmd_serve(a) -> int:
                            'pip install -e ".[serve]"') from None
     _check_budgets(a)
     plugins.get_provider(a.provider)
+    if a.api_key is not None and not a.api_key.strip():  # `--api-key "$KEY"` with KEY unset
+        raise RequestError("--api-key is empty; give the key clients send as Authorization: Bearer KEY, "
+                           "or leave the flag out for no key")
+    _check_listen(a.host, a.port)  # before the model is prepared or loaded
     model = _resolve_model(a.model, a.provider)
     server = build_server(model, a.provider, a.max_batch, a.capacity, a.max_waiting, False if a.no_capture else None,
                           a.model_name or Path(a.model or DEFAULT_MODEL).name, a.api_key, a.prefill_chunk,
@@ -423,6 +428,30 @@ def cmd_serve(a) -> int:
                           decode_prefill_tokens=a.decode_prefill_tokens, expert_budget=a.expert_budget)
     serve(server, a.host, a.port, a.log_level)
     return 0
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Refuse (RequestError) an address ``lockstep serve`` cannot listen on: in use, not this
+    machine's or not an address, found before any model work (uvicorn would find it only after
+    the model began loading, and exit with its own log line)."""
+    import socket
+
+    from core.session import RequestError
+
+    where = f"{host}:{port}"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise RequestError(f"cannot listen on {where}: {getattr(exc, 'strerror', None) or exc}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            hint = "; another server listens there: stop it or pick another --port" \
+                if exc.errno == errno.EADDRINUSE else ""
+            raise RequestError(f"cannot listen on {where}: {exc.strerror or exc}{hint}") from None
 
 
 def cmd_chat(a) -> int:

@@ -671,3 +671,21 @@ def test_plan_refuses_a_bandwidth_that_is_not_positive(capsys, monkeypatch, valu
     with pytest.raises(SystemExit) as exc:
         main(["plan", "smollm2-135m", "--h2d-gbps", value])
     assert exc.value.code == 2 and "--h2d-gbps: must be a positive number" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_port_in_use_and_an_empty_api_key_before_any_model_work(capsys, monkeypatch):
+    import socket
+
+    pytest.importorskip("fastapi")
+    monkeypatch.setattr("core.cli.resolve_model", lambda *a, **k: pytest.fail("model built"))
+    monkeypatch.setattr("core.cli.cached_folder", lambda *a, **k: pytest.fail("model looked up"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, out = run(capsys, "serve", "--port", str(port))
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in out.err and "another --port" in out.err
+    code, out = run(capsys, "serve", "--host", "256.1.1.1")
+    assert code == 2 and "cannot listen on 256.1.1.1:8000" in out.err
+    code, out = run(capsys, "serve", "--api-key", "")
+    assert code == 2 and "--api-key is empty" in out.err
