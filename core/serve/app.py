@@ -103,9 +103,8 @@ def make_app(server: Server) -> FastAPI:
         return _error(api.APIError(message, status=exc.status_code, headers=getattr(exc, "headers", None),
                                    kind="invalid_request_error" if exc.status_code < 500 else "server_error"))
 
-    @app.exception_handler(Exception)
+    @app.exception_handler(Exception)  # Starlette re-raises it after this answer: uvicorn logs the traceback
     async def server_error(request: Request, exc: Exception) -> Response:  # a bug: still an OpenAI body
-        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return _error(api.APIError(f"internal error: {type(exc).__name__}: {exc}", status=500, kind="server_error"))
 
     @app.get("/health")

@@ -115,6 +115,22 @@ def test_a_model_by_id_and_unknown_routes_have_openai_bodies(folder, server, cli
     assert status == 400 and "messages[0] must be an object" in answer["error"]["message"]
 
 
+def test_an_unexpected_failure_is_a_500_with_an_openai_body():
+    import asyncio
+
+    from starlette.requests import Request
+
+    from core.serve.app import Server, make_app
+
+    app = make_app(Server(lambda: None, "m"))  # the handler alone: no server, no model
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+                       "query_string": b""})
+    answer = asyncio.run(app.exception_handlers[Exception](request, AttributeError("boom")))
+    assert answer.status_code == 500
+    assert json.loads(answer.body)["error"] == {"message": "internal error: AttributeError: boom",
+                                                "type": "server_error", "param": None, "code": None}
+
+
 def test_completion_streamed_and_not_equal_solo(folder, client, solo):
     body = {"prompt": "The quick brown fox", "max_tokens": 24, "stop": ["zz"]}
     want = solo(body, chat=False)
