@@ -308,11 +308,13 @@ def main(a, console) -> int:
 
     from core.plugins import get_provider
 
-    provider, note = None, ""  # an unknown provider name is refused by the command (core.cli)
+    provider, note, short = None, "", ""  # an unknown provider name is refused by the command (core.cli)
     try:
         provider = get_provider(a.provider)
     except Exception as exc:  # noqa: BLE001 - an unusable provider: plan with the reference fusion rules
         note = f"provider {a.provider!r} unavailable ({exc}); fusion rules of cpu_reference"
+        short = (f"provider {a.provider!r} cannot start here, `lockstep providers` says why; "
+                 "fusion rules of cpu_reference")  # the title: the whole reason is the JSON's note
     h2d = a.h2d_gbps * 1e9 if a.h2d_gbps else None
     model = load_model(a.model)
     context = model.config.context_length
@@ -331,7 +333,7 @@ def main(a, console) -> int:
         return 0
     gb = 1e9
     title = (f"{model.folder.name}: {model.weight_bytes() / gb:.2f} GB of weights, {a.context} tokens of KV per row"
-             + (f" ({note})" if note else ""))
+             + (f" ({short})" if short else ""))
     table = Table("batch", "KV GB", "workspace MiB", "weight budget GB", "resident GB", "mapped GB", "streamed GB/step",
                   "ring", "copy floor ms", "expected tok/s", title=escape(title))
     for p in rows:

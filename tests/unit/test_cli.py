@@ -689,3 +689,17 @@ def test_serve_refuses_a_port_in_use_and_an_empty_api_key_before_any_model_work(
     assert code == 2 and "cannot listen on 256.1.1.1:8000" in out.err
     code, out = run(capsys, "serve", "--api-key", "")
     assert code == 2 and "--api-key is empty" in out.err
+
+
+def test_plan_with_a_provider_that_cannot_start_says_so_in_one_short_title(tmp_path, capsys, monkeypatch):
+    from core import plugins
+
+    def unusable(name):
+        raise plugins.ProviderError("a long reason " * 20)
+    folder = make_tiny_model(tmp_path / "m")
+    monkeypatch.setattr(plugins, "get_provider", unusable)
+    code, out = run(capsys, "plan", str(folder), "--provider", "cpu_reference")
+    assert code == 0 and "provider 'cpu_reference' cannot start here, `lockstep providers` says why" in out.out
+    assert "a long reason" not in out.out
+    code, out = run(capsys, "plan", str(folder), "--provider", "cpu_reference", "--json")
+    assert code == 0 and "a long reason" in out.out  # the JSON keeps the whole reason
