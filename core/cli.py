@@ -415,6 +415,10 @@ def cmd_serve(a) -> int:
     except ImportError as exc:
         raise RequestError(f"lockstep serve needs the serve extra ({exc.name} is missing): "
                            'pip install -e ".[serve]"') from None
+    if a.model_option is not None:
+        if a.model is not None and a.model != a.model_option:
+            raise RequestError(f"two models given: {a.model} and --model {a.model_option}; give one")
+        a.model = a.model_option
     _check_budgets(a)
     plugins.get_provider(a.provider)
     if a.api_key is not None and not a.api_key.strip():  # `--api-key "$KEY"` with KEY unset
@@ -745,6 +749,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--decode-prefill-tokens", type=_positive_int, help="prompt positions prefilled between two "
                    "decode steps while requests decode (default: 2048; one chunk: lower inter-token latency)")
     s.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 routes")
+    s.add_argument("--model", dest="model_option", metavar="MODEL", help="the model, as the positional MODEL "
+                   "(vLLM's spelling; without it --model would abbreviate --model-name)")
     s.add_argument("--model-name", help="the name clients pass as model (default: MODEL's last path part)")
     s.add_argument("--no-capture", action="store_true", help="never capture decode steps")
     s.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="R", help="shard the model over R "
@@ -846,6 +852,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _unknown_hint(args, unknown: list[str]) -> str:
+    """What to type instead of ``unknown`` arguments: the flag a mistyped or foreign one is
+    closest to (``--max-tokens``: ``--max-new-tokens``), the positional model of plan and
+    profile, or ``--prompt`` before a bare prompt of ``run`` (a flag's value is not one)."""
+    import difflib
+
+    flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-")]
+    if "--model" in flags:
+        return f"; the model goes first, without --model: lockstep {args.command} MODEL"
+    options = [o for action in args.command_parser._actions for o in action.option_strings if o.startswith("--")]
+    for flag in flags:
+        close = difflib.get_close_matches(flag, options, n=1, cutoff=0.75)
+        if close:
+            return f"; did you mean {close[0]}?"
+    bare = [u for i, u in enumerate(unknown)
+            if not u.startswith("-") and not (i and unknown[i - 1].startswith("-") and "=" not in unknown[i - 1])]
+    if args.command == "run" and bare:
+        return '; a prompt goes after --prompt, e.g. lockstep run --prompt "What is 2 + 2?"'
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lockstep`` and ``python -m lockstep``; returns the exit status (2 for a
     refused request, printed as one line without traceback; 130 when interrupted; 0, quietly,
@@ -862,10 +889,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {given[0]} (options follow the command: lockstep run --help)")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        hint = ""
-        if args.command == "run" and any(not u.startswith("-") for u in unknown):
-            hint = '; a prompt goes after --prompt, e.g. lockstep run --prompt "What is 2 + 2?"'
-        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{_unknown_hint(args, unknown)}")
     try:
         with cpu_threads(args):
             return args.func(args)

@@ -703,3 +703,37 @@ def test_plan_with_a_provider_that_cannot_start_says_so_in_one_short_title(tmp_p
     assert "a long reason" not in out.out
     code, out = run(capsys, "plan", str(folder), "--provider", "cpu_reference", "--json")
     assert code == 0 and "a long reason" in out.out  # the JSON keeps the whole reason
+
+
+def test_serve_takes_the_model_as_model_too_not_as_an_abbreviated_model_name(capsys, monkeypatch):
+    """vLLM's `serve --model DIR` once served the default model under the name DIR (argparse read
+    --model as an abbreviation of --model-name)."""
+    from core.errors import RequestError
+
+    pytest.importorskip("fastapi")
+    seen = []
+
+    def resolve(model, provider):
+        seen.append(model)
+        raise RequestError("resolved")
+    monkeypatch.setattr("core.cli._resolve_model", resolve)
+    code, out = run(capsys, "serve", "--model", "my-model", "--port", "0")
+    assert code == 2 and "resolved" in out.err and seen == ["my-model"]
+    code, out = run(capsys, "serve", "a", "--model", "b", "--port", "0")
+    assert code == 2 and "two models given: a and --model b" in out.err and seen == ["my-model"]
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["run", "--prompt", "hi", "--max-tokens", "5"], "--max-tokens 5; did you mean --max-new-tokens?"),
+    (["run", "--prompt", "hi", "--top_p", "0.5"], "--top_p 0.5; did you mean --top-p?"),
+    (["run", "--prompt", "hi", "--temprature=0.5"], "--temprature=0.5; did you mean --temperature?"),
+    (["plan", "--model", "smollm2-135m"], "--model; the model goes first, without --model: lockstep plan MODEL"),
+    (["profile", "--model", "m"], "--model; the model goes first, without --model: lockstep profile MODEL"),
+    (["run", "--prompt", "hi", "-n", "5"], "-n 5 (see"),  # a flag's value is not a bare prompt
+])
+def test_an_unknown_flag_gets_the_flag_to_use(capsys, monkeypatch, argv, hint):
+    monkeypatch.setattr("core.cli.resolve_model", lambda *a, **k: pytest.fail("model built"))
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "unrecognized arguments: " + hint in err, err
