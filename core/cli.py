@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
+import math
 import os
 import re
 import sys
@@ -87,6 +89,16 @@ def _positive_int(text: str) -> int:
     value = _int(text, "a positive integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
@@ -403,8 +415,16 @@ def cmd_serve(a) -> int:
     except ImportError as exc:
         raise RequestError(f"lockstep serve needs the serve extra ({exc.name} is missing): "
                            'pip install -e ".[serve]"') from None
+    if a.model_option is not None:
+        if a.model is not None and a.model != a.model_option:
+            raise RequestError(f"two models given: {a.model} and --model {a.model_option}; give one")
+        a.model = a.model_option
     _check_budgets(a)
     plugins.get_provider(a.provider)
+    if a.api_key is not None and not a.api_key.strip():  # `--api-key "$KEY"` with KEY unset
+        raise RequestError("--api-key is empty; give the key clients send as Authorization: Bearer KEY, "
+                           "or leave the flag out for no key")
+    _check_listen(a.host, a.port)  # before the model is prepared or loaded
     model = _resolve_model(a.model, a.provider)
     server = build_server(model, a.provider, a.max_batch, a.capacity, a.max_waiting, False if a.no_capture else None,
                           a.model_name or Path(a.model or DEFAULT_MODEL).name, a.api_key, a.prefill_chunk,
@@ -412,6 +432,30 @@ def cmd_serve(a) -> int:
                           decode_prefill_tokens=a.decode_prefill_tokens, expert_budget=a.expert_budget)
     serve(server, a.host, a.port, a.log_level)
     return 0
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Refuse (RequestError) an address ``lockstep serve`` cannot listen on: in use, not this
+    machine's or not an address, found before any model work (uvicorn would find it only after
+    the model began loading, and exit with its own log line)."""
+    import socket
+
+    from core.session import RequestError
+
+    where = f"{host}:{port}"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise RequestError(f"cannot listen on {where}: {getattr(exc, 'strerror', None) or exc}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            hint = "; another server listens there: stop it or pick another --port" \
+                if exc.errno == errno.EADDRINUSE else ""
+            raise RequestError(f"cannot listen on {where}: {exc.strerror or exc}{hint}") from None
 
 
 def cmd_chat(a) -> int:
@@ -705,6 +749,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--decode-prefill-tokens", type=_positive_int, help="prompt positions prefilled between two "
                    "decode steps while requests decode (default: 2048; one chunk: lower inter-token latency)")
     s.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 routes")
+    s.add_argument("--model", dest="model_option", metavar="MODEL", help="the model, as the positional MODEL "
+                   "(vLLM's spelling; without it --model would abbreviate --model-name)")
     s.add_argument("--model-name", help="the name clients pass as model (default: MODEL's last path part)")
     s.add_argument("--no-capture", action="store_true", help="never capture decode steps")
     s.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="R", help="shard the model over R "
@@ -789,13 +835,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--provider", default="cuda", help="provider whose fusion rules and measured bandwidths "
                    "the plan uses (default: %(default)s; cpu_reference's rules when it cannot start)")
     g.add_argument("--batch", type=_int_list, default=[1, 8, 32], help="batch sizes (default: 1,8,32)")
-    g.add_argument("--context", type=_positive_int, default=2048, help="KV tokens per row (default: %(default)s)")
+    g.add_argument("--context", type=_positive_int, default=None, help="KV tokens per row, at most the model "
+                   "context (default: 2048, or the model context when shorter)")
     g.add_argument("--staging-slots", type=_positive_int, default=None, help="staging ring slots "
                    "(default: one layer's streamed pages plus one)")
     g.add_argument("--page-size", default=None, metavar="BYTES", help="page size of streamed row blocks, "
                    "bytes or a size (64MiB) (default: $LOCKSTEP_PAGE_BYTES, else the largest node that cannot "
                    "be cut, at least 64 MiB)")
-    g.add_argument("--h2d-gbps", type=float, default=None, help="host-to-device GB/s for the copy floor "
+    g.add_argument("--h2d-gbps", type=_positive_float, default=None, help="host-to-device GB/s for the copy floor "
                    "(default: measured by the provider)")
     g.add_argument("--json", action="store_true", help="print the rows as JSON")
     _budget_arg(g)
@@ -803,6 +850,27 @@ def build_parser() -> argparse.ArgumentParser:
     for command in sub.choices.values():  # an unknown flag is reported with its command's usage
         command.set_defaults(command_parser=command)
     return p
+
+
+def _unknown_hint(args, unknown: list[str]) -> str:
+    """What to type instead of ``unknown`` arguments: the flag a mistyped or foreign one is
+    closest to (``--max-tokens``: ``--max-new-tokens``), the positional model of plan and
+    profile, or ``--prompt`` before a bare prompt of ``run`` (a flag's value is not one)."""
+    import difflib
+
+    flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-")]
+    if "--model" in flags:
+        return f"; the model goes first, without --model: lockstep {args.command} MODEL"
+    options = [o for action in args.command_parser._actions for o in action.option_strings if o.startswith("--")]
+    for flag in flags:
+        close = difflib.get_close_matches(flag, options, n=1, cutoff=0.75)
+        if close:
+            return f"; did you mean {close[0]}?"
+    bare = [u for i, u in enumerate(unknown)
+            if not u.startswith("-") and not (i and unknown[i - 1].startswith("-") and "=" not in unknown[i - 1])]
+    if args.command == "run" and bare:
+        return '; a prompt goes after --prompt, e.g. lockstep run --prompt "What is 2 + 2?"'
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -821,10 +889,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {given[0]} (options follow the command: lockstep run --help)")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        hint = ""
-        if args.command == "run" and any(not u.startswith("-") for u in unknown):
-            hint = '; a prompt goes after --prompt, e.g. lockstep run --prompt "What is 2 + 2?"'
-        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{_unknown_hint(args, unknown)}")
     try:
         with cpu_threads(args):
             return args.func(args)

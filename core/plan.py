@@ -23,6 +23,7 @@ import attrs
 import numpy as np
 
 from core import fusion
+from core.errors import RequestError
 from core.executor import is_host_constant, node_infos
 from core.models.model import Model, load_model
 from core.opdefs import constant_supports, constant_value
@@ -31,6 +32,9 @@ from core.runtime import expert_budget as expert_budget_mod
 from core.runtime import residency, rowblocks
 from core.runtime.experts import ExpertBudgetError
 from core.runtime.forecast import Forecast
+
+#: KV tokens per row of ``lockstep plan`` without ``--context`` (the model context when shorter).
+DEFAULT_CONTEXT = 2048
 
 #: Ops whose folded output has the bytes of their first input.
 _VIEWS = ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")
@@ -295,6 +299,7 @@ def main(a, console) -> int:
     Raises:
         core.runtime.residency.BudgetError: a budget too small (the smallest working one named).
         core.models.model.ModelError: the folder is not a builder model.
+        RequestError: ``--context`` beyond the model context.
     """
     import json
 
@@ -303,13 +308,21 @@ def main(a, console) -> int:
 
     from core.plugins import get_provider
 
-    provider, note = None, ""  # an unknown provider name is refused by the command (core.cli)
+    provider, note, short = None, "", ""  # an unknown provider name is refused by the command (core.cli)
     try:
         provider = get_provider(a.provider)
     except Exception as exc:  # noqa: BLE001 - an unusable provider: plan with the reference fusion rules
         note = f"provider {a.provider!r} unavailable ({exc}); fusion rules of cpu_reference"
+        short = (f"provider {a.provider!r} cannot start here, `lockstep providers` says why; "
+                 "fusion rules of cpu_reference")  # the title: the whole reason is the JSON's note
     h2d = a.h2d_gbps * 1e9 if a.h2d_gbps else None
     model = load_model(a.model)
+    context = model.config.context_length
+    if a.context is None:
+        a.context = min(DEFAULT_CONTEXT, context)
+    elif a.context > context:
+        raise RequestError(f"--context {a.context} is more than the model context of {context} positions; "
+                           f"give at most --context {context}")
     rows = plan_model(model, a.batch, a.context, provider, a.device_budget, a.weight_budget, a.staging_slots,
                       h2d=h2d, page_bytes=a.page_size, expert_budget=a.expert_budget)
     if a.json:
@@ -320,7 +333,7 @@ def main(a, console) -> int:
         return 0
     gb = 1e9
     title = (f"{model.folder.name}: {model.weight_bytes() / gb:.2f} GB of weights, {a.context} tokens of KV per row"
-             + (f" ({note})" if note else ""))
+             + (f" ({short})" if short else ""))
     table = Table("batch", "KV GB", "workspace MiB", "weight budget GB", "resident GB", "mapped GB", "streamed GB/step",
                   "ring", "copy floor ms", "expected tok/s", title=escape(title))
     for p in rows:

@@ -224,8 +224,11 @@ def make_request(model: Any, prompt_ids: Any, max_tokens: Any, sampling: Any, st
         raise RequestError(f"the prompt has token ids outside [0, {vocab})")
     n = _max_tokens(max_tokens)
     if len(ids) + n - 1 > capacity:  # the last token's KV is never written (a Session's count)
-        raise RequestError(f"the prompt has {len(ids)} tokens; with max_tokens={n} it needs {len(ids) + n - 1} "
-                           f"positions, and a slot holds {capacity}")
+        tokens = f"{len(ids)} token" + ("" if len(ids) == 1 else "s")
+        room = (f"max_tokens can be at most {capacity - len(ids) + 1}" if len(ids) <= capacity
+                else "shorten the prompt")
+        raise RequestError(f"the prompt has {tokens}; with max_tokens={n} it needs {len(ids) + n - 1} "
+                           f"positions, and a slot holds {capacity}: {room}")
     stops = _stop_strings(stop)
     if stops and model.tokenizer is None:
         raise RequestError("stop strings need a tokenizer; this model has no tokenizer.json")

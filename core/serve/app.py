@@ -1,15 +1,17 @@
 """The OpenAI-compatible HTTP app (FastAPI) over one :class:`~core.engine.Engine`.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the model's chat template),
-``GET /v1/models``, ``GET /health`` (503 until the engine is loaded and warmed up), ``GET
-/metrics`` (Prometheus). Streaming answers are server-sent events (``data: {json}`` chunks, then
-``data: [DONE]``). The engine's events reach the request's coroutine through an asyncio queue
-(the sink runs on the engine's thread and hands each event to the event loop).
+``GET /v1/models`` and ``GET /v1/models/{id}``, ``GET /health`` (503 until the engine is loaded
+and warmed up), ``GET /metrics`` (Prometheus). Streaming answers are server-sent events
+(``data: {json}`` chunks, then ``data: [DONE]``). The engine's events reach the request's
+coroutine through an asyncio queue (the sink runs on the engine's thread and hands each event to
+the event loop).
 
 Errors: a malformed or unsupported request gets 400 with an OpenAI error body and nothing is
-queued; a full queue 429 with ``Retry-After``; a missing or wrong API key 401; the server keeps
-serving after each. A client that disconnects has its request aborted: its slot is free
-before the engine's next step.
+queued; a full queue 429 with ``Retry-After``; a missing or wrong API key 401; an unknown route
+or model id 404 (a wrong method 405) and an unexpected failure 500, with an OpenAI error body
+too; the server keeps serving after each. A client that disconnects has its request aborted: its
+slot is free before the engine's next step.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from core.engine import Engine, EngineClosedError, Event, QueueFullError
 from core.engine.request import Request as EngineRequest
@@ -92,6 +95,18 @@ def make_app(server: Server) -> FastAPI:
 
     app = FastAPI(title="lockstep", lifespan=lifespan)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:  # an unknown route or method
+        message = (f"no route {request.method} {request.url.path}; this server answers POST /v1/completions, "
+                   "POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics"
+                   if exc.status_code in (404, 405) else str(exc.detail))
+        return _error(api.APIError(message, status=exc.status_code, headers=getattr(exc, "headers", None),
+                                   kind="invalid_request_error" if exc.status_code < 500 else "server_error"))
+
+    @app.exception_handler(Exception)  # Starlette re-raises it after this answer: uvicorn logs the traceback
+    async def server_error(request: Request, exc: Exception) -> Response:  # a bug: still an OpenAI body
+        return _error(api.APIError(f"internal error: {type(exc).__name__}: {exc}", status=500, kind="server_error"))
+
     @app.get("/health")
     async def health() -> Response:
         if server.engine is None:
@@ -111,6 +126,17 @@ def make_app(server: Server) -> FastAPI:
             return _error(exc)
         return JSONResponse({"object": "list", "data": [{"id": server.served, "object": "model",
                                                          "created": 0, "owned_by": "lockstep"}]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        try:
+            _authorize(server, request)
+            if model_id != server.served:
+                raise api.APIError(f"the model {model_id!r} does not exist; this server serves {server.served!r}",
+                                   status=404, param="model")
+        except api.APIError as exc:
+            return _error(exc)
+        return JSONResponse({"id": server.served, "object": "model", "created": 0, "owned_by": "lockstep"})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -98,8 +98,9 @@ def parse(body: Any, fields: set, served: str, chat: bool) -> Parsed:
     if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
         raise APIError(f"n must be 1 (one choice per request), got {body.get('n')!r:.20}", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0, 0) not in (None, 0):
-            raise APIError(f"{name} is not supported (0 only)", param=name)
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or value != 0):  # 0 and 0.0 are accepted
+            raise APIError(f"{name} is not supported (0 only), got {value!r:.60}", param=name)
     logprobs = _logprobs(body, chat)
     if body.get("echo") or body.get("best_of") not in (None, 1):
         raise APIError("echo and best_of are not supported", param="echo")
@@ -131,7 +132,11 @@ def parse(body: Any, fields: set, served: str, chat: bool) -> Parsed:
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise APIError("stream_options takes include_usage only", param="stream_options")
-    include_usage = bool((options or {}).get("include_usage", False))
+    include_usage = (options or {}).get("include_usage")
+    include_usage = False if include_usage is None else include_usage
+    if not isinstance(include_usage, bool):
+        raise APIError(f"stream_options.include_usage must be true or false, got {include_usage!r:.60}",
+                       param="stream_options")
     prompt = _messages(body) if chat else _prompt(body)
     return Parsed(prompt, max_tokens, sampling or None, stop or None, stream, include_usage, logprobs)
 
@@ -191,6 +196,10 @@ def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("messages must be a non-empty list", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise APIError(f"messages[{i}] must be an object with a role and a content, got {m!r:.60}",
+                           param="messages")
     return [{"role": m.get("role"), "content": _content(m)} for m in messages]
 
 

@@ -96,6 +96,18 @@ def test_request_validation_names_the_problem(runner):
     assert not engine.busy()
 
 
+def test_a_request_beyond_its_slot_names_the_largest_max_tokens(runner):
+    engine = Engine(runner, max_batch=2, capacity=32)
+    with pytest.raises(RequestError, match=r"the prompt has 1 token; with max_tokens=40 it needs 40 positions, "
+                       r"and a slot holds 32: max_tokens can be at most 32$"):
+        engine.request(prompt_ids=[1], max_tokens=40)
+    with pytest.raises(RequestError, match=r"has 30 tokens; .*max_tokens can be at most 3$"):
+        engine.request(prompt_ids=[1] * 30, max_tokens=5)
+    with pytest.raises(RequestError, match=r"has 40 tokens; .*: shorten the prompt$"):
+        engine.request(prompt_ids=[1] * 40, max_tokens=1)
+    assert engine.request(prompt_ids=[1] * 30, max_tokens=3).max_tokens == 3
+
+
 def test_stop_string_across_tokens_and_no_broken_utf8(runner):
     engine = Engine(runner, max_batch=2, capacity=32)
     req = engine.request([5, 6], max_tokens=20, stop=["cd"])

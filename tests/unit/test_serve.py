@@ -94,6 +94,43 @@ def test_models_and_health(folder, server, client):
         assert r.status == 200
 
 
+def get(url: str, path: str) -> tuple[int, dict, dict]:
+    try:
+        with urllib.request.urlopen(url + path, timeout=30) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read())
+
+
+def test_a_model_by_id_and_unknown_routes_have_openai_bodies(folder, server, client):
+    assert client.models.retrieve(folder.name).id == folder.name
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("nope")
+    for status, path in ((404, "/v1/embeddings"), (405, "/v1/completions")):
+        got, _, answer = get(server, path)
+        assert got == status and "no route GET " + path in answer["error"]["message"], answer
+        assert answer["error"]["type"] == "invalid_request_error"
+    status, _, answer = post(server, "/v1/chat/completions",
+                             json.dumps({"model": folder.name, "messages": ["Hi"]}).encode())
+    assert status == 400 and "messages[0] must be an object" in answer["error"]["message"]
+
+
+def test_an_unexpected_failure_is_a_500_with_an_openai_body():
+    import asyncio
+
+    from starlette.requests import Request
+
+    from core.serve.app import Server, make_app
+
+    app = make_app(Server(lambda: None, "m"))  # the handler alone: no server, no model
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+                       "query_string": b""})
+    answer = asyncio.run(app.exception_handlers[Exception](request, AttributeError("boom")))
+    assert answer.status_code == 500
+    assert json.loads(answer.body)["error"] == {"message": "internal error: AttributeError: boom",
+                                                "type": "server_error", "param": None, "code": None}
+
+
 def test_completion_streamed_and_not_equal_solo(folder, client, solo):
     body = {"prompt": "The quick brown fox", "max_tokens": 24, "stop": ["zz"]}
     want = solo(body, chat=False)
