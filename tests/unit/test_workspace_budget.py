@@ -43,7 +43,8 @@ def test_the_planned_workspace_covers_what_a_decode_state_allocates(model_dir, b
     s = Session(runner, batch=batch, capacity=64)
     decode(s, ROWS[:batch], 8)
     held = runner.memory(s.state)
-    assert runner.workspace_reserved == runner.workspace_estimate(batch, max(64, s.max_capacity)) > 0
+    # a decode step's workspace, and a prefill's of every row's prompt at the capacity
+    assert runner.workspace_reserved == runner.workspace_estimate(batch, max(64, s.max_capacity), (batch, 64)) > 0
     assert held.workspace <= runner.workspace_reserved and runner.residency.streams
     # what the runner holds, the workspace measured, is within the device budget
     assert held.total <= runner.device_budget
@@ -56,7 +57,8 @@ def test_the_refusal_names_the_smallest_budget_with_the_workspace_and_it_decodes
     want = decode(Session(Runner(model_dir, CpuReferenceProvider()), batch=batch, capacity=capacity),
                   ROWS, 8).tokens
     runner = Runner(model_dir, CpuReferenceProvider(), device_budget=_weights(model_dir) // 4)
-    work = runner.workspace_estimate(batch, 128)  # a session's mask is as wide as its max_capacity: the context
+    # a session's mask is as wide as its max_capacity (the context); its prompts at most the capacity
+    work = runner.workspace_estimate(batch, 128, (batch, capacity))
     with pytest.raises(BudgetError, match=f"a workspace of {work:,} bytes") as info:
         Session(runner, batch=batch, capacity=capacity)
     smallest = int(str(info.value).split("device budget for this KV cache is ")[1].split()[0].replace(",", ""))
@@ -78,10 +80,12 @@ def test_plan_shows_the_workspace_and_leaves_the_weights_the_rest(model_dir, cap
     from core.plan import plan_model
 
     runner = Runner(model_dir, CpuReferenceProvider())
-    device = _weights(model_dir) + 10**6
+    device = _weights(model_dir) + 4 * 2**20
     rows = plan_model(model_dir, [1, 8], 64, CpuReferenceProvider(), device_budget=device)
     for p in rows:
-        assert p.workspace_bytes == runner.workspace_estimate(p.batch, 64) > 0
+        # a decode step's and, on top, a prefill's of every row's prompt at the context
+        assert p.workspace_bytes == runner.workspace_estimate(p.batch, 64, (p.batch, 64)) \
+            > runner.workspace_estimate(p.batch, 64) > 0
         assert p.residency is not None and p.residency.budget == device - p.kv_bytes - p.workspace_bytes
         assert p.row()["workspace_bytes"] == p.workspace_bytes
     assert cli.main(["plan", str(model_dir), "--provider", "cpu_reference", "--device-budget", str(device),
