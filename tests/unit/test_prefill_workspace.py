@@ -168,3 +168,30 @@ def test_a_prompt_past_a_growing_caches_first_capacity_reserves_its_prefill_befo
         s.prefill(ROWS)
     assert s.counters.prefill_runs == 0 and tight.plan.transient_peak_bytes == 0
     assert tight.workspace_reserved == opened  # the refusal kept nothing
+
+
+@pytest.mark.parametrize("chunk", [8, None])
+def test_the_engine_reserves_its_largest_prefill_runs_and_stays_within(model_dir, chunk):
+    """The engine's slots reserve its largest chunk (one row) and batched runs (every slot, whole
+    prompts of one chunk at most, within an iteration's positions): with chunks of 8 less than
+    whole prompts at the capacity; what it allocates while serving long prompts stays within."""
+    from core.engine import Engine
+
+    slots, capacity, tokens = 4, 64, 16
+    provider = CountingProvider()
+    runner = Runner(model_dir, provider)
+    provider.counting = True
+    engine = Engine(runner, max_batch=slots, capacity=capacity, prefill_chunk=chunk, prefill_tokens=tokens)
+    provider.reset()
+    context = capacity  # the slots' masks are as wide as their capacity
+    runs = [(1, capacity), (slots, tokens)] if chunk is None else [(1, chunk), (slots, chunk)]
+    assert runner.workspace_reserved == max(runner.workspace_estimate(slots, context, r) for r in runs)
+    if chunk is not None:
+        assert runner.workspace_reserved < runner.workspace_estimate(slots, context, (slots, capacity))
+    handles = [engine.submit(ids, max_tokens=4) for ids in [*ROWS, ROWS[0][:5], ROWS[1][:7]]]
+    engine.run_until_idle()
+    assert all(list(h)[-1].finish_reason == "length" for h in handles)
+    assert engine.counters.prefill_tokens > 0 and (chunk is None or engine.counters.prefill_chunks > 0)
+    assert provider.peak <= runner.kv_device_bytes + runner.workspace_reserved, (
+        provider.peak, runner.kv_device_bytes, runner.workspace_reserved)
+    engine.shutdown()
