@@ -113,3 +113,30 @@ def test_cuda_declares_its_scratch_beside_the_activations(tmp_path):
     gqa = batch * (config.heads * chunks * (config.head_size + 2) * 4 + config.kv_heads * 4)
     split = _mma_schedule.SPLIT_BYTES + 4 * _mma_schedule.SPLIT_TICKETS
     assert cuda == base + split + gqa + batch * 1 * 12
+
+
+def test_cuda_declares_a_windowed_layers_prompt_staging_at_a_prefill_only():
+    """cuda's prompt on a sliding-window layer runs on a staging cache of its S positions (K and
+    V, ``[B, Nkv, S, H]``): declared at a prefill's shapes, the largest layer's (the prefill frees
+    each node's buffers after their last reader), and not at a decode step's."""
+    from core.ops import Spec
+    from core.protocol import NodeInfo
+    from core.runtime import workspace
+    from providers.cuda.provider import CudaProvider
+
+    def gqa(name, window):
+        return NodeInfo(name, "GroupQueryAttention", "com.microsoft",
+                        {"num_heads": 4, "kv_num_heads": 2, "local_window_size": window},
+                        (f"{name}/q", "", ""), (f"{name}/out", "", ""))
+
+    nodes, steps = [gqa("full", -1), gqa("ring", 32), gqa("ring2", 32)], [0, 1, 2]
+    cuda = object.__new__(CudaProvider)
+    batch, capacity, h = 2, 128, 16
+
+    def scratch(s):
+        specs = {f"{n.name}/out": Spec((batch, s, 4 * h), np.float16) for n in nodes}
+        return (cuda.planned_workspace_bytes(nodes, steps, specs.get, batch, capacity)
+                - workspace.activation_bytes(nodes, steps, specs.get))
+
+    assert scratch(40) - scratch(1) == 2 * batch * 2 * 40 * h * 2  # one layer's K and V, fp16
+    assert CudaProvider._ring_staging_bytes(nodes[:1], [0], {"full/out": Spec((batch, 40, 4 * h), np.float16)}.get) == 0
