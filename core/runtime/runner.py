@@ -429,10 +429,12 @@ class Runner:
                     return self._reserve(kv, work)
 
             try:
-                return DecodeState(self, batch, capacity, max_capacity, policy, capture, counters, key, reserve)
+                state = DecodeState(self, batch, capacity, max_capacity, policy, capture, counters, key, reserve)
             except BaseException:
                 self.workspace_reserved = before  # nor does the workspace of a state never built
                 raise
+            state.prefill_covered = max((p for rows, p in prefill or [(batch, capacity)] if rows >= batch), default=0)
+            return state
 
     def reserve_prefill(self, state, rows: int, positions: int) -> str | None:
         """Reserve the workspace of a prefill of ``rows`` prompts of ``positions`` positions on

@@ -48,6 +48,9 @@ class DecodeState:
                  capture: bool | None, counters: Counters, pool_key: tuple = (), reserve=None):
         p, cfg = runner.provider, runner.model.config
         self.runner, self.batch, self.pool_key = runner, batch, pool_key
+        #: prompt positions a prefill of every row may have with its workspace reserved already
+        #: (Runner.open_state sets it; reserve_prefill raises it)
+        self.prefill_covered = 0
         self.counters = counters
         #: True once a fault left this state's device buffers in a state the host cannot
         #: describe (a failed recovery): the runner drops it instead of pooling it.
@@ -158,7 +161,11 @@ class DecodeState:
         Raises:
             core.runtime.residency.BudgetError: the device budget cannot hold it.
         """
+        if rows <= self.batch and positions <= self.prefill_covered:
+            return  # reserved already (a prefill of every row at that length)
         reason = self.runner.reserve_prefill(self, rows, positions)
+        if rows >= self.batch:
+            self.prefill_covered = max(self.prefill_covered, positions)
         if reason:
             self._replanned(reason)
 
