@@ -280,20 +280,22 @@ class Runner:
             workspace += state.buffer_bytes()
         return DeviceMemory(self.weight_bytes, self.residency.staging_bytes, self.kv_device_bytes, workspace)
 
-    def workspace_estimate(self, batch: int, capacity: int, prefill: tuple[int, int] | None = None) -> int:
+    def workspace_estimate(self, batch: int, capacity: int, prefill: tuple[int, int] | None = None,
+                           all_positions: bool = False) -> int:
         """Device bytes of the workspace a decode state of ``batch`` rows over ``capacity`` KV
         positions allocates (:mod:`core.runtime.workspace`): the provider's declared
         activations and scratch (``planned_workspace_bytes``) plus the state's own buffers; with
         ``prefill`` (rows, positions a row), plus what a prefill run of that size allocates on
-        top (:func:`core.runtime.workspace.prefill_bytes`). From the model's header (shapes only;
-        nothing is read)."""
+        top (:func:`core.runtime.workspace.prefill_bytes`; ``all_positions``: one that keeps
+        every position's logits, a Session's ``all_logits``). From the model's header (shapes
+        only; nothing is read)."""
         from core.plan import header_of
         from core.runtime import workspace
 
         if self._header is None:
             self._header = header_of(self.model, self.provider)
         plan = getattr(self, "plan", None)  # None while loading (reserve_for): the header's program
-        gathered = plan is None or plan.last_position_steps is not None
+        gathered = not all_positions and (plan is None or plan.last_position_steps is not None)
         return workspace.estimate(self.model, self._header, self.provider, batch, capacity, prefill, gathered)
 
     def reservation(self, batch: int, capacity: int) -> int:
@@ -436,9 +438,10 @@ class Runner:
             state.prefill_covered = max((p for rows, p in prefill or [(batch, capacity)] if rows >= batch), default=0)
             return state
 
-    def reserve_prefill(self, state, rows: int, positions: int) -> str | None:
+    def reserve_prefill(self, state, rows: int, positions: int, all_positions: bool = False) -> str | None:
         """Reserve the workspace of a prefill of ``rows`` prompts of ``positions`` positions on
-        decode ``state`` (:meth:`workspace_estimate` with that prefill), before it runs: what it
+        decode ``state`` (:meth:`workspace_estimate` with that prefill; ``all_positions``: it
+        keeps every position's logits), before it runs: what it
         needs beyond the workspace already reserved is reserved now; under a device budget the
         weights give way (a re-plan), or it is refused before any work.
 
@@ -451,7 +454,7 @@ class Runner:
         """
         with self.lock:
             need = self.workspace_estimate(state.batch, max(state.kv.capacity, state.kv.max_capacity),
-                                           (rows, positions))
+                                           (rows, positions), all_positions)
             return self._reserve(0, max(0, need - self.workspace_reserved))
 
     def release_states(self) -> None:

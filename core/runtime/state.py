@@ -153,18 +153,19 @@ class DecodeState:
             self._bind_kv(mask)
             self.capture.invalidate("KV buffers reallocated by growth", self.counters)
 
-    def reserve_prefill(self, rows: int, positions: int) -> None:
+    def reserve_prefill(self, rows: int, positions: int, all_positions: bool = False) -> None:
         """Reserve the workspace of a prefill of ``rows`` prompts of ``positions`` positions
-        (:meth:`core.runtime.runner.Runner.reserve_prefill`) before it runs; a re-plan of the
-        weights it causes invalidates the captured graph, as a KV commit's does.
+        (:meth:`core.runtime.runner.Runner.reserve_prefill`; ``all_positions``: it keeps every
+        position's logits) before it runs; a re-plan of the weights it causes invalidates the
+        captured graph, as a KV commit's does.
 
         Raises:
             core.runtime.residency.BudgetError: the device budget cannot hold it.
         """
-        if rows <= self.batch and positions <= self.prefill_covered:
+        if not all_positions and rows <= self.batch and positions <= self.prefill_covered:
             return  # reserved already (a prefill of every row at that length)
-        reason = self.runner.reserve_prefill(self, rows, positions)
-        if rows >= self.batch:
+        reason = self.runner.reserve_prefill(self, rows, positions, all_positions)
+        if not all_positions and rows >= self.batch:
             self.prefill_covered = max(self.prefill_covered, positions)
         if reason:
             self._replanned(reason)

@@ -195,3 +195,21 @@ def test_the_engine_reserves_its_largest_prefill_runs_and_stays_within(model_dir
     assert provider.peak <= runner.kv_device_bytes + runner.workspace_reserved, (
         provider.peak, runner.kv_device_bytes, runner.workspace_reserved)
     engine.shutdown()
+
+
+def test_a_prefill_that_keeps_every_positions_logits_reserves_what_it_keeps(model_dir):
+    """``all_logits``: the prefill computes every position's logits and is not transient (it keeps
+    every node's buffer at the prompt's shape), so it reserves more, and stays within that."""
+    provider = CountingProvider()
+    runner = Runner(model_dir, provider)
+    provider.counting = True
+    s = Session(runner, batch=len(ROWS), capacity=CAPACITY, all_logits=True)
+    opened = runner.workspace_reserved
+    provider.reset()
+    s.prefill(ROWS)
+    longest = max(map(len, ROWS))
+    assert s.prompt_logits().shape[:2] == (len(ROWS), longest) and runner.plan.transient_peak_bytes == 0
+    assert runner.workspace_reserved == runner.workspace_estimate(len(ROWS), s.max_capacity, (len(ROWS), longest),
+                                                                  all_positions=True) > opened
+    assert provider.peak <= runner.kv_device_bytes + runner.workspace_reserved, (
+        provider.peak, runner.kv_device_bytes, runner.workspace_reserved)
