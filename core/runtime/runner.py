@@ -285,10 +285,9 @@ class Runner:
         """Device bytes of the workspace a decode state of ``batch`` rows over ``capacity`` KV
         positions allocates (:mod:`core.runtime.workspace`): the provider's declared
         activations and scratch (``planned_workspace_bytes``) plus the state's own buffers; with
-        ``prefill`` (rows, positions a row), plus what a prefill run of that size allocates on
-        top (:func:`core.runtime.workspace.prefill_bytes`; ``all_positions``: one that keeps
-        every position's logits, a Session's ``all_logits``). From the model's header (shapes
-        only; nothing is read)."""
+        ``prefill`` (rows, positions a row), plus what that prefill run allocates on top
+        (:func:`core.runtime.workspace.prefill_bytes`; ``all_positions``: it keeps every
+        position's logits). From the model's header (shapes only; nothing is read)."""
         from core.plan import header_of
         from core.runtime import workspace
 
@@ -412,15 +411,13 @@ class Runner:
         """A new :class:`~core.runtime.state.DecodeState` (not pooled: :meth:`acquire_state`
         pools; the engine's slots hold theirs) whose workspace (:meth:`workspace_estimate`) is
         reserved with its first KV bytes, so one refusal names both; a state that fails to
-        build has given back what it charged. The workspace covers the largest of the ``prefill``
-        runs, (rows, positions a row) pairs (default: ``batch`` prompts of ``capacity``
-        positions); a longer one reserves its own before it runs (:meth:`reserve_prefill`)."""
+        build has given back what it charged. The workspace covers the largest ``prefill`` run,
+        (rows, positions a row) pairs (default: ``batch`` prompts of ``capacity`` positions)."""
         from core.runtime.state import DecodeState
 
         with self.lock:
             before = self.workspace_reserved
-            # with its largest prefill runs (a longer prompt, in a growing cache, reserves its own
-            # before it runs: reserve_prefill)
+            # with its largest prefill runs (a longer prompt reserves its own: reserve_prefill)
             work = max(self.workspace_estimate(batch, max(capacity, max_capacity), run)
                        for run in prefill or [(batch, capacity)])
             pending = [max(0, work - before)]
@@ -439,19 +436,14 @@ class Runner:
             return state
 
     def reserve_prefill(self, state, rows: int, positions: int, all_positions: bool = False) -> str | None:
-        """Reserve the workspace of a prefill of ``rows`` prompts of ``positions`` positions on
-        decode ``state`` (:meth:`workspace_estimate` with that prefill; ``all_positions``: it
-        keeps every position's logits), before it runs: what it
-        needs beyond the workspace already reserved is reserved now; under a device budget the
-        weights give way (a re-plan), or it is refused before any work.
-
-        Returns:
-            None, or the reason the weight plan changed (its graphs are then invalid).
+        """Reserve, before it runs, what a prefill of ``rows`` prompts of ``positions`` positions
+        on decode ``state`` needs beyond the workspace reserved (:meth:`workspace_estimate`;
+        ``all_positions``: it keeps every position's logits); the weights give way under a device
+        budget. Returns None, or the reason the weight plan changed (its graphs are invalid).
 
         Raises:
-            core.runtime.residency.BudgetError: the device budget cannot hold it; the message
-                names the smallest working device budget.
-        """
+            core.runtime.residency.BudgetError: the device budget cannot hold it (the message
+                names the smallest working device budget)."""
         with self.lock:
             need = self.workspace_estimate(state.batch, max(state.kv.capacity, state.kv.max_capacity),
                                            (rows, positions), all_positions)
@@ -464,9 +456,7 @@ class Runner:
             for dropped in self._free:
                 self._drop(dropped)
             self._free.clear()
-            # their buffers, and the weights of an earlier plan their graphs held, go back to the
-            # device (a pool would keep the freed blocks cached: on cuda, above the device budget)
-            self.provider.reset_peak()
+            self.provider.reset_peak()  # a pool would keep their blocks cached (cuda: above the budget)
 
     def release_state(self, state) -> None:
         """Return a decode state to the pool (the oldest free one is dropped past POOL_SIZE).

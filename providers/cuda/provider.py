@@ -457,14 +457,13 @@ class CudaProvider(ProviderBase):
         will hold at ``batch`` rows over ``capacity`` positions: the GEMMs' split-K workspace,
         one split-KV workspace per GroupQueryAttention shape (partials ``[B, Nq, chunks, H + 2]``
         float32 and tickets ``[B, Nkv]`` int32, chunks for a full cache or a ring, whichever is
-        more), the argmax partials of the ``[B, V]`` logits and, at a prefill's shapes, a
-        sliding-window layer's staging cache (:meth:`_ring_staging_bytes`)."""
+        more), the argmax partials of the ``[B, V]`` logits and a prompt's ring staging cache."""
         from providers.cuda.ops import _argmax
         from providers.cuda.ops import _mma_schedule as schedule
-        from providers.cuda.ops.group_query_attention import decode_chunks
+        from providers.cuda.ops.group_query_attention import decode_chunks, prompt_staging_bytes
 
         total = super().planned_workspace_bytes(nodes, steps, shape_of, batch, capacity)
-        total += schedule.SPLIT_BYTES + 4 * schedule.SPLIT_TICKETS
+        total += schedule.SPLIT_BYTES + 4 * schedule.SPLIT_TICKETS + prompt_staging_bytes(nodes, steps, shape_of)
         gqa = set()
         for i in steps:
             n = nodes[i]
@@ -479,27 +478,10 @@ class CudaProvider(ProviderBase):
                          for ring in (False, True))
             gqa.add((nq, nkv, chunks, h))
         total += sum(batch * (nq * chunks * (h + 2) * 4 + nkv * 4) for nq, nkv, chunks, h in gqa)
-        total += self._ring_staging_bytes(nodes, steps, shape_of)
         logits = shape_of("logits")
         if logits is not None:
             total += batch * -(-int(logits.shape[-1]) // _argmax.CHUNK) * 12
         return total
-
-    @staticmethod
-    def _ring_staging_bytes(nodes: Sequence[NodeInfo], steps: Sequence[int], shape_of: Any) -> int:
-        """A prompt's staging cache on a sliding-window layer (GroupQueryAttention's K and V of
-        its S positions, ``[B, Nkv, S, H]`` each, before the live rows go to the ring): the
-        largest one, as a prefill frees each node's buffers after their last reader (0 at a
-        decode step, S = 1)."""
-        most = 0
-        for i in steps:
-            n = nodes[i]
-            out = shape_of(n.outputs[0]) if n.op_type == "GroupQueryAttention" else None
-            if out is None or out.ndim != 3 or out.shape[1] <= 1 or int(n.attrs.get("local_window_size", -1)) <= 0:
-                continue
-            nq, nkv = int(n.attrs["num_heads"]), int(n.attrs["kv_num_heads"])
-            most = max(most, 2 * out.shape[0] * nkv * out.shape[1] * (out.shape[2] // nq) * out.dtype.itemsize)
-        return most
 
     def synchronize(self) -> None:
         self.stream.synchronize()

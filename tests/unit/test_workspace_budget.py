@@ -122,6 +122,7 @@ def test_cuda_declares_a_windowed_layers_prompt_staging_at_a_prefill_only():
     from core.ops import Spec
     from core.protocol import NodeInfo
     from core.runtime import workspace
+    from providers.cuda.ops.group_query_attention import prompt_staging_bytes
     from providers.cuda.provider import CudaProvider
 
     def gqa(name, window):
@@ -139,4 +140,4 @@ def test_cuda_declares_a_windowed_layers_prompt_staging_at_a_prefill_only():
                 - workspace.activation_bytes(nodes, steps, specs.get))
 
     assert scratch(40) - scratch(1) == 2 * batch * 2 * 40 * h * 2  # one layer's K and V, fp16
-    assert CudaProvider._ring_staging_bytes(nodes[:1], [0], {"full/out": Spec((batch, 40, 4 * h), np.float16)}.get) == 0
+    assert prompt_staging_bytes(nodes[:1], [0], {"full/out": Spec((batch, 40, 4 * h), np.float16)}.get) == 0
