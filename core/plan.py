@@ -7,8 +7,9 @@ rules, so the pages are the nodes the provider will run; the planner is the one 
 (packed for the tensor cores: :mod:`core.runtime.forecast`), as the load plans them.
 
 Per batch size B, the device budget is shared as the Runner shares it once the KV cache of B
-rows at ``context`` tokens and their decode workspace (:mod:`core.runtime.workspace`) are
-allocated: the weight budget is the device budget less that KV and that workspace.
+rows at ``context`` tokens and their workspace (:mod:`core.runtime.workspace`: a decode step's,
+and a prefill's of B prompts of ``context`` tokens on top) are allocated: the weight budget is
+the device budget less that KV and that workspace.
 The copy floor of a step is the streamed bytes over the measured host-to-device bandwidth; the
 expected step is the longer of the copy floor and the time to read every weight byte once at
 the device bandwidth (copies overlap compute on their own stream), and the expected rate is B
@@ -47,9 +48,10 @@ class BatchPlan:
     Attributes:
         batch: rows decoded together.
         kv_bytes: KV cache bytes of ``batch`` rows at the plan's context.
-        workspace_bytes: the decode workspace of ``batch`` rows (activations, the provider's
-            scratch and the decode state's buffers: :mod:`core.runtime.workspace`), reserved
-            in a device budget beside the KV.
+        workspace_bytes: the workspace of ``batch`` rows (activations, the provider's scratch
+            and the decode state's buffers: :mod:`core.runtime.workspace`), with what a prefill
+            of ``batch`` prompts of the plan's context allocates on top; reserved in a device
+            budget beside the KV.
         residency: the residency plan for the weight budget left.
         copy_floor_s: seconds per step the streamed bytes take at the host-to-device bandwidth
             (None: bandwidth unknown).
@@ -262,7 +264,7 @@ def plan_model(model: Model | str, batches: Sequence[int], context: int, provide
     out = []
     for b in batches:
         kv = kv_bytes(model, b, context)
-        work = workspace.estimate(model, header, header.provider, b, context)
+        work = workspace.estimate(model, header, header.provider, b, context, (b, context))
         wb = budget
         if device is not None:
             wb = min(budget if budget is not None else device, device - kv - work)

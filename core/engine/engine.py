@@ -69,11 +69,13 @@ class StepRunner(Protocol):
     kv_windows: Any
     lock: Any
 
-    def engine_slots(self, slots: int, capacity: int, capture: bool | None) -> Any:
+    def engine_slots(self, slots: int, capacity: int, capture: bool | None,
+                     prefill: list[tuple[int, int]] | None = None) -> Any:
         """The engine's slot state: :class:`~core.engine.slots.SlotState`'s interface (``prefill``,
         ``prefill_rows``, ``decode``, ``move``, ``start_logits``, ``row_logits``, ``close``,
         ``filled``, ``can_sample``, ``capture``) and the :class:`~core.counters.Counters` it
-        fills (``counters``), for ``slots`` rows of ``capacity`` positions."""
+        fills (``counters``), for ``slots`` rows of ``capacity`` positions, with the device
+        workspace of its largest ``prefill`` runs ((rows, positions) pairs) reserved."""
 
 
 class QueueFullError(RequestError):
@@ -158,7 +160,11 @@ class Engine:
         #: positions per prefill chunk (None: whole prompts; always None on a ring KV cache)
         self.prefill_chunk = None if any(runner.kv_windows) else prefill_chunk
         # the step runner makes the slot state (SlotState's interface) and the counters it fills
-        self.slots = runner.engine_slots(max_batch, capacity, capture)
+        # its largest prefill runs: one row's chunk (or whole prompt), and whole prompts of one
+        # chunk at most, within an iteration's positions, in every slot (core.engine.prefill)
+        chunk = min(capacity, self.prefill_chunk or capacity)
+        largest = [(1, chunk), (max_batch, min(chunk, max(prefill_tokens, decode_prefill_tokens or 0)))]
+        self.slots = runner.engine_slots(max_batch, capacity, capture, largest)
         self.counters = self.slots.counters
         self.scheduler = Scheduler(max_batch, prefill_tokens, max_waiting)
         self.decode_prefill_tokens = decode_prefill_tokens

@@ -120,15 +120,20 @@ class SlotState:
         capacity: KV positions per row.
         capture: graph capture of decode steps (None: where the provider supports it).
         counters: the engine's :class:`~core.counters.Counters`.
+        prefill: (rows, positions a row) of the largest prefill runs the engine makes, whose
+            workspace is reserved with the KV (:meth:`core.runtime.runner.Runner.open_state`);
+            default: every slot's whole prompt at the capacity.
 
     Raises:
         core.runtime.kv.KVFullError / core.runtime.residency.BudgetError: the cache does not fit.
     """
 
-    def __init__(self, runner, slots: int, capacity: int, capture: bool | None, counters: Counters):
+    def __init__(self, runner, slots: int, capacity: int, capture: bool | None, counters: Counters,
+                 prefill: list[tuple[int, int]] | None = None):
         self.runner, self.slots, self.capacity, self.counters = runner, slots, capacity, counters
         self.provider = runner.provider
-        self.state = runner.open_state(slots, capacity, capacity, "fixed", False, counters)  # KV + workspace
+        # KV and workspace, the largest prefill runs' included: nothing is reserved mid-serve
+        self.state = runner.open_state(slots, capacity, capacity, "fixed", False, counters, prefill=prefill)
         self.state.reserve(capacity)  # every page backed now: no commit ever happens mid-step
         self.can_sample = hasattr(self.provider, "device_sample")
         if self.can_sample:

@@ -104,9 +104,11 @@ class TensorParallelRunner(RankCalls):
         self.lock = threading.RLock()
         self._ids = itertools.count()
 
-    def engine_slots(self, slots: int, capacity: int, capture: bool | None) -> TensorParallelSlots:
+    def engine_slots(self, slots: int, capacity: int, capture: bool | None,
+                     prefill: list[tuple[int, int]] | None = None) -> TensorParallelSlots:
         """The slot state of an :class:`~core.engine.Engine` on this runner: ``slots`` rows of
-        ``capacity`` positions on every rank (``capture`` is moot: the ranks' steps are eager)."""
+        ``capacity`` positions on every rank (``capture`` is moot: the ranks' steps are eager;
+        ``prefill`` too: each rank reserves the workspace of every slot's whole prompt)."""
         return TensorParallelSlots(self, next(self._ids), slots, capacity)
 
 

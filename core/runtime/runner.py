@@ -282,27 +282,33 @@ class Runner:
             workspace += state.buffer_bytes()
         return DeviceMemory(self.weight_bytes, self.residency.staging_bytes, self.kv_device_bytes, workspace)
 
-    def workspace_estimate(self, batch: int, capacity: int) -> int:
+    def workspace_estimate(self, batch: int, capacity: int, prefill: tuple[int, int] | None = None,
+                           all_positions: bool = False) -> int:
         """Device bytes of the workspace a decode state of ``batch`` rows over ``capacity`` KV
         positions allocates (:mod:`core.runtime.workspace`): the provider's declared
-        activations and scratch (``planned_workspace_bytes``) plus the state's own buffers.
-        From the model's header (shapes only; nothing is read)."""
+        activations and scratch (``planned_workspace_bytes``) plus the state's own buffers; with
+        ``prefill`` (rows, positions a row), plus what that prefill run allocates on top
+        (:func:`core.runtime.workspace.prefill_bytes`; ``all_positions``: it keeps every
+        position's logits). From the model's header (shapes only; nothing is read)."""
         from core.plan import header_of
         from core.runtime import workspace
 
         if self._header is None:
             self._header = header_of(self.model, self.provider)
-        return workspace.estimate(self.model, self._header, self.provider, batch, capacity)
+        plan = getattr(self, "plan", None)  # None while loading (reserve_for): the header's program
+        gathered = not all_positions and (plan is None or plan.last_position_steps is not None)
+        return workspace.estimate(self.model, self._header, self.provider, batch, capacity, prefill, gathered)
 
     def reservation(self, batch: int, capacity: int) -> int:
         """Device bytes a decode state of ``batch`` rows over ``capacity`` KV positions reserves
         at most: its KV cache (:func:`core.runtime.kv.cache_bytes`: every layer at full
         capacity, ring layers counted whole) and the workspace at the model context (what a
-        Session reserves, :meth:`workspace_estimate`). From the model's header; nothing is read."""
+        Session reserves, :meth:`workspace_estimate`) with a prefill of every row's prompt at
+        ``capacity`` positions. From the model's header; nothing is read."""
         cfg = self.model.config
         positions = max(1, min(capacity, cfg.context_length))
         kv = kvgeo.cache_bytes(cfg, batch, positions, np.dtype(self.model.io_dtype).itemsize)
-        return kv + self.workspace_estimate(batch, cfg.context_length)
+        return kv + self.workspace_estimate(batch, cfg.context_length, (batch, positions))
 
     def reserve_kv(self, extra: int) -> str | None:
         """Account ``extra`` more KV bytes (a decode state allocating or committing); under a
@@ -442,16 +448,20 @@ class Runner:
             return self.open_state(batch, capacity, max_capacity, policy, capture, counters, key)
 
     def open_state(self, batch: int, capacity: int, max_capacity: int, policy: str, capture: bool | None,
-                   counters: Counters, key: tuple = ()) -> Any:
+                   counters: Counters, key: tuple = (), prefill: list[tuple[int, int]] | None = None) -> Any:
         """A new :class:`~core.runtime.state.DecodeState` (not pooled: :meth:`acquire_state`
         pools; the engine's slots hold theirs) whose workspace (:meth:`workspace_estimate`) is
         reserved with its first KV bytes, so one refusal names both; a state that fails to
-        build has given back what it charged."""
+        build has given back what it charged. The workspace covers the largest ``prefill`` run,
+        (rows, positions a row) pairs (default: ``batch`` prompts of ``capacity`` positions)."""
         from core.runtime.state import DecodeState
 
         with self.lock:
             before = self.workspace_reserved
-            pending = [max(0, self.workspace_estimate(batch, max(capacity, max_capacity)) - before)]
+            # with its largest prefill runs (a longer prompt reserves its own: reserve_prefill)
+            work = max(self.workspace_estimate(batch, max(capacity, max_capacity), run)
+                       for run in prefill or [(batch, capacity)])
+            pending = [max(0, work - before)]
 
             def reserve(kv: int) -> str | None:
                 work, pending[0] = pending[0], 0
@@ -459,10 +469,26 @@ class Runner:
                     return self._reserve(kv, work)
 
             try:
-                return DecodeState(self, batch, capacity, max_capacity, policy, capture, counters, key, reserve)
+                state = DecodeState(self, batch, capacity, max_capacity, policy, capture, counters, key, reserve)
             except BaseException:
                 self.workspace_reserved = before  # nor does the workspace of a state never built
                 raise
+            state.prefill_covered = max((p for rows, p in prefill or [(batch, capacity)] if rows >= batch), default=0)
+            return state
+
+    def reserve_prefill(self, state, rows: int, positions: int, all_positions: bool = False) -> str | None:
+        """Reserve, before it runs, what a prefill of ``rows`` prompts of ``positions`` positions
+        on decode ``state`` needs beyond the workspace reserved (:meth:`workspace_estimate`;
+        ``all_positions``: it keeps every position's logits); the weights give way under a device
+        budget. Returns None, or the reason the weight plan changed (its graphs are invalid).
+
+        Raises:
+            core.runtime.residency.BudgetError: the device budget cannot hold it (the message
+                names the smallest working device budget)."""
+        with self.lock:
+            need = self.workspace_estimate(state.batch, max(state.kv.capacity, state.kv.max_capacity),
+                                           (rows, positions), all_positions)
+            return self._reserve(0, max(0, need - self.workspace_reserved))
 
     def release_states(self) -> None:
         """Drop every pooled free decode state (their KV and buffers go back to the provider),
@@ -471,6 +497,7 @@ class Runner:
             for dropped in self._free:
                 self._drop(dropped)
             self._free.clear()
+            self.provider.reset_peak()  # a pool would keep their blocks cached (cuda: above the budget)
 
     def release_state(self, state) -> None:
         """Return a decode state to the pool (the oldest free one is dropped past POOL_SIZE).
@@ -493,11 +520,13 @@ class Runner:
         if self.outputs_owner is state:
             self.outputs_owner = None
 
-    def engine_slots(self, slots: int, capacity: int, capture: bool | None):
+    def engine_slots(self, slots: int, capacity: int, capture: bool | None,
+                     prefill: list[tuple[int, int]] | None = None):
         """The slot state of an :class:`~core.engine.Engine` on this runner: a
         :class:`~core.engine.slots.SlotState` of ``slots`` rows of ``capacity`` positions, with
         fresh :class:`~core.counters.Counters` (``.counters``) holding this runner's residency
-        (its expert paging counted from now).
+        (its expert paging counted from now), the workspace of its largest ``prefill`` runs
+        ((rows, positions) pairs) reserved.
         A step runner of another kind answers with its own (tensor parallel:
         :meth:`core.parallel.runner.TensorParallelRunner.engine_slots`).
 
@@ -509,4 +538,4 @@ class Runner:
         counters = Counters()
         counters.set_residency(self.residency.summary(), self.weight_bytes)
         counters.mark_experts(self)  # the engine's expert paging, not an earlier session's on this runner
-        return SlotState(self, slots, capacity, capture, counters)
+        return SlotState(self, slots, capacity, capture, counters, prefill)

@@ -48,6 +48,9 @@ class DecodeState:
                  capture: bool | None, counters: Counters, pool_key: tuple = (), reserve=None):
         p, cfg = runner.provider, runner.model.config
         self.runner, self.batch, self.pool_key = runner, batch, pool_key
+        #: prompt positions a prefill of every row may have with its workspace reserved already
+        #: (Runner.open_state sets it; reserve_prefill raises it)
+        self.prefill_covered = 0
         self.counters = counters
         #: True once a fault left this state's device buffers in a state the host cannot
         #: describe (a failed recovery): the runner drops it instead of pooling it.
@@ -145,13 +148,38 @@ class DecodeState:
         """
         mask = self.kv.reserve_positions(needed, self.lengths, self._new_mask)  # lengths read only on growth
         for reason in self.kv.replan_reasons:
-            self.counters.replans += 1
-            self.counters.set_residency(self.runner.residency.summary(), self.runner.weight_bytes)
-            self.capture.invalidate(reason, self.counters)
+            self._replanned(reason)
         self.kv.replan_reasons.clear()
         if mask is not None:
             self._bind_kv(mask)
             self.capture.invalidate("KV buffers reallocated by growth", self.counters)
+
+    def reserve_prefill(self, rows: int, positions: int, all_positions: bool = False) -> None:
+        """Reserve the workspace of a prefill of ``rows`` prompts of ``positions`` positions
+        (:meth:`core.runtime.runner.Runner.reserve_prefill`; ``all_positions``: it keeps every
+        position's logits) before it runs; a re-plan of the weights it causes invalidates the
+        captured graph, as a KV commit's does.
+
+        Raises:
+            core.runtime.residency.BudgetError: the device budget cannot hold it.
+        """
+        if not all_positions and rows <= self.batch and positions <= self.prefill_covered:
+            return  # reserved already (a prefill of every row at that length)
+        reason = self.runner.reserve_prefill(self, rows, positions, all_positions)
+        if not all_positions and rows >= self.batch:
+            self.prefill_covered = max(self.prefill_covered, positions)
+        if reason:
+            self._replanned(reason)
+
+    def _replanned(self, reason: str) -> None:
+        """The weight plan changed (``reason``): count it, drop the captured graph, which held
+        the old plan's weights, and give their freed memory back to the device now
+        (``reset_peak()``: on cuda the CuPy pool's cached blocks, which would otherwise stay
+        held above the device budget)."""
+        self.counters.replans += 1
+        self.counters.set_residency(self.runner.residency.summary(), self.runner.weight_bytes)
+        self.capture.invalidate(reason, self.counters)
+        self.runner.provider.reset_peak()
 
     def write_mask(self) -> None:
         """Write the persistent mask from the host lengths: ones over each row's live prefix."""

@@ -45,6 +45,7 @@ def prefill(state, input_ids, all_logits: bool = False, grouping: str = "auto") 
 
     Raises:
         core.runtime.kv.KVFullError: the longest prompt does not fit the cache.
+        core.runtime.residency.BudgetError: the device budget cannot hold the prompts' workspace.
         core.plugins.ProviderError: the provider returned a new present KV tensor instead of
             writing the shared past/present buffer in place.
     """
@@ -52,6 +53,7 @@ def prefill(state, input_ids, all_logits: bool = False, grouping: str = "auto") 
     lens = np.array([len(r) for r in input_ids], np.int64)
     state.begin_request()
     state.reserve(int(lens.max()))  # room for the longest prompt in every row
+    state.reserve_prefill(len(lens), int(lens.max()), all_logits)  # and its workspace, before any work
     state.logits, positions = prompts.run_prompts(state, input_ids, all_logits, grouping)
     select(state, positions, p.upload(lens.astype(np.int32)), None)
     state.set_lengths(lens)

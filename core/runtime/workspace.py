@@ -21,6 +21,17 @@ and the weight's N columns; a norm, rotary or element-wise op the shape of its i
 without a rule is taken as element-wise over its inputs. The walk counts each node's outputs
 once, so it is the workspace of one batch size; a Runner reserves that of the largest decode
 state it has opened (:meth:`core.runtime.runner.Runner.open_state`).
+
+A **prefill** allocates more than a decode step: its activations are ``[rows, positions, ...]``
+(every prompt position of every row, right-padded; a chunk's positions in the engine's chunked
+prefill). It runs transient (core.executor.dispatch, "Activation memory"): a node's buffers die
+after their last reader, so :func:`prefill_bytes` walks the same nodes at the prompt's shapes
+(:func:`decode_shapes` with ``new`` positions) and takes the most the live buffers hold at once
+(:func:`transient_peak`), with the provider's scratch at those shapes and the prefill's inputs.
+The reservation is that of a decode state plus its largest prefill run: a Session's ``batch``
+prompts at its capacity when it opens, a longer prompt (a growing cache) before that prefill
+runs (:meth:`core.runtime.runner.Runner.reserve_prefill`), the engine's chunk and batched runs
+when its slots open; under a device budget what does not fit is refused before any work.
 """
 
 from __future__ import annotations
@@ -38,24 +49,24 @@ _LIKE_INPUT = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization
 _BOOL = ("Equal", "Greater", "Less", "Not", "And", "Or")
 
 
-def _dim(name: str, batch: int, capacity: int) -> int:
-    """A symbolic input dimension at a decode step: batch -> B, total/past/max lengths -> C, the
-    new positions -> 1."""
+def _dim(name: str, batch: int, capacity: int, new: int = 1) -> int:
+    """A symbolic input dimension at a step: batch -> B, total/past/max lengths -> C, the new
+    positions -> ``new`` (1 at a decode step, the prompt positions at a prefill)."""
     low = name.lower()
     if "batch" in low:
         return batch
     if any(k in low for k in ("total", "past", "max", "cache", "capacity")):
         return capacity
-    return 1
+    return new
 
 
-def input_specs(graph: Any, batch: int, capacity: int) -> dict[str, Spec]:
-    """The graph inputs at a decode step of ``batch`` rows over ``capacity`` KV positions
-    (:func:`_dim`), from their declared shapes and element types."""
+def input_specs(graph: Any, batch: int, capacity: int, new: int = 1) -> dict[str, Spec]:
+    """The graph inputs at a step of ``batch`` rows and ``new`` new positions over ``capacity``
+    KV positions (:func:`_dim`), from their declared shapes and element types."""
     out = {}
     for vi in graph.input:
         t = vi.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else _dim(d.dim_param, batch, capacity)
+        dims = [d.dim_value if d.HasField("dim_value") else _dim(d.dim_param, batch, capacity, new)
                 for d in t.shape.dim]
         out[vi.name] = Spec(tuple(dims), helper.tensor_dtype_to_np_dtype(t.elem_type), vi.name)
     return out
@@ -119,16 +130,20 @@ def node_outputs(node: Any, ins: Sequence[Spec | None], constants: dict) -> list
 
 
 def decode_shapes(graph: Any, nodes: Sequence[Any], steps: Sequence[int], constants: dict, batch: int,
-                  capacity: int) -> Callable[[str], Spec | None]:
+                  capacity: int, new: int = 1, last: int | None = None) -> Callable[[str], Spec | None]:
     """Every value's Spec at a decode step (module docstring): ``nodes``, ``steps`` and
     ``constants`` (name -> anything with ``shape`` and ``dtype``) of a plan or of its header
-    (:class:`core.plan._Header`), the graph for its inputs. Returns name -> Spec (None: not a
-    value of the step)."""
+    (:class:`core.plan._Header`), the graph for its inputs. With ``new`` > 1, at a prefill of
+    ``new`` positions a row; ``last``, the lm_head's node index when the prefill gathers each
+    row's last position before it (its input then ``[B, 1, K]``). Returns name -> Spec (None:
+    not a value of the step)."""
     values: dict[str, Spec] = {name: Spec(c.shape, c.dtype, name) for name, c in constants.items()}
-    values.update(input_specs(graph, batch, capacity))
+    values.update(input_specs(graph, batch, capacity, new))
     for i in steps:
         node = nodes[i]
         ins = [values.get(x) if x else None for x in node.inputs]
+        if i == last and ins and ins[0] is not None:
+            ins[0] = Spec((batch, 1, ins[0].shape[-1]), ins[0].dtype, node.inputs[0])
         for name, spec in zip(node.outputs, node_outputs(node, ins, constants)):
             if name and spec is not None:
                 values[name] = spec
@@ -157,11 +172,83 @@ def state_bytes(batch: int, capacity: int, vocab: int, logits_itemsize: int) -> 
     return batch * (8 + 8 * capacity + 8 + 4 + 4 + 16 + 16 + vocab + vocab * logits_itemsize)
 
 
-def estimate(model: Any, header: Any, provider: Any, batch: int, capacity: int) -> int:
+def transient_peak(nodes: Sequence[Any], steps: Sequence[int], shape_of: Callable[[str], Spec | None],
+                   returned: set[str]) -> int:
+    """The most bytes the node buffers of a transient run (a prefill, core.executor.dispatch
+    "Activation memory") hold at once, at the shapes ``shape_of`` gives: walking ``steps`` in
+    order, a node's buffers are allocated as it runs and die after the last reader of its
+    outputs (:meth:`core.executor.Plan._deaths`), except the outputs in ``returned`` (the graph
+    outputs: the run returns them, so their memory stays to its end)."""
+    last_read: dict[str, int] = {}
+    for pos, i in enumerate(steps):
+        for x in nodes[i].inputs:
+            if x:
+                last_read[x] = pos
+    dies: dict[int, int] = {}
+    live = peak = 0
+    for pos, i in enumerate(steps):
+        node = nodes[i]
+        copies = 3 if node.op_type in ("SiluGatedMatMul", "SiluGatedMatMulNBits") else 1
+        freed, ends = 0, [pos]
+        for name in node.outputs:
+            spec = shape_of(name) if name else None
+            if spec is None:
+                continue
+            live += copies * spec.nbytes
+            if name not in returned:
+                freed += copies * spec.nbytes
+                ends.append(last_read.get(name, pos))
+        peak = max(peak, live)
+        dies[max(ends)] = dies.get(max(ends), 0) + freed
+        live -= dies.pop(pos, 0)
+    return peak
+
+
+def prefill_bytes(model: Any, header: Any, provider: Any, rows: int, positions: int, capacity: int,
+                  gathered: bool = True) -> int:
+    """Device bytes a prefill run of ``rows`` prompts of ``positions`` positions each (right-padded;
+    a chunk of a chunked prefill: its rows and positions) over ``capacity`` KV positions allocates
+    while it runs, beside the decode state's workspace (:func:`estimate`):
+
+    - its node buffers: with the last-position program (``gathered`` and the graph has an lm_head
+      projection, :func:`core.fusion.logits_projection`) the run is transient, so the most its
+      live buffers hold at once (:func:`transient_peak`; the lm_head and what follows it at
+      ``[rows, 1, ...]``, plus the gather's copies of its ``[rows * positions, K]`` input); without
+      it, every node's buffer at the prompt's shape (the run keeps them, logits ``[rows,
+      positions, V]`` among them);
+    - the provider's scratch at those shapes (``planned_workspace_bytes`` less the activations);
+    - its inputs: int64 ids ``[rows, positions]``, mask ``[rows, capacity]`` at most, the last
+      indices ``[rows]`` and the int32 positions ``[rows]``.
+    """
+    from core import fusion
+
+    outputs = {o.name for o in model.graph.output}
+    lm = fusion.logits_projection(header.nodes, "logits", set(model.initializers)) if gathered else None
+    if lm is not None and lm not in header.steps:
+        lm = None
+    shape_of = decode_shapes(model.graph, header.nodes, header.steps, header.constants, rows, capacity, positions, lm)
+    kept = activation_bytes(header.nodes, header.steps, shape_of)
+    planned = int(provider.planned_workspace_bytes(header.nodes, header.steps, shape_of, rows, capacity))
+    total = max(planned - kept, 0) + rows * (8 * positions + 8 * capacity + 8 + 4)
+    if lm is None:
+        return total + kept
+    x = shape_of(header.nodes[lm].inputs[0])  # the lm_head's input before the gather: [rows, positions, K]
+    gather = (rows * positions + 2 * rows) * x.shape[-1] * x.dtype.itemsize if x is not None and x.ndim else 0
+    return total + transient_peak(header.nodes, header.steps, shape_of, outputs) + gather
+
+
+def estimate(model: Any, header: Any, provider: Any, batch: int, capacity: int,
+             prefill: tuple[int, int] | None = None, gathered: bool = True) -> int:
     """Device bytes of the workspace of a decode state of ``batch`` rows over ``capacity`` KV
     positions (module docstring): ``provider``'s declared activations and scratch
     (``planned_workspace_bytes``) at the shapes :func:`decode_shapes` finds over ``header``
-    (:class:`core.plan._Header` of ``model``), plus the state's own buffers."""
+    (:class:`core.plan._Header` of ``model``), plus the state's own buffers; with ``prefill``
+    (rows, positions a row) of its largest prefill run, plus what that run allocates on top
+    (:func:`prefill_bytes`; ``gathered``: the plan has a last-position program)."""
     shape_of = decode_shapes(model.graph, header.nodes, header.steps, header.constants, batch, capacity)
     planned = int(provider.planned_workspace_bytes(header.nodes, header.steps, shape_of, batch, capacity))
-    return planned + state_bytes(batch, capacity, model.config.vocab_size, 4)
+    total = planned + state_bytes(batch, capacity, model.config.vocab_size, 4)
+    if prefill is None:
+        return total
+    rows, positions = prefill
+    return total + prefill_bytes(model, header, provider, rows, min(positions, capacity), capacity, gathered)

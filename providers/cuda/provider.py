@@ -457,13 +457,13 @@ class CudaProvider(ProviderBase):
         will hold at ``batch`` rows over ``capacity`` positions: the GEMMs' split-K workspace,
         one split-KV workspace per GroupQueryAttention shape (partials ``[B, Nq, chunks, H + 2]``
         float32 and tickets ``[B, Nkv]`` int32, chunks for a full cache or a ring, whichever is
-        more) and the argmax partials of the ``[B, V]`` logits."""
+        more), the argmax partials of the ``[B, V]`` logits and a prompt's ring staging cache."""
         from providers.cuda.ops import _argmax
         from providers.cuda.ops import _mma_schedule as schedule
-        from providers.cuda.ops.group_query_attention import decode_chunks
+        from providers.cuda.ops.group_query_attention import decode_chunks, prompt_staging_bytes
 
         total = super().planned_workspace_bytes(nodes, steps, shape_of, batch, capacity)
-        total += schedule.SPLIT_BYTES + 4 * schedule.SPLIT_TICKETS
+        total += schedule.SPLIT_BYTES + 4 * schedule.SPLIT_TICKETS + prompt_staging_bytes(nodes, steps, shape_of)
         gqa = set()
         for i in steps:
             n = nodes[i]

@@ -133,7 +133,7 @@ def test_plan_reads_no_weight_and_matches_the_loaded_plan(model_dir, tmp_path):
 
 def test_plan_gives_the_copy_floor_and_a_row_per_batch(model_dir, capsys):
     budget = half_budget(model_dir)
-    work = Runner(model_dir, CpuReferenceProvider()).workspace_estimate(8, 64)
+    work = Runner(model_dir, CpuReferenceProvider()).workspace_estimate(8, 64, (8, 64))  # a prefill of 8 x 64 too
     device = budget + 2 * 8 * 4 * 2 * 16 * 64 * 4 + work  # room for 8 rows of KV at 64 tokens and their workspace
     code = cli.main(["plan", str(model_dir), "--provider", "cpu_reference", "--device-budget", str(device),
                      "--batch", "1,8,64", "--context", "64", "--h2d-gbps", "10", "--json"])

@@ -72,8 +72,10 @@ def test_a_replan_declares_new_hooks_and_keeps_the_kernels(tmp_path):
     assert not runner.residency.streams and runner.plan.hooks == {}
     kernels = list(runner.plan.kernels)
     least = residency.smallest_budget(runner._weights, mappable=True)
-    work = runner.workspace_estimate(2, 64)  # the traced session's workspace, reserved with its KV
-    assert runner.reserve_kv(2 * weights - (least + weights) // 2 - work) is not None  # the re-plan streams
+    Session(runner, batch=2, capacity=64).close()  # the traced session's KV and workspace (its state pooled)
+    assert not runner.residency.streams
+    room = 2 * weights - runner.kv_device_bytes - runner.workspace_reserved  # what they leave the weights
+    assert runner.reserve_kv(room - (least + weights) // 2) is not None  # the re-plan streams
     assert runner.residency.streams and runner.plan.hooks
     assert all(a is b for a, b in zip(runner.plan.kernels, kernels)) and own_kernels(runner.plan, provider)
     got, c = trace(runner, ROWS[:2])

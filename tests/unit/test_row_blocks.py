@@ -148,7 +148,9 @@ def test_a_replan_drops_what_node_caches_hold_of_the_weights_it_moves(tmp_path):
     assert not runner.residency.streams
     tokens_and_logits(runner, ROWS[:2], steps=2)
     before = dict(runner.plan.constants)
-    assert runner.reserve_kv(2 * weights - weights // 3) is not None  # the weights must give way
+    least = residency.smallest_budget(runner._weights, mappable=True)
+    room = 2 * weights - runner.kv_device_bytes - runner.workspace_reserved  # what the session leaves the weights
+    assert runner.reserve_kv(room - (least + weights) // 2) is not None  # the weights must give way
     moved = {n for n in runner.residency.streamed_tensors if before.get(n) is not None}
     assert moved
     for name in moved:
@@ -190,10 +192,12 @@ def test_a_replan_keeps_what_prepare_hooks_recorded(tmp_path):
     assert not runner.residency.streams
     least = residency.smallest_budget(runner._weights, mappable=True)
     assert least < weights
-    # KV takes all but a weight budget between the smallest and the whole (less the traced
-    # session's workspace, reserved with its KV): the re-plan streams
-    work = runner.workspace_estimate(2, 64)
-    assert runner.reserve_kv(2 * weights - (least + weights) // 2 - work) is not None
+    # KV takes all but a weight budget between the smallest and the whole, beside the traced
+    # session's KV and workspace (reserved first, its state pooled): the re-plan streams
+    Session(runner, batch=2, capacity=64).close()
+    assert not runner.residency.streams
+    room = 2 * weights - runner.kv_device_bytes - runner.workspace_reserved
+    assert runner.reserve_kv(room - (least + weights) // 2) is not None
     assert runner.residency.streams and any(ctx.cache.get("transposed") for ctx in runner.plan.contexts)
     got = tokens_and_logits(runner, ROWS[:2], steps=8)
     assert np.array_equal(want[0], got[0]) and np.array_equal(want[1], got[1])

@@ -170,7 +170,7 @@ def test_kv_growth_under_a_device_budget_streams_more_weights_and_loses_nothing(
     kv_per_position = 2 * 6 * 3 * 2 * 16 * 4  # K and V, layers, rows, kv heads, head size, fp32
     # room for every weight beside a small cache, not beside the grown one
     # (the cache grows 16 -> 32 -> 64 -> 128 positions for 5 + 120 tokens), and the workspace
-    work = resident.workspace_estimate(3, 200)
+    work = resident.workspace_estimate(3, 200, (3, 16))  # its prefill's: three prompts at the first capacity
     runner = Runner(model_dir, prov, device_budget=int(0.6 * weights) + 128 * kv_per_position + work)
     assert not runner.residency.streams
     s = Session(runner, batch=3, capacity=16, kv_policy="growing", max_capacity=200, capture=True)

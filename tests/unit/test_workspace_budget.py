@@ -43,7 +43,8 @@ def test_the_planned_workspace_covers_what_a_decode_state_allocates(model_dir, b
     s = Session(runner, batch=batch, capacity=64)
     decode(s, ROWS[:batch], 8)
     held = runner.memory(s.state)
-    assert runner.workspace_reserved == runner.workspace_estimate(batch, max(64, s.max_capacity)) > 0
+    # a decode step's workspace, and a prefill's of every row's prompt at the capacity
+    assert runner.workspace_reserved == runner.workspace_estimate(batch, max(64, s.max_capacity), (batch, 64)) > 0
     assert held.workspace <= runner.workspace_reserved and runner.residency.streams
     # what the runner holds, the workspace measured, is within the device budget
     assert held.total <= runner.device_budget
@@ -56,7 +57,8 @@ def test_the_refusal_names_the_smallest_budget_with_the_workspace_and_it_decodes
     want = decode(Session(Runner(model_dir, CpuReferenceProvider()), batch=batch, capacity=capacity),
                   ROWS, 8).tokens
     runner = Runner(model_dir, CpuReferenceProvider(), device_budget=_weights(model_dir) // 4)
-    work = runner.workspace_estimate(batch, 128)  # a session's mask is as wide as its max_capacity: the context
+    # a session's mask is as wide as its max_capacity (the context); its prompts at most the capacity
+    work = runner.workspace_estimate(batch, 128, (batch, capacity))
     with pytest.raises(BudgetError, match=f"a workspace of {work:,} bytes") as info:
         Session(runner, batch=batch, capacity=capacity)
     smallest = int(str(info.value).split("device budget for this KV cache is ")[1].split()[0].replace(",", ""))
@@ -78,10 +80,12 @@ def test_plan_shows_the_workspace_and_leaves_the_weights_the_rest(model_dir, cap
     from core.plan import plan_model
 
     runner = Runner(model_dir, CpuReferenceProvider())
-    device = _weights(model_dir) + 10**6
+    device = _weights(model_dir) + 4 * 2**20
     rows = plan_model(model_dir, [1, 8], 64, CpuReferenceProvider(), device_budget=device)
     for p in rows:
-        assert p.workspace_bytes == runner.workspace_estimate(p.batch, 64) > 0
+        # a decode step's and, on top, a prefill's of every row's prompt at the context
+        assert p.workspace_bytes == runner.workspace_estimate(p.batch, 64, (p.batch, 64)) \
+            > runner.workspace_estimate(p.batch, 64) > 0
         assert p.residency is not None and p.residency.budget == device - p.kv_bytes - p.workspace_bytes
         assert p.row()["workspace_bytes"] == p.workspace_bytes
     assert cli.main(["plan", str(model_dir), "--provider", "cpu_reference", "--device-budget", str(device),
@@ -109,3 +113,31 @@ def test_cuda_declares_its_scratch_beside_the_activations(tmp_path):
     gqa = batch * (config.heads * chunks * (config.head_size + 2) * 4 + config.kv_heads * 4)
     split = _mma_schedule.SPLIT_BYTES + 4 * _mma_schedule.SPLIT_TICKETS
     assert cuda == base + split + gqa + batch * 1 * 12
+
+
+def test_cuda_declares_a_windowed_layers_prompt_staging_at_a_prefill_only():
+    """cuda's prompt on a sliding-window layer runs on a staging cache of its S positions (K and
+    V, ``[B, Nkv, S, H]``): declared at a prefill's shapes, the largest layer's (the prefill frees
+    each node's buffers after their last reader), and not at a decode step's."""
+    from core.ops import Spec
+    from core.protocol import NodeInfo
+    from core.runtime import workspace
+    from providers.cuda.ops.group_query_attention import prompt_staging_bytes
+    from providers.cuda.provider import CudaProvider
+
+    def gqa(name, window):
+        return NodeInfo(name, "GroupQueryAttention", "com.microsoft",
+                        {"num_heads": 4, "kv_num_heads": 2, "local_window_size": window},
+                        (f"{name}/q", "", ""), (f"{name}/out", "", ""))
+
+    nodes, steps = [gqa("full", -1), gqa("ring", 32), gqa("ring2", 32)], [0, 1, 2]
+    cuda = object.__new__(CudaProvider)
+    batch, capacity, h = 2, 128, 16
+
+    def scratch(s):
+        specs = {f"{n.name}/out": Spec((batch, s, 4 * h), np.float16) for n in nodes}
+        return (cuda.planned_workspace_bytes(nodes, steps, specs.get, batch, capacity)
+                - workspace.activation_bytes(nodes, steps, specs.get))
+
+    assert scratch(40) - scratch(1) == 2 * batch * 2 * 40 * h * 2  # one layer's K and V, fp16
+    assert prompt_staging_bytes(nodes[:1], [0], {"full/out": Spec((batch, 40, 4 * h), np.float16)}.get) == 0

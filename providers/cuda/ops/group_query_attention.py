@@ -28,6 +28,7 @@ rotary_interleaved, quantized KV (inputs 12, 13), query_seqlens (16), qk_output,
 """
 
 import math
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -279,6 +280,23 @@ def decode_chunks(cap: int, window: int, ring: bool) -> int:
     if not ring:
         return -(-cap // CH)
     return -(-min(window, cap) // CH) + 1
+
+
+def prompt_staging_bytes(nodes: Sequence[Any], steps: Sequence[int], shape_of: Callable[[str], Any]) -> int:
+    """Device bytes of a prompt's staging cache on a sliding-window layer (:func:`run`: K and V of
+    its S positions, ``[B, Nkv, S, H]`` each, before the live rows go to the ring), the largest
+    over the GroupQueryAttention nodes ``nodes[i]`` for ``i`` in ``steps`` at the shapes
+    ``shape_of`` gives (a prefill frees each node's buffers after their last reader); 0 at a
+    decode step (S = 1) and without a window."""
+    most = 0
+    for i in steps:
+        n = nodes[i]
+        out = shape_of(n.outputs[0]) if n.op_type == "GroupQueryAttention" else None
+        if out is None or out.ndim != 3 or out.shape[1] <= 1 or int(n.attrs.get("local_window_size", -1)) <= 0:
+            continue
+        nq, nkv = int(n.attrs["num_heads"]), int(n.attrs["kv_num_heads"])
+        most = max(most, 2 * out.shape[0] * nkv * out.shape[1] * (out.shape[2] // nq) * out.dtype.itemsize)
+    return most
 
 
 def hinted(group: int, h: int, threads: int) -> bool:
