@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import json
-import math
 import os
 import re
 import sys
@@ -29,6 +27,15 @@ from rich.console import Console
 from rich.markup import escape
 
 from core import plugins
+from core.cli_args import (
+    check_listen,
+    flag_names,
+    int_list,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    unknown_hint,
+)
 from core.cli_work import (
     check_expert_budget,
     compile_ahead,
@@ -76,60 +83,6 @@ def _status(text: str):
     else:
         console.print(text, markup=False)
         yield lambda line: console.print(line, markup=False)
-
-
-def _int(text: str, what: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-
-
-def _positive_int(text: str) -> int:
-    value = _int(text, "a positive integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = _int(text, "0 or more")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-#: Request options the library names in its errors, and the flags that set them (main() rewords
-#: the errors of run and chat with :func:`_flag_names`).
-_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
-          "weight_budget", "device_budget", "do_sample", "stop", "tensor_parallel")
-
-
-def _flag_names(message: str) -> str:
-    """A library error about a request option, worded with its flag (``top_p`` -> ``--top-p``)."""
-    for name in _FLAGS:
-        message = re.sub(rf"(?<![\w-]){name}(?![\w])", "--" + name.replace("_", "-"), message)
-    return message.replace("--do-sample=False", "--no-do-sample")
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _resolve_model(model: str | None, provider: str):
@@ -424,7 +377,7 @@ def cmd_serve(a) -> int:
     if a.api_key is not None and not a.api_key.strip():  # `--api-key "$KEY"` with KEY unset
         raise RequestError("--api-key is empty; give the key clients send as Authorization: Bearer KEY, "
                            "or leave the flag out for no key")
-    _check_listen(a.host, a.port)  # before the model is prepared or loaded
+    check_listen(a.host, a.port)  # before the model is prepared or loaded
     model = _resolve_model(a.model, a.provider)
     server = build_server(model, a.provider, a.max_batch, a.capacity, a.max_waiting, False if a.no_capture else None,
                           a.model_name or Path(a.model or DEFAULT_MODEL).name, a.api_key, a.prefill_chunk,
@@ -432,30 +385,6 @@ def cmd_serve(a) -> int:
                           decode_prefill_tokens=a.decode_prefill_tokens, expert_budget=a.expert_budget)
     serve(server, a.host, a.port, a.log_level)
     return 0
-
-
-def _check_listen(host: str, port: int) -> None:
-    """Refuse (RequestError) an address ``lockstep serve`` cannot listen on: in use, not this
-    machine's or not an address, found before any model work (uvicorn would find it only after
-    the model began loading, and exit with its own log line)."""
-    import socket
-
-    from core.session import RequestError
-
-    where = f"{host}:{port}"
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                              flags=socket.AI_PASSIVE)[0]
-    except (socket.gaierror, UnicodeError) as exc:
-        raise RequestError(f"cannot listen on {where}: {getattr(exc, 'strerror', None) or exc}") from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            hint = "; another server listens there: stop it or pick another --port" \
-                if exc.errno == errno.EADDRINUSE else ""
-            raise RequestError(f"cannot listen on {where}: {exc.strerror or exc}{hint}") from None
 
 
 def cmd_chat(a) -> int:
@@ -500,7 +429,7 @@ def cmd_chat(a) -> int:
         try:
             reply(talk, line, console)
         except RequestError as exc:  # e.g. the conversation outgrew the cache: say so, keep going
-            console.print(f"[red]error:[/red] {escape(_flag_names(str(exc)))}")
+            console.print(f"[red]error:[/red] {escape(flag_names(str(exc)))}")
             failed += 1
             continue
     return 1 if failed else 0
@@ -601,7 +530,7 @@ def _check_budgets(a) -> None:
     try:
         check_request(1, None, None, a.weight_budget, getattr(a, "device_budget", None))
     except RequestError as exc:
-        raise RequestError(_flag_names(str(exc))) from None
+        raise RequestError(flag_names(str(exc))) from None
     check_expert_budget(a)
 
 
@@ -666,7 +595,7 @@ def _budget_arg(parser: argparse.ArgumentParser, device: bool = True) -> None:
 
 
 def _threads_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=_positive_int, metavar="N", help="BLAS threads of the host math "
+    parser.add_argument("--threads", type=positive_int, metavar="N", help="BLAS threads of the host math "
                         f"(default: ${ENV}, else chosen per provider and workload: the idle cores for "
                         "cpu_reference, 1 for a GPU provider and for parity; docs/first-day.md)")
 
@@ -709,7 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache layout (default: %(default)s)")
     r.add_argument("--no-capture", action="store_true", help="never capture decode steps")
     r.add_argument("--stream", action="store_true", help="print text as it is decoded")
-    r.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="R", help="shard the model "
+    r.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="R", help="shard the model "
                    "over R rank processes (greedy only; docs/parallel.md; default: %(default)s)")
     _budget_arg(r)
     _threads_arg(r)
@@ -725,7 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", help="builder folder, Hugging Face folder, .gguf file or model name "
                    "(default: smollm2-135m; prepared on first use, then cached)")
     c.add_argument("--provider", default="cpu_reference", help="execution provider (default: %(default)s)")
-    c.add_argument("--max-new-tokens", type=_positive_int, default=256, help="most tokens per reply "
+    c.add_argument("--max-new-tokens", type=positive_int, default=256, help="most tokens per reply "
                    "(default: %(default)s)")
     c.add_argument("--no-capture", action="store_true", help="never capture decode steps")
     _threads_arg(c)
@@ -738,22 +667,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--provider", default="cpu_reference", help="execution provider (default: %(default)s)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     s.add_argument("--port", type=tcp_port, default=8000, help="port (default: %(default)s)")
-    s.add_argument("--max-batch", type=_positive_int, default=64, help="KV slots: requests decoded at once "
+    s.add_argument("--max-batch", type=positive_int, default=64, help="KV slots: requests decoded at once "
                    "(default: %(default)s)")
-    s.add_argument("--capacity", type=_positive_int, default=None, help="KV positions per slot, prompt plus "
+    s.add_argument("--capacity", type=positive_int, default=None, help="KV positions per slot, prompt plus "
                    "max_tokens - 1 (default: 2048, at most the model context)")
-    s.add_argument("--max-waiting", type=_positive_int, default=256, help="requests queued for a slot before "
+    s.add_argument("--max-waiting", type=positive_int, default=256, help="requests queued for a slot before "
                    "answering 429 (default: %(default)s)")
-    s.add_argument("--prefill-chunk", type=_positive_int, default=256, help="prompt positions per prefill chunk; "
+    s.add_argument("--prefill-chunk", type=positive_int, default=256, help="prompt positions per prefill chunk; "
                    "the running requests decode between chunks (default: %(default)s)")
-    s.add_argument("--decode-prefill-tokens", type=_positive_int, help="prompt positions prefilled between two "
+    s.add_argument("--decode-prefill-tokens", type=positive_int, help="prompt positions prefilled between two "
                    "decode steps while requests decode (default: 2048; one chunk: lower inter-token latency)")
     s.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 routes")
     s.add_argument("--model", dest="model_option", metavar="MODEL", help="the model, as the positional MODEL "
                    "(vLLM's spelling; without it --model would abbreviate --model-name)")
     s.add_argument("--model-name", help="the name clients pass as model (default: MODEL's last path part)")
     s.add_argument("--no-capture", action="store_true", help="never capture decode steps")
-    s.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="R", help="shard the model over R "
+    s.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="R", help="shard the model over R "
                    "rank processes (greedy requests only; default: %(default)s)")
     _budget_arg(s)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -789,9 +718,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the quick mode, seconds on a CPU once the model is prepared: every gate on a "
                    "tiny model of the same dtype, then the logits, greedy, batch-invariance and prompt gates "
                    "on the model, batches 1,2 for 4 steps)")
-    t.add_argument("--batch", type=_int_list, default=None,
+    t.add_argument("--batch", type=int_list, default=None,
                    help="batch sizes of the gates on the model, e.g. 1,2,8 (default: 1,2; with --full 1,2,8)")
-    t.add_argument("--steps", type=_positive_int, default=None, help="decode steps on the model (default: 4; "
+    t.add_argument("--steps", type=positive_int, default=None, help="decode steps on the model (default: 4; "
                    "with --full 64)")
     t.add_argument("--json", action="store_true", help="print the report as JSON")
     _budget_arg(t, device=False)
@@ -801,15 +730,15 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("profile", help="decode throughput sweep over batch sizes")
     f.add_argument("model", help="builder folder, Hugging Face folder, .gguf file or model name")
     f.add_argument("--provider", default="cpu_reference", help="provider (default: %(default)s)")
-    f.add_argument("--batch-sweep", type=_int_list, default=None,
+    f.add_argument("--batch-sweep", type=int_list, default=None,
                    help="batch sizes, comma-separated (default: 1,2,4,8 on cpu_reference, else 1,2,4,...,256)")
-    f.add_argument("--tokens", type=_positive_int, default=None, help="measured decode steps per batch "
+    f.add_argument("--tokens", type=positive_int, default=None, help="measured decode steps per batch "
                    "(default: 16 on cpu_reference, else 64)")
-    f.add_argument("--warmup", type=_non_negative_int, default=8, help="decode steps before measuring, including "
+    f.add_argument("--warmup", type=non_negative_int, default=8, help="decode steps before measuring, including "
                    "capture warm-up and capture (default: %(default)s)")
-    f.add_argument("--context", type=_positive_int, default=512, help="KV capacity in tokens, raised "
+    f.add_argument("--context", type=positive_int, default=512, help="KV capacity in tokens, raised "
                    "to fit a longer prompt and its steps (default: %(default)s)")
-    f.add_argument("--prompt-len", type=_int_list, default=[16], help="prompt tokens per row, "
+    f.add_argument("--prompt-len", type=int_list, default=[16], help="prompt tokens per row, "
                    "comma-separated for a context sweep, e.g. 32,512,1024,4096 (default: 16)")
     f.add_argument("--layout", default="head_major", choices=["head_major", "seq_major"],
                    help="KV cache layout (default: %(default)s)")
@@ -834,15 +763,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("model", help="builder folder or model name (as run's --model)")
     g.add_argument("--provider", default="cuda", help="provider whose fusion rules and measured bandwidths "
                    "the plan uses (default: %(default)s; cpu_reference's rules when it cannot start)")
-    g.add_argument("--batch", type=_int_list, default=[1, 8, 32], help="batch sizes (default: 1,8,32)")
-    g.add_argument("--context", type=_positive_int, default=None, help="KV tokens per row, at most the model "
+    g.add_argument("--batch", type=int_list, default=[1, 8, 32], help="batch sizes (default: 1,8,32)")
+    g.add_argument("--context", type=positive_int, default=None, help="KV tokens per row, at most the model "
                    "context (default: 2048, or the model context when shorter)")
-    g.add_argument("--staging-slots", type=_positive_int, default=None, help="staging ring slots "
+    g.add_argument("--staging-slots", type=positive_int, default=None, help="staging ring slots "
                    "(default: one layer's streamed pages plus one)")
     g.add_argument("--page-size", default=None, metavar="BYTES", help="page size of streamed row blocks, "
                    "bytes or a size (64MiB) (default: $LOCKSTEP_PAGE_BYTES, else the largest node that cannot "
                    "be cut, at least 64 MiB)")
-    g.add_argument("--h2d-gbps", type=_positive_float, default=None, help="host-to-device GB/s for the copy floor "
+    g.add_argument("--h2d-gbps", type=positive_float, default=None, help="host-to-device GB/s for the copy floor "
                    "(default: measured by the provider)")
     g.add_argument("--json", action="store_true", help="print the rows as JSON")
     _budget_arg(g)
@@ -850,27 +779,6 @@ def build_parser() -> argparse.ArgumentParser:
     for command in sub.choices.values():  # an unknown flag is reported with its command's usage
         command.set_defaults(command_parser=command)
     return p
-
-
-def _unknown_hint(args, unknown: list[str]) -> str:
-    """What to type instead of ``unknown`` arguments: the flag a mistyped or foreign one is
-    closest to (``--max-tokens``: ``--max-new-tokens``), the positional model of plan and
-    profile, or ``--prompt`` before a bare prompt of ``run`` (a flag's value is not one)."""
-    import difflib
-
-    flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-")]
-    if "--model" in flags:
-        return f"; the model goes first, without --model: lockstep {args.command} MODEL"
-    options = [o for action in args.command_parser._actions for o in action.option_strings if o.startswith("--")]
-    for flag in flags:
-        close = difflib.get_close_matches(flag, options, n=1, cutoff=0.75)
-        if close:
-            return f"; did you mean {close[0]}?"
-    bare = [u for i, u in enumerate(unknown)
-            if not u.startswith("-") and not (i and unknown[i - 1].startswith("-") and "=" not in unknown[i - 1])]
-    if args.command == "run" and bare:
-        return '; a prompt goes after --prompt, e.g. lockstep run --prompt "What is 2 + 2?"'
-    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -889,13 +797,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {given[0]} (options follow the command: lockstep run --help)")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{_unknown_hint(args, unknown)}")
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{unknown_hint(args, unknown)}")
     try:
         with cpu_threads(args):
             return args.func(args)
     except USER_ERRORS + (ThreadsError,) as exc:
         # a request the generation library refused names its keyword: here, the flag the user typed
-        message = _flag_names(str(exc)) if args.func in (cmd_run, cmd_chat) else str(exc)
+        message = flag_names(str(exc)) if args.func in (cmd_run, cmd_chat) else str(exc)
         console.print(f"lockstep {args.command}: [red]error:[/red] {escape(message)}")  # as argparse's
         return 2
     except RankError as exc:  # a tensor-parallel rank died or hung: one line, status 1
