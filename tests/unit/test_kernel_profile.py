@@ -110,6 +110,24 @@ def test_profiles_say_which_provider_settings_they_measured(model_dir, tmp_path,
     assert json.loads(out.read_text())["results"][0]["settings"] == {"gemm_pipeline": "on", "pdl": "off"}
 
 
+class RecordingTimer:
+    """A node timer that records its calls (``hold``, ``mark``) in order; a mark's time is its
+    index in microseconds."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def hold(self):
+        self.calls.append("hold")
+
+    def mark(self):
+        self.calls.append("mark")
+        return len(self.calls)
+
+    def seconds(self, a, b):
+        return 1e-6 * (b - a)
+
+
 def test_the_launches_around_the_plan_are_timed_behind_a_gpu_hold(model_dir):
     """device_argmax and decode_advance are timed once each after the steps; a timer that can
     hold the GPU is asked to before the first mark, so those two rows count GPU work, not the
@@ -117,22 +135,11 @@ def test_the_launches_around_the_plan_are_timed_behind_a_gpu_hold(model_dir):
     from core.kernel_profile import _loop_stats
     from core.session import Session
 
-    calls: list[str] = []
-
-    class Timer:
-        def hold(self):
-            calls.append("hold")
-
-        def mark(self):
-            calls.append("mark")
-            return len(calls)
-
-        def seconds(self, a, b):
-            return 1e-6 * (b - a)
-
+    timer = RecordingTimer()
+    calls = timer.calls
     session = Session(Runner(model_dir, CpuReferenceProvider()), batch=2, capacity=16)
     session.prefill([[5, 6, 7], [8]])
-    stats = _loop_stats(session.runner.provider, Timer(), session.state, 4)
+    stats = _loop_stats(session.runner.provider, timer, session.state, 4)
     assert calls == ["hold", "mark", "mark", "mark"]
     assert [st.name for st in stats] == ["(device_argmax)", "(decode_advance)"] and all(st.calls == 4 for st in stats)
 
@@ -178,22 +185,11 @@ def test_the_prefill_holds_the_gpu_once_before_its_first_node(model_dir):
     from core.kernel_profile import profile_prefill
     from core.session import Session
 
-    calls: list[str] = []
-
-    class Timer:
-        def hold(self):
-            calls.append("hold")
-
-        def mark(self):
-            calls.append("mark")
-            return len(calls)
-
-        def seconds(self, a, b):
-            return 1e-6 * (b - a)
-
+    timer = RecordingTimer()
+    calls = timer.calls
     session = Session(Runner(model_dir, CpuReferenceProvider()), batch=2, capacity=16)
     session.prefill([[5, 6, 7], [8, 9, 10]])
-    pre = profile_prefill(session, [[5, 6, 7], [8, 9, 10]], Timer(), None, None)
+    pre = profile_prefill(session, [[5, 6, 7], [8, 9, 10]], timer, None, None)
     assert calls[0] == "hold" and calls.count("hold") == 1
     assert calls.count("mark") == 2 * sum(k["calls"] for k in pre["kernels"])
     assert pre["positions"] == 6 and session.plan.observer is None
